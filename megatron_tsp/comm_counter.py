@@ -1,0 +1,244 @@
+"""Count the communication a piece of code actually issues.
+
+``CommCounter`` is a context manager that wraps the ``torch.distributed`` entry points (and the
+names megatron-core binds at import time) and records one ``CommRecord`` per call: operation, group
+size, payload bytes, bytes this rank receives under the standard ring/direct algorithms, phase
+(forward or backward, from the autograd engine) and scope (the innermost ``comm_scope`` label, set
+by TSP layers or by ``label_modules`` hooks on stock Megatron modules).
+
+Received bytes per rank (n = payload bytes, D = group size, f = (D-1)/D):
+    all_gather: f * n_out         reduce_scatter: f * n_in      all_reduce: 2 f * n
+    all_to_all: f * n             broadcast / reduce: f * n (average over the ranks of a
+    recv / irecv: n               send / isend: 0                rooted op; summed over D roots
+                                                                  it is exact)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import contextvars
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+_scope: contextvars.ContextVar[tuple] = contextvars.ContextVar("tsp_comm_scope", default=())
+_suppress = threading.local()
+
+
+@contextlib.contextmanager
+def comm_scope(name: str):
+    """Label the collectives issued inside (nested labels are joined with '/')."""
+    token = _scope.set(_scope.get() + (name,))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def current_scope() -> str:
+    return "/".join(_scope.get())
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    return inspect.signature(fn)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class CommRecord:
+    op: str
+    group_size: int
+    payload_bytes: int
+    recv_bytes: float
+    phase: str
+    scope: str
+    dtype: str
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+def _dtype(t) -> str:
+    if isinstance(t, (list, tuple)):
+        t = t[0] if t else None
+    return str(t.dtype).replace("torch.", "") if t is not None else "-"
+
+
+# op name -> (argument holding the payload, received bytes as a fraction of it for group size D)
+_RING = lambda d: (d - 1) / d  # noqa: E731
+_SPEC = {
+    "all_reduce": ("tensor", lambda d: 2 * (d - 1) / d),
+    "all_gather": ("tensor_list", _RING),
+    "all_gather_into_tensor": ("output_tensor", _RING),
+    "_all_gather_base": ("output_tensor", _RING),
+    "reduce_scatter": ("input_list", _RING),
+    "reduce_scatter_tensor": ("input", _RING),
+    "_reduce_scatter_base": ("input", _RING),
+    "all_to_all": ("input_tensor_list", _RING),
+    "all_to_all_single": ("input", _RING),
+    "broadcast": ("tensor", _RING),
+    "reduce": ("tensor", _RING),
+    "send": ("tensor", lambda d: 0.0),
+    "isend": ("tensor", lambda d: 0.0),
+    "recv": ("tensor", lambda d: 1.0),
+    "irecv": ("tensor", lambda d: 1.0),
+}
+
+
+class CommCounter:
+    """Record every collective / P2P issued inside the ``with`` block on this rank."""
+
+    def __init__(self) -> None:
+        self.records: List[CommRecord] = []
+        self._originals: Dict[tuple, object] = {}
+
+    # -- recording -------------------------------------------------------------------------
+    def _record(self, op: str, fn, args, kwargs) -> None:
+        if getattr(_suppress, "on", False):
+            return
+        name, factor = _SPEC[op]
+        bound = _signature(fn).bind_partial(*args, **kwargs).arguments
+        tensor = bound[name]
+        d = _group_size(bound.get("group"))
+        n = _nbytes(tensor)
+        self.records.append(
+            CommRecord(op, d, n, factor(d) * n, "bwd" if _in_backward() else "fwd",
+                       current_scope(), _dtype(tensor))
+        )
+
+    def _wrap(self, op: str, fn):
+        original = getattr(fn, "__wrapped__", fn)
+
+        def wrapper(*args, **kwargs):
+            self._record(op, original, args, kwargs)
+            return fn(*args, **kwargs)
+
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def _wrap_batch(self, fn):
+        def wrapper(p2p_op_list):
+            for p in p2p_op_list:
+                name = getattr(getattr(p.op, "__wrapped__", p.op), "__name__", "irecv")
+                name = name if name in ("isend", "irecv") else "irecv"
+                self._record(name, self._originals[(dist, name)], (p.tensor, p.peer, p.group), {})
+            _suppress.on = True
+            try:
+                return fn(p2p_op_list)
+            finally:
+                _suppress.on = False
+
+        return wrapper
+
+    # -- patching ------------------------------------------------------------------------------
+    def _targets(self):
+        yield dist
+        try:
+            import megatron.core.tensor_parallel.mappings as mappings
+
+            yield mappings
+        except ImportError:  # megatron-core is optional for the counter
+            pass
+
+    def __enter__(self) -> "CommCounter":
+        for module in self._targets():
+            if module is dist:
+                for op in _SPEC:
+                    if hasattr(dist, op):
+                        self._patch(dist, op, self._wrap(op, getattr(dist, op)))
+            else:
+                for name, op in (("dist_all_gather_func", "all_gather_into_tensor"),
+                                 ("dist_reduce_scatter_func", "reduce_scatter_tensor")):
+                    if hasattr(module, name):
+                        self._patch(module, name, self._wrap(op, getattr(module, name)))
+        self._patch(dist, "batch_isend_irecv", self._wrap_batch(dist.batch_isend_irecv))
+        return self
+
+    def _patch(self, module, name, value) -> None:
+        self._originals[(module, name)] = getattr(module, name)
+        setattr(module, name, value)
+
+    def __exit__(self, *exc) -> None:
+        for (module, name), fn in self._originals.items():
+            setattr(module, name, fn)
+        self._originals.clear()
+
+    # -- summaries -----------------------------------------------------------------------------
+    def clear(self) -> None:
+        self.records.clear()
+
+    def filter(self, phase: Optional[str] = None, scope: Optional[str] = None,
+               ops: Optional[Iterable[str]] = None) -> List[CommRecord]:
+        ops = set(ops) if ops is not None else None
+        return [
+            r for r in self.records
+            if (phase is None or r.phase == phase)
+            and (scope is None or r.scope == scope or r.scope.startswith(scope + "/"))
+            and (ops is None or r.op in ops)
+        ]
+
+    def recv_bytes(self, **kw) -> float:
+        return sum(r.recv_bytes for r in self.filter(**kw))
+
+    def payload_bytes(self, **kw) -> int:
+        return sum(r.payload_bytes for r in self.filter(**kw))
+
+    def by_op(self, **kw) -> Dict[str, Dict[str, float]]:
+        out: Dict[str, Dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload": 0, "recv": 0.0})
+        for r in self.filter(**kw):
+            e = out[r.op]
+            e["calls"] += 1
+            e["payload"] += r.payload_bytes
+            e["recv"] += r.recv_bytes
+        return dict(out)
+
+    def ops(self, **kw) -> List[str]:
+        return [r.op for r in self.filter(**kw)]
+
+    def table(self, **kw) -> str:
+        rows = sorted(self.by_op(**kw).items())
+        lines = [f"{'op':<24}{'calls':>7}{'payload MB':>13}{'recv MB':>11}"]
+        for op, e in rows:
+            lines.append(f"{op:<24}{e['calls']:>7}{e['payload'] / 2**20:>13.3f}{e['recv'] / 2**20:>11.3f}")
+        return "\n".join(lines)
+
+
+def label_modules(model: torch.nn.Module, labels: Dict[type, str]) -> List:
+    """Attach hooks so collectives issued inside modules of the given types (forward and
+    backward) carry ``labels[type]`` as their scope. Returns the hook handles."""
+    handles = []
+    for module in model.modules():
+        label = next((name for cls, name in labels.items() if isinstance(module, cls)), None)
+        if label is None:
+            continue
+        tokens: list = []
+
+        def push(*_args, _label=label, _tokens=tokens):
+            _tokens.append(_scope.set(_scope.get() + (_label,)))
+
+        def pop(*_args, _tokens=tokens):
+            if _tokens:
+                _scope.reset(_tokens.pop())
+
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop))
+        handles.append(module.register_full_backward_pre_hook(push))
+        handles.append(module.register_full_backward_hook(pop))
+    return handles

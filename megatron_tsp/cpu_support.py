@@ -1,0 +1,89 @@
+"""Run megatron-core on a CPU-only torch (gloo backend).
+
+megatron-core assumes CUDA in three places that matter for TSP and its baselines:
+
+1. buffers are allocated on ``torch.cuda.current_device()``;
+2. the local attention builds its default causal mask with ``device="cuda"``;
+3. the model-parallel RNG tracker saves and restores CUDA generator states.
+
+``enable_cpu_support()`` redirects exactly these to the CPU. It is explicit (never an import side
+effect), idempotent, and undone by ``disable_cpu_support()``. It refuses to run when CUDA is
+available, so a GPU job can never silently land on the CPU.
+
+Note: ``model_parallel_cuda_manual_seed`` reseeds the CPU generator once the tracker is routed
+there; seed weight initialisation after calling it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_saved: dict = {}
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, *args, **kwargs) -> None:
+    if isinstance(new_state, torch.Generator):
+        new_state = new_state.get_state()
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def is_enabled() -> bool:
+    return bool(_saved)
+
+
+def _patch(owner, name: str, value) -> None:
+    key = (owner, name)
+    if key not in _saved:
+        _saved[key] = getattr(owner, name)
+    setattr(owner, name, value)
+
+
+def enable_cpu_support(force: bool = False) -> None:
+    """Route megatron-core's CUDA-only helpers to the CPU.
+
+    ``force=True`` applies the shims even if CUDA is present (for tests of this module only).
+    """
+    if torch.cuda.is_available() and not force:
+        raise RuntimeError(
+            "enable_cpu_support() called on a machine with CUDA; the shims are for CPU-only runs"
+        )
+    if _saved:
+        return
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as tp_random
+    import megatron.core.transformer.utils as transformer_utils
+
+    _patch(torch.cuda, "current_device", _cpu_current_device)
+    _patch(torch.cuda, "get_rng_state", _cpu_get_rng_state)
+    _patch(torch.cuda, "manual_seed", _cpu_manual_seed)
+    _patch(transformer_utils, "get_default_causal_mask", _cpu_causal_mask)
+    _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
+    _patch(tp_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    if hasattr(tp_random, "_get_cuda_rng_state"):
+        _patch(tp_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+
+
+def disable_cpu_support() -> None:
+    """Restore every function ``enable_cpu_support`` replaced."""
+    for (owner, name), value in _saved.items():
+        setattr(owner, name, value)
+    _saved.clear()

@@ -1,0 +1,88 @@
+"""FLOP accounting for the measured training step (``torch.utils.flop_counter.FlopCounterMode``).
+
+torch's counter knows the GEMM ops (mm, addmm, bmm, baddbmm) and the CUDA attention kernels, but
+not the CPU flash-attention kernel our runs use (``_scaled_dot_product_flash_attention_for_cpu``
+and its backward). We register formulas for those two ops that count only the query/key pairs a
+causal kernel actually visits (torch's own SDPA formulas count the dense ``lq x lk`` rectangle
+even for causal attention). The stand-in attention (``fake_run``) always calls the CPU kernel
+either non-causally on a full rectangle or causally on a square block, so the count is exact for
+every scheme and comparable between them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+aten = torch.ops.aten
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
+ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def causal_pairs(lq: int, lk: int, is_causal: bool) -> int:
+    """(query, key) pairs visited; causal means top-left aligned (the CPU kernel's convention)."""
+    if not is_causal:
+        return lq * lk
+    if lq <= lk:
+        return lq * (lq + 1) // 2
+    return lk * (lk + 1) // 2 + (lq - lk) * lk
+
+
+def _flash_cpu_fwd(q_shape, k_shape, v_shape, dropout_p=0.0, is_causal=False, *args,
+                   out_shape=None, **kwargs) -> int:
+    b, h, lq, d = q_shape
+    lk, dv = k_shape[2], v_shape[3]
+    pairs = causal_pairs(lq, lk, is_causal)
+    return 2 * b * h * pairs * (d + dv)  # Q K^T and P V
+
+
+def _flash_cpu_bwd(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
+                   **kwargs) -> int:
+    # args: out_shape_tensor, logsumexp, dropout_p, is_causal
+    is_causal = bool(args[3]) if len(args) > 3 else bool(kwargs.get("is_causal", False))
+    b, h, lq, d = q_shape
+    lk, dv = k_shape[2], v_shape[3]
+    pairs = causal_pairs(lq, lk, is_causal)
+    # recompute Q K^T, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (torch's convention)
+    return 2 * b * h * pairs * (d + dv + dv + d + d)
+
+
+CUSTOM_FLOP_FORMULAS = {ATTENTION_FWD: _flash_cpu_fwd, ATTENTION_BWD: _flash_cpu_bwd}
+
+
+def make_flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOP_FORMULAS)
+
+
+def summarize(counter: FlopCounterMode) -> Dict[str, int]:
+    """Global totals split into GEMM and attention-core FLOPs (plus anything else counted)."""
+    counts = counter.get_flop_counts().get("Global", {})
+    out = {"matmul": 0, "attention": 0, "other": 0}
+    for op, n in counts.items():
+        name = getattr(op, "__name__", str(op)).split(".")[0]
+        if name in MATMUL_OPS:
+            out["matmul"] += int(n)
+        elif "scaled_dot_product" in name or "attention" in name:
+            out["attention"] += int(n)
+        else:
+            out["other"] += int(n)
+    out["total"] = out["matmul"] + out["attention"] + out["other"]
+    return out
+
+
+def model_flops_per_step(hidden: int, layers: int, ffn: int, vocab: int, seq: int,
+                         micro_batch: int, heads: int, query_groups: int, gated: bool,
+                         group_size: int) -> Tuple[int, int]:
+    """Analytic (GEMM, causal-attention) FLOPs of one rank of a TP-like layout of size
+    ``group_size`` (each rank does 1/group_size of the model's work), forward + backward with no
+    recomputation: backward = 2 x forward for GEMMs; attention backward = 2.5 x forward."""
+    tokens = seq * micro_batch
+    kv = hidden * query_groups // heads
+    per_layer_params = hidden * (hidden + 2 * kv) + hidden * hidden + (3 if gated else 2) * hidden * ffn
+    gemm_fwd = 2 * tokens * (layers * per_layer_params + vocab * hidden)
+    attn_fwd = layers * micro_batch * 2 * (2 * hidden) * (seq * (seq + 1) // 2)
+    return 3 * gemm_fwd // group_size, int(3.5 * attn_fwd) // group_size

@@ -1,0 +1,343 @@
+"""TSP self-attention: weight shards are broadcast, K/V are all-gathered one head group at a time.
+
+Rank p holds its tokens X_p ([s/D, b, h], zigzag chunks p and 2D-1-p) and the TP=D shard p of
+the fused QKV projection (query groups p*g/D ..) and of the output projection (input columns).
+Forward, for each head-group shard r = 0..D-1:
+
+    owner r broadcasts (W_qkv_r, b_qkv_r, W_proj_r)   # shard r+1 is already in flight meanwhile
+    q, k, v = X_p @ W_qkv_r^T  (+ RoPE at the tokens' true positions)
+    K_r, V_r = all-gather(k, v) over the group       # full sequence, this head group only
+    Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # accumulated locally: no all-reduce
+
+Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
+aligned causal mask (no S x S mask). Only X_p is saved; backward re-broadcasts the shards,
+recomputes q/k/v and the gathered K/V per head group, reduce-scatters dK/dV back to the token
+owners and reduces each shard's weight gradient onto its owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention.bias import causal_lower_right
+
+from megatron_tsp import zigzag
+from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
+                               reduce_to, wait_all)
+from megatron_tsp.comm_counter import comm_scope
+from megatron_tsp.layers.grads import weight_grad_output
+from megatron_tsp.parallel_state import resolve_group
+
+try:  # megatron-core >= 0.14
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+except ImportError:  # pragma: no cover - older cores have no YaRN mscale
+    _yarn_get_concentration_factor_from_config = None
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Per-shard head geometry (identical to a TP=D rank's) and attention constants."""
+
+    heads: int  # query heads per shard (np / D)
+    groups: int  # key/value groups per shard (ng / D)
+    head_dim: int
+    softmax_scale: float
+    dropout_p: float
+    config: object  # the TransformerConfig, for RoPE
+
+    @property
+    def qkv_split(self) -> list:
+        return [self.heads // self.groups * self.head_dim, self.head_dim, self.head_dim]
+
+
+def _rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> torch.Tensor:
+    if freqs is None:
+        return t
+    mscale = 1.0
+    if _yarn_get_concentration_factor_from_config is not None:
+        mscale = _yarn_get_concentration_factor_from_config(config)
+    return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=_NoCP)
+
+
+class _NoCPGroup:
+    """RoPE never reads the CP group for [s, b, ...] tensors; this avoids a global lookup."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+_NoCP = _NoCPGroup()
+
+
+def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
+    """Local tokens through one QKV shard: q [s, b, np/D, hn], k and v [s, b, ng/D, hn]."""
+    mixed = torch.matmul(x, qkv_w.t())
+    if qkv_b is not None:
+        mixed = mixed + qkv_b
+    mixed = mixed.view(*mixed.shape[:2], layout.groups, -1)
+    q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
+    q = q.reshape(q.shape[0], q.shape[1], layout.heads, layout.head_dim)
+    return _rope(q, freqs_q, layout.config), _rope(k, freqs_k, layout.config), v
+
+
+def zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout: HeadLayout,
+                            dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of the local zigzag chunks' queries against natural-order K/V.
+
+    q: [2C, b, np, hn] (chunk ``chunks[0]`` then ``chunks[1]``); k_nat, v_nat: [S, b, ng, hn].
+    Chunk c attends to keys [0, (c+1)C) with a bottom-right aligned causal mask. Returns
+    [2C, b, np * hn].
+    """
+    c_len = q.shape[0] // len(chunks)
+    outs = []
+    for i, c in enumerate(chunks):
+        q_c = q[i * c_len:(i + 1) * c_len].permute(1, 2, 0, 3)
+        kv_len = (c + 1) * c_len
+        k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
+        v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(
+            q_c, k_c, v_c, attn_mask=causal_lower_right(c_len, kv_len), dropout_p=dropout_p,
+            scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups,
+        )
+        outs.append(o.permute(2, 0, 1, 3).reshape(c_len, q.shape[1], -1))
+    return torch.cat(outs, dim=0)
+
+
+def _rng_state(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _replay_rng(state, device: torch.device):
+    """Run with the generator at ``state`` and leave the caller's generator untouched."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
+class _ShardStream:
+    """Broadcasts the D weight shards in order, one shard ahead of the consumer."""
+
+    def __init__(self, own: FlatShard, group):
+        self.own, self.group = own, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.spare = [FlatShard.like(own), FlatShard.like(own)] if self.size > 1 else []
+        self.pending = {}
+
+    def _issue(self, r: int) -> None:
+        if r >= self.size or self.size == 1:
+            return
+        buf = self.own if r == self.rank else self.spare[r % 2]
+        self.pending[r] = (buf, broadcast_from(buf.buffer, r, self.group, async_op=True))
+
+    def __iter__(self):
+        if self.size == 1:
+            yield 0, self.own
+            return
+        self._issue(0)
+        for r in range(self.size):
+            self._issue(r + 1)  # prefetch the next shard before computing with this one
+            buf, req = self.pending.pop(r)
+            req.wait()
+            yield r, buf
+
+
+class _TSPAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        has_bias = qkv_b is not None
+        chunks = zigzag.chunk_ids(size, rank)
+        dropout_p = layout.dropout_p
+        rng = _rng_state(x.device) if dropout_p > 0 else None
+        own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
+        out = None
+        with comm_scope("tsp_attention"):
+            for _, shard in _ShardStream(own, group):
+                views = shard.views()
+                w, b, pw = (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
+                q, k, v = project_qkv(x, w, b, layout, freqs_q, freqs_k)
+                k_nat = zigzag.unpermute(all_gather_seq(k, group), size, dim=0)
+                v_nat = zigzag.unpermute(all_gather_seq(v, group), size, dim=0)
+                ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, dropout_p)
+                del k_nat, v_nat
+                contrib = torch.matmul(ctx_r, pw.t())
+                out = contrib if out is None else out.add_(contrib)
+        ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k)
+        ctx.layout, ctx.group, ctx.fuse, ctx.rng = layout, group, fuse, rng
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
+        layout, group = ctx.layout, ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        has_bias = qkv_b is not None
+        chunks = zigzag.chunk_ids(size, rank)
+        grad_out = grad_out.contiguous()
+        own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
+        own_grad = None
+        grad_x = torch.zeros_like(x)
+        pending_reduce = None
+        rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
+        with comm_scope("tsp_attention"), rng_ctx:
+            for r, shard in _ShardStream(own, group):
+                leaves = [t.detach().requires_grad_(True) for t in shard.views()]
+                w, b, pw = (leaves[0], leaves[1], leaves[2]) if has_bias else (
+                    leaves[0], None, leaves[1])
+                qkv_leaves = [w, b] if has_bias else [w]
+                with torch.enable_grad():
+                    x_leaf = x.detach().requires_grad_(True)
+                    q, k, v = project_qkv(x_leaf, w, b, layout, freqs_q, freqs_k)
+                    k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
+                    v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
+                    k_nat.requires_grad_(True)
+                    v_nat.requires_grad_(True)
+                    ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout,
+                                                    layout.dropout_p)
+                    y = torch.matmul(ctx_r, pw.t())
+                    g = torch.autograd.grad(y, [x_leaf] + leaves + [k_nat, v_nat], grad_out,
+                                            retain_graph=True)
+                    dk_nat, dv_nat = g[-2], g[-1]
+                    # Adjoint of the all-gather: each token owner receives the sum of its dK/dV.
+                    dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
+                    dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
+                    del k_nat, v_nat, dk_nat, dv_nat
+                    g_kv = torch.autograd.grad([k, v], [x_leaf] + qkv_leaves, [dk, dv])
+                grad_x.add_(g[0]).add_(g_kv[0])
+                partial = FlatShard.like(own)
+                for view, g1, g2 in zip(partial.views(), g[1:1 + len(leaves)],
+                                        list(g_kv[1:]) + [None]):
+                    view.copy_(g1) if g2 is None else torch.add(g1, g2, out=view)
+                if pending_reduce is not None:
+                    pending_reduce.wait()
+                pending_reduce = reduce_to(partial.buffer, r, group) if size > 1 else None
+                if r == rank:
+                    own_grad = partial  # the reduce lands the group's sum in this buffer
+            wait_all([pending_reduce] if pending_reduce is not None else [])
+        views = own_grad.views()
+        grads = views if has_bias else [views[0], None, views[1]]
+        fuse = ctx.fuse
+        return (
+            grad_x,
+            weight_grad_output(qkv_w, grads[0], fuse),
+            weight_grad_output(qkv_b, grads[1], fuse),
+            weight_grad_output(proj_w, grads[2], fuse),
+            None, None, None, None, None,
+        )
+
+
+def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
+                       freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False):
+    """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
+    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions."""
+    return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
+                                       layout, group, fuse_into_main_grad)
+
+
+class TSPSelfAttention(SelfAttention):
+    """Drop-in for Megatron's ``SelfAttention`` under TSP.
+
+    ``SelfAttention.__init__`` builds the TP=D parameter holders (``linear_qkv`` column-parallel
+    with Megatron's per-query-group layout, ``linear_proj`` row-parallel with a replicated,
+    ``sequence_parallel``-tagged bias), so parameters and checkpoints are those of TP=D + SP.
+    ``forward`` replaces the TP computation with the TSP schedule and returns
+    ``(output, proj_bias)`` like ``SelfAttention``.
+    """
+
+    def __init__(self, config, submodules, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type=None,
+                 pg_collection=None, **kwargs):
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"TSP attention supports causal masking only, got {attn_mask_type}")
+        group = resolve_group(pg_collection)
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        size = dist.get_world_size(group)
+        if config.num_query_groups % size != 0:
+            raise ValueError(
+                f"--num-query-groups={config.num_query_groups} is not divisible by "
+                f"--tensor-sequence-parallel-size={size}: TSP gives each rank whole key/value groups"
+            )
+        if getattr(config, "attention_output_gate", False):
+            raise ValueError("TSP attention does not support attention_output_gate")
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
+        if self.q_layernorm is not None or self.k_layernorm is not None:
+            raise ValueError("TSP attention does not support --qk-layernorm yet")
+        self.tsp_group = group
+        scale = config.softmax_scale
+        if scale is None:
+            scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.tsp_layout = HeadLayout(
+            heads=self.num_attention_heads_per_partition,
+            groups=self.num_query_groups_per_partition,
+            head_dim=self.hidden_size_per_attention_head,
+            softmax_scale=scale,
+            dropout_p=config.attention_dropout,
+            config=config,
+        )
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+
+    def _local_freqs(self, emb: Optional[torch.Tensor], local_len: int):
+        if emb is None:
+            return None
+        size, rank = dist.get_world_size(self.tsp_group), dist.get_rank(self.tsp_group)
+        seq = local_len * size
+        if emb.shape[0] < seq:
+            raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
+        positions = zigzag.local_positions(seq, size, rank).to(emb.device)
+        return emb.index_select(0, positions)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
+                **kwargs):
+        if key_value_states is not None:
+            raise ValueError("TSP attention is self-attention only")
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("TSP attention does not support inference KV caches")
+        if packed_seq_params is not None:
+            raise ValueError("TSP attention does not support packed (THD) sequences")
+        if attention_bias is not None:
+            raise ValueError("TSP attention does not support an attention bias")
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        if isinstance(rotary_pos_emb, tuple):
+            q_emb, k_emb = rotary_pos_emb
+        else:
+            q_emb = k_emb = rotary_pos_emb
+        local_len = hidden_states.shape[0]
+        freqs_q = self._local_freqs(q_emb, local_len)
+        freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, local_len)
+        layout = self.tsp_layout
+        if not self.training and layout.dropout_p > 0:
+            layout = HeadLayout(layout.heads, layout.groups, layout.head_dim,
+                                layout.softmax_scale, 0.0, layout.config)
+        out = tsp_self_attention(
+            hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
+            self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,
+            self.gradient_accumulation_fusion,
+        )
+        return out, self.linear_proj.bias

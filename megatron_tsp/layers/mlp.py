@@ -1,0 +1,189 @@
+"""TSP MLP: the (fc1, fc2) weight shards circulate on a ring, tokens stay where they are.
+
+Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gated units the
+``[gate_p; up_p]`` block) and fc2 (columns). Forward, for t = 0..D-1, with j = (p - t) mod D:
+
+    post send(shard_j -> p+1), recv(shard_{j-1} <- p-1)      # before computing: prefetch
+    Y_p += act(X_p @ fc1_j^T + b1_j) @ fc2_j^T                 # one shard's slice of the MLP
+    wait
+
+No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
+only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
+again, recomputing the shard's activation (nothing but X_p is saved), and a gradient accumulator
+rides the ring behind the weights: rank p+t adds its contribution to shard p's weight gradient at
+step t, and the last hop lands on the owner, who holds the full gradient of its shard exactly like
+a TP=D rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP
+
+from megatron_tsp.comm import FlatShard, ring_exchange, wait_all
+from megatron_tsp.comm_counter import comm_scope
+from megatron_tsp.layers.grads import weight_grad_output
+from megatron_tsp.parallel_state import resolve_group
+
+
+def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Megatron's MLP activation (plain or gated), applied to one shard's fc1 output."""
+    act = config.activation_func
+    if not config.gated_linear_unit:
+        return act
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    offset = getattr(config, "glu_linear_offset", 0.0) or 0.0
+
+    def glu(x: torch.Tensor) -> torch.Tensor:
+        x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+        if clamp is not None:
+            x_glu = x_glu.clamp(min=None, max=clamp)
+            x_linear = x_linear.clamp(min=-clamp, max=clamp)
+        return act(x_glu) * (x_linear + offset)
+
+    return glu
+
+
+def _shard_forward(x, fc1_w, fc1_b, fc2_w, activation):
+    pre = torch.matmul(x, fc1_w.t())
+    if fc1_b is not None:
+        pre = pre + fc1_b
+    return torch.matmul(activation(pre), fc2_w.t())
+
+
+class _TSPMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, fuse_into_main_grad):
+        size = dist.get_world_size(group)
+        params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
+        has_bias = fc1_b is not None
+
+        def unpack(views):
+            return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
+
+        with comm_scope("tsp_mlp"):
+            out = None
+            current = FlatShard.pack(params) if size > 1 else None
+            spare = [FlatShard.like(current), FlatShard.like(current)] if size > 2 else (
+                [FlatShard.like(current)] if size == 2 else [])
+            for t in range(size):
+                requests, incoming = None, None
+                if t < size - 1:
+                    incoming = spare[t % len(spare)]
+                    requests = ring_exchange(current.buffer, incoming.buffer, group)
+                shard = unpack(current.views()) if size > 1 else (fc1_w, fc1_b, fc2_w)
+                contrib = _shard_forward(x, *shard, activation)
+                out = contrib if out is None else out.add_(contrib)
+                wait_all(requests)
+                if incoming is not None:
+                    current = incoming
+        ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
+        ctx.group, ctx.activation, ctx.fuse = group, activation, fuse_into_main_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, fc1_w, fc1_b, fc2_w = ctx.saved_tensors
+        group, activation = ctx.group, ctx.activation
+        size = dist.get_world_size(group)
+        has_bias = fc1_b is not None
+        params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
+        grad_out = grad_out.contiguous()
+
+        def shard_grads(views):
+            """Partial weight gradients of one shard from this rank's tokens; dX accumulated."""
+            leaves = [v.detach().requires_grad_(True) for v in views]
+            w1, b1, w2 = (leaves[0], leaves[1], leaves[2]) if has_bias else (
+                leaves[0], None, leaves[1])
+            with torch.enable_grad():
+                x_leaf = x.detach().requires_grad_(True)
+                y = _shard_forward(x_leaf, w1, b1, w2, activation)
+                grads = torch.autograd.grad(y, [x_leaf] + leaves, grad_out)
+            return grads[0], list(grads[1:])
+
+        with comm_scope("tsp_mlp"):
+            if size == 1:
+                grad_x, own = shard_grads(params)
+            else:
+                current = FlatShard.pack(params)
+                spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
+                # Double-buffered accumulators: the one being filled was sent two steps ago.
+                acc_out = [FlatShard.like(current), FlatShard.like(current)]
+                acc_in = [FlatShard.like(current), FlatShard.like(current)]
+                grad_x, own, acc_requests, acc_recv = None, None, None, None
+                for t in range(size):
+                    requests, incoming = None, None
+                    if t < size - 1:
+                        incoming = spare[t % len(spare)]
+                        requests = ring_exchange(current.buffer, incoming.buffer, group)
+                    gx, partial = shard_grads(current.views())
+                    grad_x = gx if grad_x is None else grad_x.add_(gx)
+                    if t == 0:
+                        own = partial  # this rank's contribution to its own shard
+                    else:
+                        # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
+                        wait_all(acc_requests)
+                        filled = acc_out[t % 2]
+                        previous = acc_recv.views() if t >= 2 else [None] * len(partial)
+                        for view, g, prev in zip(filled.views(), partial, previous):
+                            view.copy_(g) if prev is None else torch.add(prev, g, out=view)
+                        acc_recv = acc_in[t % 2]
+                        acc_requests = ring_exchange(filled.buffer, acc_recv.buffer, group)
+                    wait_all(requests)
+                    if incoming is not None:
+                        current = incoming
+                wait_all(acc_requests)
+                # The last hop brought every other rank's contribution to our own shard.
+                own = [g.add_(r) for g, r in zip(own, acc_recv.views())]
+        grads = own if has_bias else [own[0], None, own[1]]
+        fuse = ctx.fuse
+        return (
+            grad_x,
+            weight_grad_output(fc1_w, grads[0], fuse),
+            weight_grad_output(fc1_b, grads[1], fuse),
+            weight_grad_output(fc2_w, grads[2], fuse),
+            None, None, None,
+        )
+
+
+def tsp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
+            fc2_weight: torch.Tensor, group, activation: Callable,
+            fuse_into_main_grad: bool = False) -> torch.Tensor:
+    """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over all D shards of the group, weights on a ring."""
+    return _TSPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, group, activation,
+                                 fuse_into_main_grad)
+
+
+class TSPMLP(MLP):
+    """Drop-in for Megatron's ``MLP`` under TSP.
+
+    Parameters are Megatron's own Column/RowParallelLinear (built by ``MLP.__init__`` for TP=D), so
+    names, shapes, slices, initialisation, ``tensor_model_parallel`` attributes and
+    ``sharded_state_dict`` are exactly those of a TP=D + SP run; only ``forward`` differs.
+    Returns ``(output, fc2_bias)`` like ``MLP`` (the replicated fc2 bias is added by the caller's
+    bias-dropout-add).
+    """
+
+    def __init__(self, config, submodules, is_expert: bool = False, input_size=None,
+                 ffn_hidden_size=None, tp_group=None, pg_collection=None):
+        if is_expert:
+            raise ValueError("TSP supports dense MLPs only (is_expert=True / MoE is not supported)")
+        group = resolve_group(pg_collection, tp_group)
+        if ffn_hidden_size is None:
+            ffn_hidden_size = config.ffn_hidden_size
+        super().__init__(config, submodules, is_expert=False, input_size=input_size,
+                         ffn_hidden_size=ffn_hidden_size, tp_group=group)
+        self.tsp_group = group
+        self.tsp_activation = make_activation(config)
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+
+    def forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
+        if per_token_scale is not None:
+            raise ValueError("TSP MLP does not support per_token_scale (MoE routing)")
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        out = tsp_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, self.tsp_group,
+                      self.tsp_activation, self.gradient_accumulation_fusion)
+        return out, fc2.bias

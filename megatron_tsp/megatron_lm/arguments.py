@@ -1,0 +1,271 @@
+"""The "tensor-sequence parallel" argument group, and its translation into Megatron's arguments.
+
+TSP under Megatron-LM is Megatron's own tensor-parallel rank group run with sequence-parallel
+activations and the TSP layer spec. Translating ``--tensor-sequence-parallel-size D`` therefore
+means, before Megatron's ``validate_args`` does its world-size arithmetic:
+
+* ``tensor_model_parallel_size = D`` (so data-parallel size = world / (D * PP) as for TP=D);
+* ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
+* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec.
+
+Every combination TSP does not support is rejected here with a ``TSPArgumentError`` (a
+``ValueError``) that names the flags and the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterable, List, Optional, Sequence
+
+from megatron_tsp.validation import TSP_FLAG, check_model_shape, check_parallel_layout
+
+GROUP_TITLE = "tensor-sequence parallel"
+
+# Module and attribute handed to Megatron's ``--spec <module> <attribute>``.
+SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
+SPEC_ATTR = "tsp_block_spec"
+
+# ``--attention-backend`` values TSP accepts. TSP attention is its own module (substituted at the
+# ``self_attention`` level), so a backend choice would either be ignored (flash / fused / unfused
+# select Transformer Engine kernels) or replace parts of the TSP spec (local): only the default is
+# accepted, so no flag on the command line is silently without effect.
+ALLOWED_ATTENTION_BACKENDS = ("auto",)
+
+
+class TSPArgumentError(ValueError):
+    """A command line that TSP cannot run. The message names the flags."""
+
+
+def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the TSP flags to ``parser`` (idempotent). Returns the parser, like Megatron's helpers."""
+    if any(getattr(a, "dest", None) == "tensor_sequence_parallel_size" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title=GROUP_TITLE,
+        description=(
+            "TSP folds tensor and sequence parallelism onto one axis of size D: every rank holds "
+            "1/D of each layer's weights and 1/D of the tokens (zigzag chunks r and 2D-1-r). "
+            "Replace '--tensor-model-parallel-size D --sequence-parallel' by "
+            "'--tensor-sequence-parallel-size D'."
+        ),
+    )
+    group.add_argument(
+        TSP_FLAG,
+        dest="tensor_sequence_parallel_size",
+        type=int,
+        default=None,
+        metavar="D",
+        help="Run the transformer layers with TSP over groups of D ranks (Megatron's "
+        "tensor-parallel ranks). Implies --tensor-model-parallel-size D and --sequence-parallel, "
+        "selects the TSP block spec and zigzag-permutes every batch.",
+    )
+    group.add_argument(
+        "--tsp-dry-run",
+        action="store_true",
+        default=False,
+        help="Parse and validate the command line through Megatron's argument code, build the "
+        "model of one rank on the meta device, print the parallel layout, the per-rank "
+        "parameter count and the zigzag chunks per rank, and exit without touching CUDA.",
+    )
+    group.add_argument(
+        "--tsp-dry-run-world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="World size the dry run assumes (default: $WORLD_SIZE if > 1, else D x "
+        "pipeline-model-parallel size).",
+    )
+    group.add_argument(
+        "--tsp-dry-run-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="Global rank whose model the dry run builds (default 0).",
+    )
+    return parser
+
+
+def tsp_size(args) -> Optional[int]:
+    """The TSP group size requested on the command line, or None when TSP is off."""
+    return getattr(args, "tensor_sequence_parallel_size", None)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _enum_name(value) -> str:
+    return getattr(value, "name", str(value))
+
+
+def unsupported_combinations(args) -> List[str]:
+    """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``."""
+    d = tsp_size(args)
+    problems: List[str] = []
+
+    def on(dest) -> bool:
+        return bool(getattr(args, dest, None))
+
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    try:
+        # world size 0 is divisible by anything: only the flag combinations are checked here.
+        check_parallel_layout(0, d, pp, tensor_model_parallel_size=tp, context_parallel_size=cp)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        problems.append(
+            f"--hierarchical-context-parallel-sizes cannot be combined with {TSP_FLAG}={d}: "
+            "TSP already shards the sequence over its group"
+        )
+    if on("hybrid_context_parallel"):
+        problems.append(f"--hybrid-context-parallel cannot be combined with {TSP_FLAG}={d}")
+    if on("tp_comm_overlap"):
+        problems.append(
+            f"--tp-comm-overlap cannot be combined with {TSP_FLAG}={d}: it overlaps Transformer "
+            "Engine's TP all-gather/reduce-scatter GEMMs, which TSP layers do not issue"
+        )
+    experts = getattr(args, "num_experts", None)
+    if experts:
+        problems.append(
+            f"--num-experts={experts} (MoE) cannot be combined with {TSP_FLAG}={d}: "
+            "TSP supports dense MLPs only"
+        )
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if ep > 1:
+        problems.append(
+            f"--expert-model-parallel-size={ep} cannot be combined with {TSP_FLAG}={d}: "
+            "TSP supports dense MLPs only"
+        )
+    shards = getattr(args, "tensor_parallel_num_weight_shards", None)
+    if shards not in (None, 1):
+        problems.append(
+            f"--tensor-parallel-num-weight-shards={shards} cannot be combined with {TSP_FLAG}={d}: "
+            "TSP already shards the weights over its group"
+        )
+    for dest, why in (
+        ("sft", "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches"),
+        (
+            "dataloader_inter_document_masking",
+            "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
+        ),
+        (
+            "reset_attention_mask",
+            "TSP attention is causal over the whole sequence and does not read per-document masks",
+        ),
+        (
+            "reset_position_ids",
+            "TSP attention derives token positions from the zigzag layout, not per-document ids",
+        ),
+        ("multi_latent_attention", "TSP supports standard self-attention only"),
+        ("qk_layernorm", "TSP attention does not support it yet"),
+        ("use_legacy_models", "TSP needs megatron-core models"),
+        ("mtp_num_layers", "multi-token prediction layers have no TSP spec"),
+        ("experimental_attention_variant", "TSP attention would be replaced"),
+        ("heterogeneous_layers_config_path", "heterogeneous layers have no TSP spec"),
+        ("yaml_cfg", "the YAML path bypasses Megatron's validate_args, where TSP is translated"),
+        ("fp8", "FP8 needs Transformer Engine layers; TSP layers are not TE modules"),
+        ("fp4", "FP4 needs Transformer Engine layers; TSP layers are not TE modules"),
+    ):
+        value = getattr(args, dest, None)
+        if value:
+            shown = _flag(dest) if value is True else f"{_flag(dest)}={value}"
+            problems.append(f"{shown} cannot be combined with {TSP_FLAG}={d}: {why}")
+    backend = getattr(args, "attention_backend", None)
+    if backend is not None and _enum_name(backend) not in ALLOWED_ATTENTION_BACKENDS:
+        problems.append(
+            f"--attention-backend={_enum_name(backend)} cannot be combined with {TSP_FLAG}={d}: "
+            "TSP attention is its own module and would be replaced or silently ignored; "
+            "drop the flag (auto)"
+        )
+    impl = getattr(args, "transformer_impl", None)
+    if impl == "inference_optimized":
+        problems.append(
+            f"--transformer-impl=inference_optimized cannot be combined with {TSP_FLAG}={d}"
+        )
+    return problems
+
+
+def check_supported(args) -> None:
+    problems = unsupported_combinations(args)
+    if problems:
+        if len(problems) == 1:
+            raise TSPArgumentError(problems[0])
+        raise TSPArgumentError(
+            "the command line cannot run with TSP:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def translate_args(args) -> None:
+    """Rewrite ``args`` in place for TSP, before Megatron's ``validate_args``.
+
+    No-op when ``--tensor-sequence-parallel-size`` is absent. Raises ``TSPArgumentError``.
+    """
+    d = tsp_size(args)
+    if d is None:
+        return
+    if not isinstance(d, int) or d < 1:
+        raise TSPArgumentError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
+    check_supported(args)
+    user_spec = getattr(args, "spec", None)
+    if user_spec and list(user_spec) != [SPEC_MODULE, SPEC_ATTR]:
+        args.tsp_replaced_spec = list(user_spec)
+    args.tensor_model_parallel_size = d
+    args.sequence_parallel = d > 1
+    args.spec = [SPEC_MODULE, SPEC_ATTR]
+
+
+def check_validated_args(args) -> None:
+    """Checks that need Megatron's derived values (after ``validate_args``)."""
+    d = tsp_size(args)
+    if d is None:
+        return
+    world = getattr(args, "world_size", None)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if world is not None:
+        check_parallel_layout(world, d, pp)
+    if args.tensor_model_parallel_size != d:
+        raise TSPArgumentError(
+            f"Megatron changed --tensor-model-parallel-size to {args.tensor_model_parallel_size} "
+            f"during validation; TSP needs it equal to {TSP_FLAG}={d}"
+        )
+    if d > 1 and not args.sequence_parallel:
+        raise TSPArgumentError(
+            f"Megatron turned --sequence-parallel off during validation; TSP with {TSP_FLAG}={d} "
+            "needs sequence-parallel activations"
+        )
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+    check_model_shape(
+        d,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=groups,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        vocab_size=getattr(args, "padded_vocab_size", None),
+        seq_length=getattr(args, "seq_length", None),
+        hidden_size=getattr(args, "hidden_size", None),
+    )
+
+
+def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
+    """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
+    flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
+    flags_alone = {"--tsp-dry-run"}
+    out: List[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in flags_with_value:
+            skip = "=" not in item
+            continue
+        if name in flags_alone:
+            continue
+        out.append(item)
+    return out
+
+
+def flags_in(argv: Iterable[str]) -> set:
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}

@@ -1,0 +1,129 @@
+"""The TSP block spec as Megatron-LM's ``--spec megatron_tsp.megatron_lm.spec tsp_block_spec``.
+
+A block spec depends on the pipeline stage (how many layers this stage builds), which is known
+only when the model is built, not when the arguments are parsed. ``tsp_block_spec`` is therefore a
+*function* ``tsp_block_spec(config, vp_stage=None, pp_rank=None)`` that returns the TSP
+``TransformerBlockSubmodules`` (TSP layers plus the TSP final norm) for that stage:
+
+* Megatron-LM 0.19 / main builds the model from ``GPTModelConfig.transformer_layer_spec``, which
+  may be a callable taking ``(model_config, vp_stage=...)``: it calls this function itself.
+* Megatron-LM core_v0.16 hands the ``--spec`` object to ``GPTModel`` as-is. ``install_gpt_model_hook``
+  wraps ``GPTModel.__init__`` so that when (and only when) the spec argument is this function, it
+  is resolved with the model's config, ``vp_stage`` and pipeline rank before the block is built.
+
+``--normalization``, ``--swiglu``, ``--disable-bias-linear``, ``--group-query-attention`` /
+``--num-query-groups`` and ``--position-embedding-type rope`` all reach the TSP layers through the
+``TransformerConfig`` (and ``GPTModel``'s rotary embedding), exactly as for the stock local spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+_ORIGINAL_GPT_INIT = None
+
+
+def _transformer_config(config):
+    """A ``TransformerConfig`` from either a TransformerConfig or 0.19's ``GPTModelConfig``."""
+    inner = getattr(config, "transformer", None)
+    return inner if inner is not None else config
+
+
+def _mark_tsp_groups(config) -> None:
+    """Record in ``megatron_tsp.parallel_state`` that Megatron's TP group is the TSP group.
+
+    Under Megatron-LM the groups are made by ``megatron.training.initialize`` (Megatron's own
+    ``initialize_model_parallel`` with ``tensor_model_parallel_size = D``), not by
+    ``megatron_tsp.initialize_model_parallel``; the TSP accessors must still answer.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_tsp import parallel_state as tsp_ps
+
+    if tsp_ps.is_tensor_sequence_parallel():
+        return
+    if not mpu.model_parallel_is_initialized():
+        return
+    size = mpu.get_tensor_model_parallel_world_size()
+    if size != config.tensor_model_parallel_size:
+        raise ValueError(
+            f"the tensor-parallel group has {size} ranks but the model config says "
+            f"tensor_model_parallel_size={config.tensor_model_parallel_size}"
+        )
+    mark = getattr(tsp_ps, "mark_initialized", None)
+    if mark is not None:
+        mark(size)
+    else:
+        tsp_ps._TSP_SIZE = size
+        tsp_ps.register_accessors()
+
+
+def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """TSP ``TransformerBlockSubmodules`` for this pipeline stage (see the module docstring)."""
+    from megatron_tsp.specs import get_gpt_block_tsp_spec
+
+    cfg = _transformer_config(config)
+    _mark_tsp_groups(cfg)
+    return get_gpt_block_tsp_spec(
+        cfg, normalization=cfg.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
+
+
+tsp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]
+
+
+def is_tsp_spec(spec) -> bool:
+    return getattr(spec, "is_tsp_spec", False) is True
+
+
+def _pp_rank_of(pg_collection) -> Optional[int]:
+    pp = getattr(pg_collection, "pp", None) if pg_collection is not None else None
+    if pp is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.get_rank(pp)
+
+
+def install_gpt_model_hook() -> None:
+    """Let ``GPTModel(transformer_layer_spec=tsp_block_spec)`` resolve the function (idempotent).
+
+    Any other spec goes through untouched, so stock models built in the same process (the TP+SP
+    reference in tests, a teacher model) are unaffected.
+    """
+    global _ORIGINAL_GPT_INIT
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if _ORIGINAL_GPT_INIT is not None:
+        return
+    original = GPTModel.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs)
+        spec = bound.arguments.get("transformer_layer_spec")
+        if is_tsp_spec(spec):
+            config = bound.arguments["config"]
+            bound.arguments["transformer_layer_spec"] = spec(
+                config,
+                vp_stage=bound.arguments.get("vp_stage"),
+                pp_rank=_pp_rank_of(bound.arguments.get("pg_collection")),
+            )
+            return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    GPTModel.__init__ = __init__
+    _ORIGINAL_GPT_INIT = original
+
+
+def uninstall_gpt_model_hook() -> None:
+    global _ORIGINAL_GPT_INIT
+    if _ORIGINAL_GPT_INIT is None:
+        return
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    GPTModel.__init__ = _ORIGINAL_GPT_INIT
+    _ORIGINAL_GPT_INIT = None

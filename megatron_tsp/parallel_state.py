@@ -1,0 +1,160 @@
+"""The TSP process group: Megatron's tensor-parallel ranks, run with sequence-parallel semantics.
+
+TSP folds weight sharding (like TP) and sequence sharding (like SP) onto ONE axis of size D. We
+reuse Megatron's tensor-parallel rank group for that axis (``tensor_model_parallel_size = D``,
+``sequence_parallel = True``): TP is the stride-1, intra-node axis, and every piece of Megatron that
+reasons about TP groups (data-parallel sizing, DDP and distributed-optimizer groups, the
+``tensor_model_parallel`` / ``partition_dim`` parameter attributes, vocab-parallel embedding and
+loss, the TP-rank-0 data broadcast, the SUM all-reduce of ``sequence_parallel`` parameters'
+gradients, checkpoint sharding) keeps working unchanged. Only the transformer layers differ.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from megatron_tsp.validation import check_parallel_layout
+
+_TSP_SIZE: Optional[int] = None
+
+
+def _agree_on_config(local_error: Optional[str], signature: tuple) -> None:
+    """Every rank learns whether any rank rejected the configuration, before any group exists.
+
+    A rank whose arguments are bad must not leave the others waiting inside ``new_group``: all
+    ranks exchange (error, config) once on the default group and raise together.
+    """
+    world = dist.get_world_size()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (local_error, signature))
+    errors = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    if errors:
+        if local_error is not None:
+            raise ValueError(local_error)
+        r, e = errors[0]
+        raise ValueError(f"rank {r} rejected the TSP configuration: {e}")
+    signatures = {s for _, s in gathered}
+    if len(signatures) > 1:
+        raise ValueError(
+            "ranks disagree on the parallel configuration "
+            f"(tensor_sequence_parallel_size, pipeline, tp, cp): {sorted(signatures)}"
+        )
+
+
+def initialize_model_parallel(
+    tensor_sequence_parallel_size: int,
+    pipeline_model_parallel_size: int = 1,
+    **megatron_kwargs,
+) -> None:
+    """Create Megatron's groups with the TSP axis as the tensor-parallel group.
+
+    ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``.
+    ``tensor_model_parallel_size`` may be omitted (or equal D); ``context_parallel_size`` > 1 is
+    rejected. The check runs on every rank and is agreed on collectively before any group is made.
+    """
+    global _TSP_SIZE
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before TSP groups are created")
+    tp = megatron_kwargs.pop("tensor_model_parallel_size", 1)
+    cp = megatron_kwargs.get("context_parallel_size", 1)
+    error = None
+    try:
+        check_parallel_layout(
+            dist.get_world_size(),
+            tensor_sequence_parallel_size,
+            pipeline_model_parallel_size,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+        )
+    except ValueError as exc:
+        error = str(exc)
+    _agree_on_config(error, (tensor_sequence_parallel_size, pipeline_model_parallel_size, tp, cp))
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_sequence_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        **megatron_kwargs,
+    )
+    _TSP_SIZE = tensor_sequence_parallel_size
+    register_accessors()
+
+
+def destroy_model_parallel() -> None:
+    """Destroy Megatron's groups and the TSP state, so the process can re-initialise with any D."""
+    global _TSP_SIZE
+    _TSP_SIZE = None
+    mpu.destroy_model_parallel()
+
+
+def is_tensor_sequence_parallel() -> bool:
+    return _TSP_SIZE is not None
+
+
+def _require() -> None:
+    if _TSP_SIZE is None:
+        raise RuntimeError(
+            "TSP groups are not initialized: call megatron_tsp.initialize_model_parallel("
+            "tensor_sequence_parallel_size=D) first"
+        )
+
+
+def get_tensor_sequence_parallel_group(check_initialized: bool = True):
+    if check_initialized:
+        _require()
+    return mpu.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def get_tensor_sequence_parallel_world_size() -> int:
+    _require()
+    return mpu.get_tensor_model_parallel_world_size()
+
+
+def get_tensor_sequence_parallel_rank() -> int:
+    _require()
+    return mpu.get_tensor_model_parallel_rank()
+
+
+def get_tensor_sequence_parallel_src_rank() -> int:
+    _require()
+    return mpu.get_tensor_model_parallel_src_rank()
+
+
+_ACCESSORS = (
+    get_tensor_sequence_parallel_group,
+    get_tensor_sequence_parallel_world_size,
+    get_tensor_sequence_parallel_rank,
+    get_tensor_sequence_parallel_src_rank,
+    is_tensor_sequence_parallel,
+)
+
+
+def register_accessors() -> None:
+    """Expose the accessors as ``megatron.core.parallel_state.<name>`` for code that uses mpu."""
+    for fn in _ACCESSORS:
+        setattr(mpu, fn.__name__, fn)
+
+
+def group_size_and_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def resolve_group(pg_collection=None, tp_group=None):
+    """The TSP group for a layer: explicit ``tp_group``, a ``pg_collection.tp``, or the global one."""
+    if tp_group is not None:
+        return tp_group
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp
+    group = mpu.get_tensor_model_parallel_group(check_initialized=False)
+    if group is None:
+        raise RuntimeError(
+            "TSP layer built without a process group: pass pg_collection/tp_group or call "
+            "megatron_tsp.initialize_model_parallel(tensor_sequence_parallel_size=D)"
+        )
+    return group
+
+

@@ -1,0 +1,94 @@
+"""Megatron ``ModuleSpec``s that put the TSP layers into a stock ``GPTModel``.
+
+``get_gpt_layer_tsp_spec`` is the transformer-layer spec; ``get_gpt_block_tsp_spec`` wraps it into
+``TransformerBlockSubmodules`` whose final norm is the TSP norm too (with a bare layer spec Megatron
+would use its default final norm, which rejects sequence-parallel configs without apex/TE).
+Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
+``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_tsp.layers.attention import TSPSelfAttention
+from megatron_tsp.layers.mlp import TSPMLP
+from megatron_tsp.layers.norm import TSPNorm
+
+
+def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
+                           num_experts: Optional[int] = None,
+                           multi_latent_attention: bool = False) -> ModuleSpec:
+    """TransformerLayer spec with TSP attention and MLP.
+
+    ``normalization`` is accepted for parity with Megatron's spec getters; the norm follows
+    ``config.normalization`` ("LayerNorm" or "RMSNorm") when the model is built.
+    """
+    if qk_layernorm:
+        raise ValueError("TSP attention does not support --qk-layernorm yet")
+    if num_experts:
+        raise ValueError("TSP supports dense MLPs only: --num-experts (MoE) is not supported")
+    if multi_latent_attention:
+        raise ValueError("TSP supports standard self-attention only: --multi-latent-attention")
+    if normalization not in (None, "LayerNorm", "RMSNorm"):
+        raise ValueError(f"--normalization={normalization!r}: TSP supports LayerNorm and RMSNorm")
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=TSPNorm,
+            self_attention=ModuleSpec(
+                module=TSPSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=TSPNorm,
+            mlp=ModuleSpec(
+                module=TSPMLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                         linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
+                           vp_stage: Optional[int] = None,
+                           pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Block spec for this pipeline stage: TSP layers plus the TSP final norm."""
+    from megatron_tsp.validation import check_transformer_config
+
+    check_transformer_config(config)
+    layer = get_gpt_layer_tsp_spec(normalization=normalization or config.normalization,
+                                   qk_layernorm=config.qk_layernorm,
+                                   num_experts=config.num_moe_experts,
+                                   multi_latent_attention=config.multi_latent_attention)
+    try:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    except TypeError:  # older signature without pp_rank
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+
+
+# Module attributes for Megatron-LM's ``--spec megatron_tsp.specs <name>``.
+gpt_tsp_layer_spec = get_gpt_layer_tsp_spec()

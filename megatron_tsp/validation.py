@@ -1,0 +1,113 @@
+"""Configuration checks for TSP, raised as ``ValueError`` naming the flag and the numbers.
+
+Everything here is pure (no collectives), so it can run before any process group exists.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_tsp.zigzag import check_sequence_length
+
+TSP_FLAG = "--tensor-sequence-parallel-size"
+
+
+def _divides(value: int, flag: str, group_size: int, what: str) -> None:
+    if value % group_size != 0:
+        raise ValueError(
+            f"{flag}={value} is not divisible by {TSP_FLAG}={group_size}: TSP shards {what} "
+            f"over the group, so {flag} % {group_size} must be 0"
+        )
+
+
+def check_parallel_layout(
+    world_size: int,
+    tensor_sequence_parallel_size: int,
+    pipeline_model_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+) -> None:
+    d = tensor_sequence_parallel_size
+    if not isinstance(d, int) or d < 1:
+        raise ValueError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
+    if tensor_model_parallel_size not in (1, d) or (tensor_model_parallel_size > 1 and d == 1):
+        raise ValueError(
+            f"--tensor-model-parallel-size={tensor_model_parallel_size} cannot be combined with "
+            f"{TSP_FLAG}={d}: TSP already uses the tensor-parallel ranks as its folded axis; "
+            f"leave --tensor-model-parallel-size at 1"
+        )
+    if context_parallel_size > 1:
+        raise ValueError(
+            f"--context-parallel-size={context_parallel_size} cannot be combined with "
+            f"{TSP_FLAG}={d}: TSP already shards the sequence over its group; use one or the other"
+        )
+    if pipeline_model_parallel_size < 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}"
+        )
+    model_parallel = d * pipeline_model_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by {TSP_FLAG}={d} x "
+            f"--pipeline-model-parallel-size={pipeline_model_parallel_size} = {model_parallel}"
+        )
+
+
+def check_model_shape(
+    tensor_sequence_parallel_size: int,
+    num_attention_heads: int,
+    num_query_groups: Optional[int] = None,
+    ffn_hidden_size: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    hidden_size: Optional[int] = None,
+) -> None:
+    d = tensor_sequence_parallel_size
+    _divides(num_attention_heads, "--num-attention-heads", d, "attention heads")
+    if num_query_groups is not None:
+        _divides(num_query_groups, "--num-query-groups", d, "key/value head groups")
+        if num_attention_heads % num_query_groups != 0:
+            raise ValueError(
+                f"--num-attention-heads={num_attention_heads} is not divisible by "
+                f"--num-query-groups={num_query_groups}"
+            )
+    if ffn_hidden_size is not None:
+        _divides(ffn_hidden_size, "--ffn-hidden-size", d, "the MLP's intermediate dimension")
+    if vocab_size is not None:
+        _divides(vocab_size, "--vocab-size (padded)", d, "the vocabulary (embedding and output layer)")
+    if hidden_size is not None and hidden_size % num_attention_heads != 0:
+        raise ValueError(
+            f"--hidden-size={hidden_size} is not divisible by "
+            f"--num-attention-heads={num_attention_heads}"
+        )
+    if seq_length is not None:
+        check_sequence_length(seq_length, d)
+
+
+def check_transformer_config(config, vocab_size: Optional[int] = None,
+                             seq_length: Optional[int] = None) -> None:
+    """Check a megatron-core ``TransformerConfig`` meant for TSP (``tensor_model_parallel_size``
+    is the TSP group size)."""
+    d = config.tensor_model_parallel_size
+    if d > 1 and not config.sequence_parallel:
+        raise ValueError(
+            "TSP runs on the tensor-parallel ranks with sequence-parallel activations: "
+            "set sequence_parallel=True (--sequence-parallel) in the TransformerConfig"
+        )
+    if config.context_parallel_size > 1:
+        check_parallel_layout(d, d, context_parallel_size=config.context_parallel_size)
+    check_model_shape(
+        d,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        ffn_hidden_size=config.ffn_hidden_size,
+        vocab_size=vocab_size,
+        seq_length=seq_length,
+        hidden_size=config.hidden_size,
+    )
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError("TSP supports dense MLPs only: --num-experts (MoE) is not supported")
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("TSP supports standard self-attention only: --multi-latent-attention")
+    if getattr(config, "qk_layernorm", False):
+        raise ValueError("TSP attention does not support --qk-layernorm yet")

@@ -1,0 +1,134 @@
+"""Zigzag sequence partition for causal load balance.
+
+The sequence of length S is cut into 2D chunks of C = S / (2D) tokens. Rank r of a group of size D
+holds chunks ``r`` and ``2D-1-r`` in that order, so every rank owns one "early" and one "late" chunk
+and does the same amount of causal-attention work.
+
+Two views of the same layout are used:
+
+* split / unsplit: a rank's local ``[2C]`` slice of a tensor, and the inverse;
+* permute / unpermute: the whole sequence reordered as ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]`` so that
+  Megatron's *contiguous* sequence-parallel shards are exactly the zigzag chunks. This is what
+  ``get_batch_on_this_tsp_rank`` applies to a batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional, Sequence
+
+import torch
+
+
+def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
+    if group_size < 1:
+        raise ValueError(f"tensor-sequence-parallel size must be >= 1, got {group_size}")
+    if seq_length % (2 * group_size) != 0:
+        raise ValueError(
+            f"{flag}={seq_length} must be divisible by 2 x tensor-sequence-parallel size "
+            f"= {2 * group_size} (zigzag partition into 2D chunks)"
+        )
+
+
+def chunk_ids(group_size: int, rank: int) -> tuple[int, int]:
+    """The two zigzag chunk indices held by ``rank``, in local order."""
+    return rank, 2 * group_size - 1 - rank
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(seq_length: int, group_size: int) -> torch.Tensor:
+    check_sequence_length(seq_length, group_size)
+    chunk = seq_length // (2 * group_size)
+    order = []
+    for rank in range(group_size):
+        for c in chunk_ids(group_size, rank):
+            order.append(torch.arange(c * chunk, (c + 1) * chunk))
+    return torch.cat(order)
+
+
+def permutation(seq_length: int, group_size: int) -> torch.Tensor:
+    """Index ``perm`` with ``permuted = full[perm]``: positions of the zigzag order."""
+    return _permutation(seq_length, group_size).clone()
+
+
+def inverse_permutation(seq_length: int, group_size: int) -> torch.Tensor:
+    perm = _permutation(seq_length, group_size)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(seq_length)
+    return inv
+
+
+def local_positions(seq_length: int, group_size: int, rank: int) -> torch.Tensor:
+    """True sequence positions of the ``2C`` tokens held by ``rank``, in local order."""
+    local = seq_length // group_size
+    return _permutation(seq_length, group_size)[rank * local : (rank + 1) * local].clone()
+
+
+def permute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
+    perm = _permutation(x.shape[dim], group_size).to(x.device)
+    return x.index_select(dim, perm)
+
+
+def unpermute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
+    inv = inverse_permutation(x.shape[dim], group_size).to(x.device)
+    return x.index_select(dim, inv)
+
+
+def split(x: torch.Tensor, group_size: int, rank: int, dim: int) -> torch.Tensor:
+    """This rank's local slice (chunks r and 2D-1-r, concatenated) of a full-sequence tensor."""
+    check_sequence_length(x.shape[dim], group_size)
+    chunks = x.chunk(2 * group_size, dim=dim)
+    a, b = chunk_ids(group_size, rank)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def unsplit(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of ``split``: ``parts[r]`` is rank r's local slice."""
+    group_size = len(parts)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    ordered = [halves[c][0] for c in range(group_size)]
+    ordered += [halves[group_size - 1 - i][1] for i in range(group_size)]
+    return torch.cat(ordered, dim=dim)
+
+
+def natural_order_from_gathered(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
+    """Reorder a tensor all-gathered over the group (rank-major zigzag order) to natural order."""
+    return unpermute(x, group_size, dim)
+
+
+BATCH_SEQ_DIM = 1
+
+
+def get_batch_on_this_tsp_rank(
+    batch: Dict[str, Optional[torch.Tensor]],
+    group_size: Optional[int] = None,
+) -> Dict[str, Optional[torch.Tensor]]:
+    """Zigzag-permute a Megatron ``get_batch`` dict along the sequence.
+
+    In: the full-sequence batch every TP/TSP rank receives from Megatron's data broadcast:
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` as ``[b, s]`` and ``attention_mask`` as
+    ``[b, 1, s, s]`` (any key may be missing or None).
+
+    Out: the same keys, reordered along ``s`` to ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]``. Fed to a
+    ``GPTModel`` running with sequence parallelism, Megatron's embedding scatters contiguous
+    sequence shards, so TSP rank r works on chunks r and 2D-1-r. ``position_ids`` keep the tokens'
+    true positions. The per-token losses the model returns (``[b, s]``) are in the same permuted
+    order; ``loss_mask`` is permuted identically, so ``sum(loss * mask) / sum(mask)`` equals the
+    unpermuted objective. ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
+    """
+    if group_size is None:
+        from megatron_tsp import parallel_state
+
+        group_size = parallel_state.get_tensor_sequence_parallel_world_size()
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    for key, value in batch.items():
+        if value is None or group_size == 1:
+            out[key] = value
+        elif key == "attention_mask":
+            out[key] = permute(permute(value, group_size, dim=-1), group_size, dim=-2)
+        elif torch.is_tensor(value) and value.dim() >= 2:
+            check_sequence_length(value.shape[BATCH_SEQ_DIM], group_size)
+            out[key] = permute(value, group_size, dim=BATCH_SEQ_DIM)
+        else:
+            out[key] = value
+    return out
