@@ -92,3 +92,29 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
 
 # Module attributes for Megatron-LM's ``--spec megatron_tsp.specs <name>``.
 gpt_tsp_layer_spec = get_gpt_layer_tsp_spec()
+
+
+def get_gpt_layer_local_sp_spec(normalization: Optional[str] = None) -> ModuleSpec:
+    """Megatron's stock local layer spec (TP / TP+SP baseline) with a norm that accepts
+    sequence-parallel configs on machines without apex / Transformer Engine. Only the norm class
+    differs from ``get_gpt_layer_local_spec``; the linear layers and attention are Megatron's."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.submodules.input_layernorm = TSPNorm
+    spec.submodules.pre_mlp_layernorm = TSPNorm
+    return spec
+
+
+def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
+                                vp_stage: Optional[int] = None,
+                                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
+    layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
+    try:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    except TypeError:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)

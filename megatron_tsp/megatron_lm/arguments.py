@@ -221,6 +221,15 @@ def check_validated_args(args) -> None:
     d = tsp_size(args)
     if d is None:
         return
+    try:
+        _check_validated_args(args, d)
+    except TSPArgumentError:
+        raise
+    except ValueError as exc:
+        raise TSPArgumentError(str(exc)) from exc
+
+
+def _check_validated_args(args, d: int) -> None:
     world = getattr(args, "world_size", None)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if world is not None:

@@ -1,0 +1,685 @@
+"""One rank of a real training step, measured without GPUs.
+
+``run_step(RunConfig)`` builds megatron-core's ``GPTModel`` for one rank of a TSP, TP, TP+SP or
+TP x CP job, wraps it in Megatron's ``DistributedDataParallel`` (fp32 ``main_grad`` buffer),
+builds a mixed-precision Adam (fp32 master weights + m + v, optionally sharded over data
+parallelism like Megatron's distributed optimizer) and runs forward, backward, gradient
+finalisation and the optimizer step once. With ``fake=True`` every tensor is a ``FakeTensor``
+(shapes only, no storage) and the process group is torch's ``fake`` backend (collectives return at
+once), so one 2-core machine can run one rank of a 7B / 128k / D=8 job. torch's ``MemTracker``
+categorises every live storage (parameters, gradients, optimizer state, activations, temporaries)
+and records the peak; ``FlopCounterMode`` counts GEMM and attention FLOPs on the same run, and
+``CommCounter`` records the collectives.
+
+With ``fake=False`` the same code runs with real tensors (small shapes) and the peak is read from
+the CPU allocator itself (torch profiler memory events, "Total Allocated"), an independent check
+of the fake-tensor number.
+
+Attention stand-in. Megatron's local ``DotProductAttention`` materialises the ``[b, np, s, s]``
+score matrix (137 GB per layer at 128k) and rejects context parallelism; GPU runs use TE's flash
+attention. Every scheme here uses the same flash-equivalent kernel, torch's CPU flash attention
+(``_scaled_dot_product_flash_attention_for_cpu``: saves only the output and the fp32 log-sum-exp,
+recomputes the probabilities in backward), through ``ChunkedCausalAttention``:
+
+* TP / TP+SP: one causal call over the local heads and the whole sequence.
+* TP x CP: Megatron's zigzag layout (CP rank r holds chunks r and 2CP-1-r). K/V are all-gathered
+  over the CP group (TE's ``cp_comm_type="all_gather"``), each local chunk attends to keys
+  [0, (c+1)C) with a bottom-right aligned causal mask, only the local q/k/v/out/lse are saved,
+  backward all-gathers K/V again and reduce-scatters dK/dV.
+* TSP: the lead's ``zigzag_causal_attention`` (SDPA with a ``causal_lower_right`` bias) is swapped
+  for the same chunked kernel while the run is measured. On CUDA that bias runs the
+  memory-efficient kernel with no materialised mask; on CPU it would materialise a
+  ``[C, (c+1)C]`` boolean mask and keep it alive in backward, which is a CPU artefact.
+
+Bottom-right causal masks are made from two flash calls (a non-causal prefix block and a causal
+diagonal block) merged with their log-sum-exps; backward calls the flash backward on both blocks
+with the merged output and log-sum-exp, which is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tsp.estimator import flops_count
+
+SCHEMES = ("tsp", "tp", "tpsp", "cp")
+SCHEME_LABELS = {"tsp": "TSP", "tp": "TP", "tpsp": "TP+SP", "cp": "TPxCP"}
+GB = 1e9
+GIB = 2 ** 30
+
+_fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_fb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    query_groups: Optional[int] = None  # None: MHA
+    ffn: Optional[int] = None  # None: 4 * hidden
+    vocab: int = 32000
+    gated: bool = False  # SwiGLU-style fc1 (gate and up)
+    normalization: str = "LayerNorm"
+    tie_embeddings: bool = False
+
+    @property
+    def groups(self) -> int:
+        return self.query_groups or self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+
+PRESETS = {
+    # The paper's 7B-class model: h=4096, 32 layers, 32 Q/KV heads, FFN 4h (GELU), untied
+    # embedding/output with a 32k vocabulary (padded by Megatron to 32768 for TP=8).
+    "7b": ModelShape(hidden=4096, layers=32, heads=32, vocab=32000),
+    "tiny": ModelShape(hidden=128, layers=2, heads=8, vocab=512),
+    "small": ModelShape(hidden=256, layers=4, heads=8, vocab=2048),
+}
+
+
+@dataclass
+class RunConfig:
+    scheme: str = "tsp"  # tsp | tp | tpsp | cp
+    model: ModelShape = PRESETS["7b"]
+    world_size: int = 8
+    tp: int = 8  # the TSP group size D for scheme "tsp"
+    cp: int = 1
+    seq: int = 16384
+    micro_batch: int = 1
+    dtype: str = "bf16"  # bf16 | fp32
+    recompute: str = "none"  # none | full (Megatron: granularity full, method uniform, 1 layer)
+    distributed_optimizer: bool = False
+    fake: bool = True
+    count_flops: bool = True
+    count_comm: bool = True
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.scheme in ("tsp", "tpsp") or (self.scheme == "cp" and self.tp > 1)
+
+    @property
+    def label(self) -> str:
+        if self.scheme == "tsp":
+            return f"TSP D={self.tp}"
+        if self.scheme == "cp":
+            return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
+        return f"{SCHEME_LABELS[self.scheme]}={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
+
+    def validate(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme != "cp" and self.cp != 1:
+            raise ValueError(f"--cp {self.cp} needs scheme 'cp'")
+        if self.scheme == "cp" and self.cp < 2:
+            raise ValueError("scheme 'cp' needs --cp >= 2")
+        if self.world_size % (self.tp * self.cp):
+            raise ValueError(f"world size {self.world_size} is not divisible by TP*CP={self.tp * self.cp}")
+        m = self.model
+        for what, n in (("heads", m.heads), ("query groups", m.groups), ("ffn", m.ffn_size)):
+            if n % self.tp:
+                raise ValueError(f"{what} ({n}) not divisible by TP/D={self.tp}")
+        split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
+                 "tp": 1}[self.scheme]
+        if self.seq % split:
+            raise ValueError(f"sequence length {self.seq} must be divisible by {split} for {self.label}")
+        if self.recompute not in ("none", "full"):
+            raise ValueError("recompute must be 'none' or 'full'")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError("dtype must be bf16 or fp32")
+
+    def padded_vocab(self) -> int:
+        mult = self.make_vocab_size_divisible_by * self.tp
+        return int(math.ceil(self.model.vocab / mult) * mult)
+
+
+@dataclass
+class RunResult:
+    config: dict
+    label: str
+    peak_bytes: int
+    peak_breakdown: Dict[str, int]  # MemTracker categories at the peak
+    static_bytes: Dict[str, int]  # params / grads / optimizer state allocated before the step
+    params_local: int
+    flops: Dict[str, int] = field(default_factory=dict)
+    comm: Dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    real_peak_bytes: Optional[int] = None  # allocator peak (real runs only)
+    peak_phase: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, default=str)
+
+
+# --------------------------------------------------------------------------------------------
+# flash-equivalent attention with bottom-right causal chunks
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
+    if g.shape[1] == groups:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, groups, h // groups, s, d).sum(dim=2)
+
+
+def _lr_forward(q, k, v, scale):
+    """Bottom-right causal flash attention, [b, h, l, d] layout; returns (out, lse)."""
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    lq, lk = q.shape[2], k.shape[2]
+    prefix = lk - lq
+    if prefix == 0:
+        return _fa(q, k, v, 0.0, True, scale=scale)
+    oa, la = _fa(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    ob, lb = _fa(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(la, lb)
+    wa = torch.exp(la - lse).unsqueeze(-1)
+    out = torch.mul(oa, wa.to(oa.dtype))
+    del oa, wa
+    wb = torch.exp(lb - lse).unsqueeze(-1)
+    out.addcmul_(ob, wb.to(ob.dtype))
+    return out, lse
+
+
+def _lr_backward(dout, q, k, v, out, lse, scale):
+    groups = k.shape[1]
+    ke, ve = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    lq, lk = q.shape[2], ke.shape[2]
+    prefix = lk - lq
+    if prefix == 0:
+        dq, dk, dv = _fb(dout, q, ke, ve, out, lse, 0.0, True, scale=scale)
+    else:
+        dqa, dka, dva = _fb(dout, q, ke[:, :, :prefix], ve[:, :, :prefix], out, lse, 0.0, False,
+                            scale=scale)
+        dqb, dkb, dvb = _fb(dout, q, ke[:, :, prefix:], ve[:, :, prefix:], out, lse, 0.0, True,
+                            scale=scale)
+        dq = dqa.add_(dqb)
+        dk = torch.cat([dka, dkb], dim=2)
+        dv = torch.cat([dva, dvb], dim=2)
+    return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
+
+
+def _gather_natural(t: torch.Tensor, group) -> torch.Tensor:
+    from megatron_tsp import zigzag
+    from megatron_tsp.comm import all_gather_seq
+
+    return zigzag.unpermute(all_gather_seq(t, group), dist.get_world_size(group), dim=0)
+
+
+class ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention of query chunks against a prefix of the keys, flash-style.
+
+    q: [sq, b, np, hn]; k, v: [sk, b, ng, hn] in natural order, or, with ``group``, this rank's
+    zigzag slice (all-gathered inside, gradients reduce-scattered). ``chunks``: one
+    ``(q_start, q_len, kv_len)`` per query chunk; chunk queries are the last ``q_len`` positions of
+    keys [0, kv_len). Returns [sq, b, np, hn]. Saves q, k, v (local), out and the fp32 lse.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, chunks, group):
+        k_nat = _gather_natural(k, group) if group is not None else k
+        v_nat = _gather_natural(v, group) if group is not None else v
+        out = torch.empty_like(q)
+        lses = []
+        for start, length, kv_len in chunks:
+            qc = q[start:start + length].permute(1, 2, 0, 3)
+            kc = k_nat[:kv_len].permute(1, 2, 0, 3)
+            vc = v_nat[:kv_len].permute(1, 2, 0, 3)
+            o, lse = _lr_forward(qc, kc, vc, scale)
+            out[start:start + length].copy_(o.permute(2, 0, 1, 3))
+            lses.append(lse)
+            del o
+        del k_nat, v_nat
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.scale, ctx.chunks, ctx.group = scale, chunks, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, *lses = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        k_nat = _gather_natural(k, group) if group is not None else k
+        v_nat = _gather_natural(v, group) if group is not None else v
+        dq = torch.empty_like(q)
+        dk_nat = torch.zeros_like(k_nat)
+        dv_nat = torch.zeros_like(v_nat)
+        for (start, length, kv_len), lse in zip(ctx.chunks, lses):
+            sl = slice(start, start + length)
+            dqc, dkc, dvc = _lr_backward(
+                dout[sl].permute(1, 2, 0, 3), q[sl].permute(1, 2, 0, 3),
+                k_nat[:kv_len].permute(1, 2, 0, 3), v_nat[:kv_len].permute(1, 2, 0, 3),
+                out[sl].permute(1, 2, 0, 3), lse, scale)
+            dq[sl].copy_(dqc.permute(2, 0, 1, 3))
+            dk_nat[:kv_len].add_(dkc.permute(2, 0, 1, 3))
+            dv_nat[:kv_len].add_(dvc.permute(2, 0, 1, 3))
+            del dqc, dkc, dvc
+        del k_nat, v_nat
+        if group is not None:
+            from megatron_tsp import zigzag
+            from megatron_tsp.comm import reduce_scatter_seq
+
+            size = dist.get_world_size(group)
+            dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
+            dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
+        else:
+            dk, dv = dk_nat, dv_nat
+        return dq, dk, dv, None, None, None
+
+
+def zigzag_chunks(local_len: int, size: int, rank: int) -> List[Tuple[int, int, int]]:
+    """(q_start, q_len, kv_len) of the two zigzag chunks of ``rank`` in a group of ``size``."""
+    c = local_len // 2
+    first, second = rank, 2 * size - 1 - rank
+    return [(0, c, (first + 1) * c), (c, c, (second + 1) * c)]
+
+
+def chunked_zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout,
+                                    dropout_p: float = 0.0) -> torch.Tensor:
+    """Flash-equivalent drop-in for ``megatron_tsp.layers.attention.zigzag_causal_attention``."""
+    if dropout_p:
+        raise ValueError("the measurement stand-in supports attention_dropout=0 only")
+    c_len = q.shape[0] // len(chunks)
+    spec = [(i * c_len, c_len, (c + 1) * c_len) for i, c in enumerate(chunks)]
+    out = ChunkedCausalAttention.apply(q, k_nat, v_nat, layout.softmax_scale, spec, None)
+    return out.view(q.shape[0], q.shape[1], -1)
+
+
+try:
+    from megatron.core.transformer.module import MegatronModule as _Base
+except ImportError:  # pragma: no cover
+    _Base = torch.nn.Module
+
+
+class FlashCoreAttention(_Base):
+    """``core_attention`` for Megatron's local spec: flash-equivalent memory, CP via all-gather."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core import parallel_state as mpu
+
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        tp_group = tp_group or mpu.get_tensor_model_parallel_group()
+        if config.context_parallel_size > 1:
+            cp_group = cp_group or mpu.get_context_parallel_group()
+        else:
+            cp_group = None
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+            raise ValueError("FlashCoreAttention (measurement stand-in) needs attention_dropout=0")
+        self.cp_group = cp_group
+        kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
+        self.scale = softmax_scale or (1.0 / math.sqrt(kv_channels))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        sq, b = query.shape[0], query.shape[1]
+        if self.cp_group is None:
+            chunks, group = [(0, sq, sq)], None
+        else:
+            size, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+            chunks, group = zigzag_chunks(sq, size, rank), self.cp_group
+        out = ChunkedCausalAttention.apply(query, key, value, self.scale, chunks, group)
+        return out.view(sq, b, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# process groups and model
+
+
+def _ensure_fake_world(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a non-fake process group is already initialised in this process")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _init_parallel(cfg: RunConfig) -> None:
+    from megatron.core import parallel_state as mpu
+
+    from megatron_tsp import parallel_state as tsp_ps
+
+    if mpu.model_parallel_is_initialized():
+        tsp_ps.destroy_model_parallel()
+    kwargs = dict(create_gloo_process_groups=False)
+    if cfg.scheme == "tsp":
+        tsp_ps.initialize_model_parallel(tensor_sequence_parallel_size=cfg.tp, **kwargs)
+    else:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,
+                                      context_parallel_size=cfg.cp, **kwargs)
+
+
+def _transformer_config(cfg: RunConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = cfg.model
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    extra = {}
+    if cfg.recompute == "full":
+        extra = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=m.layers, hidden_size=m.hidden, num_attention_heads=m.heads,
+        num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size,
+        gated_linear_unit=m.gated,
+        activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
+        normalization=m.normalization,
+        tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
+        sequence_parallel=cfg.sequence_parallel,
+        params_dtype=dtype, bf16=cfg.dtype == "bf16", pipeline_dtype=dtype,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, perform_initialization=not cfg.fake,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
+        add_bias_linear=False,
+        **extra,
+    )
+
+
+def _layer_spec(cfg: RunConfig, config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_tsp.layers.norm import TSPNorm
+
+    if cfg.scheme == "tsp":
+        from megatron_tsp.specs import get_gpt_block_tsp_spec
+
+        return get_gpt_block_tsp_spec(config)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; TSPNorm is the same
+    # torch norm with its params tagged sequence_parallel (what TE/apex norms do under SP).
+    spec.submodules.input_layernorm = TSPNorm
+    spec.submodules.pre_mlp_layernorm = TSPNorm
+    spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.layers, layer_norm=TSPNorm)
+
+
+def _build_model(cfg: RunConfig, config):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config, transformer_layer_spec=_layer_spec(cfg, config),
+        vocab_size=cfg.padded_vocab(), max_sequence_length=cfg.seq,
+        pre_process=True, post_process=True, parallel_output=True,
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+        position_embedding_type="rope",
+    )
+
+
+@contextlib.contextmanager
+def _tsp_attention_standin(enabled: bool):
+    """Swap the TSP layer's SDPA+causal_lower_right call for the flash-equivalent kernel."""
+    if not enabled:
+        yield
+        return
+    import megatron_tsp.layers.attention as tsp_attn
+
+    saved = tsp_attn.zigzag_causal_attention
+    tsp_attn.zigzag_causal_attention = chunked_zigzag_causal_attention
+    try:
+        yield
+    finally:
+        tsp_attn.zigzag_causal_attention = saved
+
+
+# --------------------------------------------------------------------------------------------
+# mixed-precision optimizer (what Megatron's Float16Optimizer / DistributedOptimizer allocate)
+
+
+class MasterAdam:
+    """fp32 master weights + Adam (m, v) over the DDP grad buffers.
+
+    Per DDP bucket, the optimizer owns a flat fp32 master tensor of the bucket's numel (or, with
+    the distributed optimizer, this DP rank's 1/DP shard of it) whose ``.grad`` is a view of the
+    fp32 main-grad buffer (Megatron does the same: no extra gradient copy). Adam runs fused (no
+    temporaries, like apex/TE FusedAdam). After the step the master values are copied into the
+    bf16 parameters (and, sharded, all-gathered over DP into the param buffer, in place).
+    """
+
+    def __init__(self, ddp_model, dp_group, distributed: bool, lr: float = 1e-4):
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        dp_rank = dist.get_rank(dp_group)
+        self.distributed = distributed
+        self.entries = []  # (bucket, master, lo, hi, [(param, start, end)])
+        masters = []
+        buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
+        for buffer in buffers:
+            for bucket in buffer.buckets:
+                n = bucket.grad_data.numel()
+                if distributed:
+                    per = n // self.dp_size  # Megatron pads buckets to a multiple of DP
+                    lo, hi = dp_rank * per, (dp_rank + 1) * per
+                else:
+                    lo, hi = 0, n
+                ranges = []
+                for param in bucket.params_list:
+                    start, end, _ = buffer.param_index_map[param]
+                    ranges.append((param, start - bucket.offset, end - bucket.offset))
+                master = torch.empty(hi - lo, dtype=torch.float32, device=bucket.grad_data.device)
+                with torch.no_grad():
+                    self._copy(ranges, lo, hi, master, to_master=True)
+                if bucket.grad_data.dtype == torch.float32:
+                    master.grad = bucket.grad_data[lo:hi]
+                self.entries.append((bucket, master, lo, hi, ranges))
+                masters.append(master)
+        self.optimizer = torch.optim.Adam(masters, lr=lr, fused=True)
+        for p in masters:  # steady state: Adam's m and v exist before the measured step
+            self.optimizer.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+
+    @staticmethod
+    def _copy(ranges, lo, hi, master, to_master: bool) -> None:
+        for param, start, end in ranges:
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            flat = param.data.view(-1)[a - start:b - start]
+            if to_master:
+                master[a - lo:b - lo].copy_(flat)
+            else:
+                flat.copy_(master[a - lo:b - lo])
+
+    def tensors(self) -> List[torch.Tensor]:
+        out = [m for _, m, *_ in self.entries]
+        for st in self.optimizer.state.values():
+            out += [t for t in st.values() if isinstance(t, torch.Tensor)]
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for bucket, master, lo, hi, _ in self.entries:
+            if master.grad is None:  # bf16 grad buffer: an fp32 copy for the step
+                master.grad = bucket.grad_data[lo:hi].float()
+        self.optimizer.step()
+        for bucket, master, lo, hi, ranges in self.entries:
+            self._copy(ranges, lo, hi, master, to_master=False)
+            if self.distributed and self.dp_size > 1 and bucket.param_data is not None:
+                dist.all_gather_into_tensor(bucket.param_data, bucket.param_data[lo:hi],
+                                            group=self.dp_group)
+
+
+# --------------------------------------------------------------------------------------------
+# the measured step
+
+
+def _tag(tracker, tensor: torch.Tensor, category) -> None:
+    """Put an existing storage under ``category`` in MemTracker (creating it if untracked)."""
+    tracker._update_and_maybe_create_winfos(tensor, category)
+
+
+def _profile_peak(trace_path: str, start_ts: float) -> int:
+    with open(trace_path) as f:
+        trace = json.load(f)
+    peak = 0
+    for ev in trace.get("traceEvents", []):
+        if ev.get("name") == "[memory]" and ev.get("ts", 0) >= start_ts:
+            total = ev.get("args", {}).get("Total Allocated")
+            if total is not None:
+                peak = max(peak, int(total))
+    return peak
+
+
+def _step_start_ts(trace_path: str) -> float:
+    with open(trace_path) as f:
+        trace = json.load(f)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("name") == "tsp_measured_step":
+            return float(ev["ts"])
+    raise RuntimeError("profiler trace has no measured-step marker")
+
+
+def run_step(cfg: RunConfig) -> RunResult:
+    """Build one rank of ``cfg`` and run one full training step; see the module docstring."""
+    cfg.validate()
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from megatron_tsp.comm_counter import CommCounter
+    from megatron_tsp.cpu_support import enable_cpu_support
+
+    t0 = time.time()
+    enable_cpu_support()
+    _ensure_fake_world(cfg.world_size)
+    _init_parallel(cfg)
+    config = _transformer_config(cfg)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
+    torch.manual_seed(1234)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg.fake else contextlib.nullcontext()
+    profiler = None
+    trace_dir = None
+    if not cfg.fake:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        profiler.__enter__()
+
+    try:
+        with fake_mode:
+            model = _build_model(cfg, config)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.distributed_optimizer, bucket_size=None)
+            ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+            optimizer = MasterAdam(ddp, mpu.get_data_parallel_group(with_context_parallel=True),
+                                   cfg.distributed_optimizer)
+            local_seq = cfg.seq // cfg.cp
+            b = cfg.micro_batch
+            gen_tokens = (lambda: torch.randint(0, cfg.model.vocab, (b, local_seq)))
+            tokens, labels = gen_tokens(), gen_tokens()
+            if cfg.scheme == "cp":
+                # Megatron's get_batch_on_this_cp_rank: zigzag chunks r and 2CP-1-r
+                from megatron_tsp import zigzag
+
+                cp_rank = mpu.get_context_parallel_rank()
+                pos = zigzag.local_positions(cfg.seq, cfg.cp, cp_rank).unsqueeze(0).expand(b, -1)
+            else:
+                pos = torch.arange(local_seq).unsqueeze(0).expand(b, -1)
+            params_local = sum(p.numel() for p in ddp.parameters())
+
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer.optimizer)
+            for buffer in ddp.buffers:
+                _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
+                if buffer.param_data is not None:
+                    _tag(tracker, buffer.param_data, _MemRefType.PARAM)
+            for t in optimizer.tensors():
+                _tag(tracker, t, _MemRefType.OPT)
+            static = {str(k.value if hasattr(k, "value") else k): int(v)
+                      for k, v in next(iter(tracker.get_tracker_snapshot("current").values()), {}).items()}
+
+            flop_counter = flops_count.make_flop_counter() if cfg.count_flops else contextlib.nullcontext()
+            comm = CommCounter() if cfg.count_comm else contextlib.nullcontext()
+            phase = {"name": "forward"}
+            with _tsp_attention_standin(cfg.scheme == "tsp"), comm, tracker, flop_counter:
+                with torch.autograd.profiler.record_function("tsp_measured_step"):
+                    ddp.zero_grad_buffer()
+                    # DDP's forward only forwards to the module (its ``buffers`` attribute, a list, shadows
+                    # nn.Module.buffers(), which MemTracker's module hooks call); grad hooks stay.
+                    loss_per_token = model(tokens, pos, None, labels=labels)
+                    loss = loss_per_token.float().sum() / loss_per_token.numel()
+                    phase["name"] = "backward"
+                    loss.backward()
+                    del loss, loss_per_token
+                    finalize_model_grads([ddp])
+                    phase["name"] = "optimizer"
+                    optimizer.step()
+            peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    finally:
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+
+    breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak_snap.items()}
+    peak = breakdown.pop("Total", sum(breakdown.values()))
+    result = RunResult(
+        config=_config_dict(cfg), label=cfg.label, peak_bytes=peak, peak_breakdown=breakdown,
+        static_bytes=static, params_local=int(params_local))
+    if cfg.count_flops:
+        result.flops = flops_count.summarize(flop_counter)
+    if cfg.count_comm:
+        result.comm = {
+            "recv_bytes_forward": float(comm.recv_bytes(phase="forward")),
+            "recv_bytes_backward": float(comm.recv_bytes(phase="backward")),
+            "calls": len(comm.records) if hasattr(comm, "records") else 0,
+        }
+    if profiler is not None:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            profiler.export_chrome_trace(path)
+            result.real_peak_bytes = _profile_peak(path, _step_start_ts(path))
+    result.wall_s = time.time() - t0
+    del ddp, model, optimizer, tracker
+    gc.collect()
+    return result
+
+
+def _config_dict(cfg: RunConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["padded_vocab"] = cfg.padded_vocab()
+    d["dp"] = cfg.dp
+    d["sequence_parallel"] = cfg.sequence_parallel
+    return d

@@ -1,0 +1,517 @@
+"""Closed-form communication and FLOP counts for one transformer layer.
+
+Everything here is per rank and per micro-batch. Communication is counted as the bytes a rank
+RECEIVES, with the conventions of :mod:`megatron_tsp.comm_counter` (n = payload bytes of the call,
+D = group size, f = (D-1)/D):
+
+    all_gather  f * n_out       reduce_scatter  f * n_in       all_reduce  2 f * n
+    broadcast / reduce  f * n (averaged over the ranks)         recv  n      send  0
+
+so every formula below can be compared one-to-one with a ``CommCounter`` run.
+
+Notation (``LayerShape``): B micro-batch, S full sequence length, h hidden, a heads,
+g query groups (= a for MHA), hn = h / a, h_kv = g * hn, F ffn hidden.
+
+Schedules (per layer, per rank, in elements):
+
+TSP, group D (weights move, tokens stay)
+    attn fwd   broadcast of every owner's (qkv w, qkv b, proj w) shard      f * W_attn   [weight]
+               all-gather K, V per head-group shard                         f * 2BSh_kv  [activation]
+    mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)         f * W_mlp    [weight]
+    attn bwd   re-broadcast weights                                         f * W_attn   [weight]
+               re-gather K, V (not kept from the forward)                   f * 2BSh_kv  [activation]
+               reduce-scatter dK, dV back to the token owners               f * 2BSh_kv  [activation]
+               reduce each weight-grad shard to its owner                   f * W_attn   [grad]
+    mlp bwd    ring again                                                   f * W_mlp    [weight]
+               gradient accumulator riding the ring one hop behind          f * W_mlp    [grad]
+    W_attn = W_qkv (+ qkv bias) + W_proj;  W_mlp = W_fc1 (+ fc1 bias) + W_fc2.
+    The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
+    by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
+
+Megatron TP + sequence parallel, group D (megatron-core 0.16.1, tensor_parallel/layers.py)
+    fwd: all-gather before QKV and fc1 (ColumnParallelLinear), reduce-scatter after proj and fc2
+         (RowParallelLinear)                                                f * 4BSh
+    bwd: ColumnParallelLinear re-all-gathers its saved local input (LinearWithGradAccumulation-
+         AndAsyncCommunication.backward, async, before the dgrad GEMM) and reduce-scatters dgrad
+         (async, overlapped with the wgrad GEMM); RowParallelLinear's reduce-scatter has an
+         all-gather of the output grad as adjoint                            f * 6BSh
+
+Megatron TP without SP: fwd 2 all-reduces of BSh (2f each) = f * 4BSh; bwd the two
+ColumnParallelLinear dgrad all-reduces = f * 4BSh.
+
+CP, group C, all-gather-K/V flavour: fwd all-gather K, V f * 2BSh_kv; bwd reduce-scatter dK, dV
+f * 2BSh_kv plus a re-gather f * 2BSh_kv unless the gathered K/V is kept. (Megatron's default CP
+through Transformer Engine passes K/V around a ring of P2P steps instead; it moves the same bytes
+per rank - C-1 steps of 2B(S/C)h_kv forward, K/V plus dK/dV backward - but one peer per step.)
+The data-parallel weight-grad reduce-scatter and parameter all-gather over the CP x DP group are per
+step, not per layer: see ``dp_step_comm``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+PHASES = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")
+
+
+# ---------------------------------------------------------------------------------------------
+# shape
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer as Megatron builds it, plus the micro-batch it processes."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    query_groups: Optional[int] = None  # None -> heads (multi-head attention)
+    ffn: Optional[int] = None  # None -> 4 * hidden
+    gated: bool = False  # SwiGLU / GeGLU: fc1 is [2F, h]
+    bias: bool = False  # add_bias_linear
+    dtype_bytes: int = 2  # activations and weights (bf16)
+    normalization: str = "LayerNorm"  # or "RMSNorm" (no bias parameter)
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} not divisible by heads {self.heads}")
+        if self.heads % self.groups:
+            raise ValueError(f"heads {self.heads} not divisible by query groups {self.groups}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"unknown normalization {self.normalization!r}")
+
+    # dimensions -----------------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return self.query_groups or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        return self.groups * self.head_dim
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def fc1_rows(self) -> int:
+        return (2 if self.gated else 1) * self.ffn_hidden
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def with_seq(self, seq: int) -> "LayerShape":
+        return _replace(self, seq=seq)
+
+    def with_batch(self, batch: int) -> "LayerShape":
+        return _replace(self, batch=batch)
+
+    # parameters (elements) ------------------------------------------------------------------
+    @property
+    def w_qkv(self) -> int:
+        return (self.hidden + 2 * self.kv_hidden) * self.hidden
+
+    @property
+    def b_qkv(self) -> int:
+        return (self.hidden + 2 * self.kv_hidden) if self.bias else 0
+
+    @property
+    def w_proj(self) -> int:
+        return self.hidden * self.hidden
+
+    @property
+    def b_proj(self) -> int:
+        return self.hidden if self.bias else 0
+
+    @property
+    def w_fc1(self) -> int:
+        return self.fc1_rows * self.hidden
+
+    @property
+    def b_fc1(self) -> int:
+        return self.fc1_rows if self.bias else 0
+
+    @property
+    def w_fc2(self) -> int:
+        return self.hidden * self.ffn_hidden
+
+    @property
+    def b_fc2(self) -> int:
+        return self.hidden if self.bias else 0
+
+    @property
+    def norm_params(self) -> int:
+        """Both norms of the layer (LayerNorm: weight + bias; RMSNorm: weight)."""
+        return 2 * self.hidden * (2 if self.normalization == "LayerNorm" else 1)
+
+    @property
+    def w_attn(self) -> int:
+        """Attention parameters TSP moves: qkv weight + qkv bias + proj weight."""
+        return self.w_qkv + self.b_qkv + self.w_proj
+
+    @property
+    def w_mlp(self) -> int:
+        """MLP parameters TSP moves: fc1 weight + fc1 bias + fc2 weight."""
+        return self.w_fc1 + self.b_fc1 + self.w_fc2
+
+    @property
+    def w_layer(self) -> int:
+        return self.w_attn + self.w_mlp
+
+    @property
+    def replicated_params(self) -> int:
+        """Parameters every TSP / TP rank holds in full: norms, proj bias, fc2 bias."""
+        return self.norm_params + self.b_proj + self.b_fc2
+
+    @property
+    def layer_params(self) -> int:
+        return self.w_layer + self.replicated_params
+
+
+def _replace(shape: LayerShape, **kw) -> LayerShape:
+    from dataclasses import replace
+
+    return replace(shape, **kw)
+
+
+def ring_factor(d: int) -> float:
+    """f = (D-1)/D."""
+    if d < 1:
+        raise ValueError(f"group size must be >= 1, got {d}")
+    return (d - 1) / d
+
+
+# ---------------------------------------------------------------------------------------------
+# communication terms
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommTerm:
+    """One communication pattern of a layer: ``nbytes`` received per rank.
+
+    ``category``: weight (parameter shards), grad (weight-gradient shards) or activation.
+    ``overlap``: what the term can hide behind - ``prefetch`` (data independent: any compute),
+    ``pipelined`` (issued per head group: hidden behind the previous group's compute except the
+    first of ``chunks``), ``async`` (issued asynchronously next to a GEMM of the same phase),
+    ``attn_core`` (hidden only behind attention-core compute), ``critical`` (blocks the next op).
+    ``link``: ``collective`` (uses all links of a full mesh) or ``p2p`` (one peer at a time).
+    """
+
+    phase: str  # one of PHASES
+    op: str  # broadcast, all_gather, reduce_scatter, reduce, all_reduce, p2p
+    category: str
+    elements: float
+    nbytes: float
+    group: str  # tsp, tp, cp
+    overlap: str
+    link: str = "collective"
+    chunks: int = 1
+    what: str = ""
+
+
+def _term(phase, op, category, elements, dtype_bytes, group, overlap, link="collective",
+          chunks=1, what=""):
+    return CommTerm(phase, op, category, elements, elements * dtype_bytes, group, overlap, link,
+                    chunks, what)
+
+
+def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None,
+                    regather_kv_bwd: bool = True) -> List[CommTerm]:
+    """Every communication of one TSP layer (see module docstring)."""
+    f = ring_factor(D)
+    b = shape.dtype_bytes
+    gb = grad_dtype_bytes or b
+    kv = 2 * shape.tokens * shape.kv_hidden
+    t = [
+        _term("attn_fwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "prefetch",
+              chunks=D, what="owner broadcasts qkv w/b + proj w shard"),
+        _term("attn_fwd", "all_gather", "activation", f * kv, b, "tsp", "pipelined", chunks=D,
+              what="all-gather K,V of one head group"),
+        _term("mlp_fwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
+              chunks=max(D - 1, 1), what="ring of fc1 w/b + fc2 w shards"),
+        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "prefetch",
+              chunks=D, what="re-broadcast attention weight shards"),
+    ]
+    if regather_kv_bwd:
+        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", "pipelined",
+                       chunks=D, what="re-gather K,V"))
+    t += [
+        _term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "tsp", "pipelined", chunks=D,
+              what="reduce-scatter dK,dV to token owners"),
+        _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "prefetch", chunks=D,
+              what="reduce weight-grad shard to owner"),
+        _term("mlp_bwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
+              chunks=max(D - 1, 1), what="ring of weight shards again"),
+        _term("mlp_bwd", "p2p", "grad", f * shape.w_mlp, gb, "tsp", "prefetch", link="p2p",
+              chunks=max(D - 1, 1), what="grad accumulator one hop behind"),
+    ]
+    return t
+
+
+def tp_sp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
+    """Megatron TP + sequence parallel (ColumnParallelLinear / RowParallelLinear with SP)."""
+    f = ring_factor(D)
+    b = shape.dtype_bytes
+    x = shape.tokens * shape.hidden
+    out = []
+    for blk, col, row in (("attn", "qkv", "proj"), ("mlp", "fc1", "fc2")):
+        out += [
+            _term(f"{blk}_fwd", "all_gather", "activation", f * x, b, "tp", "critical",
+                  what=f"all-gather before {col}"),
+            _term(f"{blk}_fwd", "reduce_scatter", "activation", f * x, b, "tp", "critical",
+                  what=f"reduce-scatter after {row}"),
+            _term(f"{blk}_bwd", "all_gather", "activation", f * x, b, "tp", "critical",
+                  what=f"all-gather of {row} output grad"),
+            _term(f"{blk}_bwd", "all_gather", "activation", f * x, b, "tp", "async",
+                  what=f"{col} re-gathers its saved input (async, before dgrad GEMM)"),
+            _term(f"{blk}_bwd", "reduce_scatter", "activation", f * x, b, "tp", "async",
+                  what=f"{col} dgrad reduce-scatter (async, behind wgrad GEMM)"),
+        ]
+    return out
+
+
+def tp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
+    """Megatron TP without sequence parallelism."""
+    f = ring_factor(D)
+    b = shape.dtype_bytes
+    x = shape.tokens * shape.hidden
+    out = []
+    for blk, col, row in (("attn", "qkv", "proj"), ("mlp", "fc1", "fc2")):
+        out += [
+            _term(f"{blk}_fwd", "all_reduce", "activation", 2 * f * x, b, "tp", "critical",
+                  what=f"all-reduce after {row}"),
+            _term(f"{blk}_bwd", "all_reduce", "activation", 2 * f * x, b, "tp", "async",
+                  what=f"{col} dgrad all-reduce (async, behind wgrad GEMM)"),
+        ]
+    return out
+
+
+def cp_layer_terms(shape: LayerShape, C: int, *, regather_kv_bwd: bool = True,
+                   kv_shard: int = 1) -> List[CommTerm]:
+    """Context parallelism, all-gather-K/V flavour. ``kv_shard``: TP degree sharding the heads."""
+    f = ring_factor(C)
+    b = shape.dtype_bytes
+    kv = 2 * shape.tokens * shape.kv_hidden / kv_shard
+    t = [_term("attn_fwd", "all_gather", "activation", f * kv, b, "cp", "attn_core",
+               what="all-gather K,V")]
+    if regather_kv_bwd:
+        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "cp", "attn_core",
+                       what="re-gather K,V"))
+    t.append(_term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "cp", "attn_core",
+                   what="reduce-scatter dK,dV"))
+    return t
+
+
+def tp_cp_layer_terms(shape: LayerShape, T: int, C: int, *, sequence_parallel: bool = True,
+                      regather_kv_bwd: bool = True) -> List[CommTerm]:
+    """TP (x SP) of size T inside each CP rank's B*S/C tokens, plus CP over C."""
+    local = shape.with_seq(shape.seq // C) if shape.seq % C == 0 else _replace(shape, seq=shape.seq / C)
+    tp = tp_sp_layer_terms(local, T) if sequence_parallel else tp_layer_terms(local, T)
+    return tp + cp_layer_terms(shape, C, regather_kv_bwd=regather_kv_bwd, kv_shard=T)
+
+
+def sum_terms(terms: List[CommTerm], by: str = "phase") -> Dict[str, float]:
+    """Received bytes summed by ``phase`` (always the four PHASES keys), ``category`` or ``op``."""
+    out: Dict[str, float] = {p: 0.0 for p in PHASES} if by == "phase" else {}
+    for t in terms:
+        key = getattr(t, by)
+        out[key] = out.get(key, 0.0) + t.nbytes
+    return out
+
+
+def split_terms(terms: List[CommTerm]) -> Dict[str, Dict[str, float]]:
+    """{phase: {category: bytes}} with categories weight, grad, activation (zeros included)."""
+    out = {p: {"weight": 0.0, "grad": 0.0, "activation": 0.0} for p in PHASES}
+    for t in terms:
+        out[t.phase][t.category] += t.nbytes
+    return out
+
+
+def tsp_layer_comm(shape: LayerShape, D: int, **kw) -> Dict[str, float]:
+    """Bytes received per rank: {attn_fwd, attn_bwd, mlp_fwd, mlp_bwd}. Splits: ``tsp_layer_split``."""
+    return sum_terms(tsp_layer_terms(shape, D, **kw))
+
+
+def tsp_layer_split(shape: LayerShape, D: int, **kw) -> Dict[str, Dict[str, float]]:
+    """{phase: {weight, grad, activation}} in bytes received per rank."""
+    return split_terms(tsp_layer_terms(shape, D, **kw))
+
+
+def tp_sp_layer_comm(shape: LayerShape, D: int) -> Dict[str, float]:
+    return sum_terms(tp_sp_layer_terms(shape, D))
+
+
+def tp_layer_comm(shape: LayerShape, D: int) -> Dict[str, float]:
+    return sum_terms(tp_layer_terms(shape, D))
+
+
+def cp_layer_comm(shape: LayerShape, C: int, **kw) -> Dict[str, float]:
+    return sum_terms(cp_layer_terms(shape, C, **kw))
+
+
+def tp_cp_layer_comm(shape: LayerShape, T: int, C: int, **kw) -> Dict[str, float]:
+    return sum_terms(tp_cp_layer_terms(shape, T, C, **kw))
+
+
+def fwd(comm: Dict[str, float]) -> float:
+    return comm["attn_fwd"] + comm["mlp_fwd"]
+
+
+def bwd(comm: Dict[str, float]) -> float:
+    return comm["attn_bwd"] + comm["mlp_bwd"]
+
+
+def total(comm: Dict[str, float]) -> float:
+    return fwd(comm) + bwd(comm)
+
+
+def replicated_grad_allreduce(shape: LayerShape, D: int, num_layers: int = 1,
+                              extra_params: int = 0, grad_dtype_bytes: int = 4) -> float:
+    """Per STEP: finalize_model_grads all-reduces the grads of params tagged sequence_parallel
+    (norms, proj/fc2 biases; ``extra_params`` e.g. the final norm) over the TSP / TP+SP group."""
+    n = num_layers * shape.replicated_params + extra_params
+    return 2 * ring_factor(D) * n * grad_dtype_bytes
+
+
+def head_comm(shape: LayerShape, D: int, strategy: str = "tsp", *,
+              logits_dtype_bytes: int = 4) -> Dict[str, float]:
+    """Embedding, output layer and vocab-parallel cross-entropy (per micro-batch, not per layer).
+
+    TSP and TP+SP share Megatron's SP path: fwd embedding reduce-scatter f*BSh, output-layer
+    all-gather f*BSh, three all-reduces of [B*S] fp32 in the cross-entropy (max, predicted logit,
+    sum-exp); bwd output-layer re-gather f*BSh + dgrad reduce-scatter f*BSh, embedding all-gather
+    f*BSh. Plain TP: embedding all-reduce 2f*BSh fwd, output-layer dgrad all-reduce 2f*BSh bwd,
+    same cross-entropy. CP: the head is replicated over the CP group (no communication)."""
+    f = ring_factor(D)
+    b = shape.dtype_bytes
+    x = shape.tokens * shape.hidden
+    ce = 3 * 2 * f * shape.tokens * logits_dtype_bytes
+    if strategy in ("tsp", "tp_sp"):
+        return {"fwd": 2 * f * x * b + ce, "bwd": 3 * f * x * b}
+    if strategy == "tp":
+        return {"fwd": 2 * f * x * b + ce, "bwd": 2 * f * x * b}
+    if strategy == "cp":
+        return {"fwd": 0.0, "bwd": 0.0}
+    raise ValueError(strategy)
+
+
+def dp_step_comm(local_params: float, dp: int, *, distributed_optimizer: bool = True,
+                 grad_dtype_bytes: int = 4, param_dtype_bytes: int = 2) -> Dict[str, float]:
+    """Per STEP data-parallel traffic per rank over a group of ``dp`` ranks that each hold
+    ``local_params`` parameters: distributed optimizer = grad reduce-scatter + param all-gather,
+    otherwise a grad all-reduce."""
+    f = ring_factor(dp)
+    if distributed_optimizer:
+        return {"grad_reduce": f * local_params * grad_dtype_bytes,
+                "param_gather": f * local_params * param_dtype_bytes}
+    return {"grad_reduce": 2 * f * local_params * grad_dtype_bytes, "param_gather": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# crossover
+# ---------------------------------------------------------------------------------------------
+_BASELINES = {"tp_sp": tp_sp_layer_comm, "tp": tp_layer_comm}
+
+
+def _select(comm: Dict[str, float], direction: str) -> float:
+    if direction == "fwd":
+        return fwd(comm)
+    if direction == "bwd":
+        return bwd(comm)
+    if direction in ("total", "fwd+bwd"):
+        return total(comm)
+    raise ValueError(f"direction must be fwd, bwd or total, got {direction!r}")
+
+
+def crossover_seq_length(shape: LayerShape, D: int, direction: str = "fwd",
+                         baseline: str = "tp_sp", **tsp_kw) -> float:
+    """Smallest S (real number) with TSP bytes <= baseline bytes for ``shape.batch``.
+
+    Both counts are affine in S (TSP: weights + a*S, baseline: b*S), so S* = weights / (b - a);
+    ``math.inf`` if TSP's per-token traffic is not below the baseline's. Multiply by the batch
+    for the B*S crossover; ``crossover_seq_length(...) * B / h`` is the constant in "B*S >= c*h".
+    """
+    base = _BASELINES[baseline]
+    s1, s2 = shape.with_seq(1), shape.with_seq(2)
+    t1, t2 = (_select(tsp_layer_comm(s, D, **tsp_kw), direction) for s in (s1, s2))
+    b1, b2 = (_select(base(s, D), direction) for s in (s1, s2))
+    a_t, c_t = t2 - t1, t1 - (t2 - t1)  # slope, intercept
+    a_b, c_b = b2 - b1, b1 - (b2 - b1)
+    if D == 1:
+        return 0.0
+    if a_b <= a_t:
+        return math.inf
+    return max((c_t - c_b) / (a_b - a_t), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+def layer_flops(shape: LayerShape, *, recompute_mlp_fc1: bool = False,
+                recompute_attn_core: bool = False, full_recompute: bool = False,
+                causal_fraction: float = 0.5, bwd_factor: float = 2.0) -> Dict[str, float]:
+    """FLOPs of one layer over all B*S tokens (divide by the group size for per-rank work).
+
+    fwd matmul 2*B*S*(W_qkv + W_proj + W_fc1 + W_fc2); attention core 2 GEMMs (QK^T, PV) of
+    2*B*S^2*h each times ``causal_fraction``; backward = ``bwd_factor`` x forward; recompute in the
+    backward: TSP's per-shard fc1 GEMM (``recompute_mlp_fc1``) and attention-core forward
+    (``recompute_attn_core``), or a whole forward (``full_recompute``, Megatron's
+    --recompute-granularity full). Element-wise ops, norms, softmax and biases are not counted."""
+    bs = shape.tokens
+    gemm = {
+        "qkv": 2 * bs * shape.w_qkv,
+        "proj": 2 * bs * shape.w_proj,
+        "fc1": 2 * bs * shape.w_fc1,
+        "fc2": 2 * bs * shape.w_fc2,
+    }
+    attn = 2 * 2 * bs * shape.seq * shape.hidden * causal_fraction
+    matmul_fwd = sum(gemm.values())
+    fwd_ = matmul_fwd + attn
+    if full_recompute:
+        recompute = fwd_
+    else:
+        recompute = (gemm["fc1"] if recompute_mlp_fc1 else 0.0) + (attn if recompute_attn_core else 0.0)
+    out = {
+        "fwd": fwd_,
+        "fwd_matmul": matmul_fwd,
+        "fwd_attn_core": attn,
+        "bwd": bwd_factor * fwd_,
+        "bwd_attn_core": bwd_factor * attn,
+        "recompute": recompute,
+        "recompute_attn_core": attn if (recompute_attn_core or full_recompute) else 0.0,
+    }
+    out["total"] = out["fwd"] + out["bwd"] + out["recompute"]
+    return out
+
+
+def head_flops(shape: LayerShape, vocab: int, bwd_factor: float = 2.0) -> Dict[str, float]:
+    """Output-layer logits GEMM (embedding lookup is free): fwd 2*B*S*h*V."""
+    f_ = 2 * shape.tokens * shape.hidden * vocab
+    return {"fwd": f_, "bwd": bwd_factor * f_, "total": (1 + bwd_factor) * f_}
+
+
+# ---------------------------------------------------------------------------------------------
+# the paper's "B*S > 8h"
+# ---------------------------------------------------------------------------------------------
+def crossover_analysis(shape: LayerShape, D: int) -> Dict[str, float]:
+    """Crossover constants c (B*S >= c*h) from the counted bytes, and what the paper's 8h needs.
+
+    Counted forward: f(W + 2BSh_kv) <= f*4BSh  <=>  BS >= W / (4h - 2h_kv).
+    For MHA, F = 4h, no gating / bias: W = 12h^2, h_kv = h  ->  BS >= 6h.
+    ``weights_for_8h`` is the per-layer moved weight count that would make the constant 8."""
+    h = shape.hidden
+    out = {}
+    for name, direction, baseline in (("fwd_vs_tp_sp", "fwd", "tp_sp"),
+                                      ("fwd_vs_tp", "fwd", "tp"),
+                                      ("total_vs_tp_sp", "total", "tp_sp"),
+                                      ("total_vs_tp", "total", "tp")):
+        out[name] = crossover_seq_length(shape.with_batch(1), D, direction, baseline) / h
+    out["weights_over_h2"] = shape.w_layer / h**2
+    out["weights_for_8h_over_h2"] = 8 * h * (4 * h - 2 * shape.kv_hidden) / h**2
+    return out

@@ -1,0 +1,100 @@
+"""Run an unmodified Megatron-LM training script with TSP available by flag.
+
+    python -m megatron_tsp.launch path/to/pretrain_gpt.py <megatron args> \\
+        --tensor-sequence-parallel-size D
+
+works wherever ``python path/to/pretrain_gpt.py ...`` works: as the command of ``torchrun``
+(``torchrun --nproc-per-node 8 -m megatron_tsp.launch pretrain_gpt.py ...``) and of ``srun`` with
+one task per GPU (the SLURM rank variables are mapped to RANK / WORLD_SIZE / LOCAL_RANK when
+torchrun's are absent; MASTER_ADDR / MASTER_PORT must be exported by the batch script).
+
+The launcher puts the script's directory first on ``sys.path`` (as ``python script.py`` does, so
+the checkout's ``megatron`` package is the one imported), calls ``megatron_tsp.megatron_lm.install()``
+and runs the script as ``__main__``. Without ``--tensor-sequence-parallel-size`` the run is stock
+Megatron-LM. ``--tsp-dry-run`` validates the command line and builds one rank's model on the meta
+device without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+USAGE = (
+    "usage: python -m megatron_tsp.launch path/to/pretrain_gpt.py [megatron args] "
+    "[--tensor-sequence-parallel-size D] [--tsp-dry-run]"
+)
+
+SLURM_TO_TORCH = (
+    ("SLURM_PROCID", "RANK"),
+    ("SLURM_NTASKS", "WORLD_SIZE"),
+    ("SLURM_LOCALID", "LOCAL_RANK"),
+)
+
+
+def map_slurm_env(environ=os.environ) -> List[str]:
+    """Under ``srun`` (one task per GPU) without torchrun, derive torch's rank variables.
+
+    Returns the names set. Nothing is changed when RANK is already set (torchrun) or when not
+    under SLURM.
+    """
+    if "RANK" in environ or "SLURM_PROCID" not in environ:
+        return []
+    set_names = []
+    for slurm, torch_name in SLURM_TO_TORCH:
+        if slurm in environ and torch_name not in environ:
+            environ[torch_name] = environ[slurm]
+            set_names.append(torch_name)
+    if "LOCAL_WORLD_SIZE" not in environ and "SLURM_NTASKS_PER_NODE" in environ:
+        environ["LOCAL_WORLD_SIZE"] = environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
+        set_names.append("LOCAL_WORLD_SIZE")
+    if int(environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in environ:
+        raise SystemExit(
+            "megatron_tsp.launch: running under srun without MASTER_ADDR; export MASTER_ADDR "
+            "(e.g. the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`) and "
+            "MASTER_PORT in the batch script"
+        )
+    environ.setdefault("MASTER_PORT", "6000")
+    return set_names
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(USAGE)
+        print(__doc__)
+        return 0 if argv else 2
+    script = argv[0]
+    if not script.endswith(".py") or not os.path.isfile(script):
+        print(f"megatron_tsp.launch: error: {script!r} is not a Python script\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    script = os.path.abspath(script)
+    script_dir = os.path.dirname(script)
+    map_slurm_env()
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)
+    preloaded = sys.modules.get("megatron.core")
+    if preloaded is not None and not os.path.abspath(preloaded.__file__).startswith(script_dir):
+        print(
+            f"megatron_tsp.launch: warning: megatron.core was imported from {preloaded.__file__} "
+            f"before the checkout {script_dir} was put on sys.path",
+            file=sys.stderr,
+        )
+    sys.argv = [script] + argv[1:]
+
+    from megatron_tsp.megatron_lm import TSPArgumentError, install
+
+    install()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except TSPArgumentError as exc:
+        print(f"megatron_tsp: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Zigzag the batch on the TSP group, right after Megatron's own batch path.
+
+In every supported Megatron-LM version ``pretrain_gpt.get_batch`` does: TP rank 0 reads the
+micro-batch, ``get_batch_on_this_tp_rank`` broadcasts it to the other TP ranks, then
+``get_batch_on_this_cp_rank`` slices it for context parallelism (identity when CP = 1, which TSP
+requires). The script imports that function by name at import time from
+``megatron.training.utils`` (core_v0.16) or ``megatron.core.utils`` (0.19 / main); we wrap it in
+both modules before the script runs, so every TSP rank permutes the full broadcast batch to
+``[c0, c_{2D-1}, c1, c_{2D-2}, ...]`` and Megatron's contiguous sequence-parallel shards are the
+zigzag chunks.
+
+Loss normalization is untouched: labels and ``loss_mask`` are permuted like the tokens, the
+vocab-parallel cross-entropy gives every rank the per-token loss of the full (permuted) sequence,
+and ``sum(loss * mask)`` / ``sum(mask)`` are invariant under a permutation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from megatron_tsp.validation import TSP_FLAG
+from megatron_tsp.zigzag import get_batch_on_this_tsp_rank
+
+_ACTIVE_SIZE: Optional[int] = None
+_WRAPPED: dict = {}
+
+# Modules from which pretrain scripts import ``get_batch_on_this_cp_rank`` by name.
+CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
+
+
+def activate(tsp_size: Optional[int]) -> None:
+    """Permute batches for a TSP group of ``tsp_size`` ranks (None: pass batches through)."""
+    global _ACTIVE_SIZE
+    _ACTIVE_SIZE = tsp_size
+
+
+def active_size() -> Optional[int]:
+    return _ACTIVE_SIZE
+
+
+def tsp_permute_batch(batch):
+    """Apply the TSP zigzag to a ``get_batch`` dict when TSP is active (else return it as is)."""
+    if _ACTIVE_SIZE is None or batch is None:
+        return batch
+    from megatron.core import parallel_state as mpu
+
+    size = mpu.get_tensor_model_parallel_world_size()
+    if size != _ACTIVE_SIZE:
+        raise RuntimeError(
+            f"{TSP_FLAG}={_ACTIVE_SIZE} but the tensor-parallel group has {size} ranks"
+        )
+    if not isinstance(batch, dict):
+        raise TypeError(
+            f"TSP batch hook expects the dict Megatron's get_batch builds, got {type(batch)!r}"
+        )
+    if batch.get("cu_seqlens") is not None:
+        raise ValueError(
+            f"packed (THD) sequences with cu_seqlens cannot run with {TSP_FLAG}={size}; "
+            "drop --sft / --dataloader-inter-document-masking"
+        )
+    return get_batch_on_this_tsp_rank(batch, group_size=size)
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+        return tsp_permute_batch(original(batch, *args, **kwargs))
+
+    get_batch_on_this_cp_rank.__wrapped_by_tsp__ = original
+    return get_batch_on_this_cp_rank
+
+
+def install_batch_hook() -> None:
+    """Wrap ``get_batch_on_this_cp_rank`` where scripts import it from (idempotent)."""
+    import importlib
+
+    for name in CP_BATCH_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        current = getattr(module, "get_batch_on_this_cp_rank", None)
+        if current is None or hasattr(current, "__wrapped_by_tsp__"):
+            continue
+        _WRAPPED[name] = current
+        setattr(module, "get_batch_on_this_cp_rank", _wrap(current))
+
+
+def uninstall_batch_hook() -> None:
+    import sys
+
+    for name, original in list(_WRAPPED.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            setattr(module, "get_batch_on_this_cp_rank", original)
+        del _WRAPPED[name]

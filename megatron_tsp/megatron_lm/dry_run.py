@@ -1,0 +1,335 @@
+"""``--tsp-dry-run``: the real Megatron argument path and model builder, on one CPU process.
+
+The script runs unmodified up to Megatron's ``pretrain``. There, instead of initializing CUDA and
+NCCL, the dry run
+
+1. parses and validates the command line with Megatron's own ``parse_args`` / ``validate_args``
+   (core_v0.16; on 0.19 / main the script has already done so with ``parse_and_validate_args``),
+   which includes the TSP translation and checks;
+2. creates a ``fake`` process group of the full world size (no memory, no peers) holding the
+   requested rank, and Megatron's model-parallel groups on it;
+3. builds that rank's model with the script's own model provider / builder, every tensor on the
+   ``meta`` device (a 7B model at D=8 needs no RAM);
+4. prints the parallel layout (TSP / DP / PP sizes and the ranks of every group), the per-rank
+   parameter count and the zigzag chunks of every TSP rank, then exits with status 0.
+
+CUDA is never initialized (checked and printed at the end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron_tsp.megatron_lm import arguments as tsp_args
+
+_MAX_GROUPS_SHOWN = 8
+
+
+def default_world_size(args) -> int:
+    env = int(os.environ.get("WORLD_SIZE", "1"))
+    if env > 1:
+        return env
+    d = tsp_args.tsp_size(args) or args.tensor_model_parallel_size
+    cp = 1 if tsp_args.tsp_size(args) else (args.context_parallel_size or 1)
+    return d * (args.pipeline_model_parallel_size or 1) * cp
+
+
+def prepare_args(args) -> None:
+    """Before validation: the world the dry run describes (not the single process it runs in)."""
+    world = args.tsp_dry_run_world_size or default_world_size(args)
+    if world < 1:
+        raise tsp_args.TSPArgumentError(f"--tsp-dry-run-world-size must be >= 1, got {world}")
+    rank = args.tsp_dry_run_rank
+    if not 0 <= rank < world:
+        raise tsp_args.TSPArgumentError(
+            f"--tsp-dry-run-rank={rank} is outside the world of {world} ranks"
+        )
+    args.world_size = world
+    args.rank = 0  # Megatron prints from rank 0; the model built is --tsp-dry-run-rank's.
+    # Meta-device build: never materialize a full master weight on the CPU.
+    args.use_cpu_initialization = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry from the wrapped ``pretrain``.
+
+
+def _is_config_container(obj) -> bool:
+    model = getattr(obj, "model", None)
+    return model is not None and hasattr(model, "get_builder_cls")
+
+
+def dry_run_from_pretrain(pos_args, kwargs):
+    """Called instead of Megatron's ``pretrain`` when ``--tsp-dry-run`` is on the command line."""
+    from megatron.training.global_vars import get_args
+
+    first = pos_args[0] if pos_args else kwargs.get("cfg_container")
+    if _is_config_container(first):  # 0.18+ / main: args already parsed, validated and global
+        args = get_args()
+        model_provider = kwargs.get("model_provider")
+        if model_provider is None and len(pos_args) > 4:
+            model_provider = pos_args[4]
+        builder = _config_builder(first.model, model_provider)
+        version_path = "pretrain(cfg_container) / GPTModelBuilder"
+    else:  # core_v0.16: pretrain(datasets_provider, model_provider, model_type, forward_step, ...)
+        from megatron.training import arguments as megatron_arguments
+        from megatron.training.global_vars import set_global_variables
+
+        model_provider = pos_args[1] if len(pos_args) > 1 else kwargs["model_provider"]
+        extra_args_provider = kwargs.get("extra_args_provider")
+        args_defaults = kwargs.get("args_defaults") or {}
+        args = megatron_arguments.parse_args(extra_args_provider)
+        megatron_arguments.validate_args(args, args_defaults)
+        set_global_variables(args)
+        builder = _provider_builder(model_provider)
+        version_path = "pretrain(model_provider) / gpt_builder"
+    report = run(args, builder)
+    report["builder"] = version_path
+    print_report(report)
+    raise SystemExit(0)
+
+
+def _provider_builder(model_provider) -> Callable:
+    def build(pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+        return model_provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+    return build
+
+
+def _config_builder(model_config, model_provider) -> Callable:
+    def build(pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if model_provider is not None:
+            return model_provider(
+                pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+            )
+        builder = model_config.get_builder_cls()(model_config)
+        return builder.build_model(
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+        )
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------------
+# The dry run proper.
+
+
+@contextlib.contextmanager
+def _meta_device():
+    """Megatron allocates parameters on ``torch.cuda.current_device()``: make that ``meta``."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("meta")
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _init_fake_world(world_size: int, rank: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a fresh process: torch.distributed is initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def _init_model_parallel(args) -> None:
+    import inspect
+
+    from megatron.core import parallel_state as mpu
+
+    wanted = dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(
+            args, "virtual_pipeline_model_parallel_size", None
+        ),
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        order="tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp",
+        create_gloo_process_groups=False,
+    )
+    accepted = inspect.signature(mpu.initialize_model_parallel).parameters
+    mpu.initialize_model_parallel(**{k: v for k, v in wanted.items() if k in accepted})
+
+
+def group_layout(args) -> Dict[str, List[List[int]]]:
+    """Ranks of every TSP(=TP) / DP / PP group, from Megatron's own rank generator."""
+    from megatron.core.parallel_state import RankGenerator
+
+    tp = args.tensor_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
+    dp = args.world_size // (tp * pp * cp)
+    order = "tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp"
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    return {"tp": gen.get_ranks("tp"), "dp": gen.get_ranks("dp"), "pp": gen.get_ranks("pp")}
+
+
+def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
+    from megatron_tsp.zigzag import check_sequence_length, chunk_ids
+
+    check_sequence_length(seq_length, d)
+    c = seq_length // (2 * d)
+    rows = []
+    for r in range(d):
+        ids = chunk_ids(d, r)
+        rows.append({"rank": r, "chunks": ids, "tokens": [(i * c, (i + 1) * c) for i in ids]})
+    return rows
+
+
+def _count(models) -> Dict[str, int]:
+    counts = {"total": 0, "embedding": 0, "decoder layers": 0, "final norm": 0, "output layer": 0}
+    for model in models:
+        for name, p in model.named_parameters():
+            n = p.numel()
+            counts["total"] += n
+            if "embedding" in name:
+                counts["embedding"] += n
+            elif ".layers." in name or name.startswith("decoder.layers"):
+                counts["decoder layers"] += n
+            elif "final_layernorm" in name:
+                counts["final norm"] += n
+            elif "output_layer" in name:
+                counts["output layer"] += n
+    return counts
+
+
+def _layer_classes(models) -> List[str]:
+    names = []
+    for model in models:
+        decoder = getattr(model, "decoder", None)
+        layers = getattr(decoder, "layers", None) if decoder is not None else None
+        if layers is None or len(layers) == 0:
+            continue
+        layer = layers[0]
+        for sub in ("self_attention", "mlp"):
+            mod = getattr(layer, sub, None)
+            if mod is not None:
+                names.append(f"{sub}={type(mod).__module__}.{type(mod).__name__}")
+        final = getattr(decoder, "final_layernorm", None)
+        if final is not None:
+            names.append(f"final_layernorm={type(final).__module__}.{type(final).__name__}")
+        break
+    return names
+
+
+def run(args, build: Callable) -> dict:
+    """Build ``args.tsp_dry_run_rank``'s model on the meta device; return the report dict."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    from megatron_tsp.cpu_support import enable_cpu_support
+
+    rank = getattr(args, "tsp_dry_run_rank", 0)
+    enable_cpu_support(force=torch.cuda.is_available())  # the shims never call into CUDA
+    _init_fake_world(args.world_size, rank)
+    try:
+        _init_model_parallel(args)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        pp_rank = mpu.get_pipeline_model_parallel_rank()
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        models = []
+        with _meta_device():
+            for vp in range(vpp):
+                pre = pp_rank == 0 and vp == 0
+                post = pp_rank == pp - 1 and vp == vpp - 1
+                models.append(build(pre, post, vp if vpp > 1 else None))
+        report = {
+            "world_size": args.world_size,
+            "rank": rank,
+            "tsp": tsp_args.tsp_size(args),
+            "tp": args.tensor_model_parallel_size,
+            "sequence_parallel": args.sequence_parallel,
+            "pp": args.pipeline_model_parallel_size,
+            "cp": args.context_parallel_size,
+            "dp": args.data_parallel_size,
+            "groups": group_layout(args),
+            "this_rank": {
+                "tp_rank": mpu.get_tensor_model_parallel_rank(),
+                "pp_rank": pp_rank,
+                "dp_rank": mpu.get_data_parallel_rank(),
+                "tp_group": dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
+            },
+            "params": _count(models),
+            "param_dtype": str(getattr(args, "params_dtype", torch.float32)).replace("torch.", ""),
+            "layers": _layer_classes(models),
+            "seq_length": args.seq_length,
+            "micro_batch_size": args.micro_batch_size,
+            "global_batch_size": args.global_batch_size,
+            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+        }
+        d = report["tsp"]
+        if d:
+            report["zigzag"] = zigzag_chunks(args.seq_length, d)
+        report["cuda_initialized"] = torch.cuda.is_initialized()
+        return report
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _fmt_groups(groups: List[List[int]]) -> str:
+    shown = "  ".join(str(g) for g in groups[:_MAX_GROUPS_SHOWN])
+    if len(groups) > _MAX_GROUPS_SHOWN:
+        shown += f"  ... ({len(groups)} groups)"
+    return shown
+
+
+def print_report(report: dict) -> None:
+    tsp = report["tsp"]
+    axis = f"TSP {tsp}" if tsp else f"TP {report['tp']}" + (" + SP" if report["sequence_parallel"] else "")
+    lines = [
+        "=" * 78,
+        "megatron_tsp dry run (no CUDA; model on the meta device)",
+        f"  builder           : {report.get('builder', '?')}",
+        f"  world size        : {report['world_size']} = {axis} x PP {report['pp']}"
+        + (f" x CP {report['cp']}" if report["cp"] > 1 else "")
+        + f" x DP {report['dp']}",
+        f"  Megatron args     : tensor_model_parallel_size={report['tp']} "
+        f"sequence_parallel={report['sequence_parallel']} "
+        f"pipeline_model_parallel_size={report['pp']} context_parallel_size={report['cp']}",
+        f"  {'TSP' if tsp else 'TP'} groups        : {_fmt_groups(report['groups']['tp'])}",
+        f"  DP groups         : {_fmt_groups(report['groups']['dp'])}",
+        f"  PP groups         : {_fmt_groups(report['groups']['pp'])}",
+        f"  rank {report['rank']:<13d}: tp_rank={report['this_rank']['tp_rank']} "
+        f"pp_rank={report['this_rank']['pp_rank']} dp_rank={report['this_rank']['dp_rank']} "
+        f"group={report['this_rank']['tp_group']}",
+        f"  layers            : {', '.join(report['layers']) or '(none on this stage)'}",
+        f"  padded vocab      : {report['padded_vocab_size']}",
+    ]
+    p = report["params"]
+    lines.append(
+        f"  params on rank {report['rank']:<3d}: {p['total']:,} "
+        f"(embedding {p['embedding']:,}, decoder layers {p['decoder layers']:,}, "
+        f"final norm {p['final norm']:,}, output layer {p['output layer']:,})"
+    )
+    if tsp:
+        s = report["seq_length"]
+        c = s // (2 * tsp)
+        lines.append(
+            f"  zigzag            : seq_length {s} = {2 * tsp} chunks of {c} tokens; "
+            f"micro-batch {report['micro_batch_size']}, global batch {report['global_batch_size']}"
+        )
+        for row in report["zigzag"]:
+            spans = ", ".join(f"[{a}, {b})" for a, b in row["tokens"])
+            lines.append(
+                f"    TSP rank {row['rank']}: chunks {row['chunks'][0]} and {row['chunks'][1]} "
+                f"-> tokens {spans}"
+            )
+    lines.append(f"  CUDA initialized  : {'yes' if report['cuda_initialized'] else 'no'}")
+    lines.append("=" * 78)
+    print("\n".join(lines), flush=True)

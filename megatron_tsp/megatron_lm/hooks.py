@@ -1,0 +1,159 @@
+"""``install()``: hook TSP into an unmodified Megatron-LM checkout.
+
+What is wrapped (each looked up where the scripts look it up, at install time; idempotent):
+
+* ``megatron.training.arguments.add_megatron_arguments`` -> also adds the "tensor-sequence
+  parallel" argument group (``parse_args`` calls it through the module global, in every version);
+* ``validate_args`` in ``megatron.training.arguments`` and, where it is imported by name
+  (core_v0.16), ``megatron.training.initialize`` -> translates the TSP flags *before* Megatron's
+  world-size arithmetic, then checks the derived values;
+* ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
+* ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
+* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``.
+
+``install()`` must run before the training script imports those names (the launcher does that;
+the patches in ``patches/`` put it at the top of ``pretrain_gpt.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Callable, Dict, Tuple
+
+from megatron_tsp.megatron_lm import arguments as tsp_args
+from megatron_tsp.megatron_lm import batch as tsp_batch
+from megatron_tsp.megatron_lm import spec as tsp_spec
+
+_ORIGINALS: Dict[Tuple[str, str], Callable] = {}
+_INSTALLED = False
+
+DRY_RUN_FLAG = "--tsp-dry-run"
+
+
+def _log(message: str) -> None:
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[megatron_tsp] {message}", flush=True)
+
+
+def _replace(module_name: str, attr: str, make_wrapper) -> bool:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    current = getattr(module, attr, None)
+    if current is None:
+        return False
+    if getattr(current, "__tsp_hook__", False):
+        return True
+    key = (module_name, attr)
+    original = _ORIGINALS.get(key, current)
+    wrapper = make_wrapper(original)
+    wrapper.__tsp_hook__ = True
+    _ORIGINALS[key] = original
+    setattr(module, attr, wrapper)
+    return True
+
+
+def _wrap_add_megatron_arguments(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        return tsp_args.add_tsp_arguments(parser)
+
+    return add_megatron_arguments
+
+
+def _describe_translation(args) -> str:
+    d = tsp_args.tsp_size(args)
+    pp = args.pipeline_model_parallel_size
+    dp = getattr(args, "data_parallel_size", None)
+    text = (
+        f"{tsp_args.TSP_FLAG} {d} -> tensor_model_parallel_size={args.tensor_model_parallel_size}, "
+        f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; "
+        f"world={args.world_size} = TSP {d} x PP {pp} x DP {dp}"
+    )
+    replaced = getattr(args, "tsp_replaced_spec", None)
+    if replaced:
+        text += f"; the user --spec {' '.join(replaced)} is replaced by the TSP block spec"
+    return text
+
+
+def _wrap_validate_args(original):
+    @functools.wraps(original)
+    def validate_args(args, *rest, **kwargs):
+        d = tsp_args.tsp_size(args)
+        if getattr(args, "tsp_dry_run", False):
+            from megatron_tsp.megatron_lm import dry_run
+
+            dry_run.prepare_args(args)
+        if d is None:
+            tsp_batch.activate(None)
+            return original(args, *rest, **kwargs)
+        tsp_args.translate_args(args)
+        result = original(args, *rest, **kwargs)
+        tsp_args.check_validated_args(args)
+        tsp_batch.activate(d)
+        tsp_spec.install_gpt_model_hook()
+        _log(_describe_translation(args))
+        return result
+
+    return validate_args
+
+
+def _wrap_pretrain(original):
+    @functools.wraps(original)
+    def pretrain(*args, **kwargs):
+        if DRY_RUN_FLAG in sys.argv[1:]:
+            from megatron_tsp.megatron_lm import dry_run
+
+            return dry_run.dry_run_from_pretrain(args, kwargs)
+        return original(*args, **kwargs)
+
+    return pretrain
+
+
+def install() -> None:
+    """Hook TSP into Megatron-LM's argument parsing, validation, batch path and model building.
+
+    Requires ``megatron.training`` (a Megatron-LM checkout on ``sys.path``). Idempotent. Without
+    ``--tensor-sequence-parallel-size`` on the command line every hook is a pass-through.
+    """
+    global _INSTALLED
+    try:
+        importlib.import_module("megatron.training.arguments")
+    except ImportError as exc:
+        raise ImportError(
+            "megatron_tsp.install() needs megatron.training, which ships with a Megatron-LM "
+            "checkout (not with the megatron-core wheel): put the checkout on PYTHONPATH or run "
+            "from its root"
+        ) from exc
+    _replace("megatron.training.arguments", "add_megatron_arguments", _wrap_add_megatron_arguments)
+    _replace("megatron.training.arguments", "validate_args", _wrap_validate_args)
+    _replace("megatron.training.initialize", "validate_args", _wrap_validate_args)
+    _replace("megatron.training.training", "pretrain", _wrap_pretrain)
+    _replace("megatron.training", "pretrain", _wrap_pretrain)
+    tsp_batch.install_batch_hook()
+    tsp_spec.install_gpt_model_hook()
+    _INSTALLED = True
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (for tests and for processes that run several scripts)."""
+    global _INSTALLED
+    for (module_name, attr), original in list(_ORIGINALS.items()):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, attr, original)
+    _ORIGINALS.clear()
+    tsp_batch.uninstall_batch_hook()
+    tsp_batch.activate(None)
+    tsp_spec.uninstall_gpt_model_hook()
+    _INSTALLED = False
+
+
+def is_installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,116 @@
+"""End-to-end GPTModel checks run inside every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+
+from megatron_tsp import checkpoint, zigzag
+from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from tests.common import (DTYPES, group_info, make_config, rel_err, setup_megatron_tp,
+                          setup_tsp)
+
+STYLES = {
+    "gpt2": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
+                 add_bias_linear=True, position_embedding_type="learned_absolute",
+                 num_query_groups=None),
+    "llama": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, position_embedding_type="rope", num_query_groups=4),
+}
+
+
+def _config(d, dtype, style, layers, hidden, heads, ffn):
+    s = dict(STYLES[style])
+    s.pop("position_embedding_type")
+    if s["num_query_groups"] is None:
+        s["num_query_groups"] = heads
+    return make_config(d, dtype, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                       ffn_hidden_size=ffn, **s)
+
+
+def _model(config, spec, style, vocab, seq, parallel_output=True):
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
+                    max_sequence_length=seq, parallel_output=parallel_output,
+                    position_embedding_type=STYLES[style]["position_embedding_type"],
+                    share_embeddings_and_output_weights=False)
+
+
+def _batch(seed, batch, seq, vocab):
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    loss_mask = (torch.rand(batch, seq, generator=g) > 0.3).float()
+    loss_mask[0, 0] = 1.0
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq).contiguous()
+    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                attention_mask=None)
+
+
+def _step(model, batch, loss_path):
+    """Masked mean token loss, normalised like the single-device objective, then backward.
+
+    ``loss_path='megatron'``: Megatron's vocab-parallel cross-entropy (computes in fp32).
+    ``loss_path='exact'``: vocab-gathered logits and a cross-entropy in the model's dtype.
+    """
+    if loss_path == "megatron":
+        losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                       labels=batch["labels"])
+    else:
+        logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        losses = -torch.log_softmax(logits, dim=-1).gather(
+            -1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["loss_mask"].to(losses.dtype)
+    loss = (losses * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach()
+
+
+def reference_run(style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path):
+    """Single-device stock GPTModel (TP=1, Megatron's local spec): loss, params and grads."""
+    setup_megatron_tp(1, seed)
+    config = _config(1, dtype, style, layers, hidden, heads, ffn)
+    model = _model(config, get_gpt_block_local_sp_spec(config), style, vocab, seq,
+                   parallel_output=loss_path == "megatron")
+    data = _batch(seed, batch, seq, vocab)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = _step(model, data, loss_path)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss, params, grads, data
+
+
+def check_gpt_vs_single(d, seed, style, dtype_name="float64", layers=2, hidden=32, heads=8,
+                        ffn=64, vocab=128, batch=2, seq=32, baseline="tsp", loss_path="exact"):
+    """TSP (or Megatron TP=d+SP, ``baseline='tp_sp'``) GPTModel vs the TP=1 stock model."""
+    dtype = DTYPES[dtype_name]
+    ref_loss, ref_params, ref_grads, data = reference_run(style, seed, dtype, layers, hidden,
+                                                          heads, ffn, vocab, batch, seq,
+                                                          loss_path)
+    if baseline == "tsp":
+        setup_tsp(d, seed)
+    else:
+        setup_megatron_tp(d, seed)
+    group, size, rank = group_info() if baseline == "tsp" else _tp_group_info()
+    config = _config(d, dtype, style, layers, hidden, heads, ffn)
+    spec = (get_gpt_block_tsp_spec if baseline == "tsp" else get_gpt_block_local_sp_spec)(config)
+    model = _model(config, spec, style, vocab, seq, parallel_output=loss_path == "megatron")
+    checkpoint.load_full_state(model, ref_params, group)
+    local = zigzag.get_batch_on_this_tsp_rank(data, size) if baseline == "tsp" else data
+    loss = _step(model, local, loss_path)
+    checkpoint.allreduce_sequence_parallel_grads(model, group)
+    grads = checkpoint.gather_full_state(model, group, grads=True)
+    errors = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+    missing = set(ref_grads) ^ set(grads)
+    if missing:
+        raise AssertionError(f"parameter names differ from the stock model: {sorted(missing)}")
+    for name, g in ref_grads.items():
+        errors[f"grad:{name}"] = rel_err(grads[name], g)
+    return errors
+
+
+def _tp_group_info():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    return group, dist.get_world_size(group), dist.get_rank(group)
