@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import contextvars
 import threading
@@ -105,8 +106,9 @@ _SPEC = {
 class CommCounter:
     """Record every collective / P2P issued inside the ``with`` block on this rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_record=None) -> None:
         self.records: List[CommRecord] = []
+        self.on_record = on_record  # called with each new record (e.g. to interleave a trace)
         self._originals: Dict[tuple, object] = {}
 
     # -- recording -------------------------------------------------------------------------
@@ -118,10 +120,11 @@ class CommCounter:
         tensor = bound[name]
         d = _group_size(bound.get("group"))
         n = _nbytes(tensor)
-        self.records.append(
-            CommRecord(op, d, n, factor(d) * n, "bwd" if _in_backward() else "fwd",
-                       current_scope(), _dtype(tensor))
-        )
+        record = CommRecord(op, d, n, factor(d) * n, "bwd" if _in_backward() else "fwd",
+                            current_scope(), _dtype(tensor))
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
 
     def _wrap(self, op: str, fn):
         original = getattr(fn, "__wrapped__", fn)
@@ -148,27 +151,31 @@ class CommCounter:
         return wrapper
 
     # -- patching ------------------------------------------------------------------------------
-    def _targets(self):
-        yield dist
-        try:
-            import megatron.core.tensor_parallel.mappings as mappings
-
-            yield mappings
-        except ImportError:  # megatron-core is optional for the counter
-            pass
+    def _megatron_modules(self):
+        """megatron-core modules that bind collectives by name at import time."""
+        for name in ("megatron.core.tensor_parallel.mappings",
+                     "megatron.core.tensor_parallel.layers"):
+            try:
+                yield importlib.import_module(name)
+            except ImportError:  # megatron-core is optional for the counter
+                pass
 
     def __enter__(self) -> "CommCounter":
-        for module in self._targets():
-            if module is dist:
-                for op in _SPEC:
-                    if hasattr(dist, op):
-                        self._patch(dist, op, self._wrap(op, getattr(dist, op)))
-            else:
-                for name, op in (("dist_all_gather_func", "all_gather_into_tensor"),
-                                 ("dist_reduce_scatter_func", "reduce_scatter_tensor")):
-                    if hasattr(module, name):
-                        self._patch(module, name, self._wrap(op, getattr(module, name)))
-        self._patch(dist, "batch_isend_irecv", self._wrap_batch(dist.batch_isend_irecv))
+        c10d = dist.distributed_c10d
+        for op in _SPEC:
+            if hasattr(dist, op):
+                wrapped = self._wrap(op, getattr(dist, op))
+                self._patch(dist, op, wrapped)
+                # P2POp validates its op against distributed_c10d's globals: patch those too.
+                if getattr(c10d, op, None) is self._originals[(dist, op)]:
+                    self._patch(c10d, op, wrapped)
+        for module in self._megatron_modules():
+            for name, op in (("dist_all_gather_func", "all_gather_into_tensor"),
+                             ("dist_reduce_scatter_func", "reduce_scatter_tensor")):
+                if hasattr(module, name):
+                    self._patch(module, name, self._wrap(op, getattr(module, name)))
+        batch = self._wrap_batch(dist.batch_isend_irecv)
+        self._patch(dist, "batch_isend_irecv", batch)
         return self
 
     def _patch(self, module, name, value) -> None:

@@ -114,3 +114,72 @@ def _tp_group_info():
 
     group = mpu.get_tensor_model_parallel_group()
     return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_tsp_vs_tp_sp(d, seed, style, dtype_name="float64", loss_path="exact", layers=2,
+                       hidden=32, heads=8, ffn=64, vocab=128, batch=2, seq=32):
+    """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights.
+
+    The TP+SP model is initialised by Megatron; its ``state_dict`` (this rank's shards) loads into
+    the TSP model with ``strict=True``; both run one step on the same batch and must give the same
+    loss and the same gradient shards. Then the reverse: a TSP model initialised by Megatron with
+    another seed equals a TP+SP model initialised with that seed, and its state_dict loads into a
+    fresh TP+SP model.
+    """
+    dtype = DTYPES[dtype_name]
+    data = _batch(seed, batch, seq, vocab)
+    out = {}
+
+    setup_megatron_tp(d, seed)
+    group, size, rank = _tp_group_info()
+    config = _config(d, dtype, style, layers, hidden, heads, ffn)
+    po = loss_path == "megatron"
+    tp_model = _model(config, get_gpt_block_local_sp_spec(config), style, vocab, seq, po)
+    tp_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
+    tp_loss = _step(tp_model, data, loss_path)
+    checkpoint.allreduce_sequence_parallel_grads(tp_model, group)
+    tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
+
+    setup_tsp(d, seed)
+    tsp_model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, po)
+    _assert_same_layout(tp_model, tsp_model)
+    tsp_model.load_state_dict(tp_state, strict=True)
+    tsp_loss = _step(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, size), loss_path)
+    checkpoint.allreduce_sequence_parallel_grads(tsp_model, group)
+    out["loss"] = abs(tsp_loss.item() - tp_loss.item()) / abs(tp_loss.item())
+    for name, param in tsp_model.named_parameters():
+        out[f"grad:{name}"] = rel_err(param.grad, tp_grads[name])
+
+    # Reverse direction, and identical initialisation from the same seed.
+    init_seed = seed + 7
+    setup_tsp(d, init_seed)
+    tsp_init = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, po)
+    setup_megatron_tp(d, init_seed)
+    tp_init = _model(config, get_gpt_block_local_sp_spec(config), style, vocab, seq, po)
+    for (n1, p1), (n2, p2) in zip(tsp_init.named_parameters(), tp_init.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), f"{n1}: TSP init differs from TP=D init"
+    fresh = _model(config, get_gpt_block_local_sp_spec(config), style, vocab, seq, po)
+    fresh.load_state_dict(tsp_init.state_dict(), strict=True)
+    for (n1, p1), (_, p2) in zip(fresh.named_parameters(), tsp_init.named_parameters()):
+        assert torch.equal(p1, p2), n1
+    return out
+
+
+def _assert_same_layout(a, b):
+    """Same parameter names, shapes, dtypes and tensor-parallel attributes."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert list(pa) == list(pb), set(pa) ^ set(pb)
+    for name in pa:
+        x, y = pa[name], pb[name]
+        assert x.shape == y.shape and x.dtype == y.dtype, name
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride",
+                     "sequence_parallel"):
+            assert getattr(x, attr, None) == getattr(y, attr, None), (name, attr)
+    assert set(a.state_dict()) == set(b.state_dict())
+
+
+def arm_faulthandler(seconds=60):
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(seconds, exit=False, file=sys.stderr)

@@ -13,19 +13,37 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
+_current = None  # ("tsp" | "tp", size) of the groups alive in this process
+
+
 def setup_tsp(d: int, seed: int = 1234) -> None:
-    """(Re-)initialise the groups with TSP size d; same process, any previous d."""
-    tsp_state.destroy_model_parallel()
-    tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=d)
-    model_parallel_cuda_manual_seed(seed)
+    """Initialise the groups with TSP size d (re-initialising only if the layout changed)."""
+    global _current
+    if _current != ("tsp", d):
+        tsp_state.destroy_model_parallel()
+        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
+                                            create_gloo_process_groups=False)
+        _current = ("tsp", d)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def setup_megatron_tp(tp: int, seed: int = 1234) -> None:
+    """Plain Megatron groups with tensor-parallel size tp (no TSP)."""
+    global _current
     from megatron.core import parallel_state as mpu
 
+    if _current != ("tp", tp):
+        tsp_state.destroy_model_parallel()
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                      create_gloo_process_groups=False)
+        _current = ("tp", tp)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def reset_groups() -> None:
+    global _current
     tsp_state.destroy_model_parallel()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model_parallel_cuda_manual_seed(seed)
+    _current = None
 
 
 def make_config(d: int, dtype: torch.dtype, **overrides) -> TransformerConfig:

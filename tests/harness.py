@@ -99,7 +99,7 @@ class RankPool:
             for q in self.inboxes:
                 q.put(None)
             for p in self.procs:
-                p.join(timeout=20)
+                p.join(timeout=3)
         for p in self.procs:
             if p.is_alive():
                 p.kill()

@@ -457,6 +457,96 @@ def _tsp_attention_standin(enabled: bool):
         tsp_attn.zigzag_causal_attention = saved
 
 
+@contextlib.contextmanager
+def _no_rng_fork(enabled: bool):
+    """Fake runs only: Megatron's RNG-tracker ``fork`` compares CPU RNG states with ``.item()``,
+    which a fake tensor cannot answer. Dropout is 0 in these runs, so forking is a no-op."""
+    if not enabled:
+        yield
+        return
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without its pinned-memory ``.cuda()`` index."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+@contextlib.contextmanager
+def _cpu_cp_rope():
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rpe
+
+    saved = rpe.get_pos_emb_on_this_cp_rank
+    rpe.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    try:
+        yield
+    finally:
+        rpe.get_pos_emb_on_this_cp_rank = saved
+
+
+@contextlib.contextmanager
+def _comm_counter(enabled: bool):
+    """``CommCounter``, with ``dist.isend``/``dist.irecv`` kept identical to the functions
+    ``P2POp`` validates against (``distributed_c10d``'s globals).
+
+    A counter that wraps only ``torch.distributed.isend`` makes ``P2POp(dist.isend, ...)`` raise
+    "Invalid ``op``" on torch 2.13; the counter still records P2P ops through its
+    ``batch_isend_irecv`` wrapper. Counters that patch both names need nothing from here.
+    """
+    if not enabled:
+        yield None
+        return
+    from megatron_tsp.comm_counter import CommCounter
+
+    c10d = dist.distributed_c10d
+    with CommCounter() as counter:
+        saved = {}
+        for name in ("isend", "irecv"):
+            if getattr(dist, name) is not getattr(c10d, name):
+                saved[name] = getattr(dist, name)
+                setattr(dist, name, getattr(c10d, name))
+        try:
+            yield counter
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _uncoalesced_grad_sync():
+    """Megatron's grad sync wraps its per-bucket collectives (in place on the grad buffer) in
+    ``torch.distributed._coalescing_manager``, which FakeTensorMode cannot dispatch; run them one
+    by one instead (same buffers, same bytes)."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    @contextlib.contextmanager
+    def plain(*args, **kwargs):
+        yield _Done()
+
+    saved = pgb._coalescing_manager
+    pgb._coalescing_manager = plain
+    try:
+        yield
+    finally:
+        pgb._coalescing_manager = saved
+
+
 # --------------------------------------------------------------------------------------------
 # mixed-precision optimizer (what Megatron's Float16Optimizer / DistributedOptimizer allocate)
 
@@ -541,6 +631,31 @@ class MasterAdam:
 # the measured step
 
 
+def _lean_mem_tracker():
+    """MemTracker that keeps only the global peak (not one peak per module).
+
+    Stock ``MemTracker._update_peak_stats`` walks every tracked module on every op, which is
+    quadratic in depth for a 32-layer model; the global peak and its per-category snapshot are
+    computed exactly as upstream does.
+    """
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class LeanMemTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+                    self.peak_phase = "backward" if self._mod_tracker.is_bw else self._phase
+
+        peak_phase = ""
+        _phase = "forward"
+
+    return LeanMemTracker()
+
+
 def _tag(tracker, tensor: torch.Tensor, category) -> None:
     """Put an existing storage under ``category`` in MemTracker (creating it if untracked)."""
     tracker._update_and_maybe_create_winfos(tensor, category)
@@ -574,9 +689,8 @@ def run_step(cfg: RunConfig) -> RunResult:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
 
-    from megatron_tsp.comm_counter import CommCounter
     from megatron_tsp.cpu_support import enable_cpu_support
 
     t0 = time.time()
@@ -621,7 +735,7 @@ def run_step(cfg: RunConfig) -> RunResult:
                 pos = torch.arange(local_seq).unsqueeze(0).expand(b, -1)
             params_local = sum(p.numel() for p in ddp.parameters())
 
-            tracker = MemTracker()
+            tracker = _lean_mem_tracker()
             tracker.track_external(model, optimizer.optimizer)
             for buffer in ddp.buffers:
                 _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
@@ -633,20 +747,22 @@ def run_step(cfg: RunConfig) -> RunResult:
                       for k, v in next(iter(tracker.get_tracker_snapshot("current").values()), {}).items()}
 
             flop_counter = flops_count.make_flop_counter() if cfg.count_flops else contextlib.nullcontext()
-            comm = CommCounter() if cfg.count_comm else contextlib.nullcontext()
-            phase = {"name": "forward"}
-            with _tsp_attention_standin(cfg.scheme == "tsp"), comm, tracker, flop_counter:
+            with _tsp_attention_standin(cfg.scheme == "tsp"), _no_rng_fork(cfg.fake), \
+                    _uncoalesced_grad_sync(), _cpu_cp_rope(), \
+                    _comm_counter(cfg.count_comm) as comm, tracker, flop_counter:
                 with torch.autograd.profiler.record_function("tsp_measured_step"):
                     ddp.zero_grad_buffer()
                     # DDP's forward only forwards to the module (its ``buffers`` attribute, a list, shadows
                     # nn.Module.buffers(), which MemTracker's module hooks call); grad hooks stay.
                     loss_per_token = model(tokens, pos, None, labels=labels)
                     loss = loss_per_token.float().sum() / loss_per_token.numel()
-                    phase["name"] = "backward"
+                    marks = [len(comm.records) if cfg.count_comm else 0]
                     loss.backward()
+                    marks.append(len(comm.records) if cfg.count_comm else 0)
                     del loss, loss_per_token
+                    tracker._phase = "grad_sync"
                     finalize_model_grads([ddp])
-                    phase["name"] = "optimizer"
+                    tracker._phase = "optimizer"
                     optimizer.step()
             peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     finally:
@@ -657,15 +773,16 @@ def run_step(cfg: RunConfig) -> RunResult:
     peak = breakdown.pop("Total", sum(breakdown.values()))
     result = RunResult(
         config=_config_dict(cfg), label=cfg.label, peak_bytes=peak, peak_breakdown=breakdown,
-        static_bytes=static, params_local=int(params_local))
+        static_bytes=static, params_local=int(params_local), peak_phase=tracker.peak_phase)
     if cfg.count_flops:
         result.flops = flops_count.summarize(flop_counter)
     if cfg.count_comm:
-        result.comm = {
-            "recv_bytes_forward": float(comm.recv_bytes(phase="forward")),
-            "recv_bytes_backward": float(comm.recv_bytes(phase="backward")),
-            "calls": len(comm.records) if hasattr(comm, "records") else 0,
-        }
+        recs = comm.records
+        parts = {"forward": recs[:marks[0]], "backward": recs[marks[0]:marks[1]],
+                 "grad_sync_and_step": recs[marks[1]:]}
+        result.comm = {f"recv_bytes_{k}": float(sum(r.recv_bytes for r in v))
+                       for k, v in parts.items()}
+        result.comm.update({f"calls_{k}": len(v) for k, v in parts.items()})
     if profiler is not None:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "trace.json")

@@ -513,5 +513,8 @@ def crossover_analysis(shape: LayerShape, D: int) -> Dict[str, float]:
                                       ("total_vs_tp", "total", "tp")):
         out[name] = crossover_seq_length(shape.with_batch(1), D, direction, baseline) / h
     out["weights_over_h2"] = shape.w_layer / h**2
+    # hypothesis: weights counted in full (D shards incl. the own one) instead of (D-1)/D of them
+    f = ring_factor(D)
+    out["fwd_weights_without_f"] = out["fwd_vs_tp_sp"] / f if f else math.inf
     out["weights_for_8h_over_h2"] = 8 * h * (4 * h - 2 * shape.kv_hidden) / h**2
     return out

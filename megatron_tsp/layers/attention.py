@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import zigzag
 from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
@@ -92,6 +93,16 @@ def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
     return _rope(q, freqs_q, layout.config), _rope(k, freqs_k, layout.config), v
 
 
+def _lower_right_causal(q_len: int, kv_len: int):
+    """Bottom-right aligned causal bias (flash-attention semantics for q_len < kv_len).
+
+    Built outside any active dispatch mode: ``CausalBias`` is a tensor subclass, and creating it
+    under ``FakeTensorMode`` or a tracing mode fails; it holds no data, so nothing is lost.
+    """
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
+
+
 def zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout: HeadLayout,
                             dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of the local zigzag chunks' queries against natural-order K/V.
@@ -108,7 +119,7 @@ def zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout: Head
         k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
         v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(
-            q_c, k_c, v_c, attn_mask=causal_lower_right(c_len, kv_len), dropout_p=dropout_p,
+            q_c, k_c, v_c, attn_mask=_lower_right_causal(c_len, kv_len), dropout_p=dropout_p,
             scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups,
         )
         outs.append(o.permute(2, 0, 1, 3).reshape(c_len, q.shape[1], -1))

@@ -52,6 +52,36 @@ def prepare_args(args) -> None:
     args.rank = 0  # Megatron prints from rank 0; the model built is --tsp-dry-run-rank's.
     # Meta-device build: never materialize a full master weight on the CPU.
     args.use_cpu_initialization = False
+    # The fused weight-gradient kernel is a CUDA extension; it does not change any parameter.
+    args.gradient_accumulation_fusion = False
+    if not _have_transformer_engine():
+        # Megatron's config refuses fused RoPE without TE; fusion does not change any parameter.
+        args.apply_rope_fusion = False
+    _no_cuda_in_validation()
+
+
+def _have_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+# Compute capability the dry run reports to Megatron's validate_args, which reads the GPU
+# architecture when TP > 1 (CUDA_DEVICE_MAX_CONNECTIONS advice); asking the device would
+# initialize CUDA. 9 = Hopper (H100/H200); set TSP_DRY_RUN_ARCH to change it.
+DEFAULT_DRY_RUN_ARCH = 9
+
+
+def dry_run_arch() -> int:
+    return int(os.environ.get("TSP_DRY_RUN_ARCH", DEFAULT_DRY_RUN_ARCH))
+
+
+def _no_cuda_in_validation() -> None:
+    import sys
+
+    module = sys.modules.get("megatron.training.arguments")
+    if module is not None and hasattr(module, "get_device_arch_version"):
+        module.get_device_arch_version = dry_run_arch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,13 +156,16 @@ def _config_builder(model_config, model_provider) -> Callable:
 @contextlib.contextmanager
 def _meta_device():
     """Megatron allocates parameters on ``torch.cuda.current_device()``: make that ``meta``."""
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.Tensor.cuda
     torch.cuda.current_device = lambda: torch.device("meta")
+    # Tied embeddings across pipeline stages call ``weight.data.cuda()`` before an all-reduce on
+    # the embedding group; a meta tensor stays where it is.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         with torch.device("meta"):
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.Tensor.cuda = saved
 
 
 def _init_fake_world(world_size: int, rank: int) -> None:

@@ -1,0 +1,45 @@
+"""``megatron-tsp`` console entry point: ``plan``, ``memory``, ``bench`` subcommands."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    "plan": ("megatron_tsp.estimator.planner", "analytic memory / comm / throughput planner"),
+    "memory": ("megatron_tsp.estimator.memory", "measured peak memory of one rank (fake tensors)"),
+    "bench": ("megatron_tsp.bench", "benchmark TSP vs TP+SP layers"),
+}
+
+USAGE = "usage: megatron-tsp {" + ",".join(COMMANDS) + "} [options]\n\n" + "\n".join(
+    f"  {k:<8}{v[1]}" for k, v in COMMANDS.items()) + "\n\n'megatron-tsp CMD --help' for options."
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"megatron-tsp: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    module_name = COMMANDS[cmd][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"megatron-tsp {cmd}: {module_name} is not available in this installation "
+                  f"({e})", file=sys.stderr)
+            return 2
+        raise
+    if not hasattr(module, "main"):
+        print(f"megatron-tsp {cmd}: {module_name} has no main(argv)", file=sys.stderr)
+        return 2
+    rc = module.main(rest)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

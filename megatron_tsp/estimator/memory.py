@@ -1,0 +1,192 @@
+"""``megatron-tsp memory``: peak memory (and FLOPs, communication) of one rank, measured.
+
+Runs one rank of the real model code for a full training step (forward, backward, gradient
+finalisation, optimizer step) under ``FakeTensorMode`` with torch's ``fake`` process group, and
+reports torch ``MemTracker``'s peak by category. See ``megatron_tsp/estimator/fake_run.py`` for
+what is allocated and ``docs/memory.md`` for the assumptions and the 7B table.
+
+Examples::
+
+    megatron-tsp memory --scheme tsp --tp 8 --seq 131072              # one rank of 7B, D=8
+    megatron-tsp memory --scheme cp --tp 4 --cp 2 --seq 131072 --recompute full
+    megatron-tsp memory --table                                        # the paper's 7B table
+    megatron-tsp memory --validate --model small --scheme tpsp --tp 4 --world-size 4 --seq 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+# The paper's per-GPU peaks (GB), 7B, one 8-GPU node, training. The two "TP x SP" 2-D layouts
+# are listed beside our TP4xCP2 and TP2xCP4 runs (the paper does not name their split).
+PAPER_GB = {
+    ("tsp", 8, 1, 16384): 31.0, ("tp", 8, 1, 16384): 31.5,
+    ("tsp", 8, 1, 131072): 38.8, ("tp", 8, 1, 131072): 70.0,
+    ("cp", 4, 2, 131072): 85.0, ("cp", 2, 4, 131072): 140.0,
+}
+
+TABLE_LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tpsp", 8, 1), ("cp", 4, 2), ("cp", 2, 4)]
+CATEGORIES = [("Parameter", "params"), ("Gradient", "grads"), ("Optstate", "optim"),
+              ("Activation", "activ"), ("Temp", "temp")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megatron-tsp memory",
+        description="Measure one rank's peak memory, FLOPs and communication for a full training "
+                    "step with fake tensors (no GPU needed).")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="7b", help="preset: 7b (default), small, tiny")
+    m.add_argument("--hidden-size", type=int)
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--num-attention-heads", type=int)
+    m.add_argument("--num-query-groups", type=int)
+    m.add_argument("--ffn-hidden-size", type=int)
+    m.add_argument("--vocab-size", type=int, help="before Megatron's padding (7b preset: 32000)")
+    m.add_argument("--swiglu", action="store_true", help="gated fc1 (SwiGLU) instead of GELU")
+    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    m.add_argument("--tie-embeddings", action="store_true",
+                   help="share embedding and output weights (default: untied)")
+    r = p.add_argument_group("run")
+    r.add_argument("--scheme", choices=["tsp", "tp", "tpsp", "cp"], default="tsp",
+                   help="tsp (TSP, D=--tp), tp (Megatron TP), tpsp (TP + sequence parallel), "
+                        "cp (TP x CP with SP)")
+    r.add_argument("--tp", type=int, default=8, help="TP size, or the TSP group size D")
+    r.add_argument("--cp", type=int, default=1)
+    r.add_argument("--world-size", type=int, default=8)
+    r.add_argument("--seq", type=int, default=16384, help="sequence length")
+    r.add_argument("--micro-batch", type=int, default=1)
+    r.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    r.add_argument("--recompute", choices=["none", "full"], default="none",
+                   help="full = Megatron recompute_granularity=full, method=uniform, 1 layer")
+    r.add_argument("--distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam state over data parallelism")
+    r.add_argument("--real", action="store_true",
+                   help="real tensors (small shapes only); also reports the CPU allocator's peak")
+    r.add_argument("--validate", action="store_true",
+                   help="run fake and real for the same configuration and compare the peaks")
+    r.add_argument("--tolerance", type=float, default=0.10, help="--validate: allowed rel. error")
+    r.add_argument("--table", action="store_true",
+                   help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP4xCP2, TP2xCP4 at --seqs")
+    r.add_argument("--seqs", default="16384,131072", help="--table: sequence lengths")
+    r.add_argument("--no-flops", action="store_true")
+    r.add_argument("--no-comm", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--units", choices=["GB", "GiB"], default="GB", help="GB = 1e9 bytes")
+    o.add_argument("--json", help="write the results to this file")
+    o.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _model(args):
+    from megatron_tsp.estimator.fake_run import PRESETS
+
+    if args.model not in PRESETS:
+        raise SystemExit(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    base = PRESETS[args.model]
+    changes = {k: v for k, v in dict(
+        hidden=args.hidden_size, layers=args.num_layers, heads=args.num_attention_heads,
+        query_groups=args.num_query_groups, ffn=args.ffn_hidden_size, vocab=args.vocab_size,
+        normalization=args.normalization).items() if v is not None}
+    if args.swiglu:
+        changes["gated"] = True
+    if args.tie_embeddings:
+        changes["tie_embeddings"] = True
+    return dataclasses.replace(base, **changes)
+
+
+def _config(args, scheme, tp, cp, seq, fake=True):
+    from megatron_tsp.estimator.fake_run import RunConfig
+
+    return RunConfig(scheme=scheme, model=_model(args), world_size=args.world_size, tp=tp, cp=cp,
+                     seq=seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                     recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
+                     fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm)
+
+
+def format_table(results, units: str = "GB", paper: bool = True) -> str:
+    div = 1e9 if units == "GB" else 2 ** 30
+    head = (f"{'layout':<16}{'S':>8}{'rec':>5}" + "".join(f"{c:>8}" for _, c in CATEGORIES)
+            + f"{'peak':>8}{'at':>10}" + (f"{'paper':>7}" if paper else "")
+            + f"{'GEMM TF':>9}{'attn TF':>9}{'comm GB':>9}{'time s':>8}")
+    lines = [f"peak memory per rank in {units}; FLOPs = per rank per step (TFLOP = 1e12); "
+             "comm = bytes received per rank per step", head, "-" * len(head)]
+    for r in results:
+        c = r.config
+        row = f"{r.label:<16}{c['seq']:>8}{c['recompute'][:4]:>5}"
+        row += "".join(f"{r.peak_breakdown.get(k, 0) / div:>8.2f}" for k, _ in CATEGORIES)
+        row += f"{r.peak_bytes / div:>8.2f}{r.peak_phase:>10}"
+        if paper:
+            ref = PAPER_GB.get((c["scheme"], c["tp"], c["cp"], c["seq"]))
+            row += f"{ref:>7.1f}" if ref is not None and c["model"]["hidden"] == 4096 else f"{'-':>7}"
+        fl = r.flops or {}
+        row += f"{fl.get('matmul', 0) / 1e12:>9.1f}{fl.get('attention', 0) / 1e12:>9.1f}"
+        comm = sum(v for k, v in (r.comm or {}).items() if k.startswith("recv_bytes"))
+        row += f"{comm / 1e9:>9.2f}{r.wall_s:>8.0f}"
+        if r.real_peak_bytes:
+            row += f"   real allocator peak {r.real_peak_bytes / div:.4f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _teardown() -> None:
+    """Destroy the fake groups explicitly: interpreter shutdown with them alive can be slow."""
+    import torch.distributed as dist
+
+    from megatron_tsp import parallel_state as tsp_ps
+
+    try:
+        tsp_ps.destroy_model_parallel()
+    except Exception:  # pragma: no cover - nothing was initialised
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    from megatron_tsp.estimator.fake_run import run_step
+
+    results = []
+    status = 0
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    try:
+        if args.table:
+            seqs = [int(s) for s in args.seqs.split(",") if s]
+            for seq in seqs:
+                for scheme, tp, cp in TABLE_LAYOUTS:
+                    cfg = _config(args, scheme, tp, cp, seq)
+                    say(f"running {cfg.label} S={seq} recompute={cfg.recompute} ...")
+                    results.append(run_step(cfg))
+        elif args.validate:
+            fake = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=True))
+            real = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=False))
+            results = [fake, real]
+            err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
+            ok = err <= args.tolerance
+            status = 0 if ok else 1
+            say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real CPU-allocator peak "
+                f"{real.real_peak_bytes} B (real-run MemTracker {real.peak_bytes} B): "
+                f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:.0%})")
+        else:
+            results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq,
+                                            fake=not args.real)))
+    finally:
+        _teardown()
+    say(format_table(results, args.units, paper=args.model == "7b"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1, default=str)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

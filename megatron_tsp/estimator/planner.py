@@ -1,0 +1,826 @@
+"""Analytic planner: memory, communication, time and throughput per parallel strategy.
+
+``megatron-tsp plan --model 7b --seq-length 131072 --gpus 1024 --hardware mi300x``
+
+Strategies over one group of size D (the rest of the GPUs are data parallel):
+    tsp     TSP over D (Megatron TP group reused, sequence_parallel tagging)
+    tp_sp   Megatron TP = D with --sequence-parallel
+    tp      Megatron TP = D without sequence parallelism (the paper's baseline)
+    cp      Megatron CP = D (distributed optimizer shards over CP x DP)
+    tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
+
+Models and hardware are JSON files (``megatron_tsp/estimator/{models,hardware}/``); ``--model`` and
+``--hardware`` take a shipped name or a path to your own file with the same keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+from . import formulas as fm
+from .formulas import LayerShape
+
+HERE = Path(__file__).resolve().parent
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# data files
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelSpec:
+    name: str
+    hidden: int
+    num_layers: int
+    heads: int
+    query_groups: Optional[int] = None
+    ffn: Optional[int] = None
+    gated: bool = False
+    bias: bool = False
+    normalization: str = "LayerNorm"
+    vocab: int = 32000
+    tied_embeddings: bool = False
+    dtype_bytes: int = 2
+    description: str = ""
+    assumptions: List[str] = field(default_factory=list)
+    published: dict = field(default_factory=dict)
+
+    def layer_shape(self, batch: int, seq: int) -> LayerShape:
+        return LayerShape(batch=batch, seq=seq, hidden=self.hidden, heads=self.heads,
+                          query_groups=self.query_groups, ffn=self.ffn, gated=self.gated,
+                          bias=self.bias, dtype_bytes=self.dtype_bytes,
+                          normalization=self.normalization)
+
+    def padded_vocab(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by x TP."""
+        m = divisible_by * tp
+        return -(-self.vocab // m) * m
+
+    def final_norm_params(self) -> int:
+        return self.hidden * (2 if self.normalization == "LayerNorm" else 1)
+
+    def num_params(self, tp: int = 1) -> int:
+        s = self.layer_shape(1, 1)
+        emb = self.padded_vocab(tp) * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.num_layers * s.layer_params + emb + self.final_norm_params()
+
+
+@dataclass
+class HardwareSpec:
+    name: str
+    peak_bf16_tflops: float
+    hbm_gb: float
+    gpus_per_node: int
+    topology: str  # full_mesh | switch
+    link_GBps: float
+    links_per_gpu: int
+    nic_per_node: int
+    nic_gbps: float
+    compute_efficiency: float
+    comm_efficiency: float
+    description: str = ""
+    assumptions: List[str] = field(default_factory=list)
+
+    @property
+    def nic_GBps_per_gpu(self) -> float:
+        return self.nic_per_node * self.nic_gbps / 8 / self.gpus_per_node
+
+    def bandwidth(self, size: int, stride: int = 1, link: str = "collective") -> float:
+        """Bytes/s one rank receives at, in a group of ``size`` ranks spaced ``stride`` apart.
+
+        Inside a node: switch -> full link bandwidth for any op; full mesh -> a collective uses
+        one link per peer (size-1 links), a P2P step one link. Across nodes: a ring with k members
+        per node pushes its inter-node traffic through those k GPUs' NICs (k x NIC share),
+        capped by the intra-node bandwidth of the k local members."""
+        size = max(size, 2)
+        if size * stride <= self.gpus_per_node:
+            return self._intra(size, link) * GB * self.comm_efficiency
+        k = max(1, min(size, self.gpus_per_node // stride)) if stride < self.gpus_per_node else 1
+        inter = k * self.nic_GBps_per_gpu
+        bw = min(inter, self._intra(k, link)) if k > 1 else inter
+        return bw * GB * self.comm_efficiency
+
+    def _intra(self, size: int, link: str) -> float:
+        if self.topology == "switch" or link == "p2p":
+            return self.link_GBps
+        return min(size - 1, self.links_per_gpu) * self.link_GBps
+
+    @property
+    def flops(self) -> float:
+        return self.peak_bf16_tflops * 1e12 * self.compute_efficiency
+
+
+def _resolve(kind: str, name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        return p
+    p = HERE / kind / f"{name_or_path.lower()}.json"
+    if p.exists():
+        return p
+    avail = sorted(x.stem for x in (HERE / kind).glob("*.json"))
+    raise SystemExit(f"unknown {kind[:-1]} {name_or_path!r}: give one of {avail} or a .json path")
+
+
+def available(kind: str) -> List[str]:
+    return sorted(x.stem for x in (HERE / kind).glob("*.json"))
+
+
+def load_model(name_or_path: Union[str, ModelSpec]) -> ModelSpec:
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    d = json.loads(_resolve("models", name_or_path).read_text())
+    keys = ModelSpec.__dataclass_fields__
+    return ModelSpec(**{k: v for k, v in d.items() if k in keys})
+
+
+def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
+    if isinstance(name_or_path, HardwareSpec):
+        return name_or_path
+    d = json.loads(_resolve("hardware", name_or_path).read_text())
+    intra, nic, eff = d["intra_node"], d["nic"], d["efficiency"]
+    return HardwareSpec(
+        name=d["name"], peak_bf16_tflops=d["peak_bf16_tflops"], hbm_gb=d["hbm_gb"],
+        gpus_per_node=d["gpus_per_node"], topology=intra["topology"],
+        link_GBps=intra["link_GBps"], links_per_gpu=intra["links_per_gpu"],
+        nic_per_node=nic["per_node"], nic_gbps=nic["gbps"],
+        compute_efficiency=eff["compute"], comm_efficiency=eff["comm"],
+        description=d.get("description", ""),
+        assumptions=d.get("assumptions", []) + ([intra["note"]] if "note" in intra else []))
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Strategy:
+    kind: str  # tsp, tp_sp, tp, cp, tp_cp
+    tp: int = 1  # tensor (or TSP) degree
+    cp: int = 1
+
+    @property
+    def degree(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def label(self) -> str:
+        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP", "tp": f"TP{self.tp}",
+                "cp": f"CP{self.cp}", "tp_cp": f"TP{self.tp}+SPxCP{self.cp}"}[self.kind]
+
+    @property
+    def weight_shards(self) -> int:
+        return self.tp  # CP replicates the weights
+
+
+def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
+    if kind in ("tsp", "tp_sp", "tp"):
+        return Strategy(kind, tp=degree)
+    if kind == "cp":
+        return Strategy(kind, cp=degree)
+    if kind == "tp_cp":
+        if tp is None or degree % tp:
+            raise ValueError(f"tp_cp needs tp dividing {degree}")
+        return Strategy(kind, tp=tp, cp=degree // tp)
+    raise ValueError(f"unknown strategy {kind!r}")
+
+
+def default_strategies(degree: int, kinds: Sequence[str] = ("tsp", "tp_sp", "cp", "tp_cp", "tp")
+                       ) -> List[Strategy]:
+    out = []
+    for k in kinds:
+        if k == "tp_cp":
+            out += [make_strategy(k, degree, t) for t in range(2, degree)
+                    if degree % t == 0 and degree // t >= 2]
+        else:
+            out.append(make_strategy(k, degree))
+    return out
+
+
+def _as_strategy(strategy: Union[str, Strategy], degree: Optional[int]) -> Strategy:
+    if isinstance(strategy, Strategy):
+        return strategy
+    if degree is None:
+        raise ValueError("give degree= with a strategy name")
+    if strategy == "tp_cp":
+        t = int(math.isqrt(degree))
+        while degree % t:
+            t -= 1
+        return make_strategy("tp_cp", degree, t)
+    return make_strategy(strategy, degree)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Options:
+    """Knobs of the analytic model (defaults = what the implementation does)."""
+
+    micro_batch: int = 1
+    num_microbatches: Optional[int] = None  # None: ceil(global_batch_tokens / (DP * B * S))
+    global_batch_tokens: int = 2**24
+    recompute: str = "auto"  # none | full | auto (none if it fits in HBM, else full)
+    distributed_optimizer: bool = True
+    tsp_recompute_mlp: bool = True  # TSP recomputes the per-shard fc1 GEMM in the backward
+    tsp_recompute_attn: bool = True  # TSP recomputes the attention core per head group
+    tsp_regather_kv: bool = True
+    cp_regather_kv: bool = True
+    grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
+    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = param dtype
+    bwd_factor: float = 2.0
+    causal_fraction: float = 0.5
+    overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
+
+
+def _layer_activation_elems(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
+    """Elements one layer saves for its backward on one rank (no full recompute)."""
+    h, hkv = shape.hidden, shape.kv_hidden
+    mid = shape.fc1_rows + shape.ffn_hidden  # fc1 output + activation output
+    bs = shape.tokens
+    if s.kind == "tsp":
+        t = bs / s.tp
+        return {"ln1_in": t * h, "ln1_out": t * h, "qkv": t * (h + 2 * hkv),
+                "attn_out": 0.0 if o.tsp_recompute_attn else t * h,
+                "ln2_in": t * h, "ln2_out": t * h,
+                "mlp_mid": 0.0 if o.tsp_recompute_mlp else t * mid}
+    t = bs / s.cp
+    sp = s.kind in ("tp_sp", "tp_cp", "cp")  # CP: T = 1, nothing replicated
+    rep = t / s.tp if sp else t  # tensors replicated over the TP group without SP
+    return {"ln1_in": rep * h, "ln1_out": rep * h, "qkv": t * (h + 2 * hkv) / s.tp,
+            "attn_out": t * h / s.tp, "ln2_in": rep * h, "ln2_out": rep * h,
+            "mlp_mid": t * mid / s.tp}
+
+
+def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
+    b = shape.dtype_bytes
+    bs, h, hkv = shape.tokens, shape.hidden, shape.kv_hidden
+    if s.kind == "tsp":
+        D = s.tp
+        gb = o.tsp_grad_comm_bytes or b
+        out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
+               "grad_accumulator": shape.w_mlp / D * gb,
+               "head_group_kv_and_dkv": 2 * (2 * bs * hkv / D) * b}
+        if o.tsp_recompute_mlp:
+            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+        return out
+    out = {}
+    t = bs / s.cp
+    if s.kind in ("tp_sp", "tp_cp"):
+        out["gathered_input_and_dgrad"] = 2 * t * h * b
+    elif s.kind == "tp":
+        out["row_output_before_allreduce"] = t * h * b
+    if s.kind in ("cp", "tp_cp"):
+        out["gathered_kv_and_dkv"] = 2 * (2 * bs * hkv / s.tp) * b
+    return out
+
+
+def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy], seq: int,
+                    micro_batch: int = 1, *, degree: Optional[int] = None, dp: int = 1,
+                    recompute: str = "none", distributed_optimizer: bool = True,
+                    options: Optional[Options] = None) -> Dict[str, float]:
+    """Peak-memory model of one GPU in BYTES, by category (sum the values for the total).
+
+    params      bf16 weights held by the rank (1/T of the sharded matrices and vocab-parallel
+                embeddings, replicated norms / row biases; CP holds everything)
+    grads       fp32 main grads for the local params (4 B/param)
+    optimizer   fp32 master params + Adam m, v (12 B/param), divided over the data-parallel
+                group (DP, or DP x CP for CP) when ``distributed_optimizer``
+    activations tensors every layer keeps for its backward (``recompute='full'``: only each
+                layer's input in the residual-stream layout)
+    transient   one layer's working set: TSP: two weight-shard buffers (current + prefetched),
+                the grad accumulator shard, one head group's full-sequence K/V and dK/dV, one MLP
+                shard's intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and
+                dK/dV; with full recompute also the recomputed layer's activations
+    logits      output-layer logits [tokens, vocab/T] bf16 + fp32 copy kept by the cross-entropy
+    Not counted: dropout masks (dropout 0), softmax statistics, RNG state, allocator
+    fragmentation, framework/NCCL workspaces, the embedding's own output.
+    """
+    m = load_model(model)
+    o = options or Options()
+    s = _as_strategy(strategy, degree)
+    shape = m.layer_shape(micro_batch, seq)
+    b = m.dtype_bytes
+    T = s.weight_shards
+    vpad = m.padded_vocab(T)
+    ls = shape
+    sharded = ls.w_qkv + ls.b_qkv + ls.w_proj + ls.w_fc1 + ls.b_fc1 + ls.w_fc2
+    repl = ls.replicated_params
+    emb = vpad * m.hidden * (1 if m.tied_embeddings else 2)
+    local_params = m.num_layers * (sharded / T + repl) + emb / T + m.final_norm_params()
+    dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
+    opt_div = dp_opt if distributed_optimizer else 1
+
+    layer_act = sum(_layer_activation_elems(shape, s, o).values()) * b
+    transient = sum(_layer_transient_bytes(shape, s, o).values())
+    if recompute == "full":
+        resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
+        activations = m.num_layers * resid
+        transient += layer_act
+    elif recompute == "none":
+        activations = m.num_layers * layer_act
+    else:
+        raise ValueError(f"recompute must be none or full, got {recompute!r}")
+    logit_tokens = shape.tokens / s.cp
+    logits = logit_tokens * vpad / T * (b + 4)
+    return {
+        "params": local_params * b,
+        "grads": local_params * 4,
+        "optimizer": local_params * 12 / opt_div,
+        "activations": activations,
+        "transient": transient,
+        "logits": logits,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# time
+# ---------------------------------------------------------------------------------------------
+def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
+    if s.kind == "tsp":
+        return fm.tsp_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes,
+                                  regather_kv_bwd=o.tsp_regather_kv)
+    if s.kind == "tp_sp":
+        return fm.tp_sp_layer_terms(shape, s.tp)
+    if s.kind == "tp":
+        return fm.tp_layer_terms(shape, s.tp)
+    if s.kind == "cp":
+        return fm.cp_layer_terms(shape, s.cp, regather_kv_bwd=o.cp_regather_kv)
+    if s.kind == "tp_cp":
+        return fm.tp_cp_layer_terms(shape, s.tp, s.cp, regather_kv_bwd=o.cp_regather_kv)
+    raise ValueError(s.kind)
+
+
+def _term_time(t: fm.CommTerm, s: Strategy, hw: HardwareSpec) -> float:
+    size, stride = {"tsp": (s.tp, 1), "tp": (s.tp, 1), "cp": (s.cp, s.tp)}[t.group]
+    return t.nbytes / hw.bandwidth(size, stride, t.link) if t.nbytes else 0.0
+
+
+def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> float:
+    """Exposed seconds of one phase. ``times``: (seconds, overlap class, chunks).
+
+    critical: all exposed; pipelined: the first of ``chunks`` exposed, the rest hideable;
+    attn_core: hideable behind attention-core compute only; prefetch / async: behind any compute
+    of the phase. Hidden comm is assumed not to slow the compute."""
+    crit = attn = rest = 0.0
+    for sec, cls, chunks in times:
+        if cls == "critical":
+            crit += sec
+        elif cls == "pipelined":
+            crit += sec / chunks
+            rest += sec * (1 - 1 / chunks)
+        elif cls == "attn_core":
+            attn += sec
+        else:
+            rest += sec
+    hid_a = min(attn, attn_compute)
+    hid_r = min(rest, max(compute - hid_a, 0.0))
+    return crit + attn - hid_a + rest - hid_r
+
+
+def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
+    return dict(recompute_mlp_fc1=(s.kind == "tsp" and o.tsp_recompute_mlp),
+                recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
+                full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
+
+
+def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Strategy, seq: int,
+             gpus: int, o: Optional[Options] = None) -> dict:
+    """All numbers for one strategy at one sequence length."""
+    m, hw, o = load_model(model), load_hardware(hw), o or Options()
+    D = s.degree
+    if gpus % D:
+        raise ValueError(f"{gpus} GPUs not divisible by group size {D}")
+    dp = gpus // D
+    nmb = num_microbatches(o, dp, seq)
+    shape = m.layer_shape(o.micro_batch, seq)
+    mem = {r: analytic_memory(m, s, seq, o.micro_batch, dp=dp, recompute=r,
+                              distributed_optimizer=o.distributed_optimizer, options=o)
+           for r in ("none", "full")}
+    tot = {r: sum(v.values()) for r, v in mem.items()}
+    recompute = o.recompute
+    if recompute == "auto":
+        recompute = "none" if tot["none"] <= hw.hbm_gb * GB else "full"
+    full = recompute == "full"
+
+    # per-layer compute (per rank: every strategy splits a layer's work evenly over its D ranks)
+    fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
+    t_fwd = fl["fwd"] / D / hw.flops
+    t_bwd = (fl["bwd"] + fl["recompute"]) / D / hw.flops
+    t_attn_fwd = fl["fwd_attn_core"] / D / hw.flops
+    t_attn_bwd = (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops
+
+    terms = layer_terms(shape, s, o)
+    comm = fm.sum_terms(terms)
+    times = {"fwd": [], "bwd": []}
+    comm_time = {"fwd": 0.0, "bwd": 0.0}
+    for t in terms:
+        d = "fwd" if t.phase.endswith("fwd") else "bwd"
+        sec = _term_time(t, s, hw)
+        times[d].append((sec, t.overlap, t.chunks))
+        comm_time[d] += sec
+    exp_fwd = exposed_comm(times["fwd"], t_fwd, t_attn_fwd)
+    exp_bwd = exposed_comm(times["bwd"], t_bwd, t_attn_bwd)
+    layer_fwd = t_fwd + exp_fwd
+    layer_bwd = t_bwd + exp_bwd
+
+    # head: output layer GEMM over the group + its (critical) collectives
+    hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
+    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "tp": "tp", "cp": "cp", "tp_cp": "tp_sp"}[s.kind]
+    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
+    hc = fm.head_comm(head_shape, s.tp, head_kind)
+    head_bw = hw.bandwidth(s.tp, 1)
+    head_time = (hf["total"] / D / hw.flops + (hc["fwd"] + hc["bwd"]) / head_bw
+                 + (hf["fwd"] / D / hw.flops if full else 0.0))
+
+    micro = m.num_layers * (layer_fwd + layer_bwd) + head_time
+
+    # per step: replicated-grad all-reduce (SP-tagged params) and data-parallel traffic
+    local_params = mem["none"]["params"] / m.dtype_bytes
+    repl = 0.0
+    if s.kind in ("tsp", "tp_sp", "tp_cp"):
+        repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
+                                            o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
+    dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
+    dp_stride = s.tp if s.kind in ("cp", "tp_cp") else D
+    dpc = fm.dp_step_comm(local_params, dp_group, distributed_optimizer=o.distributed_optimizer,
+                          grad_dtype_bytes=o.grad_reduce_bytes, param_dtype_bytes=m.dtype_bytes)
+    dp_bw = hw.bandwidth(dp_group, dp_stride)
+    t_rs, t_ag = dpc["grad_reduce"] / dp_bw, dpc["param_gather"] / dp_bw
+    if o.overlap_dp:
+        dp_exposed = (max(0.0, t_rs - m.num_layers * layer_bwd)
+                      + max(0.0, t_ag - m.num_layers * layer_fwd))
+    else:
+        dp_exposed = t_rs + t_ag
+    step = nmb * micro + repl + dp_exposed
+    tokens = dp * nmb * o.micro_batch * seq
+    model_flops = (m.num_layers * fm.layer_flops(shape, causal_fraction=o.causal_fraction,
+                                                 bwd_factor=o.bwd_factor)["total"]
+                   + hf["total"]) * nmb * dp
+    return {
+        "strategy": s.label, "kind": s.kind, "tp": s.tp, "cp": s.cp, "dp": dp, "seq": seq,
+        "num_microbatches": nmb,
+        "memory_bytes": mem, "memory_total_bytes": tot, "recompute": recompute,
+        "fits": tot[recompute] <= hw.hbm_gb * GB,
+        "layer_comm_bytes": comm, "layer_comm_fwd": fm.fwd(comm), "layer_comm_bwd": fm.bwd(comm),
+        "layer_comm_split": fm.split_terms(terms),
+        "layer_compute_s": {"fwd": t_fwd, "bwd": t_bwd},
+        "layer_comm_s": comm_time, "layer_exposed_s": {"fwd": exp_fwd, "bwd": exp_bwd},
+        "head_s": head_time, "replicated_allreduce_s": repl,
+        "dp_comm_bytes": dpc, "dp_comm_s": {"grad_reduce": t_rs, "param_gather": t_ag},
+        "dp_exposed_s": dp_exposed, "step_s": step, "tokens_per_s": tokens / step,
+        "layer_fwd_tokens_per_s": dp * o.micro_batch * seq / layer_fwd,
+        "mfu": model_flops / step / (gpus * hw.peak_bf16_tflops * 1e12),
+    }
+
+
+def num_microbatches(o: Options, dp: int, seq: int) -> int:
+    if o.num_microbatches:
+        return o.num_microbatches
+    return max(1, -(-o.global_batch_tokens // (dp * o.micro_batch * seq)))
+
+
+def throughput_regions(model, hw, a: Strategy, b: Strategy, gpus: int, o: Options,
+                       lo: int = 1024, hi: int = 4 * 1048576, key: str = "tokens_per_s",
+                       points_per_octave: int = 4) -> List[tuple]:
+    """Intervals [S0, S1] of sequence length (log grid, sign changes refined by bisection) where
+    strategy ``a`` is at least as fast as ``b``. S1 = None: up to ``hi``."""
+    def ahead(sq: float) -> bool:
+        sq = int(round(sq))
+        return evaluate(model, hw, a, sq, gpus, o)[key] >= evaluate(model, hw, b, sq, gpus, o)[key]
+
+    def refine(l: float, r: float, left_state: bool) -> float:
+        for _ in range(25):
+            mid = math.sqrt(l * r)
+            if ahead(mid) == left_state:
+                l = mid
+            else:
+                r = mid
+        return r
+
+    n = int(points_per_octave * math.log2(hi / lo))
+    grid = [lo * 2 ** (i / points_per_octave) for i in range(n + 1)]
+    states = [ahead(x) for x in grid]
+    regions, start = [], (grid[0] if states[0] else None)
+    for i in range(1, len(grid)):
+        if states[i] != states[i - 1]:
+            x = refine(grid[i - 1], grid[i], states[i - 1])
+            if states[i]:
+                start = x
+            else:
+                regions.append((start, x))
+                start = None
+    if start is not None:
+        regions.append((start, None))
+    return regions
+
+
+def throughput_crossover(model, hw, a: Strategy, b: Strategy, gpus: int, o: Options,
+                         **kw) -> Optional[float]:
+    """Start of the last region where ``a`` is at least as fast as ``b`` and stays so up to the
+    top of the range; None if ``a`` is slower at the top."""
+    regions = throughput_regions(model, hw, a, b, gpus, o, **kw)
+    if regions and regions[-1][1] is None:
+        return regions[-1][0]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def assumptions(m: ModelSpec, hw: HardwareSpec, o: Options, degree: int, gpus: int,
+                seq: int) -> List[str]:
+    s = m.layer_shape(o.micro_batch, 1)
+    a = [
+        f"model {m.name}: h={m.hidden} layers={m.num_layers} heads={m.heads} "
+        f"query_groups={s.groups} ffn={s.ffn_hidden} gated={m.gated} bias={m.bias} "
+        f"{m.normalization} vocab={m.vocab} (padded to 128*T) tied={m.tied_embeddings} "
+        f"dtype={m.dtype_bytes}B; {m.num_params(1) / 1e9:.2f}B params",
+        *[f"model: {x}" for x in m.assumptions],
+        f"hardware {hw.name}: {hw.peak_bf16_tflops} TFLOP/s bf16, {hw.hbm_gb} GB HBM, "
+        f"{hw.gpus_per_node} GPUs/node, {hw.topology} {hw.link_GBps} GB/s per link per direction"
+        f" x {hw.links_per_gpu}, NIC {hw.nic_per_node}x{hw.nic_gbps} Gb/s per node "
+        f"({hw.nic_GBps_per_gpu:.0f} GB/s per GPU); compute efficiency {hw.compute_efficiency}, "
+        f"comm efficiency {hw.comm_efficiency}",
+        *[f"hardware: {x}" for x in hw.assumptions],
+        f"group size D={degree} inside a node (stride 1), data parallel DP={gpus // degree} "
+        f"across nodes; micro-batch {o.micro_batch}; micro-batches per step: "
+        + (f"{o.num_microbatches}" if o.num_microbatches else
+           f"ceil({o.global_batch_tokens:,} global-batch tokens / (DP*B*S)) = "
+           f"{num_microbatches(o, gpus // degree, seq)}"),
+        "comm bytes = bytes RECEIVED per rank per layer per micro-batch (CommCounter conventions: "
+        "all_gather f*n_out, reduce_scatter f*n_in, all_reduce 2f*n, broadcast/reduce f*n, recv n)",
+        "TSP schedule: fwd bcast attn weights + all-gather K/V per head group + MLP weight ring; "
+        f"bwd re-bcast, {'re-gather K/V, ' if o.tsp_regather_kv else ''}reduce-scatter dK/dV, "
+        "reduce attn weight grads, MLP ring + grad accumulator ring; TSP recomputes "
+        f"fc1={o.tsp_recompute_mlp}, attention core={o.tsp_recompute_attn} in the backward",
+        "TP+SP (megatron-core 0.16.1 layers.py): fwd AG+RS per block = f*4BSh, bwd re-AG of the "
+        "saved input + dgrad RS (both async next to GEMMs) + AG of the row-parallel output grad "
+        "= f*6BSh",
+        "CP modelled as all-gather K/V (TE's default P2P ring moves the same bytes per rank); "
+        f"bwd re-gather K/V={o.cp_regather_kv}; K/V traffic hides only behind attention compute",
+        "overlap: TSP weight/grad traffic is data-independent (prefetch, hides behind any compute "
+        "of the phase); TSP K/V per head group is pipelined (first group exposed); TP/SP "
+        "activation collectives are on the critical path, except Megatron's async bwd re-gather "
+        "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
+        "share the fabric serially; no latency term",
+        "FLOPs: 2*B*S*W per GEMM, causal attention 2*2*B*S^2*h*0.5, backward = "
+        f"{o.bwd_factor}x forward, element-wise ops not counted; zigzag balance assumed",
+        "memory: bf16 params + fp32 grads + fp32 master/Adam (18 B/param), optimizer part "
+        f"sharded over DP(xCP) = {o.distributed_optimizer}; activations bf16 (LN in/out, QKV, "
+        "attention out, MLP intermediates; flash attention, no dropout); recompute "
+        f"{o.recompute!r} (auto = none if it fits in HBM else full)",
+        f"DP: grad reduce-scatter in {o.grad_reduce_bytes}-byte grads + bf16 param all-gather "
+        f"(distributed optimizer), overlapped with bwd/fwd = {o.overlap_dp}; a multi-node ring "
+        "with k members per node uses k NIC shares",
+        "tokens/s = DP * micro-batches * B * S / step time; 'layer-fwd tok/s' = DP*B*S / one "
+        "layer's forward time (the paper's 173M tok/s is most likely this metric)",
+    ]
+    return a
+
+
+def _unit(values: List[float]) -> tuple:
+    big = max(values) if values else 0.0
+    for name, scale in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if big >= 0.5 * scale:
+            return name, scale
+    return "B", 1.0
+
+
+def format_table(rows: List[dict]) -> str:
+    mu, ms = _unit([v for r in rows for v in r["memory_total_bytes"].values()])
+    cu, cs_ = _unit([r["layer_comm_fwd"] + r["layer_comm_bwd"] for r in rows])
+    t_all = [v for r in rows for k in ("layer_compute_s", "layer_comm_s")
+             for v in r[k].values()]
+    tu, ts = ("ms", 1e3) if max(t_all) >= 1e-3 else ("us", 1e6)
+    hdr = (f"{'strategy':<16}{'DP':>5}{f'mem {mu} none/full':>18}{'rc':>6}{'fits':>5}"
+           f"{f'comm/layer {cu} fwd+bwd':>23}{f'compute {tu} f/b':>16}{f'comm {tu} f/b':>14}"
+           f"{f'exposed {tu} f/b':>16}{'step s':>8}{'tok/s':>10}{'layer-fwd tok/s':>17}{'MFU':>6}")
+    out = [hdr, "-" * len(hdr)]
+    for r in rows:
+        mt = r["memory_total_bytes"]
+        cs, cm, ex = r["layer_compute_s"], r["layer_comm_s"], r["layer_exposed_s"]
+        mem = f"{mt['none'] / ms:.1f}/{mt['full'] / ms:.1f}"
+        com = f"{r['layer_comm_fwd'] / cs_:.2f}+{r['layer_comm_bwd'] / cs_:.2f}"
+        out.append(
+            f"{r['strategy']:<16}{r['dp']:>5}{mem:>18}"
+            f"{r['recompute']:>6}{'yes' if r['fits'] else 'NO':>5}{com:>23}"
+            f"{cs['fwd'] * ts:>8.1f}/{cs['bwd'] * ts:<7.1f}"
+            f"{cm['fwd'] * ts:>6.1f}/{cm['bwd'] * ts:<7.1f}"
+            f"{ex['fwd'] * ts:>8.1f}/{ex['bwd'] * ts:<7.1f}"
+            f"{r['step_s']:>8.2f}{r['tokens_per_s'] / 1e6:>9.2f}M"
+            f"{r['layer_fwd_tokens_per_s'] / 1e6:>16.1f}M{r['mfu']:>6.2f}")
+    return "\n".join(out)
+
+
+def crossover_report(m: ModelSpec, degree: int, o: Options) -> List[str]:
+    shape = m.layer_shape(o.micro_batch, 1)
+    h = m.hidden
+    ca = fm.crossover_analysis(shape, degree)
+    lines = []
+    for key, txt in (("fwd_vs_tp_sp", "forward, TSP vs TP+SP"), ("fwd_vs_tp", "forward, TSP vs TP"),
+                     ("total_vs_tp_sp", "fwd+bwd, TSP vs TP+SP"), ("total_vs_tp", "fwd+bwd, TSP vs TP")):
+        c = ca[key]
+        if math.isinf(c):
+            lines.append(f"  {txt:<24}: never (TSP per-token traffic not below the baseline's)")
+        else:
+            lines.append(f"  {txt:<24}: B*S >= {c:.3g} h = {c * h:,.0f} tokens "
+                         f"(S >= {c * h / o.micro_batch:,.0f} at B={o.micro_batch})")
+    w, kvh = ca["weights_over_h2"], shape.kv_hidden / h
+    lines.append(
+        f"  derivation (forward): f*(W + 2*B*S*h_kv) <= f*4*B*S*h  <=>  B*S >= W / (4h - 2h_kv) "
+        f"= {w:.4g} h^2 / ({4 - 2 * kvh:.4g} h) = {w / (4 - 2 * kvh):.4g} h")
+    pub = (m.published or {}).get("forward_crossover_bs_over_h")
+    if pub is not None:
+        lines.append(
+            f"  paper: B*S > {pub}h. The counted bytes give {ca['fwd_vs_tp_sp']:.4g}h for this "
+            f"model (W = {w:.4g} h^2 moved per layer); fwd+bwd gives {ca['total_vs_tp_sp']:.4g}h "
+            f"(TP+SP) / {ca['total_vs_tp']:.4g}h (TP). {pub}h falls out of the same inequality only "
+            f"if (a) W = {pub * (4 - 2 * kvh):.4g} h^2 is counted per layer (e.g. a 3-matrix "
+            f"gated MLP at F=4h: 4h^2 + 12h^2), or (b) the weight term is counted without the "
+            f"(D-1)/D factor: {ca['fwd_vs_tp_sp']:.4g}h * D/(D-1) = "
+            f"{ca['fwd_weights_without_f']:.4g}h at D={degree} (8h at D=4). Both are printed; "
+            f"the planner uses the counted {ca['fwd_vs_tp_sp']:.4g}h.")
+    return lines
+
+
+def paper_check(m: ModelSpec, o: Options) -> List[str]:
+    pub = (m.published or {})
+    mem = pub.get("memory_gb")
+    if not mem:
+        return []
+    lines = [f"  published memory ({pub.get('source', '')}) vs this model, D=8 on 8 GPUs (DP=1):"]
+    for seq, vals in mem.items():
+        seq = int(seq)
+        for kind, key in (("tsp", "tsp"), ("tp", "tp"), ("tp_sp", None)):
+            ours = {r: sum(analytic_memory(m, kind, seq, o.micro_batch, degree=8, dp=1,
+                                           recompute=r, options=o).values()) / GB
+                    for r in ("none", "full")}
+            if key:
+                pub_txt = f"{vals[key]}" if key in vals else "-"
+            else:
+                lay = vals.get("tp_x_sp_layouts")
+                pub_txt = (f"- (paper's 2-D TPxSP layouts: {' / '.join(map(str, lay))})"
+                           if lay else "-")
+            lines.append(f"    S={seq:>6} {kind:<6} ours none/full = {ours['none']:5.1f} / "
+                         f"{ours['full']:5.1f} GB   published: {pub_txt}")
+    thr = pub.get("throughput_tokens_per_s")
+    if thr:
+        lines.append(f"  published throughput on {thr['gpus']} {thr['hardware']} at S={thr['seq']}: "
+                     f"TSP {thr['tsp'] / 1e6:.0f}M tok/s vs TP+SP "
+                     f"{' / '.join(f'{x / 1e6:.1f}M' for x in thr['tp_sp'])} ({thr.get('note', '')})")
+    return lines
+
+
+def sweep(model, hw, strategies: List[Strategy], seqs: List[int], gpus: int, o: Options) -> dict:
+    return {s.label: [evaluate(model, hw, s, sq, gpus, o) for sq in seqs] for s in strategies}
+
+
+def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
+         strategies: Optional[List[Strategy]] = None, options: Optional[Options] = None) -> dict:
+    """Structured result of a plan (what the CLI prints)."""
+    m, hw, o = load_model(model), load_hardware(hardware), options or Options()
+    strategies = strategies or default_strategies(degree)
+    rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
+    shape = m.layer_shape(o.micro_batch, seq)
+    cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp") for d in ("fwd", "total")}
+    tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
+    regions = throughput_regions(m, hw, tsp, tpsp, gpus, o)
+    thr = regions[-1][0] if regions and regions[-1][1] is None else None
+    return {"model": m, "hardware": hw, "options": o, "seq": seq, "gpus": gpus, "degree": degree,
+            "rows": rows, "bytes_crossover_seq": cross, "throughput_crossover_seq": thr,
+            "throughput_regions": regions,
+            "strategies": strategies}
+
+
+def render(p: dict) -> str:
+    m, hw, o = p["model"], p["hardware"], p["options"]
+    lines = [f"megatron-tsp plan: model {m.name}, S={p['seq']:,}, {p['gpus']} x {hw.name} "
+             f"({p['gpus'] // hw.gpus_per_node} nodes), group D={p['degree']}, "
+             f"micro-batch {o.micro_batch}", ""]
+    lines.append(format_table(p["rows"]))
+    lines.append("  mem = analytic peak per GPU without / with full recompute; rc = recompute used; "
+                 "comm = received bytes per layer per micro-batch; times per layer per micro-batch")
+    lines.append("")
+    lines.append("Crossover (counted bytes, TSP <= baseline):")
+    lines += crossover_report(m, p["degree"], o)
+    c = p["bytes_crossover_seq"]
+    lines.append(f"  at B={o.micro_batch}: S* fwd = {c['fwd']:,.0f}, fwd+bwd = {c['total']:,.0f} tokens")
+    regs = p["throughput_regions"]
+    txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
+    lines.append("  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
+                 + (txt if regs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    pc = paper_check(m, o)
+    thr = (m.published or {}).get("throughput_tokens_per_s")
+    if thr and thr["gpus"] == p["gpus"] and thr["hardware"] == hw.name and thr["seq"] == p["seq"]:
+        by = {r["kind"]: r for r in p["rows"]}
+        for kind in ("tsp", "tp_sp"):
+            if kind in by:
+                r = by[kind]
+                pc.append(f"    ours {r['strategy']:<7}: layer-fwd {r['layer_fwd_tokens_per_s'] / 1e6:6.1f}M "
+                          f"tok/s, end-to-end training {r['tokens_per_s'] / 1e6:5.2f}M tok/s")
+        if "tsp" in by and "tp_sp" in by:
+            a, b = by["tsp"], by["tp_sp"]
+            pc.append(f"    ratio TSP/TP+SP: ours layer-fwd {a['layer_fwd_tokens_per_s'] / b['layer_fwd_tokens_per_s']:.2f}x, "
+                      f"end-to-end {a['tokens_per_s'] / b['tokens_per_s']:.2f}x; published "
+                      + " / ".join(f"{thr['tsp'] / x:.2f}x" for x in thr["tp_sp"]))
+    if pc:
+        lines += ["", "Published numbers (for comparison, not used by the model):", *pc]
+    lines += ["", "Assumptions:"]
+    lines += [f"  - {a}" for a in assumptions(m, hw, o, p["degree"], p["gpus"], p["seq"])]
+    return "\n".join(lines)
+
+
+def _to_jsonable(p: dict) -> dict:
+    out = {k: v for k, v in p.items() if k not in ("model", "hardware", "options", "strategies")}
+    out["model"] = asdict(p["model"])
+    out["hardware"] = asdict(p["hardware"])
+    out["options"] = asdict(p["options"])
+    out["assumptions"] = assumptions(p["model"], p["hardware"], p["options"], p["degree"], p["gpus"], p["seq"])
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-tsp plan",
+        description="Analytic memory / communication / throughput plan for TSP vs TP+SP, CP, "
+                    "TPxCP and plain TP.")
+    ap.add_argument("--model", default="7b", help=f"name ({', '.join(available('models'))}) or .json")
+    ap.add_argument("--hardware", default="mi300x",
+                    help=f"name ({', '.join(available('hardware'))}) or .json")
+    ap.add_argument("--seq-length", type=int, required=True)
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--degree", type=int, default=8, help="group size D of every strategy")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--num-microbatches", type=int, default=None,
+                    help="micro-batches per step (default: from --global-batch-tokens)")
+    ap.add_argument("--global-batch-tokens", type=int, default=2**24)
+    ap.add_argument("--strategies", default="tsp,tp_sp,cp,tp_cp,tp")
+    ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
+    ap.add_argument("--no-distributed-optimizer", action="store_true")
+    ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
+    ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
+    ap.add_argument("--tsp-no-recompute-mlp", action="store_true")
+    ap.add_argument("--tsp-no-recompute-attn", action="store_true")
+    ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
+    ap.add_argument("--sweep", default="",
+                    help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))")
+    ap.add_argument("--json", default="", help="also write the result as JSON here")
+    ap.add_argument("--verbose", action="store_true", help="per-term communication breakdown")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    m, hw = load_model(args.model), load_hardware(args.hardware)
+    if args.efficiency is not None:
+        hw.compute_efficiency = args.efficiency
+    if args.comm_efficiency is not None:
+        hw.comm_efficiency = args.comm_efficiency
+    o = Options(micro_batch=args.micro_batch, num_microbatches=args.num_microbatches,
+                global_batch_tokens=args.global_batch_tokens,
+                recompute=args.recompute, distributed_optimizer=not args.no_distributed_optimizer,
+                tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
+                tsp_recompute_attn=not args.tsp_no_recompute_attn)
+    kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
+    strategies = default_strategies(args.degree, kinds)
+    if args.seq_length % (2 * args.degree):
+        print(f"warning: S={args.seq_length} not divisible by 2D={2 * args.degree} "
+              "(zigzag TSP/CP need it)", file=sys.stderr)
+    if args.gpus % args.degree:
+        print(f"megatron-tsp plan: --gpus {args.gpus} is not a multiple of --degree {args.degree}",
+              file=sys.stderr)
+        return 2
+    p = plan(m, hw, args.seq_length, args.gpus, args.degree, strategies, o)
+    print(render(p))
+    if args.verbose:
+        shape = m.layer_shape(o.micro_batch, args.seq_length)
+        for s in strategies:
+            print(f"\n{s.label} per-layer terms (received MB per rank):")
+            for t in layer_terms(shape, s, o):
+                print(f"  {t.phase:<9}{t.op:<15}{t.category:<11}{t.overlap:<10}"
+                      f"{t.nbytes / 2**20:>11.1f}  {t.what}")
+    if args.plot or args.json:
+        seqs = ([int(x) for x in args.sweep.split(",")] if args.sweep else
+                [4096 * 2**i for i in range(int(math.log2(max(262144, 2 * args.seq_length) / 4096)) + 1)])
+        sw = sweep(m, hw, strategies, seqs, args.gpus, o)
+    if args.plot:
+        from .plot import plot_sweep
+
+        path = plot_sweep(sw, seqs, p, args.plot)
+        print(f"\nplot: {path}" if path else "\nplot: skipped (matplotlib is not installed)")
+    if args.json:
+        d = _to_jsonable(p)
+        d["sweep"] = {"seqs": seqs, "rows": sw}
+        Path(args.json).write_text(json.dumps(d, indent=1, default=float))
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

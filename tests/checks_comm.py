@@ -1,0 +1,99 @@
+"""(e) communication volume of one TSP layer vs the schedule's formula; (f) ring ordering."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_tsp.comm_counter import CommCounter
+from megatron_tsp.layers.attention import TSPSelfAttention
+from megatron_tsp.layers.mlp import TSPMLP
+from tests.common import DTYPES, group_info, make_config, setup_tsp
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class _Trace(TorchDispatchMode):
+    """Interleaves matmuls (from dispatch) and collectives (from the CommCounter) in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _MATMULS:
+            self.events.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp(d, dtype, gated, bias, hidden, ffn):
+    config = make_config(d, dtype, hidden_size=hidden, ffn_hidden_size=ffn, gated_linear_unit=gated,
+                         add_bias_linear=bias, activation_func=F.silu if gated else F.gelu)
+    return config, TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                linear_fc2=RowParallelLinear))
+
+
+def _attention(d, dtype, heads, groups, bias, hidden):
+    config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
+                         num_query_groups=groups, add_bias_linear=bias)
+    return config, TSPSelfAttention(
+        config, SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                        core_attention=DotProductAttention,
+                                        linear_proj=RowParallelLinear),
+        layer_number=1, attn_mask_type=AttnMaskType.causal)
+
+
+def _summary(counter, phase):
+    return {
+        "ops": sorted(set(counter.ops(phase=phase))),
+        "calls": {op: e["calls"] for op, e in counter.by_op(phase=phase).items()},
+        "recv": counter.recv_bytes(phase=phase),
+    }
+
+
+def measure_layer(kind, d, dtype_name="float32", seq=32, batch=2, hidden=32, heads=4, groups=2,
+                  ffn=64, gated=False, bias=True):
+    """Run one TSP layer forward + backward under a CommCounter; return counted comm."""
+    dtype = DTYPES[dtype_name]
+    setup_tsp(d)
+    _, size, _ = group_info()
+    if kind == "mlp":
+        _, layer = _mlp(d, dtype, gated, bias, hidden, ffn)
+    else:
+        _, layer = _attention(d, dtype, heads, groups, bias, hidden)
+    x = torch.randn(seq // size, batch, hidden, dtype=dtype, requires_grad=True)
+    with CommCounter() as counter:
+        out, _ = layer(x)
+        out.backward(torch.randn_like(out))
+    return {"fwd": _summary(counter, "fwd"), "bwd": _summary(counter, "bwd"),
+            "scopes": sorted({r.scope for r in counter.records})}
+
+
+def trace_layer(kind, d, seq=32, batch=2, hidden=32):
+    """Event order (collectives and matmuls) of one TSP layer's forward and backward."""
+    setup_tsp(d)
+    _, size, _ = group_info()
+    if kind == "mlp":
+        _, layer = _mlp(d, torch.float32, False, False, hidden, 2 * hidden)
+    else:
+        _, layer = _attention(d, torch.float32, 4, 4, False, hidden)
+    x = torch.randn(seq // size, batch, hidden, requires_grad=True)
+    trace = _Trace()
+    fwd, bwd = [], []
+    with CommCounter(on_record=lambda r: trace.events.append(r.op)):
+        with trace:
+            out, _ = layer(x)
+        fwd = list(trace.events)
+        trace.events.clear()
+        grad = torch.randn_like(out)
+        with trace:
+            out.backward(grad)
+        bwd = list(trace.events)
+    return {"fwd": fwd, "bwd": bwd}

@@ -1,0 +1,222 @@
+"""Tests for the fake-tensor memory / FLOP measurement (``megatron-tsp memory``).
+
+Fast tests (~2 min on 2 cores): the flash-attention stand-in against dense attention, fake-tensor
+peak vs. the real CPU allocator's peak for every scheme at small scale (within 10%), the CLI smoke
+run, and the FLOP accounting of TSP against TP+SP. ``@pytest.mark.slow``: one full-scale rank
+(7B, S=128k, TSP D=8, ~2.5 min), still run in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+warnings.filterwarnings("ignore", message=".*Apex.*")
+
+from megatron_tsp import zigzag  # noqa: E402
+from megatron_tsp.estimator import fake_run  # noqa: E402
+from megatron_tsp.estimator.fake_run import PRESETS, RunConfig, run_step  # noqa: E402
+from megatron_tsp.estimator.memory import main as memory_main  # noqa: E402
+
+# h=128, 2 layers, 8 heads, vocab 512 (padded to 1024 at D=4): every scheme runs in seconds.
+TINY = dataclasses.replace(PRESETS["tiny"])
+SMALL_SEQ = 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fake_world_teardown():
+    from megatron_tsp import cpu_support
+
+    was_enabled = cpu_support.is_enabled()
+    yield
+    from megatron_tsp.estimator.memory import _teardown
+
+    _teardown()
+    if not was_enabled:
+        cpu_support.disable_cpu_support()
+
+
+def _cfg(scheme, fake=True, **kw):
+    base = dict(model=TINY, world_size=4, tp=4, cp=1, seq=SMALL_SEQ, count_comm=False)
+    if scheme == "cp":
+        base.update(tp=2, cp=2)
+    base.update(kw)
+    return RunConfig(scheme=scheme, fake=fake, **base)
+
+
+# ------------------------------------------------------------------------------------------
+# the attention stand-in is exact
+
+
+def _dense_lower_right(q, k, v):
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
+
+
+def test_chunked_attention_matches_dense_zigzag():
+    torch.manual_seed(0)
+    cp, s, b, n, d = 3, 48, 2, 4, 8
+    q, k, v = (torch.randn(s, b, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+    ref = _dense_lower_right(bhsd(q), bhsd(k), bhsd(v)).permute(2, 0, 1, 3)
+    go = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    for rank in range(cp):
+        q_loc = zigzag.split(q, cp, rank, dim=0)
+        chunks = fake_run.zigzag_chunks(q_loc.shape[0], cp, rank)
+        out = fake_run.ChunkedCausalAttention.apply(q_loc, k, v, d ** -0.5, chunks, None)
+        torch.testing.assert_close(out, zigzag.split(ref, cp, rank, dim=0))
+    # gradients: sum of every rank's contribution equals the dense gradient
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(cp):
+        q_loc = zigzag.split(q, cp, rank, dim=0)
+        chunks = fake_run.zigzag_chunks(q_loc.shape[0], cp, rank)
+        out = fake_run.ChunkedCausalAttention.apply(q_loc, k, v, d ** -0.5, chunks, None)
+        g = torch.autograd.grad(out, (q, k, v), zigzag.split(go, cp, rank, dim=0))
+        grads = [a + bb for a, bb in zip(grads, g)]
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_chunked_attention_gqa_square():
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 16, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
+    sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+    out = fake_run.ChunkedCausalAttention.apply(sbhd(q), sbhd(k), sbhd(v), 8 ** -0.5,
+                                                [(0, 16, 16)], None)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, sbhd(ref))
+    g1 = torch.autograd.grad(out.sum(), (q, k, v))
+    g2 = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, bb in zip(g1, g2):
+        torch.testing.assert_close(a, bb)
+
+
+# ------------------------------------------------------------------------------------------
+# fake-tensor peak vs. the real allocator
+
+
+@pytest.mark.parametrize("scheme,kw", [
+    ("tsp", {}),
+    ("tpsp", {}),
+    ("tp", {}),
+    ("cp", {}),
+    ("tsp", {"recompute": "full"}),
+    ("tpsp", {"distributed_optimizer": True, "world_size": 8}),
+])
+def test_fake_peak_matches_real_run(scheme, kw):
+    fake = run_step(_cfg(scheme, fake=True, count_flops=False, **kw))
+    real = run_step(_cfg(scheme, fake=False, count_flops=False, **kw))
+    assert real.real_peak_bytes > 0
+    err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
+    assert err < 0.10, (scheme, kw, fake.peak_bytes, real.real_peak_bytes)
+    # the fake run allocates exactly the real run's tensors
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_breakdown == real.peak_breakdown
+
+
+def test_static_state_is_18_bytes_per_param():
+    r = run_step(_cfg("tsp", count_flops=False))
+    n = r.params_local
+    assert r.static_bytes["Parameter"] == 2 * n
+    assert r.static_bytes["Gradient"] == 4 * n  # fp32 main_grad buffer
+    assert abs(r.static_bytes["Optstate"] - 12 * n) <= 16  # master + m + v (+ step scalars)
+    sharded = run_step(_cfg("tsp", count_flops=False, distributed_optimizer=True, world_size=8))
+    assert abs(sharded.static_bytes["Optstate"] - 6 * n) <= 16  # DP=2
+
+
+# ------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def _per_layer_gemm(cfg):
+    m = cfg.model
+    tok = cfg.seq * cfg.micro_batch // cfg.tp  # local tokens
+    kv = m.hidden * m.groups // m.heads
+    fc1_width = m.ffn_size * (2 if m.gated else 1)
+    return {
+        "qkv_fwd": 2 * tok * m.hidden * (m.hidden + 2 * kv),
+        "proj_fwd": 2 * tok * m.hidden * m.hidden,
+        "fc1_fwd": 2 * tok * m.hidden * fc1_width,
+        "fc2_fwd": 2 * tok * m.ffn_size * m.hidden,
+    }
+
+
+def test_tsp_flops_vs_tpsp_itemised():
+    """TSP's extra FLOPs over TP+SP, itemised. Attention: exactly one extra core forward (the
+    documented recompute). GEMMs: every forward GEMM is recomputed in backward (QKV, proj, fc1,
+    fc2) and the QKV backward GEMMs run twice (q and k/v gradients go through two
+    ``autograd.grad`` calls), i.e. 1.5x the layer's forward GEMMs."""
+    tsp = run_step(_cfg("tsp"))
+    tpsp = run_step(_cfg("tpsp"))
+    fwd_attn = tpsp.flops["attention"] / 3.5  # fwd 1 + bwd 2.5
+    assert tsp.flops["attention"] - tpsp.flops["attention"] == pytest.approx(fwd_attn, rel=1e-9)
+    g = _per_layer_gemm(_cfg("tsp"))
+    current = g["qkv_fwd"] + g["proj_fwd"] + g["fc1_fwd"] + g["fc2_fwd"] + 2 * g["qkv_fwd"]
+    assert tsp.flops["matmul"] - tpsp.flops["matmul"] == TINY.layers * current
+
+
+@pytest.mark.xfail(reason="TSP recomputes more than the documented fc1 GEMMs + attention core "
+                          "forward (see docs/memory.md, 'FLOPs'); fix in megatron_tsp/layers",
+                   strict=False)
+def test_tsp_flops_within_documented_recompute():
+    tsp = run_step(_cfg("tsp"))
+    tpsp = run_step(_cfg("tpsp"))
+    g = _per_layer_gemm(_cfg("tsp"))
+    allowed = TINY.layers * g["fc1_fwd"]
+    assert tsp.flops["matmul"] - tpsp.flops["matmul"] <= allowed
+
+
+def test_baselines_do_the_same_gemm_work():
+    """TP, TP+SP and TPxCP split the same model over 4 ranks: identical per-rank FLOPs."""
+    flops = {s: run_step(_cfg(s)).flops for s in ("tp", "tpsp", "cp")}
+    assert flops["tp"] == flops["tpsp"] == flops["cp"]
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_smoke(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    rc = memory_main(["--model", "tiny", "--scheme", "tsp", "--tp", "2", "--world-size", "2",
+                      "--seq", "512", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "TSP D=2" in text and "peak" in text
+    data = json.loads(out.read_text())
+    assert data[0]["peak_bytes"] > 0
+    assert set(data[0]["peak_breakdown"]) >= {"Parameter", "Gradient", "Optstate", "Activation"}
+    assert data[0]["comm"]["recv_bytes_forward"] > 0
+
+
+def test_cli_validate(capsys):
+    rc = memory_main(["--model", "tiny", "--scheme", "tpsp", "--tp", "2", "--world-size", "2",
+                      "--seq", "512", "--validate", "--no-flops", "--no-comm"])
+    assert rc == 0
+    assert "OK" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------
+# full scale
+
+
+@pytest.mark.slow
+def test_full_scale_7b_128k_tsp_d8():
+    """One rank of 7B / S=128k / D=8, bf16, no recompute: the paper reports 38.8 GB."""
+    r = run_step(RunConfig(scheme="tsp", model=PRESETS["7b"], world_size=8, tp=8, seq=131072,
+                           count_flops=False, count_comm=False))
+    n = r.params_local
+    assert n == pytest.approx(6.74e9 / 8, rel=0.01)
+    assert r.static_bytes["Parameter"] + r.static_bytes["Gradient"] == 6 * n
+    assert 30e9 < r.peak_bytes < 45e9, r.peak_bytes
+    assert r.peak_breakdown["Activation"] + r.peak_breakdown["Temp"] > 15e9

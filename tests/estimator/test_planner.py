@@ -1,0 +1,207 @@
+"""Planner: data files, analytic memory, time model, crossover, CLI smoke run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_tsp.estimator import formulas as fm
+from megatron_tsp.estimator import planner as pl
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GB = 1e9
+
+
+def test_shipped_profiles_load():
+    assert {"7b", "llama3-8b", "tiny"} <= set(pl.available("models"))
+    assert {"mi300x", "h100", "h200"} <= set(pl.available("hardware"))
+    for name in pl.available("models"):
+        m = pl.load_model(name)
+        m.layer_shape(1, 64)  # validates divisibility
+    for name in pl.available("hardware"):
+        hw = pl.load_hardware(name)
+        assert hw.peak_bf16_tflops > 0 and 0 < hw.compute_efficiency <= 1
+
+
+def test_profiles_from_user_files(tmp_path):
+    d = json.loads((pl.HERE / "hardware" / "h100.json").read_text())
+    d["name"], d["hbm_gb"] = "mine", 1
+    p = tmp_path / "mine.json"
+    p.write_text(json.dumps(d))
+    assert pl.load_hardware(str(p)).hbm_gb == 1
+    with pytest.raises(SystemExit):
+        pl.load_model("no-such-model")
+
+
+def test_parameter_counts():
+    # Llama 3 8B has 8,030,261,248 parameters (published model card)
+    assert pl.load_model("llama3-8b").num_params() == 8_030_261_248
+    h = 4096
+    m = pl.load_model("7b")
+    per_layer = 12 * h * h + 2 * 2 * h  # matrices + two LayerNorms (weight + bias)
+    assert m.num_params() == 32 * per_layer + 2 * 32000 * h + 2 * h
+    assert m.padded_vocab(8) == 32768 and m.padded_vocab(1) == 32000
+
+
+def test_bandwidth_model():
+    mi, h1 = pl.load_hardware("mi300x"), pl.load_hardware("h100")
+    e = mi.comm_efficiency
+    assert mi.bandwidth(8) == pytest.approx(7 * 64e9 * e)  # collective: all 7 links
+    assert mi.bandwidth(4) == pytest.approx(3 * 64e9 * e)
+    assert mi.bandwidth(8, link="p2p") == pytest.approx(64e9 * e)  # ring step: one link
+    assert h1.bandwidth(8, link="p2p") == h1.bandwidth(8) == pytest.approx(450e9 * h1.comm_efficiency)
+    # across nodes: one member per node -> one NIC share (8 x 400 Gb/s / 8 GPUs = 50 GB/s)
+    assert mi.bandwidth(128, stride=8) == pytest.approx(50e9 * e)
+    # eight consecutive members per node -> the node's 8 NICs, capped by the mesh
+    assert mi.bandwidth(1024, stride=1) == pytest.approx(min(8 * 50e9, 7 * 64e9) * e)
+
+
+def test_exposed_comm_model():
+    assert pl.exposed_comm([(1.0, "critical", 1)], 10.0, 5.0) == 1.0
+    assert pl.exposed_comm([(1.0, "prefetch", 8)], 10.0, 0.0) == 0.0
+    assert pl.exposed_comm([(3.0, "prefetch", 1)], 2.0, 0.0) == pytest.approx(1.0)
+    assert pl.exposed_comm([(8.0, "pipelined", 8)], 100.0, 0.0) == pytest.approx(1.0)
+    # attention-core overlap is bounded by attention compute, the rest by what is left
+    assert pl.exposed_comm([(3.0, "attn_core", 1), (2.0, "async", 1)], 4.0, 1.0) == pytest.approx(2.0)
+
+
+def _golden_tsp_memory(seq, D, recompute):
+    """7b, TSP over D on D GPUs (DP=1), B=1: recomputed from first principles."""
+    h, L, V, b = 4096, 32, 32000, 2
+    vpad = -(-V // (128 * D)) * 128 * D
+    local = L * (12 * h * h / D + 4 * h) + 2 * vpad * h / D + 2 * h
+    t = seq / D  # local tokens
+    # saved per layer: LN1 in/out, q,k,v (3h), LN2 in/out; attention out and MLP recomputed
+    layer = t * (h + h + 3 * h + h + h) * b
+    transient = (2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
+                 + 8 * h * h / D * b  # grad accumulator
+                 + 2 * (2 * seq * h / D) * b  # one head group's K/V and dK/dV
+                 + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
+    if recompute == "full":
+        acts, transient = L * t * h * b, transient + layer
+    else:
+        acts = L * layer
+    return {"params": 2 * local, "grads": 4 * local, "optimizer": 12 * local,
+            "activations": acts, "transient": transient, "logits": seq * vpad / D * (2 + 4)}
+
+
+@pytest.mark.parametrize("seq,recompute", [(16384, "none"), (131072, "none"), (131072, "full")])
+def test_analytic_memory_golden_tsp(seq, recompute):
+    got = pl.analytic_memory("7b", "tsp", seq, degree=8, dp=1, recompute=recompute)
+    want = _golden_tsp_memory(seq, 8, recompute)
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k]), k
+
+
+def test_analytic_memory_relations():
+    m, S = "7b", 131072
+    tsp = pl.analytic_memory(m, "tsp", S, degree=8)
+    tpsp = pl.analytic_memory(m, "tp_sp", S, degree=8)
+    tp = pl.analytic_memory(m, "tp", S, degree=8)
+    cp = pl.analytic_memory(m, "cp", S, degree=8)
+    # same weight sharding for TSP / TP / TP+SP; CP holds all weights
+    assert tsp["params"] == tpsp["params"] == tp["params"] < cp["params"] / 7
+    # per-layer activations: TSP (local tokens, MLP recomputed) < TP+SP (all /D) < plain TP
+    assert tsp["activations"] < tpsp["activations"] < tp["activations"]
+    # TP+SP keeps exactly 1/D of the unsharded activations; CP too
+    one = pl.analytic_memory(m, "tp", S, degree=1)
+    assert tpsp["activations"] == pytest.approx(one["activations"] / 8)
+    assert cp["activations"] == pytest.approx(one["activations"] / 8)
+    # full recompute keeps only layer inputs; distributed optimizer divides the optimizer by DP
+    full = pl.analytic_memory(m, "tp_sp", S, degree=8, recompute="full")
+    assert full["activations"] == pytest.approx(32 * S / 8 * 4096 * 2)
+    sharded = pl.analytic_memory(m, "tp_sp", S, degree=8, dp=16)
+    assert sharded["optimizer"] == pytest.approx(tpsp["optimizer"] / 16)
+    assert pl.analytic_memory(m, "tp_sp", S, degree=8, dp=16, distributed_optimizer=False)[
+        "optimizer"] == tpsp["optimizer"]
+    # memory grows with S for every strategy
+    for kind in ("tsp", "tp_sp", "cp"):
+        a = sum(pl.analytic_memory(m, kind, 16384, degree=8).values())
+        assert a < sum(pl.analytic_memory(m, kind, S, degree=8).values())
+
+
+def test_evaluate_golden_h100():
+    """One configuration recomputed by hand: 7b, S=64k, 8 x H100 (DP=1), no recompute."""
+    o = pl.Options(recompute="none")
+    hw = pl.load_hardware("h100")
+    S, h, D = 65536, 4096, 8
+    flops = hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency
+    bw = 450e9 * hw.comm_efficiency
+    gemm = 2 * S * 12 * h * h
+    attn = 2 * S * S * h  # 2 GEMMs x 2 flop x causal half
+    tpsp = pl.evaluate("7b", hw, pl.make_strategy("tp_sp", D), S, D, o)
+    assert tpsp["layer_compute_s"]["fwd"] == pytest.approx((gemm + attn) / D / flops)
+    assert tpsp["layer_compute_s"]["bwd"] == pytest.approx(2 * (gemm + attn) / D / flops)
+    x = 7 / 8 * S * h * 2
+    # forward collectives are all exposed; backward: only the two row-parallel grad all-gathers
+    assert tpsp["layer_exposed_s"]["fwd"] == pytest.approx(4 * x / bw)
+    assert tpsp["layer_exposed_s"]["bwd"] == pytest.approx(2 * x / bw)
+    tsp = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D, o)
+    recompute = 2 * S * 4 * h * h + attn  # fc1 GEMM (F = 4h: 4h x h) + attention core forward
+    assert tsp["layer_compute_s"]["bwd"] == pytest.approx((2 * (gemm + attn) + recompute) / D / flops)
+    # TSP forward: everything hidden except the first head group's K/V gather
+    kv = 7 / 8 * 2 * S * h * 2
+    assert tsp["layer_exposed_s"]["fwd"] == pytest.approx(kv / D / bw)
+    assert tsp["layer_comm_fwd"] == pytest.approx(7 / 8 * (12 * h * h + 2 * S * h) * 2)
+    assert tsp["dp"] == 1 and tsp["dp_exposed_s"] == 0.0
+    step = 32 * (tsp["layer_compute_s"]["fwd"] + tsp["layer_compute_s"]["bwd"]
+                 + tsp["layer_exposed_s"]["fwd"] + tsp["layer_exposed_s"]["bwd"]) \
+        + tsp["head_s"] + tsp["replicated_allreduce_s"]
+    assert tsp["num_microbatches"] == 2**24 // S
+    assert tsp["step_s"] == pytest.approx(tsp["num_microbatches"] * (step - tsp["replicated_allreduce_s"])
+                                          + tsp["replicated_allreduce_s"])
+    assert tsp["tokens_per_s"] == pytest.approx(tsp["num_microbatches"] * S / tsp["step_s"])
+
+
+def test_planner_bytes_crossover_marks_the_switch():
+    p = pl.plan("7b", "mi300x", 131072, 1024, 8, [pl.make_strategy("tsp", 8),
+                                                 pl.make_strategy("tp_sp", 8)])
+    x = p["bytes_crossover_seq"]["fwd"]
+    assert x == pytest.approx(6 * 4096)
+    for seq, tsp_wins in ((int(x * 0.9), False), (int(x * 1.1), True)):
+        a = pl.evaluate("7b", "mi300x", pl.make_strategy("tsp", 8), seq, 1024)
+        b = pl.evaluate("7b", "mi300x", pl.make_strategy("tp_sp", 8), seq, 1024)
+        assert (a["layer_comm_fwd"] <= b["layer_comm_fwd"]) == tsp_wins
+    # throughput regions are consistent with point evaluations
+    o = pl.Options()
+    tsp, tpsp = pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)
+    for lo, hi in p["throughput_regions"]:
+        mid = int(lo * 1.05) if hi is None else int((lo * hi) ** 0.5)
+        assert (pl.evaluate("7b", "mi300x", tsp, mid, 1024, o)["tokens_per_s"]
+                >= pl.evaluate("7b", "mi300x", tpsp, mid, 1024, o)["tokens_per_s"])
+
+
+def test_cli_dispatch_missing_module(monkeypatch, capsys):
+    from megatron_tsp import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "ghost", ("megatron_tsp.no_such_module_xyz", "test"))
+    assert cli.main(["ghost"]) == 2
+    assert "not available" in capsys.readouterr().err
+    assert cli.main(["nope"]) == 2
+    assert cli.main(["--help"]) == 0
+
+
+def test_cli_plan_smoke(tmp_path):
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_tsp.cli", "plan", "--model", "7b", "--seq-length",
+         "131072", "--gpus", "1024", "--hardware", "mi300x", "--plot", str(png), "--json", str(js),
+         "--sweep", "16384,65536,131072"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for needle in ("TSP8", "TP8+SP", "CP8", "TP2+SPxCP4", "Assumptions:", "B*S >= 6 h",
+                   "paper: B*S > 8h", "compute efficiency"):
+        assert needle in out, needle
+    d = json.loads(js.read_text())
+    assert [r["strategy"] for r in d["rows"]][:2] == ["TSP8", "TP8+SP"]
+    assert d["sweep"]["seqs"] == [16384, 65536, 131072]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "skipped" in out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

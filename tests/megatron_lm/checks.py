@@ -1,0 +1,261 @@
+"""Checks run inside every gloo rank (see tests/harness.py) for the Megatron-LM integration."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_tsp import parallel_state as tsp_state
+from megatron_tsp import zigzag
+
+STYLES = {
+    # GPT-2-like: LayerNorm, GELU, biases, learned absolute positions, MHA.
+    "gpt2": dict(config=dict(normalization="LayerNorm", gated_linear_unit=False,
+                             activation_func=F.gelu, add_bias_linear=True),
+                 position_embedding_type="learned_absolute"),
+    # Llama-like: RMSNorm, SwiGLU, no biases, RoPE, GQA (--group-query-attention).
+    "llama": dict(config=dict(normalization="RMSNorm", gated_linear_unit=True,
+                              activation_func=F.silu, add_bias_linear=False, num_query_groups=2),
+                  position_embedding_type="rope"),
+}
+HEADS, HIDDEN, FFN, LAYERS, VOCAB, SEQ, BATCH = 4, 32, 64, 2, 128, 32, 2
+
+
+def _groups(d: int, seed: int) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not (tsp_state.is_tensor_sequence_parallel()
+            and tsp_state.get_tensor_sequence_parallel_world_size() == d):
+        tsp_state.destroy_model_parallel()
+        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
+                                            create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _config(d: int, style: str, dtype=torch.float32):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                  ffn_hidden_size=FFN, use_cpu_initialization=True, params_dtype=dtype,
+                  hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
+                  sequence_parallel=d > 1, bias_activation_fusion=False, bias_dropout_fusion=False,
+                  masked_softmax_fusion=False, apply_rope_fusion=False,
+                  gradient_accumulation_fusion=False)
+    fields.update(STYLES[style]["config"])
+    return TransformerConfig(**fields)
+
+
+def _model(config, spec, style):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ,
+                    position_embedding_type=STYLES[style]["position_embedding_type"],
+                    share_embeddings_and_output_weights=False)
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    loss_mask = (torch.rand(BATCH, SEQ, generator=g) > 0.3).float()
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).contiguous()
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)
+    attention_mask = causal.expand(BATCH, 1, SEQ, SEQ).contiguous()
+    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
+                position_ids=position_ids)
+
+
+def megatron_loss(model, batch):
+    """``pretrain_gpt.forward_step`` + ``loss_func``: (sum of masked token losses, token count)."""
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    mask = batch["loss_mask"].view(-1).float()
+    return torch.sum(losses.view(-1).float() * mask), mask.sum().to(torch.int)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def check_batch_hook(seed: int) -> dict:
+    """The wrapped ``get_batch_on_this_cp_rank`` zigzags on the TSP group, only when active."""
+    import megatron.core.utils as core_utils
+
+    from megatron_tsp.megatron_lm import batch as hook
+
+    d = dist.get_world_size()
+    _groups(d, seed)
+    original = core_utils.get_batch_on_this_cp_rank
+    hook.install_batch_hook()
+    try:
+        wrapped = core_utils.get_batch_on_this_cp_rank
+        assert wrapped is not original and wrapped.__wrapped_by_tsp__ is original
+        batch = _batch(seed)
+        hook.activate(None)
+        passthrough = wrapped(dict(batch))
+        assert all(torch.equal(passthrough[k], batch[k]) for k in batch)
+        hook.activate(d)
+        out = wrapped(dict(batch))
+        expected = zigzag.get_batch_on_this_tsp_rank(batch, d)
+        assert set(out) == set(batch)
+        for key in batch:
+            assert torch.equal(out[key], expected[key]), key
+        # contiguous SP shard r of the permuted tokens == zigzag chunks r and 2D-1-r
+        r = dist.get_rank()
+        local = out["tokens"].chunk(d, dim=1)[r]
+        assert torch.equal(local, zigzag.split(batch["tokens"], d, r, dim=1))
+        assert not torch.equal(out["tokens"], batch["tokens"])
+        # the mask is permuted on both axes and stays the causal mask of the true positions
+        pos = out["position_ids"][0]
+        assert torch.equal(out["attention_mask"][0, 0], pos.unsqueeze(1) < pos.unsqueeze(0))
+        errors = {}
+        try:
+            wrapped(dict(batch, cu_seqlens=torch.tensor([0, SEQ])))
+        except ValueError as exc:
+            errors["packed"] = str(exc)
+        hook.activate(2 * d)
+        try:
+            wrapped(dict(batch))
+        except RuntimeError as exc:
+            errors["size"] = str(exc)
+        assert "packed (THD)" in errors.get("packed", "") and "--sft" in errors["packed"], errors
+        assert f"has {d} ranks" in errors.get("size", ""), errors
+    finally:
+        hook.activate(None)
+        hook.uninstall_batch_hook()
+    assert core_utils.get_batch_on_this_cp_rank is original
+    return {"ok": True}
+
+
+def check_spec_hook_and_loss(seed: int, style: str) -> dict:
+    """``GPTModel(transformer_layer_spec=tsp_block_spec)`` (what ``--spec`` hands Megatron) builds
+    the TSP model; on the zigzagged batch its Megatron loss sum and token count equal the stock
+    TP=D+SP model's on the natural batch (same weights)."""
+    from megatron_tsp.layers.attention import TSPSelfAttention
+    from megatron_tsp.layers.mlp import TSPMLP
+    from megatron_tsp.megatron_lm import spec as spec_hook
+    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+
+    d = dist.get_world_size()
+    _groups(d, seed)
+    config = _config(d, style)
+    stock = _model(config, get_gpt_block_local_sp_spec(config), style)
+    spec_hook.install_gpt_model_hook()
+    try:
+        _groups(d, seed + 1)  # different init: the weights must come from the stock model
+        tsp = _model(config, spec_hook.tsp_block_spec, style)
+    finally:
+        spec_hook.uninstall_gpt_model_hook()
+    layer = tsp.decoder.layers[0]
+    assert isinstance(layer.self_attention, TSPSelfAttention), type(layer.self_attention)
+    assert isinstance(layer.mlp, TSPMLP), type(layer.mlp)
+    assert len(tsp.decoder.layers) == LAYERS
+    norm = tsp.decoder.final_layernorm
+    want_norm = "RMSNorm" if config.normalization == "RMSNorm" else "LayerNorm"
+    assert type(norm).__name__.endswith(want_norm), type(norm)
+    assert getattr(norm.weight, "sequence_parallel", False)
+    # --swiglu / --group-query-attention / --disable-bias-linear reach the TSP shards
+    fc1 = layer.mlp.linear_fc1.weight
+    assert fc1.shape[0] == FFN * (2 if config.gated_linear_unit else 1) // d
+    head_dim = HIDDEN // HEADS
+    qkv_rows = (HEADS + 2 * config.num_query_groups) * head_dim // d
+    assert layer.self_attention.linear_qkv.weight.shape[0] == qkv_rows
+    assert (layer.mlp.linear_fc1.bias is None) == (not config.add_bias_linear)
+    has_rope = getattr(tsp, "rotary_pos_emb", None) is not None
+    assert has_rope == (STYLES[style]["position_embedding_type"] == "rope")
+    stock_state = {k: v for k, v in stock.state_dict().items()}
+    assert set(stock_state) == set(tsp.state_dict())
+    tsp.load_state_dict(stock_state, strict=True)
+
+    batch = _batch(seed)
+    ref_sum, ref_tokens = megatron_loss(stock, batch)
+    tsp_batch = zigzag.get_batch_on_this_tsp_rank(batch, d)
+    tsp_sum, tsp_tokens = megatron_loss(tsp, tsp_batch)
+    assert int(tsp_tokens) == int(ref_tokens)
+    rel = abs(tsp_sum.item() - ref_sum.item()) / abs(ref_sum.item())
+    assert rel < 1e-5, (tsp_sum.item(), ref_sum.item())
+    return {"loss_rel_err": rel, "tokens": int(tsp_tokens)}
+
+
+def _sharded_layout(model):
+    out = {}
+    for key, sh in model.sharded_state_dict().items():
+        out[key] = (type(sh).__name__,) + tuple(
+            repr(getattr(sh, attr, None)) for attr in
+            ("global_shape", "global_offset", "axis_fragmentations", "replica_id", "local_shape",
+             "dtype", "prepend_axis_num", "flattened_range"))
+    return out
+
+
+def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict:
+    """Megatron distributed checkpointing (torch_dist): TP=D+SP -> TSP-D and TSP-D -> TP=D+SP.
+
+    Proves the sharded_state_dict of the TSP model has the stock model's keys, global shapes,
+    offsets, fragmentation and replica ids, then saves with ``dist_checkpointing.save`` from one
+    layout and loads with ``dist_checkpointing.load`` into the other (fresh weights from another
+    seed), and checks weights and the Megatron loss.
+    """
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_tsp.megatron_lm import spec as spec_hook
+    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+
+    d = dist.get_world_size()
+    config = _config(d, style)
+    spec_hook.install_gpt_model_hook()
+    # Megatron's torch_dist writer starts a multiprocessing Manager; the test ranks are daemon
+    # processes, which multiprocessing forbids to have children: lift that flag for this check.
+    import multiprocessing
+
+    process = multiprocessing.current_process()
+    was_daemon = process._config.get("daemon", False)
+    process._config["daemon"] = False
+    # ... and its writer synchronizes the CUDA stream before reading tensors: nothing to wait
+    # for on the CPU.
+    cuda_synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        def build(kind: str, init_seed: int):
+            _groups(d, init_seed)
+            spec = (spec_hook.tsp_block_spec if kind == "tsp"
+                    else get_gpt_block_local_sp_spec(config))
+            return _model(config, spec, style)
+
+        batch = _batch(seed)
+        results = {}
+        for src_kind, dst_kind in (("tp_sp", "tsp"), ("tsp", "tp_sp")):
+            src = build(src_kind, seed)
+            dst = build(dst_kind, seed + 11)
+            layout_src, layout_dst = _sharded_layout(src), _sharded_layout(dst)
+            assert layout_src == layout_dst, set(layout_src) ^ set(layout_dst)
+            differs = any(not torch.equal(a, b) for a, b in
+                          zip(src.state_dict().values(), dst.state_dict().values())
+                          if torch.is_tensor(a))
+            assert differs, "the destination must start from different weights"
+            path = os.path.join(ckpt_root, f"{src_kind}_to_{dst_kind}_{style}")
+            if dist.get_rank() == 0:
+                os.makedirs(path, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(src.sharded_state_dict(), path)
+            loaded = dist_checkpointing.load(dst.sharded_state_dict(), path)
+            dst.load_state_dict(loaded, strict=True)
+            for (name, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
+                if torch.is_tensor(a):
+                    assert torch.equal(a, b), f"{src_kind}->{dst_kind}: {name} differs after load"
+            ref_batch = batch if src_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
+            out_batch = batch if dst_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
+            with torch.no_grad():
+                a, _ = megatron_loss(src, ref_batch)
+                b, _ = megatron_loss(dst, out_batch)
+            rel = abs(a.item() - b.item()) / abs(a.item())
+            assert rel < 1e-5, (src_kind, dst_kind, a.item(), b.item())
+            results[f"{src_kind}->{dst_kind}"] = rel
+            results["keys"] = len(layout_src)
+        return results
+    finally:
+        process._config["daemon"] = was_daemon
+        torch.cuda.synchronize = cuda_synchronize
+        spec_hook.uninstall_gpt_model_hook()

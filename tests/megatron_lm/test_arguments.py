@@ -1,0 +1,153 @@
+"""The TSP argument group, its translation into Megatron's arguments, and the rejections."""
+
+import pytest
+
+from megatron_tsp.megatron_lm import arguments as A
+from tests.megatron_lm.common import megatron_parser
+
+
+def parse(*argv):
+    return megatron_parser().parse_args(list(argv))
+
+
+def test_group_is_in_help_and_parses():
+    parser = megatron_parser()
+    help_text = parser.format_help()
+    assert "tensor-sequence parallel:" in help_text
+    for flag in ("--tensor-sequence-parallel-size D", "--tsp-dry-run", "--tsp-dry-run-world-size",
+                 "--tsp-dry-run-rank"):
+        assert flag in help_text
+    args = parser.parse_args(["--tensor-sequence-parallel-size", "4", "--tsp-dry-run"])
+    assert args.tensor_sequence_parallel_size == 4 and args.tsp_dry_run
+    assert parser.parse_args([]).tensor_sequence_parallel_size is None
+    # idempotent: a second call adds nothing (argparse would raise on a duplicate flag)
+    assert A.add_tsp_arguments(parser) is parser
+    assert sum(a.dest == "tensor_sequence_parallel_size" for a in parser._actions) == 1
+
+
+@pytest.mark.parametrize("d", [1, 2, 8])
+def test_translation_sets_tp_sp_and_spec(d):
+    args = parse("--tensor-sequence-parallel-size", str(d), "--num-attention-heads", "8")
+    A.translate_args(args)
+    assert args.tensor_model_parallel_size == d
+    assert args.sequence_parallel is (d > 1)
+    assert args.spec == [A.SPEC_MODULE, A.SPEC_ATTR]
+    assert not hasattr(args, "tsp_replaced_spec")
+
+
+def test_translation_is_noop_without_flag():
+    args = parse("--tensor-model-parallel-size", "4", "--sequence-parallel")
+    before = dict(vars(args))
+    A.translate_args(args)
+    assert vars(args) == before
+
+
+def test_user_spec_is_replaced_and_recorded():
+    args = parse("--tensor-sequence-parallel-size", "2", "--spec", "local")
+    A.translate_args(args)
+    assert args.spec == [A.SPEC_MODULE, A.SPEC_ATTR]
+    assert args.tsp_replaced_spec == ["local"]
+
+
+def test_tp_equal_to_d_is_accepted_and_sequence_parallel_redundant():
+    args = parse("--tensor-sequence-parallel-size", "4", "--tensor-model-parallel-size", "4",
+                 "--sequence-parallel")
+    A.translate_args(args)
+    assert args.tensor_model_parallel_size == 4 and args.sequence_parallel
+
+
+UNSUPPORTED = [
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size=2"),
+    (["--context-parallel-size", "2"], "--context-parallel-size=2"),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes"),
+    (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap"),
+    (["--num-experts", "8"], "--num-experts=8"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size=2"),
+    (["--tensor-parallel-num-weight-shards", "2"], "--tensor-parallel-num-weight-shards=2"),
+    (["--sft"], "--sft"),
+    (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking"),
+    (["--reset-attention-mask"], "--reset-attention-mask"),
+    (["--reset-position-ids"], "--reset-position-ids"),
+    (["--multi-latent-attention"], "--multi-latent-attention"),
+    (["--qk-layernorm"], "--qk-layernorm"),
+    (["--use-legacy-models"], "--use-legacy-models"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers=1"),
+    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant=dsa"),
+    (["--heterogeneous-layers-config-path", "x.json"], "--heterogeneous-layers-config-path"),
+    (["--yaml-cfg", "x.yaml"], "--yaml-cfg=x.yaml"),
+    (["--fp8", "hybrid"], "--fp8=hybrid"),
+    (["--fp4", "nvfp4"], "--fp4=nvfp4"),
+    (["--attention-backend", "flash"], "--attention-backend=flash"),
+    (["--attention-backend", "local"], "--attention-backend=local"),
+    (["--transformer-impl", "inference_optimized"], "--transformer-impl=inference_optimized"),
+]
+
+
+@pytest.mark.parametrize("extra,named", UNSUPPORTED, ids=[u[1] for u in UNSUPPORTED])
+def test_unsupported_combinations_name_the_flags(extra, named):
+    args = parse("--tensor-sequence-parallel-size", "4", *extra)
+    with pytest.raises(A.TSPArgumentError) as err:
+        A.translate_args(args)
+    message = str(err.value)
+    assert named in message and "--tensor-sequence-parallel-size" in message
+    assert isinstance(err.value, ValueError)
+    # nothing was translated: the user's arguments are untouched on error
+    assert args.spec is None
+
+
+def test_several_problems_are_listed_together():
+    args = parse("--tensor-sequence-parallel-size", "2", "--context-parallel-size", "2",
+                 "--tp-comm-overlap", "--num-experts", "4")
+    with pytest.raises(A.TSPArgumentError) as err:
+        A.translate_args(args)
+    text = str(err.value)
+    assert text.count("\n  - ") == 3
+    for flag in ("--context-parallel-size=2", "--tp-comm-overlap", "--num-experts=4"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("bad", ["0", "-2"])
+def test_bad_size(bad):
+    args = parse("--tensor-sequence-parallel-size", bad)
+    with pytest.raises(A.TSPArgumentError, match="positive integer"):
+        A.translate_args(args)
+
+
+def _validated(d=4, **fields):
+    args = parse("--tensor-sequence-parallel-size", str(d))
+    A.translate_args(args)
+    base = dict(world_size=16, num_attention_heads=32, hidden_size=4096, ffn_hidden_size=16384,
+                seq_length=4096, padded_vocab_size=32768)
+    base.update(fields)
+    for k, v in base.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_validated_args_pass():
+    A.check_validated_args(_validated())
+    gqa = _validated(group_query_attention=True, num_query_groups=8)
+    A.check_validated_args(gqa)
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(world_size=6), "world size 6"),
+    (dict(num_attention_heads=30, hidden_size=3840), "--num-attention-heads=30"),
+    (dict(group_query_attention=True, num_query_groups=2), "--num-query-groups=2"),
+    (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
+    (dict(seq_length=4100), "--seq-length=4100"),
+    (dict(sequence_parallel=False), "--sequence-parallel"),
+    (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
+])
+def test_validated_args_errors(fields, named):
+    args = _validated(**fields)
+    with pytest.raises(A.TSPArgumentError) as err:
+        A.check_validated_args(args)
+    assert named in str(err.value)
+
+
+def test_strip_tsp_flags():
+    argv = ["--num-layers", "2", "--tensor-sequence-parallel-size", "8", "--tsp-dry-run",
+            "--tsp-dry-run-world-size=16", "--tsp-dry-run-rank", "3", "--seq-length", "64"]
+    assert A.strip_tsp_flags(argv) == ["--num-layers", "2", "--seq-length", "64"]

@@ -1,0 +1,100 @@
+"""(e) Communication of one TSP layer, counted from the collectives actually issued, equals the
+schedule's formula, with no all-reduce; (f) the ring posts the next shard's transfer before the
+current shard's matmuls."""
+
+import pytest
+
+from tests import checks_comm
+
+# One configuration: S=32, B=2, h=32, fp32 (4 bytes), D in {2, 4}.
+S, B, H, E = 32, 2, 32, 4
+
+
+def mlp_formula(d, ffn, gated, bias):
+    """Bytes received per rank. The ring moves each rank's (fc1, fc1 bias, fc2) shard D-1 hops:
+    forward f*W_mlp; backward the weights again plus a gradient accumulator one hop behind:
+    2 f*W_mlp (f = (D-1)/D). The fc2 bias is replicated and never moves."""
+    f = (d - 1) / d
+    rows = (2 if gated else 1) * ffn
+    w_mlp = rows * H + (rows if bias else 0) + H * ffn
+    return {"fwd": f * w_mlp * E, "bwd": 2 * f * w_mlp * E}
+
+
+def attention_formula(d, heads, groups, bias):
+    """Bytes received per rank. Forward: D broadcasts of (qkv, qkv bias, proj) shards = f*W_attn,
+    K and V all-gathered per head group = f*2*B*S*h_kv. Backward: broadcasts again (f*W_attn),
+    K/V re-gathered (f*2BSh_kv), dK/dV reduce-scattered (f*2BSh_kv), weight grads reduced to the
+    owner (f*W_attn). Same as the table in shared/notes/tsp-algorithm.md."""
+    f = (d - 1) / d
+    hn = H // heads
+    h_kv = groups * hn
+    qkv_rows = H + 2 * h_kv
+    w_attn = qkv_rows * H + (qkv_rows if bias else 0) + H * H
+    kv = 2 * B * S * h_kv
+    return {"fwd": f * (w_attn + kv) * E, "bwd": f * (2 * w_attn + 2 * kv) * E}
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("gated,bias", [(False, True), (True, False)])
+def test_mlp_comm_matches_formula(pool4, d, gated, bias):
+    results = pool4.run(checks_comm.measure_layer, "mlp", d, seq=S, batch=B, hidden=H, ffn=64,
+                        gated=gated, bias=bias)
+    expected = mlp_formula(d, 64, gated, bias)
+    for r in results:
+        for phase in ("fwd", "bwd"):
+            assert r[phase]["ops"] == ["irecv", "isend"], r[phase]
+            assert "all_reduce" not in r[phase]["calls"]
+            assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
+        assert r["fwd"]["calls"] == {"isend": d - 1, "irecv": d - 1}
+        assert r["bwd"]["calls"] == {"isend": 2 * (d - 1), "irecv": 2 * (d - 1)}
+        assert r["scopes"] == ["tsp_mlp"]
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("heads,groups,bias", [(4, 4, True), (8, 4, False)])
+def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
+    results = pool4.run(checks_comm.measure_layer, "attention", d, seq=S, batch=B, hidden=H,
+                        heads=heads, groups=groups, bias=bias)
+    expected = attention_formula(d, heads, groups, bias)
+    for r in results:
+        assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": 2 * d}
+        assert r["bwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": 2 * d,
+                                     "reduce_scatter_tensor": 2 * d, "reduce": d}
+        for phase in ("fwd", "bwd"):
+            assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
+        assert r["scopes"] == ["tsp_attention"]
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
+    trace = pool4.run(checks_comm.trace_layer, "mlp", d)[0]
+    expected = ["isend", "irecv", "mm", "mm"] * (d - 1) + ["mm", "mm"]
+    assert trace["fwd"] == expected
+    # Backward: step t posts the next weight shard (W) before its matmuls, then passes the
+    # gradient accumulator (A) one hop behind: W mm*k | W mm*k A | ... | mm*k A
+    bwd = trace["bwd"]
+    k = bwd.count("mm") // d
+    p2p, mm = ["isend", "irecv"], ["mm"] * k
+    expected = p2p + mm
+    for _ in range(1, d - 1):
+        expected += p2p + mm + p2p
+    expected += mm + p2p
+    assert bwd == expected
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_attention_prefetches_next_shard(pool4, d):
+    fwd = pool4.run(checks_comm.trace_layer, "attention", d)[0]["fwd"]
+    bcasts = [i for i, e in enumerate(fwd) if e == "broadcast"]
+    assert len(bcasts) == d
+    first_mm = fwd.index("mm")
+    # shard 0 and shard 1 are both in flight before shard 0's first matmul
+    assert bcasts[0] < bcasts[1] < first_mm
+    # shard r+1's broadcast is issued before shard r's projection matmuls start
+    gathers = [i for i, e in enumerate(fwd) if e == "all_gather_into_tensor"]
+    assert len(gathers) == 2 * d
+    for r in range(d - 1):
+        # shard r+1 is in flight before shard r's K/V gather, and not earlier than one ahead
+        assert bcasts[r + 1] < gathers[2 * r]
+        if r > 0:
+            assert bcasts[r + 1] > gathers[2 * r - 1]
