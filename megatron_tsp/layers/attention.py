@@ -37,6 +37,7 @@ from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers.grads import weight_grad_output
 from megatron_tsp.parallel_state import resolve_group
+from megatron_tsp.validation import check_model_shape
 
 try:  # megatron-core >= 0.14
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
@@ -284,12 +285,8 @@ class TSPSelfAttention(SelfAttention):
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        size = dist.get_world_size(group)
-        if config.num_query_groups % size != 0:
-            raise ValueError(
-                f"--num-query-groups={config.num_query_groups} is not divisible by "
-                f"--tensor-sequence-parallel-size={size}: TSP gives each rank whole key/value groups"
-            )
+        check_model_shape(dist.get_world_size(group), config.num_attention_heads,
+                          config.num_query_groups, hidden_size=config.hidden_size)
         if getattr(config, "attention_output_gate", False):
             raise ValueError("TSP attention does not support attention_output_gate")
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
@@ -340,6 +337,13 @@ class TSPSelfAttention(SelfAttention):
         else:
             q_emb = k_emb = rotary_pos_emb
         local_len = hidden_states.shape[0]
+        if local_len % 2 != 0:
+            size = dist.get_world_size(self.tsp_group)
+            raise ValueError(
+                f"TSP attention got {local_len} local tokens: the sequence length "
+                f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
+                f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
+            )
         freqs_q = self._local_freqs(q_emb, local_len)
         freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, local_len)
         layout = self.tsp_layout

@@ -174,6 +174,13 @@ class TSPMLP(MLP):
         group = resolve_group(pg_collection, tp_group)
         if ffn_hidden_size is None:
             ffn_hidden_size = config.ffn_hidden_size
+        size = dist.get_world_size(group)
+        if ffn_hidden_size % size != 0:
+            raise ValueError(
+                f"--ffn-hidden-size={ffn_hidden_size} is not divisible by "
+                f"--tensor-sequence-parallel-size={size}: TSP shards the MLP's intermediate "
+                f"dimension over the group"
+            )
         super().__init__(config, submodules, is_expert=False, input_size=input_size,
                          ffn_hidden_size=ffn_hidden_size, tp_group=group)
         self.tsp_group = group

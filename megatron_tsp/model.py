@@ -1,0 +1,26 @@
+"""Build a megatron-core ``GPTModel`` that runs its transformer layers under TSP."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_tsp.validation import check_transformer_config
+
+
+def build_tsp_gpt_model(config, vocab_size: int, max_sequence_length: int,
+                        seq_length: Optional[int] = None, **gpt_kwargs):
+    """``GPTModel`` with the TSP block spec, after checking every TSP constraint.
+
+    ``config`` is a ``TransformerConfig`` with ``tensor_model_parallel_size = D`` (the TSP group
+    size) and ``sequence_parallel = True``; ``seq_length`` (default ``max_sequence_length``) is the
+    training sequence length, which must split into 2D zigzag chunks. Raises ``ValueError`` naming
+    the setting before any parameter or collective is created.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_tsp.specs import get_gpt_block_tsp_spec
+
+    check_transformer_config(config, vocab_size=vocab_size,
+                             seq_length=seq_length or max_sequence_length)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_block_tsp_spec(config),
+                    vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
