@@ -1,4 +1,4 @@
-"""``megatron-tsp`` console entry point: ``plan``, ``memory``, ``bench`` subcommands."""
+"""``megatron-tsp`` console entry point: ``demo``, ``plan``, ``memory``, ``bench`` subcommands."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = {
+    "demo": ("megatron_tsp.demo", "train a small GPT under TSP and TP+SP side by side (gloo)"),
     "plan": ("megatron_tsp.estimator.planner", "analytic memory / comm / throughput planner"),
     "memory": ("megatron_tsp.estimator.memory", "measured peak memory of one rank (fake tensors)"),
     "bench": ("megatron_tsp.bench", "benchmark TSP vs TP+SP layers"),

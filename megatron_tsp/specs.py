@@ -29,11 +29,17 @@ from megatron_tsp.layers.norm import TSPNorm
 
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
                            num_experts: Optional[int] = None,
-                           multi_latent_attention: bool = False) -> ModuleSpec:
+                           multi_latent_attention: bool = False,
+                           attention_backward: str = "saved",
+                           mlp_recompute_activation: bool = True) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and MLP.
 
     ``normalization`` is accepted for parity with Megatron's spec getters; the norm follows
     ``config.normalization`` ("LayerNorm" or "RMSNorm") when the model is built.
+    ``attention_backward``: "saved" keeps each head group's local q/k/v, output and log-sum-exp
+    (no attention recompute), "recompute" keeps only the layer input. ``mlp_recompute_activation``:
+    True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
+    False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).
     """
     if qk_layernorm:
         raise ValueError("TSP attention does not support --qk-layernorm yet")
@@ -49,7 +55,8 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
             input_layernorm=TSPNorm,
             self_attention=ModuleSpec(
                 module=TSPSelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                params={"attn_mask_type": AttnMaskType.causal,
+                        "attention_backward": attention_backward},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=DotProductAttention,
@@ -60,6 +67,7 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
             pre_mlp_layernorm=TSPNorm,
             mlp=ModuleSpec(
                 module=TSPMLP,
+                params={"recompute_activation": mlp_recompute_activation},
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                          linear_fc2=RowParallelLinear),
             ),

@@ -35,7 +35,8 @@ def _grads_vs_reference(module, full_grads, group, errors, replicated_sum=True):
         errors[f"grad:{name}"] = rel_err(grad, expected)
 
 
-def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activation="gelu"):
+def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activation="gelu",
+              recompute_activation=True):
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
@@ -43,7 +44,8 @@ def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activat
     config = make_config(d, dtype, hidden_size=hidden, ffn_hidden_size=ffn,
                          gated_linear_unit=gated, add_bias_linear=bias, activation_func=act)
     layer = TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=RowParallelLinear))
+                                         linear_fc2=RowParallelLinear),
+                   recompute_activation=recompute_activation)
     torch.manual_seed(seed)  # same full weights and data on every rank, fresh per run
     full = {n: torch.randn(checkpoint.unshard([p] * size, *checkpoint.sharding_of(p)[1:]).shape
                            if checkpoint.sharding_of(p)[0] else p.shape, dtype=dtype) * 0.2
@@ -101,7 +103,8 @@ def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_fre
     return out + proj_b if proj_b is not None else out
 
 
-def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, hidden):
+def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, hidden,
+                    attention_backward="saved"):
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
@@ -112,7 +115,7 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
         SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
                                 core_attention=DotProductAttention,
                                 linear_proj=RowParallelLinear),
-        layer_number=1, attn_mask_type=AttnMaskType.causal,
+        layer_number=1, attn_mask_type=AttnMaskType.causal, attention_backward=attention_backward,
     )
     torch.manual_seed(seed)
     full = {}

@@ -11,14 +11,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: full-scale checks (still run in CI)")
 
 
-@pytest.fixture(scope="session")
+_pools = {}
+
+
+@pytest.fixture
 def pool4():
-    """Four gloo ranks shared by every distributed test of the session."""
+    """Four gloo ranks shared by the distributed tests of the session; restarted if a previous
+    check killed it (a hang is reported by that check, not by every later one)."""
     from tests.harness import RankPool
 
-    pool = RankPool(4)
-    yield pool
-    pool.close()
+    pool = _pools.get(4)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _pools[4] = RankPool(4)
+    return pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()
 
 
 @pytest.fixture

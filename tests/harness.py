@@ -86,6 +86,8 @@ class RankPool:
         return results
 
     def run(self, fn, *args, timeout: float = 300.0, **kwargs):
+        if not self.alive:
+            raise RuntimeError("the rank pool is dead (an earlier check hung or crashed)")
         for q in self.inboxes:
             q.put((fn.__module__, fn.__name__, args, kwargs))
         return self._collect("ok", timeout)

@@ -10,14 +10,19 @@ Forward, for each head-group shard r = 0..D-1:
     Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # accumulated locally: no all-reduce
 
 Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
-aligned causal mask (no S x S mask). Only X_p is saved; backward re-broadcasts the shards,
-recomputes q/k/v and the gathered K/V per head group, reduce-scatters dK/dV back to the token
-owners and reduces each shard's weight gradient onto its owner.
+aligned causal mask (no S x S mask; with flash kernels, see ``flash.py``, two blocks merged by
+log-sum-exp). Backward re-broadcasts the shards, re-gathers each head group's K/V,
+reduce-scatters dK/dV back to the token owners and reduces each shard's weight gradient onto its
+owner. ``attention_backward="saved"`` (default) keeps each head group's local qkv, output and
+log-sum-exp (local-token sized, like TP+SP's saved activations) so the attention forward is not
+recomputed; ``"recompute"`` keeps only X_p and recomputes everything per head group (least memory;
+also used when attention dropout is on or no flash kernel fits the device/dtype).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -35,6 +40,7 @@ from megatron_tsp import zigzag
 from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
                                reduce_to, wait_all)
 from megatron_tsp.comm_counter import comm_scope
+from megatron_tsp.layers import flash
 from megatron_tsp.layers.grads import weight_grad_output
 from megatron_tsp.parallel_state import resolve_group
 from megatron_tsp.validation import check_model_shape
@@ -55,6 +61,7 @@ class HeadLayout:
     softmax_scale: float
     dropout_p: float
     config: object  # the TransformerConfig, for RoPE
+    backward: str = "saved"  # "saved": keep (q,k,v, out, lse); "recompute": keep only the input
 
     @property
     def qkv_split(self) -> list:
@@ -83,15 +90,23 @@ class _NoCPGroup:
 _NoCP = _NoCPGroup()
 
 
-def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
-    """Local tokens through one QKV shard: q [s, b, np/D, hn], k and v [s, b, ng/D, hn]."""
+def qkv_linear(x, qkv_w, qkv_b, layout: HeadLayout) -> torch.Tensor:
+    """Local tokens through one QKV shard: [s, b, ng/D, (np/ng + 2) * hn] (Megatron's layout)."""
     mixed = torch.matmul(x, qkv_w.t())
     if qkv_b is not None:
         mixed = mixed + qkv_b
-    mixed = mixed.view(*mixed.shape[:2], layout.groups, -1)
+    return mixed.view(*mixed.shape[:2], layout.groups, -1)
+
+
+def split_rope(mixed, layout: HeadLayout, freqs_q, freqs_k):
+    """q [s, b, np/D, hn], k and v [s, b, ng/D, hn], RoPE applied at the given positions."""
     q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
     q = q.reshape(q.shape[0], q.shape[1], layout.heads, layout.head_dim)
     return _rope(q, freqs_q, layout.config), _rope(k, freqs_k, layout.config), v
+
+
+def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
+    return split_rope(qkv_linear(x, qkv_w, qkv_b, layout), layout, freqs_q, freqs_k)
 
 
 def _lower_right_causal(q_len: int, kv_len: int):
@@ -172,6 +187,10 @@ class _ShardStream:
             yield r, buf
 
 
+def _split_shard(views, has_bias):
+    return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
+
+
 class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse):
@@ -179,82 +198,153 @@ class _TSPAttentionFunction(torch.autograd.Function):
         has_bias = qkv_b is not None
         chunks = zigzag.chunk_ids(size, rank)
         dropout_p = layout.dropout_p
+        use_saved = layout.backward == "saved" and flash.supported(x, layout.head_dim, dropout_p)
         rng = _rng_state(x.device) if dropout_p > 0 else None
         own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
-        out = None
+        out, shards = None, []
         with comm_scope("tsp_attention"):
             for _, shard in _ShardStream(own, group):
-                views = shard.views()
-                w, b, pw = (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
-                q, k, v = project_qkv(x, w, b, layout, freqs_q, freqs_k)
+                w, b, pw = _split_shard(shard.views(), has_bias)
+                mixed = qkv_linear(x, w, b, layout)
+                q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
                 k_nat = zigzag.unpermute(all_gather_seq(k, group), size, dim=0)
                 v_nat = zigzag.unpermute(all_gather_seq(v, group), size, dim=0)
-                ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, dropout_p)
+                if use_saved:
+                    ctx_r, stats = flash.forward(q, k_nat, v_nat, chunks, layout.softmax_scale)
+                    shards.append((mixed, ctx_r, stats))  # all local-token sized
+                else:
+                    ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, dropout_p)
                 del k_nat, v_nat
                 contrib = torch.matmul(ctx_r, pw.t())
                 out = contrib if out is None else out.add_(contrib)
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng = layout, group, fuse, rng
+        ctx.shards = shards if use_saved else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
-        layout, group = ctx.layout, ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        has_bias = qkv_b is not None
-        chunks = zigzag.chunk_ids(size, rank)
-        grad_out = grad_out.contiguous()
-        own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
-        own_grad = None
-        grad_x = torch.zeros_like(x)
-        pending_reduce = None
-        rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
-        with comm_scope("tsp_attention"), rng_ctx:
-            for r, shard in _ShardStream(own, group):
-                leaves = [t.detach().requires_grad_(True) for t in shard.views()]
-                w, b, pw = (leaves[0], leaves[1], leaves[2]) if has_bias else (
-                    leaves[0], None, leaves[1])
-                qkv_leaves = [w, b] if has_bias else [w]
-                with torch.enable_grad():
-                    x_leaf = x.detach().requires_grad_(True)
-                    q, k, v = project_qkv(x_leaf, w, b, layout, freqs_q, freqs_k)
-                    k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
-                    v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
-                    k_nat.requires_grad_(True)
-                    v_nat.requires_grad_(True)
-                    ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout,
-                                                    layout.dropout_p)
-                    y = torch.matmul(ctx_r, pw.t())
-                    g = torch.autograd.grad(y, [x_leaf] + leaves + [k_nat, v_nat], grad_out,
-                                            retain_graph=True)
-                    dk_nat, dv_nat = g[-2], g[-1]
-                    # Adjoint of the all-gather: each token owner receives the sum of its dK/dV.
-                    dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
-                    dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
-                    del k_nat, v_nat, dk_nat, dv_nat
-                    g_kv = torch.autograd.grad([k, v], [x_leaf] + qkv_leaves, [dk, dv])
-                grad_x.add_(g[0]).add_(g_kv[0])
-                partial = FlatShard.like(own)
-                for view, g1, g2 in zip(partial.views(), g[1:1 + len(leaves)],
-                                        list(g_kv[1:]) + [None]):
-                    view.copy_(g1) if g2 is None else torch.add(g1, g2, out=view)
-                if pending_reduce is not None:
-                    pending_reduce.wait()
-                pending_reduce = reduce_to(partial.buffer, r, group) if size > 1 else None
-                if r == rank:
-                    own_grad = partial  # the reduce lands the group's sum in this buffer
-            wait_all([pending_reduce] if pending_reduce is not None else [])
+        if ctx.shards is not None:
+            grads = _backward_saved(ctx, grad_out.contiguous())
+        else:
+            grads = _backward_recompute(ctx, grad_out.contiguous())
+        ctx.shards = None
+        x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
+        grad_x, own_grad = grads
         views = own_grad.views()
-        grads = views if has_bias else [views[0], None, views[1]]
+        g_w, g_b, g_pw = _split_shard(views, qkv_b is not None)
         fuse = ctx.fuse
         return (
             grad_x,
-            weight_grad_output(qkv_w, grads[0], fuse),
-            weight_grad_output(qkv_b, grads[1], fuse),
-            weight_grad_output(proj_w, grads[2], fuse),
+            weight_grad_output(qkv_w, g_w, fuse),
+            weight_grad_output(qkv_b, g_b, fuse),
+            weight_grad_output(proj_w, g_pw, fuse),
             None, None, None, None, None,
         )
+
+
+def _backward_recompute(ctx, grad_out):
+    """Lowest memory: only x was saved; q/k/v, the gathered K/V and the attention forward are
+    recomputed per head group (public SDPA, RNG replayed for attention dropout)."""
+    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
+    layout, group = ctx.layout, ctx.group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    has_bias = qkv_b is not None
+    chunks = zigzag.chunk_ids(size, rank)
+    own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
+    reducer = _OwnerReduce(own, group)
+    grad_x = torch.zeros_like(x)
+    rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
+    with comm_scope("tsp_attention"), rng_ctx:
+        for r, shard in _ShardStream(own, group):
+            leaves = [t.detach().requires_grad_(True) for t in shard.views()]
+            w, b, pw = _split_shard(leaves, has_bias)
+            qkv_leaves = [w, b] if has_bias else [w]
+            with torch.enable_grad():
+                x_leaf = x.detach().requires_grad_(True)
+                q, k, v = project_qkv(x_leaf, w, b, layout, freqs_q, freqs_k)
+                k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
+                v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
+                k_nat.requires_grad_(True)
+                v_nat.requires_grad_(True)
+                ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, layout.dropout_p)
+                y = torch.matmul(ctx_r, pw.t())
+                g = torch.autograd.grad(y, [x_leaf] + leaves + [k_nat, v_nat], grad_out,
+                                        retain_graph=True)
+                # Adjoint of the all-gather: each token owner receives the sum of its dK/dV.
+                dk = reduce_scatter_seq(zigzag.permute(g[-2], size, dim=0), group)
+                dv = reduce_scatter_seq(zigzag.permute(g[-1], size, dim=0), group)
+                del k_nat, v_nat
+                g_kv = torch.autograd.grad([k, v], [x_leaf] + qkv_leaves, [dk, dv])
+            grad_x.add_(g[0]).add_(g_kv[0])
+            partial = FlatShard.like(own)
+            for view, g1, g2 in zip(partial.views(), g[1:1 + len(leaves)], list(g_kv[1:]) + [None]):
+                view.copy_(g1) if g2 is None else torch.add(g1, g2, out=view)
+            reducer.submit(r, partial)
+        return grad_x, reducer.finish()
+
+
+def _backward_saved(ctx, grad_out):
+    """No attention recompute: the forward kept each head group's local (pre-RoPE) qkv, output
+    and log-sum-exp; K/V are re-gathered and flash backward runs with the saved statistics."""
+    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
+    layout, group = ctx.layout, ctx.group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    has_bias = qkv_b is not None
+    chunks = zigzag.chunk_ids(size, rank)
+    own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
+    reducer = _OwnerReduce(own, group)
+    grad_x = torch.zeros_like(x)
+    tokens_x = x.reshape(-1, x.shape[-1])
+    tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
+    with comm_scope("tsp_attention"):
+        for r, shard in _ShardStream(own, group):
+            w, b, pw = _split_shard(shard.views(), has_bias)
+            mixed, ctx_r, stats = ctx.shards[r]
+            with torch.enable_grad():
+                m_leaf = mixed.detach().requires_grad_(True)
+                q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
+            k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
+            v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
+            d_ctx = torch.matmul(grad_out, pw)
+            dq, dk_nat, dv_nat = flash.backward(d_ctx, q.detach(), k_nat, v_nat, chunks,
+                                                layout.softmax_scale, stats)
+            del k_nat, v_nat
+            dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
+            dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
+            (d_mixed,) = torch.autograd.grad([q, k, v], [m_leaf], [dq, dk, dv])
+            d_rows = d_mixed.reshape(-1, w.shape[0])
+            grad_x.add_(torch.matmul(d_rows, w).view_as(x))
+            partial = FlatShard.like(own)
+            views = partial.views()
+            torch.matmul(d_rows.t(), tokens_x, out=views[0])
+            if has_bias:
+                torch.sum(d_rows, dim=0, out=views[1])
+            torch.matmul(tokens_dy.t(), ctx_r.reshape(-1, ctx_r.shape[-1]), out=views[-1])
+            reducer.submit(r, partial)
+        return grad_x, reducer.finish()
+
+
+class _OwnerReduce:
+    """Reduce each shard's partial weight gradient onto its owner, one reduce in flight; the
+    owner's buffer ends up holding the group's sum."""
+
+    def __init__(self, own: FlatShard, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.pending, self.own = None, None
+
+    def submit(self, owner: int, partial: FlatShard) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+        self.pending = reduce_to(partial.buffer, owner, self.group) if self.size > 1 else None
+        if owner == self.rank:
+            self.own = partial
+
+    def finish(self) -> FlatShard:
+        if self.pending is not None:
+            self.pending.wait()
+        return self.own
 
 
 def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
@@ -277,7 +367,10 @@ class TSPSelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type=None,
-                 pg_collection=None, **kwargs):
+                 pg_collection=None, attention_backward: str = "saved", **kwargs):
+        if attention_backward not in ("saved", "recompute"):
+            raise ValueError(f"attention_backward must be 'saved' or 'recompute', "
+                             f"got {attention_backward!r}")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"TSP attention supports causal masking only, got {attn_mask_type}")
         group = resolve_group(pg_collection)
@@ -304,6 +397,7 @@ class TSPSelfAttention(SelfAttention):
             softmax_scale=scale,
             dropout_p=config.attention_dropout,
             config=config,
+            backward=attention_backward,
         )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
 
@@ -348,8 +442,7 @@ class TSPSelfAttention(SelfAttention):
         freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, local_len)
         layout = self.tsp_layout
         if not self.training and layout.dropout_p > 0:
-            layout = HeadLayout(layout.heads, layout.groups, layout.head_dim,
-                                layout.softmax_scale, 0.0, layout.config)
+            layout = dataclasses.replace(layout, dropout_p=0.0)
         out = tsp_self_attention(
             hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
             self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,

@@ -9,7 +9,8 @@ Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gat
 
 No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
 only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
-again, recomputing the shard's activation (nothing but X_p is saved), and a gradient accumulator
+again, recomputing the shard's fc1 output (by default nothing but X_p is saved; with
+``recompute_activation=False`` the per-shard fc1 outputs are kept instead), and a gradient accumulator
 rides the ring behind the weights: rank p+t adds its contribution to shard p's weight gradient at
 step t, and the last hop lands on the owner, who holds the full gradient of its shard exactly like
 a TP=D rank.
@@ -17,6 +18,7 @@ a TP=D rank.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -47,16 +49,17 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
     return glu
 
 
-def _shard_forward(x, fc1_w, fc1_b, fc2_w, activation):
+def _fc1(x, fc1_w, fc1_b):
     pre = torch.matmul(x, fc1_w.t())
-    if fc1_b is not None:
-        pre = pre + fc1_b
-    return torch.matmul(activation(pre), fc2_w.t())
+    return pre + fc1_b if fc1_b is not None else pre
+
+
 
 
 class _TSPMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, fuse_into_main_grad):
+    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, fuse_into_main_grad,
+                recompute_activation):
         size = dist.get_world_size(group)
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
@@ -64,6 +67,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         def unpack(views):
             return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
 
+        saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
         with comm_scope("tsp_mlp"):
             out = None
             current = FlatShard.pack(params) if size > 1 else None
@@ -74,14 +78,18 @@ class _TSPMLPFunction(torch.autograd.Function):
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
                     requests = ring_exchange(current.buffer, incoming.buffer, group)
-                shard = unpack(current.views()) if size > 1 else (fc1_w, fc1_b, fc2_w)
-                contrib = _shard_forward(x, *shard, activation)
+                w1, b1, w2 = unpack(current.views()) if size > 1 else (fc1_w, fc1_b, fc2_w)
+                pre = _fc1(x, w1, b1)
+                if not recompute_activation:
+                    saved_pre.append(pre)
+                contrib = torch.matmul(activation(pre), w2.t())
                 out = contrib if out is None else out.add_(contrib)
                 wait_all(requests)
                 if incoming is not None:
                     current = incoming
         ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
         ctx.group, ctx.activation, ctx.fuse = group, activation, fuse_into_main_grad
+        ctx.saved_pre = saved_pre if not recompute_activation else None
         return out
 
     @staticmethod
@@ -93,20 +101,30 @@ class _TSPMLPFunction(torch.autograd.Function):
         params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
         grad_out = grad_out.contiguous()
 
-        def shard_grads(views):
-            """Partial weight gradients of one shard from this rank's tokens; dX accumulated."""
-            leaves = [v.detach().requires_grad_(True) for v in views]
-            w1, b1, w2 = (leaves[0], leaves[1], leaves[2]) if has_bias else (
-                leaves[0], None, leaves[1])
+        saved_pre = ctx.saved_pre
+        tokens_x = x.reshape(-1, x.shape[-1])
+        tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
+
+        def shard_grads(views, step):
+            """dX contribution and partial weight gradients of one shard from this rank's tokens."""
+            w1, b1, w2 = (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
             with torch.enable_grad():
-                x_leaf = x.detach().requires_grad_(True)
-                y = _shard_forward(x_leaf, w1, b1, w2, activation)
-                grads = torch.autograd.grad(y, [x_leaf] + leaves, grad_out)
-            return grads[0], list(grads[1:])
+                pre = (saved_pre[step] if saved_pre is not None else _fc1(x, w1, b1)).detach()
+                pre.requires_grad_(True)
+                hidden = activation(pre)
+                d_hidden = torch.matmul(grad_out, w2)
+                (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
+            hidden = hidden.detach().reshape(-1, hidden.shape[-1])
+            d_rows = d_pre.reshape(-1, d_pre.shape[-1])
+            grads = [torch.matmul(d_rows.t(), tokens_x)]
+            if has_bias:
+                grads.append(d_rows.sum(dim=0))
+            grads.append(torch.matmul(tokens_dy.t(), hidden))
+            return torch.matmul(d_pre, w1), grads
 
         with comm_scope("tsp_mlp"):
             if size == 1:
-                grad_x, own = shard_grads(params)
+                grad_x, own = shard_grads(params, 0)
             else:
                 current = FlatShard.pack(params)
                 spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
@@ -119,7 +137,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                     if t < size - 1:
                         incoming = spare[t % len(spare)]
                         requests = ring_exchange(current.buffer, incoming.buffer, group)
-                    gx, partial = shard_grads(current.views())
+                    gx, partial = shard_grads(current.views(), t)
                     grad_x = gx if grad_x is None else grad_x.add_(gx)
                     if t == 0:
                         own = partial  # this rank's contribution to its own shard
@@ -138,6 +156,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                 wait_all(acc_requests)
                 # The last hop brought every other rank's contribution to our own shard.
                 own = [g.add_(r) for g, r in zip(own, acc_recv.views())]
+        ctx.saved_pre = None
         grads = own if has_bias else [own[0], None, own[1]]
         fuse = ctx.fuse
         return (
@@ -145,16 +164,22 @@ class _TSPMLPFunction(torch.autograd.Function):
             weight_grad_output(fc1_w, grads[0], fuse),
             weight_grad_output(fc1_b, grads[1], fuse),
             weight_grad_output(fc2_w, grads[2], fuse),
-            None, None, None,
+            None, None, None, None,
         )
 
 
 def tsp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
             fc2_weight: torch.Tensor, group, activation: Callable,
-            fuse_into_main_grad: bool = False) -> torch.Tensor:
-    """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over all D shards of the group, weights on a ring."""
+            fuse_into_main_grad: bool = False, recompute_activation: bool = True) -> torch.Tensor:
+    """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over all D shards of the group, weights on a ring.
+
+    ``recompute_activation``: recompute each shard's fc1 output in backward (saves only x), or
+    keep the per-shard fc1 outputs from the forward (no extra GEMM, TP+SP-sized memory)."""
     return _TSPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, group, activation,
-                                 fuse_into_main_grad)
+                                 fuse_into_main_grad, recompute_activation)
+
+
+_MLP_INIT_PARAMS = set(inspect.signature(MLP.__init__).parameters)
 
 
 class TSPMLP(MLP):
@@ -168,7 +193,8 @@ class TSPMLP(MLP):
     """
 
     def __init__(self, config, submodules, is_expert: bool = False, input_size=None,
-                 ffn_hidden_size=None, tp_group=None, pg_collection=None):
+                 ffn_hidden_size=None, tp_group=None, pg_collection=None,
+                 recompute_activation: bool = True, **kwargs):
         if is_expert:
             raise ValueError("TSP supports dense MLPs only (is_expert=True / MoE is not supported)")
         group = resolve_group(pg_collection, tp_group)
@@ -181,16 +207,20 @@ class TSPMLP(MLP):
                 f"--tensor-sequence-parallel-size={size}: TSP shards the MLP's intermediate "
                 f"dimension over the group"
             )
+        # Newer cores pass extra keywords (name, is_mtp_layer, ...): forward those MLP accepts.
+        extra = {k: v for k, v in kwargs.items() if k in _MLP_INIT_PARAMS}
         super().__init__(config, submodules, is_expert=False, input_size=input_size,
-                         ffn_hidden_size=ffn_hidden_size, tp_group=group)
+                         ffn_hidden_size=ffn_hidden_size, tp_group=group, **extra)
         self.tsp_group = group
         self.tsp_activation = make_activation(config)
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.recompute_activation = recompute_activation
 
     def forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
         if per_token_scale is not None:
             raise ValueError("TSP MLP does not support per_token_scale (MoE routing)")
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         out = tsp_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, self.tsp_group,
-                      self.tsp_activation, self.gradient_accumulation_fusion)
+                      self.tsp_activation, self.gradient_accumulation_fusion,
+                      self.recompute_activation)
         return out, fc2.bias

@@ -206,15 +206,9 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
     d = dist.get_world_size()
     config = _config(d, style)
     spec_hook.install_gpt_model_hook()
-    # Megatron's torch_dist writer starts a multiprocessing Manager; the test ranks are daemon
-    # processes, which multiprocessing forbids to have children: lift that flag for this check.
-    import multiprocessing
-
-    process = multiprocessing.current_process()
-    was_daemon = process._config.get("daemon", False)
-    process._config["daemon"] = False
-    # ... and its writer synchronizes the CUDA stream before reading tensors: nothing to wait
-    # for on the CPU.
+    # Megatron's torch_dist writer synchronizes the CUDA stream before reading tensors: nothing
+    # to wait for on the CPU. (It also starts a multiprocessing Manager, so this check must run in
+    # non-daemon ranks: see ckpt_roundtrip.py.)
     cuda_synchronize = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *args, **kwargs: None
     try:
@@ -256,6 +250,5 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
             results["keys"] = len(layout_src)
         return results
     finally:
-        process._config["daemon"] = was_daemon
         torch.cuda.synchronize = cuda_synchronize
         spec_hook.uninstall_gpt_model_hook()

@@ -1,0 +1,247 @@
+"""Main job on the embedded default: train a small GPT under TSP and under Megatron TP+SP.
+
+``python -m megatron_tsp.demo`` spawns 4 gloo ranks on this machine (CPU), builds the same GPT
+twice from the same initial weights — once with Megatron's stock layers at TP=D +
+sequence-parallel, once with the TSP layers at D — and trains both side by side on a generated
+corpus. Every step prints both losses (they must agree), tokens/s and bytes communicated; the end
+prints communication per step by operation kind. Exit status 1 if the losses disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=4, help="gloo ranks to spawn")
+    p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=4)
+    p.add_argument("--ffn-hidden-size", type=int, default=256)
+    p.add_argument("--style", choices=["llama", "gpt2"], default="llama",
+                   help="llama: RMSNorm+SwiGLU+RoPE+GQA; gpt2: LayerNorm+GELU+learned positions")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative loss difference (default 1e-9 fp64, 1e-3 fp32)")
+    return p.parse_args(argv)
+
+
+def _config(args):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    llama = args.style == "llama"
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if llama else args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm" if llama else "LayerNorm",
+        gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu,
+        add_bias_linear=not llama, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=args.d, sequence_parallel=args.d > 1,
+        use_cpu_initialization=True, params_dtype=DTYPES[args.dtype],
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+
+
+def _build(args, config, spec):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_tsp.data import VOCAB_SIZE
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
+                    max_sequence_length=args.seq_length,
+                    position_embedding_type="rope" if args.style == "llama" else "learned_absolute",
+                    share_embeddings_and_output_weights=False)
+
+
+def _train_step(model, optimizer, batch, tp_group, dp_group):
+    from megatron_tsp.checkpoint import allreduce_sequence_parallel_grads
+
+    optimizer.zero_grad(set_to_none=True)
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    mask = batch["loss_mask"].to(losses.dtype)
+    loss = (losses * mask).sum() / mask.sum()
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, tp_group)
+    dp = dist.get_world_size(dp_group)
+    if dp > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(dp)
+    optimizer.step()
+    dist.all_reduce(loss, group=dp_group)
+    return loss.item() / dp
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.world_size, timeout=timedelta(seconds=120))
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tsp import parallel_state, zigzag
+    from megatron_tsp.comm_counter import CommCounter
+    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.data import batches
+    from megatron_tsp.model import build_tsp_gpt_model
+    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+
+    enable_cpu_support()
+    try:
+        parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=args.d,
+                                                 create_gloo_process_groups=False)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
+    model_parallel_cuda_manual_seed(args.seed)
+    tp_group, dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+    config = _config(args)
+
+    # Same initial weights: Megatron initialises the TP=D + SP model; TSP loads its state_dict.
+    tp_model = _build(args, config, get_gpt_block_local_sp_spec(config))
+    from megatron_tsp.data import VOCAB_SIZE
+
+    tsp_model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE,
+                                    max_sequence_length=args.seq_length,
+                                    position_embedding_type="rope" if args.style == "llama"
+                                    else "learned_absolute",
+                                    share_embeddings_and_output_weights=False)
+    tsp_model.load_state_dict(tp_model.state_dict(), strict=True)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+            for name, m in (("tsp", tsp_model), ("tp_sp", tp_model))}
+    models = {"tsp": tsp_model, "tp_sp": tp_model}
+
+    data = batches(args.micro_batch_size, args.seq_length, seed=args.seed + mpu.get_data_parallel_rank())
+    tokens_per_step = args.micro_batch_size * args.seq_length * mpu.get_data_parallel_world_size()
+    history: Dict[str, List] = {"tsp": [], "tp_sp": []}
+    comm = {"tsp": CommCounter(), "tp_sp": CommCounter()}
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    if rank == 0:
+        print(f"megatron-tsp demo: {args.world_size} gloo ranks, D={args.d}, "
+              f"DP={mpu.get_data_parallel_world_size()}, {args.style}-style GPT "
+              f"(h={args.hidden_size}, layers={args.num_layers}, heads={args.num_attention_heads}"
+              f", seq={args.seq_length}, micro-batch={args.micro_batch_size}, {args.dtype}); "
+              f"params per rank: TSP {n_params['tsp']:,}, TP+SP {n_params['tp_sp']:,}",
+              flush=True)
+    for step in range(1, args.steps + 1):
+        batch = next(data)
+        inputs = {"tsp": zigzag.get_batch_on_this_tsp_rank(batch, args.d), "tp_sp": batch}
+        # Alternate which variant runs first so neither always gets the warmer caches.
+        order = ["tsp", "tp_sp"] if step % 2 else ["tp_sp", "tsp"]
+        row = {}
+        for name in order:
+            before = len(comm[name].records)
+            dist.barrier(group=tp_group)
+            start = time.perf_counter()
+            with comm[name]:
+                loss = _train_step(models[name], opts[name], inputs[name], tp_group, dp_group)
+            elapsed = time.perf_counter() - start
+            step_bytes = sum(r.recv_bytes for r in comm[name].records[before:])
+            history[name].append((loss, elapsed, step_bytes))
+            row[name] = (loss, elapsed, step_bytes)
+        if rank == 0:
+            (l1, t1, b1), (l2, t2, b2) = row["tsp"], row["tp_sp"]
+            print(f"step {step:3d}/{args.steps} | loss TSP {l1:.6f}  TP+SP {l2:.6f}  "
+                  f"|diff| {abs(l1 - l2):.1e} | tok/s TSP {tokens_per_step / t1:8.0f}  "
+                  f"TP+SP {tokens_per_step / t2:8.0f} | recv MB/rank TSP {b1 / 2**20:.2f}  "
+                  f"TP+SP {b2 / 2**20:.2f}", flush=True)
+    if rank == 0:
+        _summary(args, history, comm, tokens_per_step)
+    ok = _agree(args, history)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
+
+
+def _tolerance(args) -> float:
+    if args.tolerance is not None:
+        return args.tolerance
+    return 1e-9 if args.dtype == "float64" else 1e-3
+
+
+def _agree(args, history) -> bool:
+    worst = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history["tsp"], history["tp_sp"]))
+    return worst <= _tolerance(args)
+
+
+def _summary(args, history, comm, tokens_per_step) -> None:
+    import statistics
+
+    steps = len(history["tsp"])
+    worst = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history["tsp"], history["tp_sp"]))
+    first, last = history["tsp"][0][0], history["tsp"][-1][0]
+    med = {k: statistics.median(t for _, t, _ in v[1:] or v) for k, v in history.items()}
+    print(f"\nloss fell {first:.4f} -> {last:.4f}; max relative |TSP - TP+SP| = {worst:.2e} "
+          f"(tolerance {_tolerance(args):.0e}): {'AGREE' if worst <= _tolerance(args) else 'DIFFER'}")
+    print(f"median step time: TSP {med['tsp'] * 1e3:.1f} ms, TP+SP {med['tp_sp'] * 1e3:.1f} ms, "
+          f"tokens/s ratio TSP/TP+SP = {med['tp_sp'] / med['tsp']:.2f} "
+          f"(gloo on CPU: says nothing about GPUs)")
+    print("\ncommunication per step per rank (rank 0), by operation:")
+    print(f"{'op':<24}{'TSP calls':>10}{'TSP recv MB':>13}{'TP+SP calls':>13}{'TP+SP recv MB':>15}")
+    ops = sorted(set(comm["tsp"].by_op()) | set(comm["tp_sp"].by_op()))
+    totals = {"tsp": 0.0, "tp_sp": 0.0}
+    for op in ops:
+        cells = []
+        for name in ("tsp", "tp_sp"):
+            e = comm[name].by_op().get(op, {"calls": 0, "recv": 0.0})
+            cells.append((e["calls"] / steps, e["recv"] / steps / 2**20))
+            totals[name] += e["recv"] / steps / 2**20
+        print(f"{op:<24}{cells[0][0]:>10.0f}{cells[0][1]:>13.3f}{cells[1][0]:>13.0f}{cells[1][1]:>15.3f}")
+    print(f"{'total':<24}{'':>10}{totals['tsp']:>13.3f}{'':>13}{totals['tp_sp']:>15.3f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_tsp.validation import check_parallel_layout
+
+    try:
+        check_parallel_layout(args.world_size, args.d)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_worker, args=(args, port), nprocs=args.world_size, join=False,
+                             start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code if exc.exit_code else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-tsp",
+    version="0.1.0",
+    description="Tensor + Sequence Parallelism (TSP) for Megatron-LM / megatron-core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_tsp", "megatron_tsp.*"]),
+    package_data={
+        "megatron_tsp.estimator": ["models/*.json", "hardware/*.json"],
+    },
+    include_package_data=True,
+    # Tested: megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12) with torch 2.13.0.
+    # Install torch yourself first (CPU wheel, or the CUDA build your cluster uses): an unpinned
+    # torch requirement would pull a multi-GB CUDA build. Transformer Engine and NVIDIA apex are
+    # optional GPU extras imported lazily by megatron-core; never install the PyPI "apex".
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.20",
+        "numpy",
+        "packaging",
+    ],
+    extras_require={
+        "plot": ["matplotlib"],
+        "test": ["pytest", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["megatron-tsp=megatron_tsp.cli:main"]},
+)

@@ -1,0 +1,54 @@
+"""Run ``checks.check_dist_checkpoint_interop`` on 2 gloo ranks in non-daemon processes.
+
+Megatron's torch_dist checkpoint writer starts a multiprocessing Manager, which daemon processes
+(the shared test pool's ranks) may not do. Usage: ``python ckpt_roundtrip.py OUT_DIR SEED``;
+writes ``OUT_DIR/results.json`` ({style: [rank0 result, rank1 result]}).
+"""
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STYLES = ("gpt2", "llama")
+
+
+def _worker(rank, world, port, out_dir, seed):
+    sys.path.insert(0, REPO)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    from megatron_tsp.cpu_support import enable_cpu_support
+    from tests.megatron_lm import checks
+
+    enable_cpu_support()
+    results = {}
+    for style in STYLES:
+        results[style] = checks.check_dist_checkpoint_interop(
+            os.path.join(out_dir, "ckpt"), seed, style)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(out_dir, seed, world=2):
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, REPO)
+    from tests.harness import free_port
+
+    mp.spawn(_worker, args=(world, free_port(), out_dir, seed), nprocs=world, join=True)
+    merged = {s: [json.load(open(os.path.join(out_dir, f"rank{r}.json")))[s]
+                  for r in range(world)] for s in STYLES}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

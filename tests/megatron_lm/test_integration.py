@@ -1,0 +1,137 @@
+"""Against a real Megatron-LM checkout (``MEGATRON_LM_PATH``): the real pretrain_gpt.py command line
+through Megatron's argument code, ``--tsp-dry-run`` end to end, the patch, and the model built by
+Megatron's own builder checked against the stock model for one forward on CPU.
+
+Skipped unless MEGATRON_LM_PATH points at a checkout (tested: core_v0.16.1 on Python 3.11 and
+core_v0.19.0 on Python 3.12 with megatron-core 0.19.2; see docs/megatron-lm.md).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_tsp.megatron_lm import configs
+from tests.megatron_lm.common import REPO, megatron_lm_path, run_launcher
+
+CHECKOUT = megatron_lm_path()
+pytestmark = pytest.mark.skipif(
+    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these")
+
+
+def _script():
+    return os.path.join(CHECKOUT, "pretrain_gpt.py")
+
+
+def _config_args(name, variant="tsp"):
+    cfg = configs.load_config(name)
+    return cfg, configs.to_megatron_args(cfg, variant) + [
+        "--mock-data", "--tokenizer-type", "NullTokenizer"]
+
+
+def _expected_params_per_rank(cfg, padded_vocab):
+    """Parameters on one TSP rank (PP=1), from the shapes of Megatron's TP=D layers."""
+    m = cfg["model"]
+    d = cfg["parallel"]["tensor_sequence_parallel_size"]
+    h, f, heads, groups = (m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"],
+                           m["num_query_groups"])
+    head_dim = h // heads
+    bias = not m.get("disable_bias_linear", False)
+    qkv_out = (heads + 2 * groups) * head_dim
+    fc1_out = f * (2 if m["swiglu"] else 1)
+    norm = h * (2 if m["normalization"] == "LayerNorm" else 1)
+    layer = (qkv_out * h + h * h + fc1_out * h + f * h) // d + 2 * norm
+    if bias:
+        layer += (qkv_out + fc1_out) // d + 2 * h  # column biases sharded, row biases replicated
+    total = m["num_layers"] * layer + norm + padded_vocab // d * h
+    if m.get("untie_embeddings_and_output_weights", False):
+        total += padded_vocab // d * h
+    if m["position_embedding_type"] == "learned_absolute":
+        total += m["max_position_embeddings"] * h
+    return total
+
+
+def test_help_lists_the_tsp_group():
+    proc = run_launcher([_script(), "--help"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor-sequence parallel:" in proc.stdout
+    assert "--tensor-sequence-parallel-size D" in proc.stdout
+    assert "--tensor-model-parallel-size" in proc.stdout  # Megatron's own groups are there too
+
+
+@pytest.mark.parametrize("name", ["paper-7b-128k", "llama3-8b-128k"])
+def test_dry_run_end_to_end(name):
+    cfg, args = _config_args(name)
+    proc = run_launcher([_script(), *args, "--tsp-dry-run", "--tsp-dry-run-world-size", "16",
+                         "--tsp-dry-run-rank", "9"])
+    out = proc.stdout
+    assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
+    assert "world size        : 16 = TSP 8 x PP 1 x DP 2" in out
+    assert "TSP groups        : [0, 1, 2, 3, 4, 5, 6, 7]  [8, 9, 10, 11, 12, 13, 14, 15]" in out
+    assert "rank 9            : tp_rank=1 pp_rank=0 dp_rank=1" in out
+    assert "TSPSelfAttention" in out and "TSPMLP" in out
+    want_norm = cfg["model"]["normalization"]
+    assert re.search(rf"final_layernorm=\S+\.{want_norm}\b", out), out[-2000:]
+    padded = int(re.search(r"padded vocab\s+: (\d+)", out).group(1))
+    assert padded % (128 * 8) == 0 and padded >= cfg["model"]["vocab_size"]
+    params = int(re.search(r"params on rank 9\s*: ([\d,]+)", out).group(1).replace(",", ""))
+    assert params == _expected_params_per_rank(cfg, padded)
+    s = cfg["model"]["seq_length"]
+    c = s // 16
+    assert f"TSP rank 1: chunks 1 and 14 -> tokens [{c}, {2 * c}), [{14 * c}, {15 * c})" in out
+    assert "CUDA initialized  : no" in out
+
+
+def test_dry_run_rejects_unsupported_flags_by_name():
+    _, args = _config_args("tiny-cpu")
+    proc = run_launcher([_script(), *args, "--context-parallel-size", "2", "--tp-comm-overlap",
+                         "--tsp-dry-run"])
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    err = proc.stderr
+    assert "megatron_tsp: error:" in err
+    assert "--context-parallel-size=2" in err and "--tp-comm-overlap" in err
+    assert "--tensor-sequence-parallel-size=2" in err
+
+
+def test_dry_run_rejects_bad_shapes_after_megatron_validation():
+    _, args = _config_args("tiny-cpu")
+    proc = run_launcher([_script(), *args, "--seq-length", "126", "--max-position-embeddings",
+                         "128", "--tsp-dry-run"])
+    assert proc.returncode == 2
+    assert "--seq-length=126 must be divisible by 2 x tensor-sequence-parallel size = 4" in proc.stderr
+
+
+def test_patched_checkout_runs_the_dry_run(tmp_path):
+    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        if os.path.exists(os.path.join(CHECKOUT, name)):
+            shutil.copy(os.path.join(CHECKOUT, name), tmp_path / name)
+    apply = [sys.executable, os.path.join(REPO, "patches", "apply.py"), str(tmp_path)]
+    assert subprocess.run(apply + ["--check"], capture_output=True).returncode == 1
+    proc = subprocess.run(apply, capture_output=True, text=True)
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
+    _, args = _config_args("tiny-cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, CHECKOUT]),
+               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run([sys.executable, str(tmp_path / "pretrain_gpt.py"), *args,
+                          "--tsp-dry-run"], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TSP 2 x PP 1 x DP 1" in run.stdout and "TSPSelfAttention" in run.stdout
+
+
+def test_megatron_builder_tsp_model_matches_stock_forward(tmp_path, seed):
+    out = tmp_path / "builder.json"
+    script = os.path.join(os.path.dirname(__file__), "mlm_builder_check.py")
+    proc = subprocess.run([sys.executable, script, CHECKOUT, str(out), str(seed)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank_result in json.load(open(out)):
+        for style in ("gpt2", "llama"):
+            r = rank_result[style]
+            assert r["tokens"][0] == r["tokens"][1] > 0
+            assert r["rel"] < 1e-5, rank_result
