@@ -46,6 +46,11 @@ class FlatShard:
         return self
 
 
+def weight_bias_views(views: Sequence[torch.Tensor], has_bias: bool):
+    """(first weight, bias or None, second weight) from a shard packed as [w, (b), w2]."""
+    return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
+
+
 def ring_neighbours(group) -> tuple[int, int]:
     """Global ranks of the next (rank+1) and previous (rank-1) members of the group."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -150,3 +150,52 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
     }
     _grads_vs_reference(layer, {n: t.grad for n, t in ref.items()}, group, errors)
     return errors
+
+
+def check_main_grad_contract(d, seed, kind):
+    """With gradient-accumulation fusion, weight grads land in ``main_grad`` (fp32, accumulated
+    over two backward passes) and autograd's ``.grad`` is a flagged dummy — Megatron DDP's contract."""
+    import torch.distributed as dist
+
+    setup_tsp(d)
+    group, size, rank = group_info()
+    torch.manual_seed(seed)
+    x = torch.randn(16 // size, 2, 32, dtype=torch.float64)
+    dy = torch.randn(16 // size, 2, 32, dtype=torch.float64)
+
+    def build():
+        config = make_config(d, torch.float64, hidden_size=32, ffn_hidden_size=64,
+                             num_attention_heads=4)
+        if kind == "mlp":
+            layer = TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                 linear_fc2=RowParallelLinear))
+        else:
+            layer = TSPSelfAttention(config, SelfAttentionSubmodules(
+                linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                linear_proj=RowParallelLinear), layer_number=1)
+        return layer
+
+    def run(layer):
+        out, _ = layer(x.clone().requires_grad_(True))
+        out.backward(dy)
+
+    plain = build()
+    fused = build()
+    fused.load_state_dict(plain.state_dict())
+    fused.gradient_accumulation_fusion = True
+    sharded = [p for p in fused.parameters() if getattr(p, "tensor_model_parallel", False)]
+    for p in sharded:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    run(plain)
+    run(plain)
+    run(fused)
+    run(fused)
+    errors = {}
+    for (name, p_plain), p_fused in zip(plain.named_parameters(), fused.parameters()):
+        if not getattr(p_fused, "tensor_model_parallel", False):
+            continue
+        assert p_fused.grad_added_to_main_grad, name
+        assert p_fused.main_grad.dtype == torch.float32
+        errors[name] = rel_err(p_fused.main_grad.double(), p_plain.grad)
+    return errors

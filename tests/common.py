@@ -13,30 +13,31 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-_current = None  # ("tsp" | "tp", size) of the groups alive in this process
+_current = None  # tensor-parallel size of the groups alive in this process
+
+
+def _ensure_groups(size: int) -> None:
+    """Megatron groups with tensor-parallel size ``size`` (TSP-D uses the same groups as TP=D),
+    re-created only when the size changes: group creation is the slow part of a check."""
+    global _current
+    if _current != size:
+        tsp_state.destroy_model_parallel()
+        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=size,
+                                            create_gloo_process_groups=False)
+        _current = size
 
 
 def setup_tsp(d: int, seed: int = 1234) -> None:
-    """Initialise the groups with TSP size d (re-initialising only if the layout changed)."""
-    global _current
-    if _current != ("tsp", d):
-        tsp_state.destroy_model_parallel()
-        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
-                                            create_gloo_process_groups=False)
-        _current = ("tsp", d)
+    """Groups for TSP with group size d."""
+    _ensure_groups(d)
+    tsp_state._TSP_SIZE = d
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def setup_megatron_tp(tp: int, seed: int = 1234) -> None:
-    """Plain Megatron groups with tensor-parallel size tp (no TSP)."""
-    global _current
-    from megatron.core import parallel_state as mpu
-
-    if _current != ("tp", tp):
-        tsp_state.destroy_model_parallel()
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                      create_gloo_process_groups=False)
-        _current = ("tp", tp)
+    """Plain Megatron groups with tensor-parallel size tp (TSP marked off)."""
+    _ensure_groups(tp)
+    tsp_state._TSP_SIZE = None
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

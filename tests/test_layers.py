@@ -44,3 +44,9 @@ def test_attention_matches_reference(pool4, seed, d, dtype, heads, groups, bias,
     results = pool4.run(checks_layers.check_attention, d, seed, dtype, heads, groups, bias, rope,
                         seq, batch, hidden, backward)
     assert _worst(results) <= TOL[DTYPES[dtype]], results[0]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_main_grad_contract(pool4, seed, kind):
+    results = pool4.run(checks_layers.check_main_grad_contract, 2, seed, kind)
+    assert _worst(results) <= 1e-6, results[0]  # main_grad is fp32

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import zigzag
 from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
-                               reduce_to, wait_all)
+                               reduce_to, wait_all, weight_bias_views)
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers import flash
 from megatron_tsp.layers.grads import weight_grad_output
@@ -187,10 +187,6 @@ class _ShardStream:
             yield r, buf
 
 
-def _split_shard(views, has_bias):
-    return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
-
-
 class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse):
@@ -204,7 +200,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         out, shards = None, []
         with comm_scope("tsp_attention"):
             for _, shard in _ShardStream(own, group):
-                w, b, pw = _split_shard(shard.views(), has_bias)
+                w, b, pw = weight_bias_views(shard.views(), has_bias)
                 mixed = qkv_linear(x, w, b, layout)
                 q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
                 k_nat = zigzag.unpermute(all_gather_seq(k, group), size, dim=0)
@@ -232,7 +228,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
         grad_x, own_grad = grads
         views = own_grad.views()
-        g_w, g_b, g_pw = _split_shard(views, qkv_b is not None)
+        g_w, g_b, g_pw = weight_bias_views(views, qkv_b is not None)
         fuse = ctx.fuse
         return (
             grad_x,
@@ -258,7 +254,7 @@ def _backward_recompute(ctx, grad_out):
     with comm_scope("tsp_attention"), rng_ctx:
         for r, shard in _ShardStream(own, group):
             leaves = [t.detach().requires_grad_(True) for t in shard.views()]
-            w, b, pw = _split_shard(leaves, has_bias)
+            w, b, pw = weight_bias_views(leaves, has_bias)
             qkv_leaves = [w, b] if has_bias else [w]
             with torch.enable_grad():
                 x_leaf = x.detach().requires_grad_(True)
@@ -299,7 +295,7 @@ def _backward_saved(ctx, grad_out):
     tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
     with comm_scope("tsp_attention"):
         for r, shard in _ShardStream(own, group):
-            w, b, pw = _split_shard(shard.views(), has_bias)
+            w, b, pw = weight_bias_views(shard.views(), has_bias)
             mixed, ctx_r, stats = ctx.shards[r]
             with torch.enable_grad():
                 m_leaf = mixed.detach().requires_grad_(True)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 
-from megatron_tsp.comm import FlatShard, ring_exchange, wait_all
+from megatron_tsp.comm import FlatShard, ring_exchange, wait_all, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers.grads import weight_grad_output
 from megatron_tsp.parallel_state import resolve_group
@@ -63,10 +63,6 @@ class _TSPMLPFunction(torch.autograd.Function):
         size = dist.get_world_size(group)
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
-
-        def unpack(views):
-            return (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
-
         saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
         with comm_scope("tsp_mlp"):
             out = None
@@ -78,7 +74,8 @@ class _TSPMLPFunction(torch.autograd.Function):
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
                     requests = ring_exchange(current.buffer, incoming.buffer, group)
-                w1, b1, w2 = unpack(current.views()) if size > 1 else (fc1_w, fc1_b, fc2_w)
+                w1, b1, w2 = (weight_bias_views(current.views(), has_bias) if size > 1
+                              else (fc1_w, fc1_b, fc2_w))
                 pre = _fc1(x, w1, b1)
                 if not recompute_activation:
                     saved_pre.append(pre)
@@ -105,9 +102,10 @@ class _TSPMLPFunction(torch.autograd.Function):
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
-        def shard_grads(views, step):
-            """dX contribution and partial weight gradients of one shard from this rank's tokens."""
-            w1, b1, w2 = (views[0], views[1], views[2]) if has_bias else (views[0], None, views[1])
+        def shard_grads(views, step, out: FlatShard):
+            """This shard's dX contribution; its partial weight gradients (from this rank's
+            tokens) are written into ``out``."""
+            w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
                 pre = (saved_pre[step] if saved_pre is not None else _fc1(x, w1, b1)).detach()
                 pre.requires_grad_(True)
@@ -116,54 +114,51 @@ class _TSPMLPFunction(torch.autograd.Function):
                 (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
             hidden = hidden.detach().reshape(-1, hidden.shape[-1])
             d_rows = d_pre.reshape(-1, d_pre.shape[-1])
-            grads = [torch.matmul(d_rows.t(), tokens_x)]
+            g_w1, g_b1, g_w2 = weight_bias_views(out.views(), has_bias)
+            torch.matmul(d_rows.t(), tokens_x, out=g_w1)
             if has_bias:
-                grads.append(d_rows.sum(dim=0))
-            grads.append(torch.matmul(tokens_dy.t(), hidden))
-            return torch.matmul(d_pre, w1), grads
+                torch.sum(d_rows, dim=0, out=g_b1)
+            torch.matmul(tokens_dy.t(), hidden, out=g_w2)
+            return torch.matmul(d_pre, w1)
 
         with comm_scope("tsp_mlp"):
-            if size == 1:
-                grad_x, own = shard_grads(params, 0)
-            else:
-                current = FlatShard.pack(params)
+            current = FlatShard.pack(params)
+            own = FlatShard.like(current)  # this rank's shard: its own contribution, then the sum
+            if size > 1:  # the next shard is posted before this step's matmuls
                 spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
+                requests = ring_exchange(current.buffer, spare[0].buffer, group)
+            grad_x = shard_grads(current.views(), 0, own)
+            if size > 1:
                 # Double-buffered accumulators: the one being filled was sent two steps ago.
                 acc_out = [FlatShard.like(current), FlatShard.like(current)]
                 acc_in = [FlatShard.like(current), FlatShard.like(current)]
-                grad_x, own, acc_requests, acc_recv = None, None, None, None
-                for t in range(size):
-                    requests, incoming = None, None
-                    if t < size - 1:
-                        incoming = spare[t % len(spare)]
-                        requests = ring_exchange(current.buffer, incoming.buffer, group)
-                    gx, partial = shard_grads(current.views(), t)
-                    grad_x = gx if grad_x is None else grad_x.add_(gx)
-                    if t == 0:
-                        own = partial  # this rank's contribution to its own shard
-                    else:
-                        # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
-                        wait_all(acc_requests)
-                        filled = acc_out[t % 2]
-                        previous = acc_recv.views() if t >= 2 else [None] * len(partial)
-                        for view, g, prev in zip(filled.views(), partial, previous):
-                            view.copy_(g) if prev is None else torch.add(prev, g, out=view)
-                        acc_recv = acc_in[t % 2]
-                        acc_requests = ring_exchange(filled.buffer, acc_recv.buffer, group)
+                acc_requests, acc_recv = None, None
+                for t in range(1, size):
                     wait_all(requests)
-                    if incoming is not None:
-                        current = incoming
+                    current = spare[(t - 1) % len(spare)]
+                    requests = None
+                    if t < size - 1:  # post the next shard before this step's matmuls
+                        requests = ring_exchange(current.buffer, spare[t % len(spare)].buffer,
+                                                 group)
+                    # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
+                    filled = acc_out[t % 2]
+                    grad_x.add_(shard_grads(current.views(), t, filled))
+                    wait_all(acc_requests)
+                    if t >= 2:
+                        filled.buffer.add_(acc_recv.buffer)
+                    acc_recv = acc_in[t % 2]
+                    acc_requests = ring_exchange(filled.buffer, acc_recv.buffer, group)
                 wait_all(acc_requests)
                 # The last hop brought every other rank's contribution to our own shard.
-                own = [g.add_(r) for g, r in zip(own, acc_recv.views())]
+                own.buffer.add_(acc_recv.buffer)
         ctx.saved_pre = None
-        grads = own if has_bias else [own[0], None, own[1]]
+        g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         fuse = ctx.fuse
         return (
             grad_x,
-            weight_grad_output(fc1_w, grads[0], fuse),
-            weight_grad_output(fc1_b, grads[1], fuse),
-            weight_grad_output(fc2_w, grads[2], fuse),
+            weight_grad_output(fc1_w, g_w1, fuse),
+            weight_grad_output(fc1_b, g_b1, fuse),
+            weight_grad_output(fc2_w, g_w2, fuse),
             None, None, None, None,
         )
 
