@@ -20,6 +20,11 @@ from megatron.core import parallel_state as mpu
 from megatron_tsp.validation import check_parallel_layout
 
 _TSP_SIZE: Optional[int] = None
+_CREATED_GROUPS: list = []  # process groups made by our initialize, destroyed by our destroy
+
+
+def _live_groups() -> set:
+    return set(dist.distributed_c10d._world.pg_map.keys())
 
 
 def _agree_on_config(local_error: Optional[str], signature: tuple) -> None:
@@ -73,20 +78,30 @@ def initialize_model_parallel(
     except ValueError as exc:
         error = str(exc)
     _agree_on_config(error, (tensor_sequence_parallel_size, pipeline_model_parallel_size, tp, cp))
+    before = _live_groups()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tensor_sequence_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **megatron_kwargs,
     )
+    _CREATED_GROUPS.extend(g for g in _live_groups() - before if g is not dist.GroupMember.WORLD)
     _TSP_SIZE = tensor_sequence_parallel_size
     register_accessors()
 
 
 def destroy_model_parallel() -> None:
-    """Destroy Megatron's groups and the TSP state, so the process can re-initialise with any D."""
+    """Destroy Megatron's groups and the TSP state, so the process can re-initialise with any D.
+
+    Megatron's own destroy only drops its references; the process groups our initialize created
+    are destroyed too, so repeated re-initialisation does not accumulate communicator threads
+    and sockets (gloo keeps worker threads per group)."""
     global _TSP_SIZE
     _TSP_SIZE = None
     mpu.destroy_model_parallel()
+    while _CREATED_GROUPS:
+        group = _CREATED_GROUPS.pop()
+        if group in _live_groups():
+            dist.destroy_process_group(group)
 
 
 def is_tensor_sequence_parallel() -> bool:

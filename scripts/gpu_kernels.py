@@ -18,9 +18,10 @@ TSP, per head-group / weight shard (a layer runs each D times):
 TP+SP, per rank (once per layer):
   tp.qkv, tp.attn (S causal queries, heads/D heads, flash), tp.proj, tp.mlp on all S tokens.
 
-Totals per layer and rank: TSP = D x (qkv + attn + proj + mlp). ``megatron_tsp``'s TSP layers
-recompute every shard's forward in the backward (only X_p is saved), so "TSP as implemented" is
-fwd + (fwd+bwd); TP+SP with Megatron's local layers is fwd+bwd. Element-wise work (RoPE, norms,
+Totals per layer and rank: TSP = D x (qkv + attn + proj + mlp). "TSP full recompute" is
+fwd + (fwd+bwd): the upper bound of ``attention_backward="recompute"`` (only X_p saved); the
+default layers recompute less (attention "saved", MLP recomputes fc1 only). TP+SP with Megatron's
+local layers is fwd+bwd. Element-wise work (RoPE, norms,
 residuals) and communication are not included.
 
 Usage (one GPU, <= ~5 min on an H200):   python scripts/gpu_kernels.py
@@ -400,10 +401,10 @@ def render(report) -> str:
     if t["TSP"]["fwdbwd_ms"] and t["TP+SP"]["fwdbwd_ms"]:
         lines += ["", f"TSP / TP+SP: fwd {t['TSP']['fwd_ms'] / t['TP+SP']['fwd_ms']:.2f}, "
                   f"fwd+bwd {t['TSP']['fwdbwd_ms'] / t['TP+SP']['fwdbwd_ms']:.2f}, as implemented "
-                  f"(TSP recomputes the forward in its backward) "
+                  f"(TSP with full recompute of the forward in its backward) "
                   f"{t['TSP']['as_implemented_ms'] / t['TP+SP']['as_implemented_ms']:.2f}."]
-    lines += ["", "\"as implemented\": TSP = fwd + (fwd+bwd) because `megatron_tsp.layers` saves "
-              "only the layer input and recomputes each shard's forward in the backward; TP+SP = "
+    lines += ["", "\"as implemented\": TSP = fwd + (fwd+bwd), the upper bound of full recompute "
+              "(`attention_backward='recompute'`; the default layers recompute less); TP+SP = "
               "fwd+bwd. `tsp.attn_flash2` is a reference (two flash calls per chunk, no softmax "
               "merge), not part of the totals."]
     return "\n".join(lines) + "\n"

@@ -71,3 +71,35 @@ def group_info():
 
 def broadcast_seed(seed: int) -> None:
     torch.manual_seed(seed)
+
+
+def thread_count() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def reinit_cycles(n: int) -> int:
+    """Re-initialise the groups n times through three layouts; return the thread count."""
+    for _ in range(n):
+        setup_tsp(2)
+        setup_megatron_tp(1)
+        setup_tsp(4)
+    return thread_count()
+
+
+def accessors_after_init(d: int) -> dict:
+    """What the TSP accessors (and their copies on megatron.core.parallel_state) report."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    setup_tsp(d)
+    group = tsp_state.get_tensor_sequence_parallel_group()
+    return {
+        "size": tsp_state.get_tensor_sequence_parallel_world_size(),
+        "rank": tsp_state.get_tensor_sequence_parallel_rank(),
+        "mpu_size": mpu.get_tensor_sequence_parallel_world_size(),
+        "is_tsp": mpu.is_tensor_sequence_parallel(),
+        "group_ranks": dist.get_process_group_ranks(group),
+        "dp_size": mpu.get_data_parallel_world_size(),
+    }

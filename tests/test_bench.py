@@ -34,7 +34,7 @@ def bench(tmp_path_factory):
            "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
            "--num-attention-heads", str(HEADS), "--num-query-groups", str(GROUPS),
            "--ffn-hidden-size", str(FFN), "--style", "gpt2", "--json", str(js), "--out", str(md)]
-    proc = _run(cmd, timeout=240)
+    proc = _run(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(js.read_text()), md.read_text(), proc.stdout
 
@@ -116,7 +116,7 @@ def test_gpu_kernels_small_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "scripts", "gpu_kernels.py"), "--small",
            "--device", "cpu", "--seq", "256", "--iters", "1", "--warmup", "0",
            "--out-dir", str(tmp_path), "--tag", "cpu_test"]
-    proc = _run(cmd, timeout=120)
+    proc = _run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_kernels_cpu_test.json").read_text())
     md = (tmp_path / "gpu_kernels_cpu_test.md").read_text()

@@ -173,8 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
             ok = err <= args.tolerance
             status = 0 if ok else 1
-            say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real CPU-allocator peak "
-                f"{real.real_peak_bytes} B (real-run MemTracker {real.peak_bytes} B): "
+            say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real-tensor run's CPU-allocator "
+                f"peak {real.real_peak_bytes} B: "
                 f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:.0%})")
         else:
             results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq,

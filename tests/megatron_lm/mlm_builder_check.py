@@ -86,8 +86,13 @@ def _worker(rank, port, checkout, out, seed):
 
     enable_cpu_support()
     install()
+    import megatron.core.utils as core_utils
     import megatron.training.arguments as arguments
     import megatron.training.utils as training_utils
+
+    # where this version's pretrain_gpt.py imports it from (core_v0.16: training.utils)
+    cp_batch = getattr(training_utils, "get_batch_on_this_cp_rank", None) or \
+        core_utils.get_batch_on_this_cp_rank
     from megatron_tsp.layers.attention import TSPSelfAttention
     from megatron_tsp.megatron_lm import dry_run
 
@@ -117,7 +122,7 @@ def _worker(rank, port, checkout, out, seed):
             from megatron_tsp.megatron_lm import batch as batch_hook
 
             batch_hook.activate(2 if name == "tsp" else None)
-            local = training_utils.get_batch_on_this_cp_rank(dict(batch))  # the hooked path
+            local = cp_batch(dict(batch))  # the hooked path
             batch_hook.activate(None)
             with torch.no_grad():
                 losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
