@@ -51,27 +51,47 @@ def permutation(seq_length: int, group_size: int) -> torch.Tensor:
     return _permutation(seq_length, group_size).clone()
 
 
-def inverse_permutation(seq_length: int, group_size: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _inverse(seq_length: int, group_size: int) -> torch.Tensor:
     perm = _permutation(seq_length, group_size)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(seq_length)
     return inv
 
 
-def local_positions(seq_length: int, group_size: int, rank: int) -> torch.Tensor:
+def inverse_permutation(seq_length: int, group_size: int) -> torch.Tensor:
+    return _inverse(seq_length, group_size).clone()
+
+
+_device_index_cache: dict = {}
+
+
+def _index_on(kind: str, seq_length: int, group_size: int, device: torch.device) -> torch.Tensor:
+    """The (inverse) permutation as an index tensor on ``device``, built once per shape and device
+    (avoids a host-to-device copy per call on GPUs)."""
+    key = (kind, seq_length, group_size, device)
+    index = _device_index_cache.get(key)
+    if index is None:
+        table = _permutation if kind == "perm" else _inverse
+        index = _device_index_cache[key] = table(seq_length, group_size).to(device)
+    return index
+
+
+def local_positions(seq_length: int, group_size: int, rank: int,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
     """True sequence positions of the ``2C`` tokens held by ``rank``, in local order."""
     local = seq_length // group_size
+    if device is not None:
+        return _index_on("perm", seq_length, group_size, device)[rank * local:(rank + 1) * local]
     return _permutation(seq_length, group_size)[rank * local : (rank + 1) * local].clone()
 
 
 def permute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
-    perm = _permutation(x.shape[dim], group_size).to(x.device)
-    return x.index_select(dim, perm)
+    return x.index_select(dim, _index_on("perm", x.shape[dim], group_size, x.device))
 
 
 def unpermute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
-    inv = inverse_permutation(x.shape[dim], group_size).to(x.device)
-    return x.index_select(dim, inv)
+    return x.index_select(dim, _index_on("inv", x.shape[dim], group_size, x.device))
 
 
 def split(x: torch.Tensor, group_size: int, rank: int, dim: int) -> torch.Tensor:

@@ -142,6 +142,23 @@ def zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout: Head
     return torch.cat(outs, dim=0)
 
 
+def gather_kv(k, v, group, size):
+    """One all-gather for a head group's K and V: natural-order views [S, b, ng/D, hn] of a
+    single [S, b, 2 * ng/D, hn] buffer."""
+    groups = k.shape[2]
+    kv = zigzag.unpermute(all_gather_seq(torch.cat([k, v], dim=2), group), size, dim=0)
+    return kv[:, :, :groups], kv[:, :, groups:]
+
+
+def scatter_kv_grads(dk_nat, dv_nat, group, size):
+    """Adjoint of ``gather_kv``: one reduce-scatter returns each token owner the sum of its
+    dK / dV over the group."""
+    groups = dk_nat.shape[2]
+    d_kv = reduce_scatter_seq(zigzag.permute(torch.cat([dk_nat, dv_nat], dim=2), size, dim=0),
+                              group)
+    return d_kv[:, :, :groups], d_kv[:, :, groups:]
+
+
 def _rng_state(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
@@ -203,8 +220,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 w, b, pw = weight_bias_views(shard.views(), has_bias)
                 mixed = qkv_linear(x, w, b, layout)
                 q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
-                k_nat = zigzag.unpermute(all_gather_seq(k, group), size, dim=0)
-                v_nat = zigzag.unpermute(all_gather_seq(v, group), size, dim=0)
+                k_nat, v_nat = gather_kv(k, v, group, size)
                 if use_saved:
                     ctx_r, stats = flash.forward(q, k_nat, v_nat, chunks, layout.softmax_scale)
                     shards.append((mixed, ctx_r, stats))  # all local-token sized
@@ -259,17 +275,14 @@ def _backward_recompute(ctx, grad_out):
             with torch.enable_grad():
                 x_leaf = x.detach().requires_grad_(True)
                 q, k, v = project_qkv(x_leaf, w, b, layout, freqs_q, freqs_k)
-                k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
-                v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
+                k_nat, v_nat = gather_kv(k.detach(), v.detach(), group, size)
                 k_nat.requires_grad_(True)
                 v_nat.requires_grad_(True)
                 ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, layout.dropout_p)
                 y = torch.matmul(ctx_r, pw.t())
                 g = torch.autograd.grad(y, [x_leaf] + leaves + [k_nat, v_nat], grad_out,
                                         retain_graph=True)
-                # Adjoint of the all-gather: each token owner receives the sum of its dK/dV.
-                dk = reduce_scatter_seq(zigzag.permute(g[-2], size, dim=0), group)
-                dv = reduce_scatter_seq(zigzag.permute(g[-1], size, dim=0), group)
+                dk, dv = scatter_kv_grads(g[-2], g[-1], group, size)
                 del k_nat, v_nat
                 g_kv = torch.autograd.grad([k, v], [x_leaf] + qkv_leaves, [dk, dv])
             grad_x.add_(g[0]).add_(g_kv[0])
@@ -300,14 +313,12 @@ def _backward_saved(ctx, grad_out):
             with torch.enable_grad():
                 m_leaf = mixed.detach().requires_grad_(True)
                 q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
-            k_nat = zigzag.unpermute(all_gather_seq(k.detach(), group), size, dim=0)
-            v_nat = zigzag.unpermute(all_gather_seq(v.detach(), group), size, dim=0)
+            k_nat, v_nat = gather_kv(k.detach(), v.detach(), group, size)
             d_ctx = torch.matmul(grad_out, pw)
             dq, dk_nat, dv_nat = flash.backward(d_ctx, q.detach(), k_nat, v_nat, chunks,
                                                 layout.softmax_scale, stats)
             del k_nat, v_nat
-            dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
-            dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
+            dk, dv = scatter_kv_grads(dk_nat, dv_nat, group, size)
             (d_mixed,) = torch.autograd.grad([q, k, v], [m_leaf], [dq, dk, dv])
             d_rows = d_mixed.reshape(-1, w.shape[0])
             grad_x.add_(torch.matmul(d_rows, w).view_as(x))
@@ -404,7 +415,7 @@ class TSPSelfAttention(SelfAttention):
         seq = local_len * size
         if emb.shape[0] < seq:
             raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
-        positions = zigzag.local_positions(seq, size, rank).to(emb.device)
+        positions = zigzag.local_positions(seq, size, rank, device=emb.device)
         return emb.index_select(0, positions)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,

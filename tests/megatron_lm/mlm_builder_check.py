@@ -93,6 +93,11 @@ def _worker(rank, port, checkout, out, seed):
     # where this version's pretrain_gpt.py imports it from (core_v0.16: training.utils)
     cp_batch = getattr(training_utils, "get_batch_on_this_cp_rank", None) or \
         core_utils.get_batch_on_this_cp_rank
+    import inspect
+
+    cp_kwargs = {}
+    if "is_hybrid_cp" in inspect.signature(cp_batch).parameters:  # 0.19: as pretrain_gpt calls it
+        cp_kwargs = dict(is_hybrid_cp=False, cp_group=None)
     from megatron_tsp.layers.attention import TSPSelfAttention
     from megatron_tsp.megatron_lm import dry_run
 
@@ -122,7 +127,7 @@ def _worker(rank, port, checkout, out, seed):
             from megatron_tsp.megatron_lm import batch as batch_hook
 
             batch_hook.activate(2 if name == "tsp" else None)
-            local = cp_batch(dict(batch))  # the hooked path
+            local = cp_batch(dict(batch), **cp_kwargs)  # the hooked path
             batch_hook.activate(None)
             with torch.no_grad():
                 losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
