@@ -24,7 +24,12 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib"],
-        "test": ["pytest", "matplotlib"],
+        "test": ["pytest", "matplotlib", "psutil"],
     },
-    entry_points={"console_scripts": ["megatron-tsp=megatron_tsp.cli:main"]},
+    entry_points={"console_scripts": [
+        "megatron-tsp=megatron_tsp.cli:main",
+        "megatron-tsp-launch=megatron_tsp.launch:main",
+        "megatron-tsp-compare=megatron_tsp.megatron_lm.compare:main",
+        "megatron-tsp-config=megatron_tsp.megatron_lm.configs:main",
+    ]},
 )

@@ -89,6 +89,20 @@ def initialize_model_parallel(
     register_accessors()
 
 
+def mark_initialized(tensor_sequence_parallel_size: int) -> None:
+    """Declare that Megatron's groups, created by someone else (Megatron-LM's own
+    ``initialize_megatron``), are the TSP groups: ``tensor_model_parallel_size`` must equal D."""
+    global _TSP_SIZE
+    size = mpu.get_tensor_model_parallel_world_size()
+    if size != tensor_sequence_parallel_size:
+        raise ValueError(
+            f"--tensor-sequence-parallel-size={tensor_sequence_parallel_size} but Megatron's "
+            f"tensor-parallel group has {size} ranks"
+        )
+    _TSP_SIZE = tensor_sequence_parallel_size
+    register_accessors()
+
+
 def destroy_model_parallel() -> None:
     """Destroy Megatron's groups and the TSP state, so the process can re-initialise with any D.
 

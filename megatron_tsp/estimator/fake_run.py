@@ -114,6 +114,9 @@ class RunConfig:
     count_comm: bool = True
     make_vocab_size_divisible_by: int = 128
     track_real: bool = False  # diagnostics: also run MemTracker on a real-tensor run
+    # TSP layer options (None: the spec's defaults): "saved" | "recompute"; keep fc1 outputs
+    tsp_attention_backward: Optional[str] = None
+    tsp_mlp_recompute_activation: Optional[bool] = None
 
     @property
     def dp(self) -> int:
@@ -126,7 +129,10 @@ class RunConfig:
     @property
     def label(self) -> str:
         if self.scheme == "tsp":
-            return f"TSP D={self.tp}"
+            suffix = " attn-rec" if self.tsp_attention_backward == "recompute" else ""
+            if self.tsp_mlp_recompute_activation is False:
+                suffix += " keep-fc1"
+            return f"TSP D={self.tp}{suffix}"
         if self.scheme == "cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
         return f"{SCHEME_LABELS[self.scheme]}={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
@@ -148,6 +154,8 @@ class RunConfig:
                  "tp": 1}[self.scheme]
         if self.seq % split:
             raise ValueError(f"sequence length {self.seq} must be divisible by {split} for {self.label}")
+        if self.tsp_attention_backward not in (None, "saved", "recompute"):
+            raise ValueError("tsp_attention_backward must be 'saved' or 'recompute'")
         if self.recompute not in ("none", "full"):
             raise ValueError("recompute must be 'none' or 'full'")
         if self.dtype not in ("bf16", "fp32"):
@@ -343,7 +351,7 @@ class FlashCoreAttention(_Base):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         sq, b = query.shape[0], query.shape[1]
-        if self.cp_group is None:
+        if self.cp_group is None:  # TP / TP+SP: the whole sequence, square causal
             chunks, group = [(0, sq, sq)], None
         else:
             size, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
@@ -418,9 +426,19 @@ def _layer_spec(cfg: RunConfig, config):
     from megatron_tsp.layers.norm import TSPNorm
 
     if cfg.scheme == "tsp":
-        from megatron_tsp.specs import get_gpt_block_tsp_spec
+        from megatron_tsp.specs import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
 
-        return get_gpt_block_tsp_spec(config)
+        block = get_gpt_block_tsp_spec(config)
+        opts = {}
+        if cfg.tsp_attention_backward is not None:
+            opts["attention_backward"] = cfg.tsp_attention_backward
+        if cfg.tsp_mlp_recompute_activation is not None:
+            opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
+        if opts:
+            layer = get_gpt_layer_tsp_spec(normalization=cfg.model.normalization, **opts)
+            block = TransformerBlockSubmodules(layer_specs=[layer] * len(block.layer_specs),
+                                               layer_norm=block.layer_norm)
+        return block
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; TSPNorm is the same
     # torch norm with its params tagged sequence_parallel (what TE/apex norms do under SP).
@@ -861,12 +879,14 @@ def _config_from_dict(d: dict) -> RunConfig:
     return RunConfig(**kw)
 
 
-def run_step_isolated(cfg: RunConfig, timeout: float = 1800) -> RunResult:
+def run_step_isolated(cfg: RunConfig, timeout: float = 1800, threads: int = 1) -> RunResult:
     """``run_step`` in a fresh Python process.
 
     Measurements in a long-lived process are not independent: module-level caches (RoPE tables,
     zigzag permutations, Megatron's global memory buffer) allocated by an earlier run are reused
-    by a later one and disappear from its allocator count. Real-tensor checks run here.
+    by a later one and disappear from its allocator count. Real-tensor checks run here, with
+    ``threads`` intra-op threads: torch's CPU flash-attention kernel allocates per-thread scratch
+    (~1.5 MB per thread at small shapes) that no dispatch-level tracker can see.
     """
     import subprocess
     import sys
@@ -879,6 +899,7 @@ def run_step_isolated(cfg: RunConfig, timeout: float = 1800) -> RunResult:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
                           text=True, timeout=timeout, env=env)
     for line in proc.stdout.splitlines():

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full = Megatron recompute_granularity=full, method=uniform, 1 layer")
     r.add_argument("--distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam state over data parallelism")
+    r.add_argument("--tsp-attention-backward", choices=["saved", "recompute"],
+                   help="TSP attention: keep per-head-group q/k/v, out, lse (saved, the layer "
+                        "default) or only the input and recompute (lowest memory)")
+    r.add_argument("--tsp-keep-fc1", action="store_true",
+                   help="TSP MLP: keep the per-shard fc1 outputs instead of recomputing them")
+    r.add_argument("--table-tsp-variants", action="store_true",
+                   help="--table: also TSP with attention recompute")
     r.add_argument("--real", action="store_true",
                    help="real tensors (small shapes only); also reports the CPU allocator's peak")
     r.add_argument("--validate", action="store_true",
@@ -107,7 +114,10 @@ def _config(args, scheme, tp, cp, seq, fake=True):
     return RunConfig(scheme=scheme, model=_model(args), world_size=args.world_size, tp=tp, cp=cp,
                      seq=seq, micro_batch=args.micro_batch, dtype=args.dtype,
                      recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
-                     fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm)
+                     fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm,
+                     tsp_attention_backward=args.tsp_attention_backward if scheme == "tsp" else None,
+                     tsp_mlp_recompute_activation=(False if args.tsp_keep_fc1 and scheme == "tsp"
+                                                   else None))
 
 
 def format_table(results, units: str = "GB", paper: bool = True) -> str:
@@ -153,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
-    from megatron_tsp.estimator.fake_run import run_step
+    from megatron_tsp.estimator.fake_run import run_step, run_step_isolated
 
     results = []
     status = 0
@@ -162,13 +172,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.table:
             seqs = [int(s) for s in args.seqs.split(",") if s]
             for seq in seqs:
-                for scheme, tp, cp in TABLE_LAYOUTS:
+                layouts = list(TABLE_LAYOUTS)
+                variants = [None] * len(layouts)
+                if args.table_tsp_variants:
+                    layouts.insert(1, ("tsp", 8, 1))
+                    variants.insert(1, "recompute")
+                for (scheme, tp, cp), variant in zip(layouts, variants):
                     cfg = _config(args, scheme, tp, cp, seq)
+                    if variant is not None:
+                        cfg.tsp_attention_backward = variant
                     say(f"running {cfg.label} S={seq} recompute={cfg.recompute} ...")
-                    results.append(run_step(cfg))
+                    # one fresh process per configuration: no cache shared between runs
+                    results.append(run_step_isolated(cfg))
+                    say(format_table(results[-1:], args.units, paper=args.model == "7b"))
         elif args.validate:
             fake = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=True))
-            real = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=False))
+            real = run_step_isolated(_config(args, args.scheme, args.tp, args.cp, args.seq,
+                                             fake=False))
             results = [fake, real]
             err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
             ok = err <= args.tolerance
@@ -176,9 +196,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real-tensor run's CPU-allocator "
                 f"peak {real.real_peak_bytes} B: "
                 f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:.0%})")
+        elif args.real:
+            results.append(run_step_isolated(_config(args, args.scheme, args.tp, args.cp,
+                                                     args.seq, fake=False)))
         else:
-            results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq,
-                                            fake=not args.real)))
+            results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq)))
     finally:
         _teardown()
     say(format_table(results, args.units, paper=args.model == "7b"))

@@ -46,18 +46,7 @@ def _mark_tsp_groups(config) -> None:
         return
     if not mpu.model_parallel_is_initialized():
         return
-    size = mpu.get_tensor_model_parallel_world_size()
-    if size != config.tensor_model_parallel_size:
-        raise ValueError(
-            f"the tensor-parallel group has {size} ranks but the model config says "
-            f"tensor_model_parallel_size={config.tensor_model_parallel_size}"
-        )
-    mark = getattr(tsp_ps, "mark_initialized", None)
-    if mark is not None:
-        mark(size)
-    else:
-        tsp_ps._TSP_SIZE = size
-        tsp_ps.register_accessors()
+    tsp_ps.mark_initialized(config.tensor_model_parallel_size)
 
 
 def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):

@@ -1,9 +1,9 @@
 """Tests for the fake-tensor memory / FLOP measurement (``megatron-tsp memory``).
 
-Fast tests (~2 min on 2 cores): the flash-attention stand-in against dense attention, fake-tensor
+Fast tests (~2.5 min on 2 idle cores): the flash-attention stand-in against dense attention, fake-tensor
 peak vs. the real CPU allocator's peak for every scheme at small scale (within 10%), the CLI smoke
 run, and the FLOP accounting of TSP against TP+SP. ``@pytest.mark.slow``: one full-scale rank
-(7B, S=128k, TSP D=8, ~2.5 min), still run in CI.
+(7B, S=128k, TSP D=8, ~2.5 min), still run in CI. Deselect it with ``-m "not slow"``.
 """
 
 from __future__ import annotations
@@ -105,17 +105,24 @@ def test_chunked_attention_gqa_square():
 # fake-tensor peak vs. the real allocator
 
 
+# h=256, 4 layers, vocab 2048, S=2048 on 4 ranks: peaks of 28-65 MB, where the CPU flash kernel's
+# per-thread scratch (invisible to any dispatch-level tracker, ~1.5 MB/thread) is noise.
+VALIDATE = dict(model=PRESETS["small"], seq=2048)
+
+
 @pytest.mark.parametrize("scheme,kw", [
     ("tsp", {}),
     ("tpsp", {}),
     ("tp", {}),
     ("cp", {}),
     ("tsp", {"recompute": "full"}),
-    ("tpsp", {"distributed_optimizer": True, "world_size": 8}),
 ])
 def test_fake_peak_matches_real_run(scheme, kw):
+    """Fake-tensor MemTracker peak vs. the CPU allocator's peak of the same step run with real
+    tensors in a fresh process (profiler memory events, no tracker attached)."""
+    kw = {**VALIDATE, **kw}
     fake = run_step(_cfg(scheme, fake=True, count_flops=False, **kw))
-    real = run_step(_cfg(scheme, fake=False, count_flops=False, **kw))
+    real = fake_run.run_step_isolated(_cfg(scheme, fake=False, count_flops=False, **kw))
     assert real.real_peak_bytes > 0
     err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
     assert err < 0.10, (scheme, kw, fake.peak_bytes, real.real_peak_bytes)
@@ -149,29 +156,18 @@ def _per_layer_gemm(cfg):
     }
 
 
-def test_tsp_flops_vs_tpsp_itemised():
-    """TSP's extra FLOPs over TP+SP, itemised. Attention: exactly one extra core forward (the
-    documented recompute). GEMMs: every forward GEMM is recomputed in backward (QKV, proj, fc1,
-    fc2) and the QKV backward GEMMs run twice (q and k/v gradients go through two
-    ``autograd.grad`` calls), i.e. 1.5x the layer's forward GEMMs."""
-    tsp = run_step(_cfg("tsp"))
-    tpsp = run_step(_cfg("tpsp"))
-    fwd_attn = tpsp.flops["attention"] / 3.5  # fwd 1 + bwd 2.5
-    assert tsp.flops["attention"] - tpsp.flops["attention"] == pytest.approx(fwd_attn, rel=1e-9)
-    g = _per_layer_gemm(_cfg("tsp"))
-    current = g["qkv_fwd"] + g["proj_fwd"] + g["fc1_fwd"] + g["fc2_fwd"] + 2 * g["qkv_fwd"]
-    assert tsp.flops["matmul"] - tpsp.flops["matmul"] == TINY.layers * current
-
-
-@pytest.mark.xfail(reason="TSP recomputes more than the documented fc1 GEMMs + attention core "
-                          "forward (see docs/memory.md, 'FLOPs'); fix in megatron_tsp/layers",
-                   strict=False)
 def test_tsp_flops_within_documented_recompute():
+    """Same run as the memory numbers: TSP may exceed TP+SP only by its documented recompute,
+    the per-shard fc1 GEMMs and (``attention_backward="recompute"``) the attention core forward.
+    With the default saved attention backward the attention FLOPs are equal."""
     tsp = run_step(_cfg("tsp"))
     tpsp = run_step(_cfg("tpsp"))
     g = _per_layer_gemm(_cfg("tsp"))
-    allowed = TINY.layers * g["fc1_fwd"]
-    assert tsp.flops["matmul"] - tpsp.flops["matmul"] <= allowed
+    extra_gemm = tsp.flops["matmul"] - tpsp.flops["matmul"]
+    extra_attn = tsp.flops["attention"] - tpsp.flops["attention"]
+    assert 0 <= extra_gemm <= TINY.layers * g["fc1_fwd"], (extra_gemm, g)
+    assert 0 <= extra_attn <= tpsp.flops["attention"] / 3.5 * (1 + 1e-9)  # one core forward
+    assert tsp.flops["other"] == tpsp.flops["other"] == 0
 
 
 def test_baselines_do_the_same_gemm_work():

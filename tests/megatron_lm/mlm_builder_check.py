@@ -95,9 +95,7 @@ def _worker(rank, port, checkout, out, seed):
         core_utils.get_batch_on_this_cp_rank
     import inspect
 
-    cp_kwargs = {}
-    if "is_hybrid_cp" in inspect.signature(cp_batch).parameters:  # 0.19: as pretrain_gpt calls it
-        cp_kwargs = dict(is_hybrid_cp=False, cp_group=None)
+    needs_cp_group = "is_hybrid_cp" in inspect.signature(cp_batch).parameters
     from megatron_tsp.layers.attention import TSPSelfAttention
     from megatron_tsp.megatron_lm import dry_run
 
@@ -126,9 +124,15 @@ def _worker(rank, port, checkout, out, seed):
         for name, model in (("stock", stock), ("tsp", tsp)):
             from megatron_tsp.megatron_lm import batch as batch_hook
 
+            cp_kwargs = {}
+            if needs_cp_group:  # 0.19 / main: called as pretrain_gpt.get_batch does
+                from megatron.core import parallel_state as mpu
+
+                cp_kwargs = dict(is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
             batch_hook.activate(2 if name == "tsp" else None)
             local = cp_batch(dict(batch), **cp_kwargs)  # the hooked path
             batch_hook.activate(None)
+            assert local["tokens"].shape == batch["tokens"].shape, local["tokens"].shape
             with torch.no_grad():
                 losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
                                labels=local["labels"])
