@@ -213,7 +213,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         dropout_p = layout.dropout_p
         use_saved = layout.backward == "saved" and flash.supported(x, layout.head_dim, dropout_p)
         rng = _rng_state(x.device) if dropout_p > 0 else None
-        own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
+        own = _pack_own(qkv_w, qkv_b, proj_w)
         out, shards = None, []
         with comm_scope("tsp_attention"):
             for _, shard in _ShardStream(own, group):
@@ -255,17 +255,27 @@ class _TSPAttentionFunction(torch.autograd.Function):
         )
 
 
+def _pack_own(qkv_w, qkv_b, proj_w) -> FlatShard:
+    """This rank's shard as one flat buffer [qkv weight, (qkv bias), proj weight]."""
+    return FlatShard.pack([qkv_w] + ([qkv_b] if qkv_b is not None else []) + [proj_w])
+
+
+def _backward_state(ctx):
+    """What both backward variants start from: saved inputs, group geometry, the own-shard
+    buffer that the weight stream broadcasts, the owner-reduce and the dX accumulator."""
+    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
+    group = ctx.group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    own = _pack_own(qkv_w, qkv_b, proj_w)
+    return (x, freqs_q, freqs_k, ctx.layout, group, size, zigzag.chunk_ids(size, rank),
+            qkv_b is not None, own, _OwnerReduce(own, group), torch.zeros_like(x))
+
+
 def _backward_recompute(ctx, grad_out):
     """Lowest memory: only x was saved; q/k/v, the gathered K/V and the attention forward are
     recomputed per head group (public SDPA, RNG replayed for attention dropout)."""
-    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
-    layout, group = ctx.layout, ctx.group
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    has_bias = qkv_b is not None
-    chunks = zigzag.chunk_ids(size, rank)
-    own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
-    reducer = _OwnerReduce(own, group)
-    grad_x = torch.zeros_like(x)
+    (x, freqs_q, freqs_k, layout, group, size, chunks, has_bias, own, reducer,
+     grad_x) = _backward_state(ctx)
     rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
     with comm_scope("tsp_attention"), rng_ctx:
         for r, shard in _ShardStream(own, group):
@@ -296,14 +306,8 @@ def _backward_recompute(ctx, grad_out):
 def _backward_saved(ctx, grad_out):
     """No attention recompute: the forward kept each head group's local (pre-RoPE) qkv, output
     and log-sum-exp; K/V are re-gathered and flash backward runs with the saved statistics."""
-    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
-    layout, group = ctx.layout, ctx.group
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    has_bias = qkv_b is not None
-    chunks = zigzag.chunk_ids(size, rank)
-    own = FlatShard.pack([qkv_w] + ([qkv_b] if has_bias else []) + [proj_w])
-    reducer = _OwnerReduce(own, group)
-    grad_x = torch.zeros_like(x)
+    (x, freqs_q, freqs_k, layout, group, size, chunks, has_bias, own, reducer,
+     grad_x) = _backward_state(ctx)
     tokens_x = x.reshape(-1, x.shape[-1])
     tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
     with comm_scope("tsp_attention"):
