@@ -40,7 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tolerance", type=float, default=None,
-                   help="max relative loss difference (default 1e-9 fp64, 1e-3 fp32)")
+                   help="max relative loss difference (default 1e-5 fp64, 1e-3 fp32: "
+                        "Megatron's vocab-parallel cross-entropy computes in fp32, so the two "
+                        "runs' losses and gradients agree to fp32 rounding, which Adam carries "
+                        "across steps)")
     return p.parse_args(argv)
 
 
@@ -183,7 +186,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 def _tolerance(args) -> float:
     if args.tolerance is not None:
         return args.tolerance
-    return 1e-9 if args.dtype == "float64" else 1e-3
+    return 1e-5 if args.dtype == "float64" else 1e-3
 
 
 def _agree(args, history) -> bool:
