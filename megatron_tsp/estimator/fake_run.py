@@ -26,10 +26,10 @@ recomputes the probabilities in backward), through ``ChunkedCausalAttention``:
   over the CP group (TE's ``cp_comm_type="all_gather"``), each local chunk attends to keys
   [0, (c+1)C) with a bottom-right aligned causal mask, only the local q/k/v/out/lse are saved,
   backward all-gathers K/V again and reduce-scatters dK/dV.
-* TSP: the lead's ``zigzag_causal_attention`` (SDPA with a ``causal_lower_right`` bias) is swapped
-  for the same chunked kernel while the run is measured. On CUDA that bias runs the
-  memory-efficient kernel with no materialised mask; on CPU it would materialise a
-  ``[C, (c+1)C]`` boolean mask and keep it alive in backward, which is a CPU artefact.
+* TSP: the layers' own flash path (``megatron_tsp/layers/flash.py``, the same two-block merge).
+  Their SDPA fallback with a ``causal_lower_right`` bias (used by ``attention_backward=
+  "recompute"``) is swapped for ``chunked_zigzag_causal_attention`` while measuring: on CUDA that
+  bias runs a mask-free kernel, on CPU it would build a ``[C, (c+1)C]`` boolean mask.
 
 Bottom-right causal masks are made from two flash calls (a non-causal prefix block and a causal
 diagonal block) merged with their log-sum-exps; backward calls the flash backward on both blocks
@@ -55,7 +55,6 @@ import torch.distributed as dist
 from megatron_tsp.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "cp")
-SCHEME_LABELS = {"tsp": "TSP", "tp": "TP", "tpsp": "TP+SP", "cp": "TPxCP"}
 GB = 1e9
 GIB = 2 ** 30
 
@@ -135,7 +134,7 @@ class RunConfig:
             return f"TSP D={self.tp}{suffix}"
         if self.scheme == "cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
-        return f"{SCHEME_LABELS[self.scheme]}={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
+        return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
     def validate(self) -> None:
         if self.scheme not in SCHEMES:
@@ -145,7 +144,8 @@ class RunConfig:
         if self.scheme == "cp" and self.cp < 2:
             raise ValueError("scheme 'cp' needs --cp >= 2")
         if self.world_size % (self.tp * self.cp):
-            raise ValueError(f"world size {self.world_size} is not divisible by TP*CP={self.tp * self.cp}")
+            raise ValueError(f"world size {self.world_size} is not divisible by "
+                             f"TP*CP={self.tp * self.cp}")
         m = self.model
         for what, n in (("heads", m.heads), ("query groups", m.groups), ("ffn", m.ffn_size)):
             if n % self.tp:
@@ -153,7 +153,8 @@ class RunConfig:
         split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
                  "tp": 1}[self.scheme]
         if self.seq % split:
-            raise ValueError(f"sequence length {self.seq} must be divisible by {split} for {self.label}")
+            raise ValueError(f"sequence length {self.seq} must be divisible by {split} "
+                             f"for {self.label}")
         if self.tsp_attention_backward not in (None, "saved", "recompute"):
             raise ValueError("tsp_attention_backward must be 'saved' or 'recompute'")
         if self.recompute not in ("none", "full"):
@@ -699,7 +700,8 @@ def _lean_mem_tracker():
                 self._register_global_optimizer_hook()
                 self._track_resize()
                 self._peak_mem_snap = self.get_tracker_snapshot()
-                self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+                self._peak_mem = {dev: snap[_TOTAL_KEY]
+                                  for dev, snap in self._peak_mem_snap.items()}
             TorchDispatchMode.__enter__(self)
             self._depth += 1
             return self
@@ -801,18 +803,21 @@ def run_step(cfg: RunConfig) -> RunResult:
                     _tag(tracker, buffer.param_data, _MemRefType.PARAM)
             for t in optimizer.tensors():
                 _tag(tracker, t, _MemRefType.OPT)
+            current = next(iter(tracker.get_tracker_snapshot("current").values()), {})
             static = {str(k.value if hasattr(k, "value") else k): int(v)
-                      for k, v in next(iter(tracker.get_tracker_snapshot("current").values()), {}).items()}
+                      for k, v in current.items()}
 
-            flop_counter = flops_count.make_flop_counter() if cfg.count_flops else contextlib.nullcontext()
+            flop_counter = (flops_count.make_flop_counter() if cfg.count_flops
+                            else contextlib.nullcontext())
+            mem_tracker = tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()
             with _tsp_attention_standin(cfg.scheme == "tsp"), _no_rng_fork(cfg.fake), \
                     _uncoalesced_grad_sync(), _cpu_cp_rope(), \
                     _comm_counter(cfg.count_comm) as comm, \
-                    (tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()), flop_counter:
+                    mem_tracker, flop_counter:
                 with torch.autograd.profiler.record_function("tsp_measured_step"):
                     ddp.zero_grad_buffer()
-                    # DDP's forward only forwards to the module (its ``buffers`` attribute, a list, shadows
-                    # nn.Module.buffers(), which MemTracker's module hooks call); grad hooks stay.
+                    # DDP's forward only forwards to the module (and DDP's ``buffers``
+                    # attribute, a list, shadows nn.Module.buffers()); its grad hooks stay.
                     loss_per_token = model(tokens, pos, None, labels=labels)
                     loss = loss_per_token.float().sum() / loss_per_token.numel()
                     marks = [len(comm.records) if cfg.count_comm else 0]

@@ -11,7 +11,7 @@ every scheme and comparable between them.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -92,17 +92,3 @@ def summarize(counter: FlopCounterMode) -> Dict[str, int]:
             out["other"] += int(n)
     out["total"] = out["matmul"] + out["attention"] + out["other"]
     return out
-
-
-def model_flops_per_step(hidden: int, layers: int, ffn: int, vocab: int, seq: int,
-                         micro_batch: int, heads: int, query_groups: int, gated: bool,
-                         group_size: int) -> Tuple[int, int]:
-    """Analytic (GEMM, causal-attention) FLOPs of one rank of a TP-like layout of size
-    ``group_size`` (each rank does 1/group_size of the model's work), forward + backward with no
-    recomputation: backward = 2 x forward for GEMMs; attention backward = 2.5 x forward."""
-    tokens = seq * micro_batch
-    kv = hidden * query_groups // heads
-    per_layer_params = hidden * (hidden + 2 * kv) + hidden * hidden + (3 if gated else 2) * hidden * ffn
-    gemm_fwd = 2 * tokens * (layers * per_layer_params + vocab * hidden)
-    attn_fwd = layers * micro_batch * 2 * (2 * hidden) * (seq * (seq + 1) // 2)
-    return 3 * gemm_fwd // group_size, int(3.5 * attn_fwd) // group_size

@@ -19,9 +19,8 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 # The paper's per-GPU peaks (GB), 7B, one 8-GPU node, training. The two "TP x SP" 2-D layouts
 # are listed beside our TP4xCP2 and TP2xCP4 runs (the paper does not name their split).
@@ -115,7 +114,8 @@ def _config(args, scheme, tp, cp, seq, fake=True):
                      seq=seq, micro_batch=args.micro_batch, dtype=args.dtype,
                      recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
                      fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm,
-                     tsp_attention_backward=args.tsp_attention_backward if scheme == "tsp" else None,
+                     tsp_attention_backward=(args.tsp_attention_backward if scheme == "tsp"
+                                             else None),
                      tsp_mlp_recompute_activation=(False if args.tsp_keep_fc1 and scheme == "tsp"
                                                    else None))
 
@@ -134,7 +134,8 @@ def format_table(results, units: str = "GB", paper: bool = True) -> str:
         row += f"{r.peak_bytes / div:>8.2f}{r.peak_phase:>10}"
         if paper:
             ref = PAPER_GB.get((c["scheme"], c["tp"], c["cp"], c["seq"]))
-            row += f"{ref:>7.1f}" if ref is not None and c["model"]["hidden"] == 4096 else f"{'-':>7}"
+            known = ref is not None and c["model"]["hidden"] == 4096
+            row += f"{ref:>7.1f}" if known else f"{'-':>7}"
         fl = r.flops or {}
         row += f"{fl.get('matmul', 0) / 1e12:>9.1f}{fl.get('attention', 0) / 1e12:>9.1f}"
         comm = sum(v for k, v in (r.comm or {}).items() if k.startswith("recv_bytes"))
@@ -195,7 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             status = 0 if ok else 1
             say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real-tensor run's CPU-allocator "
                 f"peak {real.real_peak_bytes} B: "
-                f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:.0%})")
+                f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} "
+                f"(tolerance {args.tolerance:.0%})")
         elif args.real:
             results.append(run_step_isolated(_config(args, args.scheme, args.tp, args.cp,
                                                      args.seq, fake=False)))

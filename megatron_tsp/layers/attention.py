@@ -236,10 +236,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.shards is not None:
-            grads = _backward_saved(ctx, grad_out.contiguous())
-        else:
-            grads = _backward_recompute(ctx, grad_out.contiguous())
+        grads = _backward(ctx, grad_out.contiguous())
         ctx.shards = None
         x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
         grad_x, own_grad = grads
@@ -271,67 +268,52 @@ def _backward_state(ctx):
             qkv_b is not None, own, _OwnerReduce(own, group), torch.zeros_like(x))
 
 
-def _backward_recompute(ctx, grad_out):
-    """Lowest memory: only x was saved; q/k/v, the gathered K/V and the attention forward are
-    recomputed per head group (public SDPA, RNG replayed for attention dropout)."""
+def _backward(ctx, grad_out):
+    """Per head group: re-broadcast the shard, re-gather K/V, attention backward, reduce-scatter
+    dK/dV to the token owners, one dgrad/wgrad over the shard's qkv, weight grads to the owner.
+
+    ``saved`` mode reuses the forward's local qkv, output and log-sum-exp (flash backward, no
+    attention recompute); ``recompute`` mode recomputes the QKV projection and the attention
+    forward (public SDPA, RNG replayed for attention dropout)."""
     (x, freqs_q, freqs_k, layout, group, size, chunks, has_bias, own, reducer,
      grad_x) = _backward_state(ctx)
+    saved = ctx.shards
+    tokens_x = x.reshape(-1, x.shape[-1])
+    tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
     rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
     with comm_scope("tsp_attention"), rng_ctx:
         for r, shard in _ShardStream(own, group):
-            leaves = [t.detach().requires_grad_(True) for t in shard.views()]
-            w, b, pw = weight_bias_views(leaves, has_bias)
-            qkv_leaves = [w, b] if has_bias else [w]
-            with torch.enable_grad():
-                x_leaf = x.detach().requires_grad_(True)
-                q, k, v = project_qkv(x_leaf, w, b, layout, freqs_q, freqs_k)
-                k_nat, v_nat = gather_kv(k.detach(), v.detach(), group, size)
-                k_nat.requires_grad_(True)
-                v_nat.requires_grad_(True)
-                ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, layout.dropout_p)
-                y = torch.matmul(ctx_r, pw.t())
-                g = torch.autograd.grad(y, [x_leaf] + leaves + [k_nat, v_nat], grad_out,
-                                        retain_graph=True)
-                dk, dv = scatter_kv_grads(g[-2], g[-1], group, size)
-                del k_nat, v_nat
-                g_kv = torch.autograd.grad([k, v], [x_leaf] + qkv_leaves, [dk, dv])
-            grad_x.add_(g[0]).add_(g_kv[0])
-            partial = FlatShard.like(own)
-            for view, g1, g2 in zip(partial.views(), g[1:1 + len(leaves)], list(g_kv[1:]) + [None]):
-                view.copy_(g1) if g2 is None else torch.add(g1, g2, out=view)
-            reducer.submit(r, partial)
-        return grad_x, reducer.finish()
-
-
-def _backward_saved(ctx, grad_out):
-    """No attention recompute: the forward kept each head group's local (pre-RoPE) qkv, output
-    and log-sum-exp; K/V are re-gathered and flash backward runs with the saved statistics."""
-    (x, freqs_q, freqs_k, layout, group, size, chunks, has_bias, own, reducer,
-     grad_x) = _backward_state(ctx)
-    tokens_x = x.reshape(-1, x.shape[-1])
-    tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
-    with comm_scope("tsp_attention"):
-        for r, shard in _ShardStream(own, group):
             w, b, pw = weight_bias_views(shard.views(), has_bias)
-            mixed, ctx_r, stats = ctx.shards[r]
+            if saved is not None:
+                mixed, ctx_r, stats = saved[r]
+            else:
+                mixed = qkv_linear(x, w, b, layout)
             with torch.enable_grad():
                 m_leaf = mixed.detach().requires_grad_(True)
                 q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
             k_nat, v_nat = gather_kv(k.detach(), v.detach(), group, size)
             d_ctx = torch.matmul(grad_out, pw)
-            dq, dk_nat, dv_nat = flash.backward(d_ctx, q.detach(), k_nat, v_nat, chunks,
-                                                layout.softmax_scale, stats)
+            if saved is not None:
+                dq, dk_nat, dv_nat = flash.backward(d_ctx, q.detach(), k_nat, v_nat, chunks,
+                                                    layout.softmax_scale, stats)
+            else:
+                with torch.enable_grad():
+                    inputs = [q.detach().requires_grad_(True), k_nat.requires_grad_(True),
+                              v_nat.requires_grad_(True)]
+                    ctx_out = zigzag_causal_attention(*inputs, chunks, layout, layout.dropout_p)
+                    dq, dk_nat, dv_nat = torch.autograd.grad(ctx_out, inputs, d_ctx)
+                ctx_r = ctx_out.detach()
             del k_nat, v_nat
             dk, dv = scatter_kv_grads(dk_nat, dv_nat, group, size)
             (d_mixed,) = torch.autograd.grad([q, k, v], [m_leaf], [dq, dk, dv])
             d_rows = d_mixed.reshape(-1, w.shape[0])
             grad_x.add_(torch.matmul(d_rows, w).view_as(x))
             partial = FlatShard.like(own)
-            views = partial.views()
-            torch.matmul(d_rows.t(), tokens_x, out=views[0])
+            g_w, g_b, g_pw = weight_bias_views(partial.views(), has_bias)
+            torch.matmul(d_rows.t(), tokens_x, out=g_w)
             if has_bias:
-                torch.sum(d_rows, dim=0, out=views[1])
-            torch.matmul(tokens_dy.t(), ctx_r.reshape(-1, ctx_r.shape[-1]), out=views[-1])
+                torch.sum(d_rows, dim=0, out=g_b)
+            torch.matmul(tokens_dy.t(), ctx_r.reshape(-1, ctx_r.shape[-1]), out=g_pw)
             reducer.submit(r, partial)
         return grad_x, reducer.finish()
 
