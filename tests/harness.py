@@ -26,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float = 90) -> None:
+    """Start one CPU rank: repo on sys.path, one thread, gloo on loopback, megatron CPU shims."""
     sys.path.insert(0, REPO)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -34,10 +35,16 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
     from megatron_tsp.cpu_support import enable_cpu_support
 
     enable_cpu_support()
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+    init_gloo_rank(rank, world, port)
+    import torch.distributed as dist
+
     outbox.put((rank, "ready", None))
     while True:
         task = inbox.get()

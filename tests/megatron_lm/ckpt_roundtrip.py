@@ -8,7 +8,6 @@ writes ``OUT_DIR/results.json`` ({style: [rank0 result, rank1 result]}).
 import json
 import os
 import sys
-from datetime import timedelta
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STYLES = ("gpt2", "llama")
@@ -16,17 +15,13 @@ STYLES = ("gpt2", "llama")
 
 def _worker(rank, world, port, out_dir, seed):
     sys.path.insert(0, REPO)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+    from tests.harness import init_gloo_rank
+
+    init_gloo_rank(rank, world, port, timeout_s=120)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
-    from megatron_tsp.cpu_support import enable_cpu_support
     from tests.megatron_lm import checks
 
-    enable_cpu_support()
     results = {}
     for style in STYLES:
         results[style] = checks.check_dist_checkpoint_interop(
