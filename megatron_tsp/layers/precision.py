@@ -1,0 +1,47 @@
+"""Accumulation precision for TSP's partial sums.
+
+TSP sums D partial results where TP+SP computes one: partial outputs over weight shards, ``grad_x``
+over shards, dK/dV over chunks, and each shard's weight gradient over the D ranks' tokens. Rounding
+every partial to bf16/fp16 before summing would make TSP less accurate than TP+SP, so partial sums
+live in an fp32 accumulator (``accumulation_dtype``) and are cast once at the end. The extra
+buffers are O(weights) or O(local tokens), never O(S).
+
+``matmul_acc`` writes ``a @ b`` into (or onto) an fp32 accumulator: on CUDA through the GEMM's own
+fp32 output (``out_dtype``), so no rounded bf16 intermediate exists; elsewhere (CPU tests, fake
+tensors) by upcasting the operands, which is exact for bf16/fp16 inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 / fp16 compute, the compute dtype otherwise (fp32, fp64)."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _mm_out_dtype_supported(a: torch.Tensor) -> bool:
+    return a.device.type == "cuda" and a.dtype in _LOW_PRECISION
+
+
+def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``acc + a @ b`` (2-D ``a``, ``b``) computed with an accumulator of ``acc.dtype`` (or
+    ``dtype`` when ``acc`` is None), in place when ``acc`` is given. Returns the accumulator."""
+    out_dtype = acc.dtype if acc is not None else (dtype or a.dtype)
+    if out_dtype == a.dtype:
+        if acc is None:
+            return torch.mm(a, b)
+        return acc.addmm_(a, b)
+    if _mm_out_dtype_supported(a):
+        if acc is None:
+            return torch.mm(a, b, out_dtype=out_dtype)
+        return acc.copy_(torch.addmm(acc, a, b, out_dtype=out_dtype))
+    if acc is None:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+    return acc.addmm_(a.to(out_dtype), b.to(out_dtype))
