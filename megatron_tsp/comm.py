@@ -4,11 +4,19 @@ All functions take an explicit process group and use plain ``torch.distributed``
 run unchanged on gloo (CPU tests), NCCL (GPU) and the ``fake`` backend (full-scale memory runs).
 Weight shards travel as ONE flat buffer per message (``FlatShard``) so that a ring step or a
 broadcast is a single transfer whatever the layer's parameter count.
+
+Asynchronous collectives return a ``Pending`` handle: ``wait()`` completes the transfer and returns
+its result (with any post-processing, e.g. the zigzag reorder of a gathered K/V). ``observe``
+registers a callback that sees every post and wait (the overlap trace test uses it; production
+code never imports the counter). Receive buffers come from ``WORKSPACE``: persistent buffers keyed
+by (purpose, slot, shape, dtype, device), reused by every layer and step instead of being
+allocated per call.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,14 +67,70 @@ def ring_neighbours(group) -> tuple[int, int]:
     return nxt, prv
 
 
-def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group) -> list:
-    """Post ``send -> rank+1`` and ``recv <- rank-1`` together; returns the requests to wait on."""
+# --------------------------------------------------------------------------------------------
+# pending transfers and their observers
+
+_observers: List[Callable[[str, int, str], None]] = []
+_ids = itertools.count()
+
+
+def observe(callback: Callable[[str, int, str], None]) -> Callable[[], None]:
+    """Call ``callback(event, transfer_id, op)`` for every ``"post"`` and ``"wait"`` of a
+    ``Pending`` transfer; returns a function that removes the callback."""
+    _observers.append(callback)
+
+    def remove() -> None:
+        if callback in _observers:
+            _observers.remove(callback)
+
+    return remove
+
+
+def _notify(event: str, ident: int, op: str) -> None:
+    for callback in list(_observers):
+        callback(event, ident, op)
+
+
+class Pending:
+    """An asynchronous transfer in flight. ``wait()`` blocks until it is done and returns
+    ``finish()`` (or None); waiting twice is harmless. Iterating yields the handle itself so code
+    written for request lists (``wait_all``) keeps working."""
+
+    def __init__(self, op: str, works: Sequence = (), finish: Optional[Callable] = None):
+        self.op, self.works, self._finish = op, [w for w in works if w is not None], finish
+        self.ident = next(_ids)
+        self._done, self._result = False, None
+        _notify("post", self.ident, op)
+
+    def wait(self):
+        if not self._done:
+            for work in self.works:
+                work.wait()
+            _notify("wait", self.ident, self.op)
+            self._result = self._finish() if self._finish is not None else None
+            self._done, self.works, self._finish = True, [], None
+        return self._result
+
+    def __iter__(self):
+        yield self
+
+
+def done(value=None, op: str = "local") -> Pending:
+    """A completed transfer (group of size 1): no events, ``wait()`` returns ``value``."""
+    pending = Pending.__new__(Pending)
+    pending.op, pending.works, pending._finish = op, [], None
+    pending.ident, pending._done, pending._result = -1, True, value
+    return pending
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group) -> Pending:
+    """Post ``send -> rank+1`` and ``recv <- rank-1`` together."""
     nxt, prv = ring_neighbours(group)
     ops = [
         dist.P2POp(dist.isend, send, nxt, group),
         dist.P2POp(dist.irecv, recv, prv, group),
     ]
-    return dist.batch_isend_irecv(ops)
+    return Pending("ring_exchange", dist.batch_isend_irecv(ops))
 
 
 def wait_all(requests) -> None:
@@ -74,16 +138,56 @@ def wait_all(requests) -> None:
         req.wait()
 
 
+# --------------------------------------------------------------------------------------------
+# persistent communication buffers
+
+
+class Workspace:
+    """Persistent buffers keyed by (purpose, slot, shape, dtype, device). A caller owns a slot
+    until it posts the next transfer into the same (purpose, slot): the TSP layers alternate two
+    slots so that one head group's buffer is read while the next one's is being filled.
+
+    Buffers created under a ``FakeTensorMode`` are kept apart from real ones (the mode's identity
+    is part of the key), so the memory tool's fake runs and real runs never share one."""
+
+    def __init__(self):
+        self._buffers: Dict[tuple, torch.Tensor] = {}
+
+    def get(self, purpose: str, slot: int, shape, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        from torch._guards import active_fake_mode
+
+        mode = active_fake_mode()
+        key = (purpose, slot, tuple(shape), dtype, torch.device(device), id(mode) if mode else 0)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+WORKSPACE = Workspace()
+
+
 def broadcast_from(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
-    """Broadcast ``buffer`` from group rank ``owner`` to every member of the group."""
-    return dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group,
+    """Broadcast ``buffer`` from group rank ``owner`` to every member of the group (a ``Pending``
+    when ``async_op``)."""
+    work = dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group,
                           async_op=async_op)
+    return Pending("broadcast", [work]) if async_op else work
 
 
 def reduce_to(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
-    """SUM-reduce ``buffer`` over the group onto group rank ``owner``."""
-    return dist.reduce(buffer, dst=dist.get_global_rank(group, owner), group=group,
+    """SUM-reduce ``buffer`` over the group onto group rank ``owner`` (a ``Pending`` when
+    ``async_op``)."""
+    work = dist.reduce(buffer, dst=dist.get_global_rank(group, owner), group=group,
                        async_op=async_op)
+    return Pending("reduce", [work]) if async_op else work
 
 
 def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
@@ -96,6 +200,35 @@ def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
                       device=local.device)
     dist.all_gather_into_tensor(out, local, group=group)
     return out
+
+
+def post_all_gather(local: torch.Tensor, group, slot: int = 0, purpose: str = "all_gather",
+                    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Pending:
+    """Asynchronous all-gather along dim 0 into a ``WORKSPACE`` buffer ``[D * s, ...]``;
+    ``wait()`` returns ``finish(gathered)`` (or the buffer)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return done(finish(local) if finish is not None else local)
+    local = local.contiguous()
+    out = WORKSPACE.get(purpose, slot, (size * local.shape[0],) + tuple(local.shape[1:]),
+                        local.dtype, local.device)
+    work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+    return Pending("all_gather_into_tensor", [work],
+                   (lambda: finish(out)) if finish is not None else (lambda: out))
+
+
+def post_reduce_scatter(full: torch.Tensor, group, slot: int = 0,
+                        purpose: str = "reduce_scatter") -> Pending:
+    """Asynchronous SUM reduce-scatter of ``[D * s, ...]`` into a ``WORKSPACE`` buffer; ``wait()``
+    returns this rank's block ``[s, ...]``. ``full`` must stay untouched until then."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return done(full)
+    full = full.contiguous()
+    out = WORKSPACE.get(purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]),
+                        full.dtype, full.device)
+    work = dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+    return Pending("reduce_scatter_tensor", [work], lambda: out)
 
 
 def reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:

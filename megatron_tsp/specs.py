@@ -30,13 +30,14 @@ from megatron_tsp.layers.norm import TSPNorm
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
                            num_experts: Optional[int] = None,
                            multi_latent_attention: bool = False,
-                           attention_backward: str = "saved",
+                           attention_backward: Optional[str] = None,
                            mlp_recompute_activation: bool = True) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and MLP.
 
     ``normalization`` is accepted for parity with Megatron's spec getters; the norm follows
     ``config.normalization`` ("LayerNorm" or "RMSNorm") when the model is built.
-    ``attention_backward``: "saved" keeps each head group's local q/k/v, output and log-sum-exp
+    ``attention_backward``: None follows Megatron's recompute options (selective recompute of
+    ``core_attn``, i.e. ``--recompute-activations``, means "recompute", else "saved"); "saved" keeps each head group's local q/k/v, output and log-sum-exp
     (no attention recompute), "recompute" keeps only the layer input. ``mlp_recompute_activation``:
     True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
     False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).

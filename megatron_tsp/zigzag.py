@@ -94,6 +94,18 @@ def unpermute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
     return x.index_select(dim, _index_on("inv", x.shape[dim], group_size, x.device))
 
 
+def permute_into(x: torch.Tensor, group_size: int, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """``permute`` written into a preallocated ``out`` (a persistent communication buffer)."""
+    return torch.index_select(x, dim, _index_on("perm", x.shape[dim], group_size, x.device),
+                              out=out)
+
+
+def unpermute_into(x: torch.Tensor, group_size: int, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """``unpermute`` written into a preallocated ``out``."""
+    return torch.index_select(x, dim, _index_on("inv", x.shape[dim], group_size, x.device),
+                              out=out)
+
+
 def split(x: torch.Tensor, group_size: int, rank: int, dim: int) -> torch.Tensor:
     """This rank's local slice (chunks r and 2D-1-r, concatenated) of a full-sequence tensor."""
     check_sequence_length(x.shape[dim], group_size)

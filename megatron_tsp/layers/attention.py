@@ -2,21 +2,28 @@
 
 Rank p holds its tokens X_p ([s/D, b, h], zigzag chunks p and 2D-1-p) and the TP=D shard p of
 the fused QKV projection (query groups p*g/D ..) and of the output projection (input columns).
-Forward, for each head-group shard r = 0..D-1:
+Forward, for each head-group shard r = 0..D-1, software-pipelined one group ahead:
 
     owner r broadcasts (W_qkv_r, b_qkv_r, W_proj_r)   # shard r+1 is already in flight meanwhile
     q, k, v = X_p @ W_qkv_r^T  (+ RoPE at the tokens' true positions)
-    K_r, V_r = all-gather(k, v) over the group       # full sequence, this head group only
-    Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # accumulated locally: no all-reduce
+    post all-gather(k, v) of group r                  # before group r-1's attention
+    K_r, V_r = wait(all-gather of group r)            # full sequence, this head group only
+    Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # fp32 accumulator: no all-reduce
 
 Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
-aligned causal mask (no S x S mask; with flash kernels, see ``flash.py``, two blocks merged by
-log-sum-exp). Backward re-broadcasts the shards, re-gathers each head group's K/V,
-reduce-scatters dK/dV back to the token owners and reduces each shard's weight gradient onto its
-owner. ``attention_backward="saved"`` (default) keeps each head group's local qkv, output and
+aligned causal mask, through the attention-kernel interface of ``kernels.py`` (one kernel call per
+chunk where the backend aligns causal masks bottom-right, two blocks merged by log-sum-exp
+otherwise; never an S x S mask). Backward re-broadcasts the shards, re-gathers each head group's
+K/V (group r+1's posted before group r's attention backward), reduce-scatters dK/dV back to the
+token owners (waited one group later) and reduces each shard's weight gradient onto its owner.
+``attention_backward="saved"`` (default) keeps each head group's local qkv, output and
 log-sum-exp (local-token sized, like TP+SP's saved activations) so the attention forward is not
-recomputed; ``"recompute"`` keeps only X_p and recomputes everything per head group (least memory;
-also used when attention dropout is on or no flash kernel fits the device/dtype).
+recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective ``core_attn``)
+keeps only X_p and recomputes everything per head group (least memory; also used when attention
+dropout is on, which needs the ``sdpa_recompute`` backend).
+
+Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
+over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once.
 """
 
 from __future__ import annotations
@@ -25,23 +32,21 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
-from torch.nn.attention.bias import causal_lower_right
-from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import zigzag
-from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
-                               reduce_to, wait_all, weight_bias_views)
+from megatron_tsp.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done,
+                               post_all_gather, post_reduce_scatter, reduce_to, weight_bias_views)
 from megatron_tsp.comm_counter import comm_scope
-from megatron_tsp.layers import flash
+from megatron_tsp.layers import kernels
 from megatron_tsp.layers.grads import weight_grad_output
+from megatron_tsp.layers.precision import accumulation_dtype, matmul_acc
 from megatron_tsp.parallel_state import resolve_group
 from megatron_tsp.validation import check_model_shape
 
@@ -109,56 +114,6 @@ def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
     return split_rope(qkv_linear(x, qkv_w, qkv_b, layout), layout, freqs_q, freqs_k)
 
 
-def _lower_right_causal(q_len: int, kv_len: int):
-    """Bottom-right aligned causal bias (flash-attention semantics for q_len < kv_len).
-
-    Built outside any active dispatch mode: ``CausalBias`` is a tensor subclass, and creating it
-    under ``FakeTensorMode`` or a tracing mode fails; it holds no data, so nothing is lost.
-    """
-    with _disable_current_modes():
-        return causal_lower_right(q_len, kv_len)
-
-
-def zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout: HeadLayout,
-                            dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal attention of the local zigzag chunks' queries against natural-order K/V.
-
-    q: [2C, b, np, hn] (chunk ``chunks[0]`` then ``chunks[1]``); k_nat, v_nat: [S, b, ng, hn].
-    Chunk c attends to keys [0, (c+1)C) with a bottom-right aligned causal mask. Returns
-    [2C, b, np * hn].
-    """
-    c_len = q.shape[0] // len(chunks)
-    outs = []
-    for i, c in enumerate(chunks):
-        q_c = q[i * c_len:(i + 1) * c_len].permute(1, 2, 0, 3)
-        kv_len = (c + 1) * c_len
-        k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
-        v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(
-            q_c, k_c, v_c, attn_mask=_lower_right_causal(c_len, kv_len), dropout_p=dropout_p,
-            scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups,
-        )
-        outs.append(o.permute(2, 0, 1, 3).reshape(c_len, q.shape[1], -1))
-    return torch.cat(outs, dim=0)
-
-
-def gather_kv(k, v, group, size):
-    """One all-gather for a head group's K and V: natural-order views [S, b, ng/D, hn] of a
-    single [S, b, 2 * ng/D, hn] buffer."""
-    groups = k.shape[2]
-    kv = zigzag.unpermute(all_gather_seq(torch.cat([k, v], dim=2), group), size, dim=0)
-    return kv[:, :, :groups], kv[:, :, groups:]
-
-
-def scatter_kv_grads(dk_nat, dv_nat, group, size):
-    """Adjoint of ``gather_kv``: one reduce-scatter returns each token owner the sum of its
-    dK / dV over the group."""
-    groups = dk_nat.shape[2]
-    d_kv = reduce_scatter_seq(zigzag.permute(torch.cat([dk_nat, dv_nat], dim=2), size, dim=0),
-                              group)
-    return d_kv[:, :, :groups], d_kv[:, :, groups:]
-
-
 def _rng_state(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
@@ -179,76 +134,149 @@ def _replay_rng(state, device: torch.device):
 
 class _ShardStream:
     """Broadcasts the D weight shards in order, one shard ahead of the consumer."""
+def _post_kv_gather(k, v, group, size: int, slot: int) -> Pending:
+    """Post one all-gather of a head group's K and V (packed [s/D, b, 2 * ng/D, hn]); ``wait()``
+    returns natural-order views (K, V) [S, b, ng/D, hn] of one ``WORKSPACE`` buffer."""
+    groups = k.shape[2]
+    if size == 1:
+        return done((k, v))
+    packed = WORKSPACE.get("kv_send", slot, k.shape[:2] + (2 * groups,) + k.shape[3:], k.dtype,
+                           k.device)
+    torch.cat([k, v], dim=2, out=packed)
 
-    def __init__(self, own: FlatShard, group):
+    def natural(gathered):
+        kv = WORKSPACE.get("kv_natural", slot, gathered.shape, gathered.dtype, gathered.device)
+        zigzag.unpermute_into(gathered, size, 0, kv)
+        return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
+
+    return post_all_gather(packed, group, slot=slot, purpose="kv_gathered", finish=natural)
+
+
+def _post_kv_grad_scatter(dkv_acc, dtype, group, size: int, slot: int) -> Pending:
+    """Adjoint of ``_post_kv_gather``: the packed dK/dV accumulator (natural order, fp32 for
+    bf16/fp16 models) is cast once, put in rank order and reduce-scattered; ``wait()`` returns
+    this rank's [s/D, b, 2 * ng/D, hn] sum over the group."""
+    if size == 1:
+        return done(dkv_acc.to(dtype))
+    send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dtype, dkv_acc.device)
+    zigzag.permute_into(dkv_acc.to(dtype), size, 0, send)
+    return post_reduce_scatter(send, group, slot=slot, purpose="kv_grad")
+
+
+class _ShardStream:
+    """Broadcasts the D weight shards in order, one shard ahead of the consumer.
+
+    ``get(r)`` (r non-decreasing) posts shard r+1's broadcast, then waits for shard r. ``hold``:
+    how many consecutive shards the consumer still reads at once (the current one included); the
+    stream keeps hold + 1 spare buffers so an in-flight broadcast never lands in a shard that is
+    still being read. Shard 0's broadcast is posted at construction."""
+
+    def __init__(self, own: FlatShard, group, hold: int = 2):
         self.own, self.group = own, group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.spare = [FlatShard.like(own), FlatShard.like(own)] if self.size > 1 else []
+        n_spare = min(hold + 1, self.size) if self.size > 1 else 0
+        self.spare = [FlatShard.like(own) for _ in range(n_spare)]
         self.pending = {}
+        self.ready = {}
+        self._post(0)
 
-    def _issue(self, r: int) -> None:
-        if r >= self.size or self.size == 1:
+    def _post(self, r: int) -> None:
+        if r >= self.size or self.size == 1 or r in self.pending or r in self.ready:
             return
-        buf = self.own if r == self.rank else self.spare[r % 2]
+        buf = self.own if r == self.rank else self.spare[r % len(self.spare)]
         self.pending[r] = (buf, broadcast_from(buf.buffer, r, self.group, async_op=True))
 
-    def __iter__(self):
+    def get(self, r: int) -> FlatShard:
         if self.size == 1:
-            yield 0, self.own
-            return
-        self._issue(0)
-        for r in range(self.size):
-            self._issue(r + 1)  # prefetch the next shard before computing with this one
-            buf, req = self.pending.pop(r)
-            req.wait()
-            yield r, buf
+            return self.own
+        if r not in self.ready:
+            self._post(r)
+            self._post(r + 1)  # prefetch the next shard before computing with this one
+            buf, pending = self.pending.pop(r)
+            pending.wait()
+            self.ready = {r: buf}
+        return self.ready[r]
+
+
+def _save_layout(n_chunks: int) -> int:
+    """Tensors saved per head group in saved mode: local qkv, then per chunk its output rows and
+    log-sum-exp."""
+    return 1 + 2 * n_chunks
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
+    """TSP causal self-attention (output projection included, its bias excluded).
+
+    Communication. Forward, per head group r: broadcast of shard r's weights from its owner
+    (shard r+1 posted before shard r is used), one all-gather of group r's packed K/V, posted
+    right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
+    (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
+    broadcasts again, the K/V re-gather of group r+1 posted before group r's attention backward,
+    one reduce-scatter of group r's packed dK/dV posted after its attention backward and waited
+    one group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto
+    its owner, waited when the next one is posted.
+
+    Saved tensors (``save_for_backward``, so saved-tensor hooks and activation offloading see
+    them): the input, the local weight shards, the RoPE angles and, in "saved" mode, per head
+    group the local qkv and per chunk the attention output rows and fp32 log-sum-exp (the output
+    is saved once). "recompute" mode saves only the first group.
+    """
+
     @staticmethod
-    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse):
+    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse, kernel):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         has_bias = qkv_b is not None
         chunks = zigzag.chunk_ids(size, rank)
-        dropout_p = layout.dropout_p
-        use_saved = layout.backward == "saved" and flash.supported(x, layout.head_dim, dropout_p)
-        rng = _rng_state(x.device) if dropout_p > 0 else None
-        own = _pack_own(qkv_w, qkv_b, proj_w)
-        out, shards = None, []
+        c_len = x.shape[0] // len(chunks)
+        hidden = x.shape[-1]
+        save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
+        rng = _rng_state(x.device) if layout.dropout_p > 0 else None
+        stream = _ShardStream(_pack_own(qkv_w, qkv_b, proj_w), group, hold=2)
+        out_acc = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
+        saved = []
+
+        def prepare(r):
+            w, b, pw = weight_bias_views(stream.get(r).views(), has_bias)
+            mixed = qkv_linear(x, w, b, layout)
+            q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
+            return mixed, q, pw, _post_kv_gather(k, v, group, size, slot=r % 2)
+
         with comm_scope("tsp_attention"):
-            for _, shard in _ShardStream(own, group):
-                w, b, pw = weight_bias_views(shard.views(), has_bias)
-                mixed = qkv_linear(x, w, b, layout)
-                q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
-                k_nat, v_nat = gather_kv(k, v, group, size)
-                if use_saved:
-                    ctx_r, stats = flash.forward(q, k_nat, v_nat, chunks, layout.softmax_scale)
-                    shards.append((mixed, ctx_r, stats))  # all local-token sized
+            current = prepare(0)
+            for r in range(size):
+                upcoming = prepare(r + 1) if r + 1 < size else None
+                mixed, q, pw, gather = current
+                k_nat, v_nat = gather.wait()
+                if kernel.has_lse:
+                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks,
+                                                        layout.softmax_scale)
                 else:
-                    ctx_r = zigzag_causal_attention(q, k_nat, v_nat, chunks, layout, dropout_p)
+                    rows = kernels.zigzag_attend(kernel, q, k_nat, v_nat, chunks,
+                                                 layout.softmax_scale, layout.dropout_p)
+                    outs, lses = [rows.narrow(0, i * c_len, c_len) for i in range(len(chunks))], []
                 del k_nat, v_nat
-                contrib = torch.matmul(ctx_r, pw.t())
-                out = contrib if out is None else out.add_(contrib)
-        ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k)
-        ctx.layout, ctx.group, ctx.fuse, ctx.rng = layout, group, fuse, rng
-        ctx.shards = shards if use_saved else None
-        return out
+                for i, rows in enumerate(outs):
+                    matmul_acc(rows.reshape(-1, rows.shape[-1]), pw.t(),
+                               acc=out_acc.narrow(0, i * c_len, c_len).view(-1, hidden))
+                if save_outputs:
+                    saved += [mixed, *outs, *lses]
+                current = upcoming
+        ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *saved)
+        ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
+        return out_acc.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = _backward(ctx, grad_out.contiguous())
-        ctx.shards = None
         x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
-        grad_x, own_grad = grads
-        views = own_grad.views()
-        g_w, g_b, g_pw = weight_bias_views(views, qkv_b is not None)
+        grad_x, own_grad = _backward(ctx, grad_out.contiguous())
+        g_w, g_b, g_pw = weight_bias_views(own_grad.views(), qkv_b is not None)
         fuse = ctx.fuse
         return (
             grad_x,
             weight_grad_output(qkv_w, g_w, fuse),
             weight_grad_output(qkv_b, g_b, fuse),
             weight_grad_output(proj_w, g_pw, fuse),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -257,72 +285,128 @@ def _pack_own(qkv_w, qkv_b, proj_w) -> FlatShard:
     return FlatShard.pack([qkv_w] + ([qkv_b] if qkv_b is not None else []) + [proj_w])
 
 
-def _backward_state(ctx):
-    """What both backward variants start from: saved inputs, group geometry, the own-shard
-    buffer that the weight stream broadcasts, the owner-reduce and the dX accumulator."""
-    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k = ctx.saved_tensors
-    group = ctx.group
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    own = _pack_own(qkv_w, qkv_b, proj_w)
-    return (x, freqs_q, freqs_k, ctx.layout, group, size, zigzag.chunk_ids(size, rank),
-            qkv_b is not None, own, _OwnerReduce(own, group), torch.zeros_like(x))
-
-
 def _backward(ctx, grad_out):
-    """Per head group: re-broadcast the shard, re-gather K/V, attention backward, reduce-scatter
-    dK/dV to the token owners, one dgrad/wgrad over the shard's qkv, weight grads to the owner.
+    """Per head group r, software-pipelined (see ``_TSPAttentionFunction``):
 
-    ``saved`` mode reuses the forward's local qkv, output and log-sum-exp (flash backward, no
-    attention recompute); ``recompute`` mode recomputes the QKV projection and the attention
-    forward (public SDPA, RNG replayed for attention dropout)."""
-    (x, freqs_q, freqs_k, layout, group, size, chunks, has_bias, own, reducer,
-     grad_x) = _backward_state(ctx)
-    saved = ctx.shards
-    tokens_x = x.reshape(-1, x.shape[-1])
-    tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
-    rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
+    1. (saved mode) output-projection weight gradient from the saved output (needs no weights);
+    2. wait shard r; d_ctx = dY @ W_proj_r;
+    3. prepare group r+1: its local K/V (saved qkv, or the QKV GEMM in recompute mode) and post
+       its re-gather;
+    4. wait group r's K/V; attention backward (recompute mode: the kernel's forward first) with
+       dK/dV summed over the chunks in fp32; post group r's dK/dV reduce-scatter;
+    5. finish group r-1: wait its reduce-scatter, one dgrad into the fp32 grad_x and one wgrad
+       into its fp32 partial, post its reduce onto the owner.
+    """
+    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *flat = ctx.saved_tensors
+    layout, group, kernel = ctx.layout, ctx.group, ctx.kernel
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = zigzag.chunk_ids(size, rank)
+    n_chunks, c_len, hidden = len(chunks), x.shape[0] // 2, x.shape[-1]
+    has_bias, dtype = qkv_b is not None, x.dtype
+    acc_dtype = accumulation_dtype(dtype)
+    per_group = _save_layout(n_chunks)
+    saved_mode = bool(flat)
+    own = _pack_own(qkv_w, qkv_b, proj_w)
+    stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
+    reducer = _OwnerReduce(group)
+    grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    tokens_x = x.reshape(-1, hidden)
+    dy_rows = [grad_out.narrow(0, i * c_len, c_len).reshape(-1, hidden) for i in range(n_chunks)]
+
+    def prepare(r):
+        state = {"r": r}
+        if saved_mode:
+            base = r * per_group
+            mixed = flat[base]
+            state["outs"] = flat[base + 1:base + 1 + n_chunks]
+            state["lses"] = flat[base + 1 + n_chunks:base + per_group]
+        else:
+            w, b, _ = weight_bias_views(stream.get(r).views(), has_bias)
+            mixed = qkv_linear(x, w, b, layout)
+        with torch.enable_grad():
+            m_leaf = mixed.detach().requires_grad_(True)
+            q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
+        state.update(m_leaf=m_leaf, q=q, k=k, v=v,
+                     gather=_post_kv_gather(k.detach(), v.detach(), group, size, slot=r % 2))
+        return state
+
+    def proj_wgrad(state, g_pw):
+        for i, rows in enumerate(state["outs"]):
+            matmul_acc(dy_rows[i].t(), rows.reshape(-1, rows.shape[-1]), acc=g_pw)
+
+    def finish(state):
+        """Group r's dK/dV are back: dgrad and wgrad of its QKV projection, reduce to owner."""
+        d_kv = state["scatter"].wait()
+        groups = d_kv.shape[2] // 2
+        dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
+        (d_mixed,) = torch.autograd.grad([state["q"], state["k"], state["v"]], [state["m_leaf"]],
+                                         [state["dq"], dk, dv])
+        w, _, _ = weight_bias_views(stream_shard(state["r"]).views(), has_bias)
+        d_rows = d_mixed.reshape(-1, w.shape[0])
+        matmul_acc(d_rows, w, acc=grad_x.view(-1, hidden))
+        g_w, g_b, _ = weight_bias_views(state["partial"].views(), has_bias)
+        matmul_acc(d_rows.t(), tokens_x, acc=g_w)
+        if has_bias:
+            g_b.add_(d_rows.sum(dim=0, dtype=acc_dtype))
+        reducer.submit(state["r"], state["partial"])
+
+    shards = {}
+
+    def stream_shard(r):
+        return shards[r]
+
+    rng_ctx = (_replay_rng(ctx.rng, x.device) if ctx.rng is not None
+               else contextlib.nullcontext())
     with comm_scope("tsp_attention"), rng_ctx:
-        for r, shard in _ShardStream(own, group):
-            w, b, pw = weight_bias_views(shard.views(), has_bias)
-            if saved is not None:
-                mixed, ctx_r, stats = saved[r]
-            else:
-                mixed = qkv_linear(x, w, b, layout)
-            with torch.enable_grad():
-                m_leaf = mixed.detach().requires_grad_(True)
-                q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
-            k_nat, v_nat = gather_kv(k.detach(), v.detach(), group, size)
+        current, finishing = prepare(0), None
+        for r in range(size):
+            partial = FlatShard(own.shapes, acc_dtype, x.device).zero_()
+            g_pw = weight_bias_views(partial.views(), has_bias)[2]
+            if saved_mode:
+                proj_wgrad(current, g_pw)
+            shards[r] = stream.get(r)
+            shards.pop(r - 2, None)
+            pw = weight_bias_views(shards[r].views(), has_bias)[2]
             d_ctx = torch.matmul(grad_out, pw)
-            if saved is not None:
-                dq, dk_nat, dv_nat = flash.backward(d_ctx, q.detach(), k_nat, v_nat, chunks,
-                                                    layout.softmax_scale, stats)
+            upcoming = prepare(r + 1) if r + 1 < size else None
+            k_nat, v_nat = current["gather"].wait()
+            q = current["q"].detach()
+            if kernel.has_lse:
+                if not saved_mode:
+                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks,
+                                                        layout.softmax_scale)
+                    current.update(outs=outs, lses=lses)
+                    proj_wgrad(current, g_pw)
+                dq, dkv = kernels.zigzag_backward(kernel, d_ctx, q, k_nat, v_nat, chunks,
+                                                  layout.softmax_scale, current["outs"],
+                                                  current["lses"])
             else:
                 with torch.enable_grad():
-                    inputs = [q.detach().requires_grad_(True), k_nat.requires_grad_(True),
-                              v_nat.requires_grad_(True)]
-                    ctx_out = zigzag_causal_attention(*inputs, chunks, layout, layout.dropout_p)
-                    dq, dk_nat, dv_nat = torch.autograd.grad(ctx_out, inputs, d_ctx)
-                ctx_r = ctx_out.detach()
+                    inputs = [q.requires_grad_(True), k_nat.detach().requires_grad_(True),
+                              v_nat.detach().requires_grad_(True)]
+                    rows = kernels.zigzag_attend(kernel, *inputs, chunks, layout.softmax_scale,
+                                                 layout.dropout_p)
+                    dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
+                current["outs"] = [rows.detach().narrow(0, i * c_len, c_len)
+                                   for i in range(n_chunks)]
+                proj_wgrad(current, g_pw)
+                dkv = torch.cat([dk, dv], dim=2)
             del k_nat, v_nat
-            dk, dv = scatter_kv_grads(dk_nat, dv_nat, group, size)
-            (d_mixed,) = torch.autograd.grad([q, k, v], [m_leaf], [dq, dk, dv])
-            d_rows = d_mixed.reshape(-1, w.shape[0])
-            grad_x.add_(torch.matmul(d_rows, w).view_as(x))
-            partial = FlatShard.like(own)
-            g_w, g_b, g_pw = weight_bias_views(partial.views(), has_bias)
-            torch.matmul(d_rows.t(), tokens_x, out=g_w)
-            if has_bias:
-                torch.sum(d_rows, dim=0, out=g_b)
-            torch.matmul(tokens_dy.t(), ctx_r.reshape(-1, ctx_r.shape[-1]), out=g_pw)
-            reducer.submit(r, partial)
-        return grad_x, reducer.finish()
+            current.update(dq=dq, partial=partial, outs=None, lses=None,
+                           scatter=_post_kv_grad_scatter(dkv, dtype, group, size, slot=r % 2))
+            del dkv
+            if finishing is not None:
+                finish(finishing)
+            finishing, current = current, upcoming
+        finish(finishing)
+        return grad_x.to(dtype), reducer.finish()
 
 
 class _OwnerReduce:
-    """Reduce each shard's partial weight gradient onto its owner, one reduce in flight; the
-    owner's buffer ends up holding the group's sum."""
+    """Reduce each shard's partial weight gradient (accumulation dtype) onto its owner, one
+    reduce in flight; the owner's buffer ends up holding the group's sum."""
 
-    def __init__(self, own: FlatShard, group):
+    def __init__(self, group):
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.pending, self.own = None, None
@@ -341,11 +425,43 @@ class _OwnerReduce:
 
 
 def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
-                       freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False):
+                       freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False,
+                       kernel: Optional[kernels.AttentionKernel] = None):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
-    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions."""
+    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions.
+    ``kernel``: the attention backend (``kernels.select_kernel`` for ``x`` when None)."""
+    if kernel is None:
+        kernel = kernels.select_kernel(x.device, x.dtype, layout.head_dim,
+                                       layout.heads != layout.groups, layout.dropout_p)
     return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
-                                       layout, group, fuse_into_main_grad)
+                                       layout, group, fuse_into_main_grad, kernel)
+
+
+def attention_backward_from_config(config, requested: Optional[str] = None) -> str:
+    """TSP's attention mode from Megatron's recompute options: ``--recompute-activations`` /
+    ``--recompute-granularity selective`` with ``core_attn`` among ``--recompute-modules`` means
+    "recompute" (the attention forward is recomputed in backward, only the layer input is kept);
+    otherwise "saved". An explicit ``requested`` mode wins."""
+    if requested is not None:
+        if requested not in ("saved", "recompute"):
+            raise ValueError(f"attention_backward must be 'saved' or 'recompute', "
+                             f"got {requested!r}")
+        return requested
+    modules = getattr(config, "recompute_modules", None) or ["core_attn"]
+    if getattr(config, "recompute_granularity", None) == "selective" and "core_attn" in modules:
+        return "recompute"
+    return "saved"
+
+
+def check_offloading(config) -> None:
+    """``--cpu-offloading`` wraps each layer in saved-tensor hooks, which see everything TSP
+    saves (``save_for_backward``): honoured. Fine-grained activation offloading hooks named
+    submodules (core_attn, attn_proj, ...) that TSP's fused attention/MLP do not call: refused."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        raise ValueError(
+            "--fine-grained-activation-offloading (offload_modules="
+            f"{getattr(config, 'offload_modules', None)}) is not supported by TSP layers; use "
+            "--cpu-offloading or --recompute-activations")
 
 
 class TSPSelfAttention(SelfAttention):
@@ -360,10 +476,9 @@ class TSPSelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type=None,
-                 pg_collection=None, attention_backward: str = "saved", **kwargs):
-        if attention_backward not in ("saved", "recompute"):
-            raise ValueError(f"attention_backward must be 'saved' or 'recompute', "
-                             f"got {attention_backward!r}")
+                 pg_collection=None, attention_backward: Optional[str] = None, **kwargs):
+        attention_backward = attention_backward_from_config(config, attention_backward)
+        check_offloading(config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"TSP attention supports causal masking only, got {attn_mask_type}")
         group = resolve_group(pg_collection)
@@ -393,6 +508,21 @@ class TSPSelfAttention(SelfAttention):
             backward=attention_backward,
         )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self._select_kernel(self.linear_qkv.weight.device, config.params_dtype)
+
+    def _select_kernel(self, device, dtype) -> None:
+        """Choose the attention backend for this device/dtype (at construction, and again only if
+        the module later runs on another device or dtype)."""
+        layout = self.tsp_layout
+        self.attention_kernel = kernels.select_kernel(
+            device, dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p,
+            transformer_impl=getattr(self.config, "transformer_impl", "local"))
+        self._kernel_key = (torch.device(device).type, dtype)
+
+    @property
+    def attention_kernel_name(self) -> str:
+        """The attention backend this layer runs (for the log and the dry run)."""
+        return self.attention_kernel.name
 
     def _local_freqs(self, emb: Optional[torch.Tensor], local_len: int):
         if emb is None:
@@ -436,9 +566,11 @@ class TSPSelfAttention(SelfAttention):
         layout = self.tsp_layout
         if not self.training and layout.dropout_p > 0:
             layout = dataclasses.replace(layout, dropout_p=0.0)
+        if (hidden_states.device.type, hidden_states.dtype) != self._kernel_key:
+            self._select_kernel(hidden_states.device, hidden_states.dtype)
         out = tsp_self_attention(
             hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
             self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,
-            self.gradient_accumulation_fusion,
+            self.gradient_accumulation_fusion, self.attention_kernel,
         )
         return out, self.linear_proj.bias
