@@ -1,0 +1,75 @@
+"""Overlap trace of one TSP layer (attention + MLP): every transfer's post and wait, interleaved
+with the GEMM and attention kernels issued between them (``comm.observe`` + a dispatch mode)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_tsp import comm
+from tests.checks_comm import _attention, _mlp
+from tests.common import group_info, setup_tsp
+
+_KERNELS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class _KernelTrace(TorchDispatchMode):
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__.rstrip("_")  # addmm_ accumulates in place
+        if name in _KERNELS:
+            self.events.append(("kernel", "mm"))
+        elif "scaled_dot_product" in name:
+            self.events.append(("kernel", "attention"))
+        return func(*args, **(kwargs or {}))
+
+
+def blocking(events):
+    """Transfers waited with no GEMM or attention kernel issued between their post and wait:
+    returns (number of transfers, [op of each blocking one])."""
+    posted, kernels_since, blocked, total = {}, 0, [], 0
+    for event in events:
+        if event[0] == "kernel":
+            kernels_since += 1
+        elif event[0] == "post":
+            posted[event[1]] = (event[2], kernels_since)
+            total += 1
+        elif event[0] == "wait":
+            op, mark = posted.pop(event[1])
+            if kernels_since == mark:
+                blocked.append(op)
+    assert not posted, f"transfers never waited: {posted}"
+    return total, blocked
+
+
+def trace_layer_overlap(d, backward="saved", seq=32, batch=2, hidden=32, heads=8, groups=4):
+    """Per phase and module: (transfers, blocking ops) of one forward + backward."""
+    setup_tsp(d)
+    _, size, _ = group_info()
+    results = {}
+    for kind in ("attention", "mlp"):
+        if kind == "mlp":
+            _, layer = _mlp(d, torch.float32, False, False, hidden, 2 * hidden)
+        else:
+            _, layer = _attention(d, torch.float32, heads, groups, False, hidden)
+            layer.tsp_layout = type(layer.tsp_layout)(**{**layer.tsp_layout.__dict__,
+                                                         "backward": backward})
+        x = torch.randn(seq // size, batch, hidden, requires_grad=True)
+        events = []
+        remove = comm.observe(lambda ev, ident, op: events.append((ev, ident, op)))
+        try:
+            with _KernelTrace(events):
+                out, _ = layer(x)
+            fwd = list(events)
+            events.clear()
+            grad = torch.randn_like(out)
+            with _KernelTrace(events):
+                out.backward(grad)
+            bwd = list(events)
+        finally:
+            remove()
+        results[kind] = {"fwd": blocking(fwd), "bwd": blocking(bwd)}
+    return results
