@@ -151,24 +151,25 @@ class Workspace:
     is part of the key), so the memory tool's fake runs and real runs never share one."""
 
     def __init__(self):
-        self._buffers: Dict[tuple, torch.Tensor] = {}
+        self._buffers: Dict[tuple, tuple] = {}
 
     def get(self, purpose: str, slot: int, shape, dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
         from torch._guards import active_fake_mode
 
         mode = active_fake_mode()
-        key = (purpose, slot, tuple(shape), dtype, torch.device(device), id(mode) if mode else 0)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
-        return buf
+        key = (purpose, slot, tuple(shape), dtype, torch.device(device), id(mode))
+        entry = self._buffers.get(key)
+        if entry is None or entry[0] is not mode:  # the mode is held, so its id is not reused
+            entry = self._buffers[key] = (mode, torch.empty(tuple(shape), dtype=dtype,
+                                                            device=device))
+        return entry[1]
 
     def clear(self) -> None:
         self._buffers.clear()
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for _, b in self._buffers.values())
 
 
 WORKSPACE = Workspace()

@@ -15,25 +15,18 @@ With ``fake=False`` the same code runs with real tensors (small shapes) and the 
 the CPU allocator itself (torch profiler memory events, "Total Allocated"), an independent check
 of the fake-tensor number.
 
-Attention stand-in. Megatron's local ``DotProductAttention`` materialises the ``[b, np, s, s]``
-score matrix (137 GB per layer at 128k) and rejects context parallelism; GPU runs use TE's flash
-attention. Every scheme here uses the same flash-equivalent kernel, torch's CPU flash attention
-(``_scaled_dot_product_flash_attention_for_cpu``: saves only the output and the fp32 log-sum-exp,
-recomputes the probabilities in backward), through ``ChunkedCausalAttention``:
+Attention. Megatron's local ``DotProductAttention`` materialises the ``[b, np, s, s]`` score
+matrix (137 GB per layer at 128k) and rejects context parallelism; GPU runs use TE's flash
+attention. Every scheme here therefore runs the TSP layers' own attention-kernel interface
+(``megatron_tsp/layers/kernels.py``; on CPU and fake CPU tensors its ``cpu_flash`` backend, which
+saves only the output and the fp32 log-sum-exp and recomputes the probabilities in backward):
 
-* TP / TP+SP: one causal call over the local heads and the whole sequence.
-* TP x CP: Megatron's zigzag layout (CP rank r holds chunks r and 2CP-1-r). K/V are all-gathered
-  over the CP group (TE's ``cp_comm_type="all_gather"``), each local chunk attends to keys
-  [0, (c+1)C) with a bottom-right aligned causal mask, only the local q/k/v/out/lse are saved,
-  backward all-gathers K/V again and reduce-scatters dK/dV.
-* TSP: the layers' own flash path (``megatron_tsp/layers/flash.py``, the same two-block merge).
-  Their SDPA fallback with a ``causal_lower_right`` bias (used by ``attention_backward=
-  "recompute"``) is swapped for ``chunked_zigzag_causal_attention`` while measuring: on CUDA that
-  bias runs a mask-free kernel, on CPU it would build a ``[C, (c+1)C]`` boolean mask.
-
-Bottom-right causal masks are made from two flash calls (a non-causal prefix block and a causal
-diagonal block) merged with their log-sum-exps; backward calls the flash backward on both blocks
-with the merged output and log-sum-exp, which is exact.
+* TSP: the layers themselves, unmodified (no stand-in).
+* TP / TP+SP: ``BaselineCoreAttention``, one causal call over the local heads and the sequence.
+* TP x CP: Megatron's zigzag layout (CP rank r holds chunks r and 2CP-1-r); K/V all-gathered over
+  the CP group with the TSP layers' packed K/V gather (TE's ``cp_comm_type="all_gather"``), each
+  local chunk attends to keys [0, (c+1)C) bottom-right aligned, only the local q/k/v/out/lse are
+  saved, backward re-gathers K/V and reduce-scatters dK/dV with the layers' code.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,9 +50,6 @@ from megatron_tsp.estimator import flops_count
 SCHEMES = ("tsp", "tp", "tpsp", "cp")
 GB = 1e9
 GIB = 2 ** 30
-
-_fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_fb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,139 +176,58 @@ class RunResult:
 
 
 # --------------------------------------------------------------------------------------------
-# flash-equivalent attention with bottom-right causal chunks
+# baseline core attention through the TSP layers' kernels and K/V collectives
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+class BaselineCoreAttention(torch.autograd.Function):
+    """Core attention of the TP / TP+SP / TP x CP baselines, built from the TSP layers' own code:
+    the attention-kernel interface (``megatron_tsp.layers.kernels``, the backend the layers would
+    select for these tensors) and, for CP, the layers' packed K/V all-gather and dK/dV
+    reduce-scatter (TE's ``cp_comm_type="all_gather"``).
 
-
-def _fold_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
-    if g.shape[1] == groups:
-        return g
-    b, h, s, d = g.shape
-    return g.view(b, groups, h // groups, s, d).sum(dim=2)
-
-
-def _lr_forward(q, k, v, scale):
-    """Bottom-right causal flash attention, [b, h, l, d] layout; returns (out, lse)."""
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    lq, lk = q.shape[2], k.shape[2]
-    prefix = lk - lq
-    if prefix == 0:
-        return _fa(q, k, v, 0.0, True, scale=scale)
-    oa, la = _fa(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-    ob, lb = _fa(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
-    lse = torch.logaddexp(la, lb)
-    wa = torch.exp(la - lse).unsqueeze(-1)
-    out = torch.mul(oa, wa.to(oa.dtype))
-    del oa, wa
-    wb = torch.exp(lb - lse).unsqueeze(-1)
-    out.addcmul_(ob, wb.to(ob.dtype))
-    return out, lse
-
-
-def _lr_backward(dout, q, k, v, out, lse, scale):
-    groups = k.shape[1]
-    ke, ve = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    lq, lk = q.shape[2], ke.shape[2]
-    prefix = lk - lq
-    if prefix == 0:
-        dq, dk, dv = _fb(dout, q, ke, ve, out, lse, 0.0, True, scale=scale)
-    else:
-        dqa, dka, dva = _fb(dout, q, ke[:, :, :prefix], ve[:, :, :prefix], out, lse, 0.0, False,
-                            scale=scale)
-        dqb, dkb, dvb = _fb(dout, q, ke[:, :, prefix:], ve[:, :, prefix:], out, lse, 0.0, True,
-                            scale=scale)
-        dq = dqa.add_(dqb)
-        dk = torch.cat([dka, dkb], dim=2)
-        dv = torch.cat([dva, dvb], dim=2)
-    return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
-
-
-def _gather_natural(t: torch.Tensor, group) -> torch.Tensor:
-    from megatron_tsp import zigzag
-    from megatron_tsp.comm import all_gather_seq
-
-    return zigzag.unpermute(all_gather_seq(t, group), dist.get_world_size(group), dim=0)
-
-
-class ChunkedCausalAttention(torch.autograd.Function):
-    """Causal attention of query chunks against a prefix of the keys, flash-style.
-
-    q: [sq, b, np, hn]; k, v: [sk, b, ng, hn] in natural order, or, with ``group``, this rank's
-    zigzag slice (all-gathered inside, gradients reduce-scattered). ``chunks``: one
-    ``(q_start, q_len, kv_len)`` per query chunk; chunk queries are the last ``q_len`` positions of
-    keys [0, kv_len). Returns [sq, b, np, hn]. Saves q, k, v (local), out and the fp32 lse.
+    q: [sq, b, np, hn]; k, v: [sk, b, ng, hn], natural order, or with ``group`` this rank's
+    zigzag slice. ``chunks``: the zigzag chunk ids of the local queries ((0,): the whole
+    sequence, plain causal). Saves q, k, v (local), the output and the fp32 log-sum-exps.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, chunks, group):
-        k_nat = _gather_natural(k, group) if group is not None else k
-        v_nat = _gather_natural(v, group) if group is not None else v
-        out = torch.empty_like(q)
-        lses = []
-        for start, length, kv_len in chunks:
-            qc = q[start:start + length].permute(1, 2, 0, 3)
-            kc = k_nat[:kv_len].permute(1, 2, 0, 3)
-            vc = v_nat[:kv_len].permute(1, 2, 0, 3)
-            o, lse = _lr_forward(qc, kc, vc, scale)
-            out[start:start + length].copy_(o.permute(2, 0, 1, 3))
-            lses.append(lse)
-            del o
+        from megatron_tsp.layers import attention as tsp_attention
+        from megatron_tsp.layers import kernels
+
+        kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
+        size = dist.get_world_size(group) if group is not None else 1
+        k_nat, v_nat = (tsp_attention._post_kv_gather(k, v, group, size, slot=0).wait()
+                        if group is not None else (k, v))
+        outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks, scale)
         del k_nat, v_nat
+        out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+        del outs
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.scale, ctx.chunks, ctx.group = scale, chunks, group
+        ctx.scale, ctx.chunks, ctx.group, ctx.kernel = scale, chunks, group, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        from megatron_tsp.layers import attention as tsp_attention
+        from megatron_tsp.layers import kernels
+
         q, k, v, out, *lses = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        k_nat = _gather_natural(k, group) if group is not None else k
-        v_nat = _gather_natural(v, group) if group is not None else v
-        dq = torch.empty_like(q)
-        dk_nat = torch.zeros_like(k_nat)
-        dv_nat = torch.zeros_like(v_nat)
-        for (start, length, kv_len), lse in zip(ctx.chunks, lses):
-            sl = slice(start, start + length)
-            dqc, dkc, dvc = _lr_backward(
-                dout[sl].permute(1, 2, 0, 3), q[sl].permute(1, 2, 0, 3),
-                k_nat[:kv_len].permute(1, 2, 0, 3), v_nat[:kv_len].permute(1, 2, 0, 3),
-                out[sl].permute(1, 2, 0, 3), lse, scale)
-            dq[sl].copy_(dqc.permute(2, 0, 1, 3))
-            dk_nat[:kv_len].add_(dkc.permute(2, 0, 1, 3))
-            dv_nat[:kv_len].add_(dvc.permute(2, 0, 1, 3))
-            del dqc, dkc, dvc
+        group, chunks = ctx.group, ctx.chunks
+        size = dist.get_world_size(group) if group is not None else 1
+        k_nat, v_nat = (tsp_attention._post_kv_gather(k, v, group, size, slot=0).wait()
+                        if group is not None else (k, v))
+        c_len = q.shape[0] // len(chunks)
+        outs = [out.narrow(0, i * c_len, c_len) for i in range(len(chunks))]
+        dq, dkv = kernels.zigzag_backward(ctx.kernel, dout.contiguous(), q, k_nat, v_nat, chunks,
+                                          ctx.scale, outs, lses)
         del k_nat, v_nat
         if group is not None:
-            from megatron_tsp import zigzag
-            from megatron_tsp.comm import reduce_scatter_seq
-
-            size = dist.get_world_size(group)
-            dk = reduce_scatter_seq(zigzag.permute(dk_nat, size, dim=0), group)
-            dv = reduce_scatter_seq(zigzag.permute(dv_nat, size, dim=0), group)
+            dkv = tsp_attention._post_kv_grad_scatter(dkv, q.dtype, group, size, slot=0).wait()
         else:
-            dk, dv = dk_nat, dv_nat
-        return dq, dk, dv, None, None, None
-
-
-def zigzag_chunks(local_len: int, size: int, rank: int) -> List[Tuple[int, int, int]]:
-    """(q_start, q_len, kv_len) of the two zigzag chunks of ``rank`` in a group of ``size``."""
-    c = local_len // 2
-    first, second = rank, 2 * size - 1 - rank
-    return [(0, c, (first + 1) * c), (c, c, (second + 1) * c)]
-
-
-def chunked_zigzag_causal_attention(q, k_nat, v_nat, chunks: Sequence[int], layout,
-                                    dropout_p: float = 0.0) -> torch.Tensor:
-    """Flash-equivalent drop-in for ``megatron_tsp.layers.attention.zigzag_causal_attention``."""
-    if dropout_p:
-        raise ValueError("the measurement stand-in supports attention_dropout=0 only")
-    c_len = q.shape[0] // len(chunks)
-    spec = [(i * c_len, c_len, (c + 1) * c_len) for i, c in enumerate(chunks)]
-    out = ChunkedCausalAttention.apply(q, k_nat, v_nat, layout.softmax_scale, spec, None)
-    return out.view(q.shape[0], q.shape[1], -1)
+            dkv = dkv.to(q.dtype)
+        groups = k.shape[2]
+        return dq, dkv.narrow(2, 0, groups), dkv.narrow(2, groups, groups), None, None, None
 
 
 try:
@@ -351,13 +260,15 @@ class FlashCoreAttention(_Base):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        from megatron_tsp import zigzag
+
         sq, b = query.shape[0], query.shape[1]
         if self.cp_group is None:  # TP / TP+SP: the whole sequence, square causal
-            chunks, group = [(0, sq, sq)], None
+            chunks, group = (0,), None
         else:
             size, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-            chunks, group = zigzag_chunks(sq, size, rank), self.cp_group
-        out = ChunkedCausalAttention.apply(query, key, value, self.scale, chunks, group)
+            chunks, group = zigzag.chunk_ids(size, rank), self.cp_group
+        out = BaselineCoreAttention.apply(query, key, value, self.scale, chunks, group)
         return out.view(sq, b, -1)
 
 
@@ -459,22 +370,6 @@ def _build_model(cfg: RunConfig, config):
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
     )
-
-
-@contextlib.contextmanager
-def _tsp_attention_standin(enabled: bool):
-    """Swap the TSP layer's SDPA+causal_lower_right call for the flash-equivalent kernel."""
-    if not enabled:
-        yield
-        return
-    import megatron_tsp.layers.attention as tsp_attn
-
-    saved = tsp_attn.zigzag_causal_attention
-    tsp_attn.zigzag_causal_attention = chunked_zigzag_causal_attention
-    try:
-        yield
-    finally:
-        tsp_attn.zigzag_causal_attention = saved
 
 
 @contextlib.contextmanager
@@ -753,7 +648,10 @@ def run_step(cfg: RunConfig) -> RunResult:
 
     from megatron_tsp.cpu_support import enable_cpu_support
 
+    from megatron_tsp.comm import WORKSPACE
+
     t0 = time.time()
+    WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
     enable_cpu_support()
     _ensure_fake_world(cfg.world_size)
     _init_parallel(cfg)
@@ -810,7 +708,7 @@ def run_step(cfg: RunConfig) -> RunResult:
             flop_counter = (flops_count.make_flop_counter() if cfg.count_flops
                             else contextlib.nullcontext())
             mem_tracker = tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()
-            with _tsp_attention_standin(cfg.scheme == "tsp"), _no_rng_fork(cfg.fake), \
+            with _no_rng_fork(cfg.fake), \
                     _uncoalesced_grad_sync(), _cpu_cp_rope(), \
                     _comm_counter(cfg.count_comm) as comm, \
                     mem_tracker, flop_counter:
@@ -860,6 +758,7 @@ def run_step(cfg: RunConfig) -> RunResult:
             if not cfg.track_real:
                 result.peak_bytes = result.real_peak_bytes
     result.wall_s = time.time() - t0
+    WORKSPACE.clear()
     del ddp, model, optimizer, tracker
     gc.collect()
     return result
