@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 aten = torch.ops.aten
 
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+MATMUL_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm")
 ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -51,7 +51,14 @@ def _flash_cpu_bwd(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=N
     return 2 * b * h * pairs * (d + dv + dv + d + d)
 
 
-CUSTOM_FLOP_FORMULAS = {ATTENTION_FWD: _flash_cpu_fwd, ATTENTION_BWD: _flash_cpu_bwd}
+def _addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``acc.addmm_(a, b)`` (accumulating GEMMs, ``layers/precision.matmul_acc``): torch's
+    counter registers only the out-of-place ``addmm``."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+CUSTOM_FLOP_FORMULAS = {ATTENTION_FWD: _flash_cpu_fwd, ATTENTION_BWD: _flash_cpu_bwd,
+                        aten.addmm_: _addmm_inplace}
 
 
 class _GlobalOnly:
