@@ -324,13 +324,16 @@ def kernel_choice(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool,
                   dropout_p: float = 0.0, transformer_impl: str = "local",
                   override: Optional[str] = None) -> AttentionKernel:
-    """Build the kernel for a layer (called once, at construction)."""
+    """Build the kernel for a layer (called once, at construction). A model built on the meta
+    device (Megatron's lazy init, the dry run) is bound for the GPU: it gets the CUDA choice
+    (without cuDNN, whose selection needs the device's compute capability)."""
     device = torch.device(device)
+    device_type = "cuda" if device.type == "meta" else device.type
     capability = None
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
     te = _te_available() if transformer_impl == "transformer_engine" else False
-    name = kernel_choice(device.type, dtype, head_dim, gqa, dropout_p, capability,
+    name = kernel_choice(device_type, dtype, head_dim, gqa, dropout_p, capability,
                          transformer_impl, te, override or os.environ.get(ENV_OVERRIDE) or None)
     if name == "te_fused":
         try:

@@ -251,6 +251,9 @@ def _layer_classes(models) -> List[str]:
             mod = getattr(layer, sub, None)
             if mod is not None:
                 names.append(f"{sub}={type(mod).__module__}.{type(mod).__name__}")
+            if getattr(mod, "attention_kernel_name", None):  # TSP attention: backend and mode
+                names.append(f"attention_kernel={mod.attention_kernel_name} "
+                             f"(attention_backward={mod.tsp_layout.backward})")
         final = getattr(decoder, "final_layernorm", None)
         if final is not None:
             names.append(f"final_layernorm={type(final).__module__}.{type(final).__name__}")
