@@ -231,7 +231,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         hidden = x.shape[-1]
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
-        stream = _ShardStream(_pack_own(qkv_w, qkv_b, proj_w), group, hold=2)
+        own = _pack_own(qkv_w, qkv_b, proj_w)
         out_acc = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
         saved = []
 
@@ -242,6 +242,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             return mixed, q, pw, _post_kv_gather(k, v, group, size, slot=r % 2)
 
         with comm_scope("tsp_attention"):
+            stream = _ShardStream(own, group, hold=2)
             current = prepare(0)
             for r in range(size):
                 upcoming = prepare(r + 1) if r + 1 < size else None
@@ -307,7 +308,6 @@ def _backward(ctx, grad_out):
     per_group = _save_layout(n_chunks)
     saved_mode = bool(flat)
     own = _pack_own(qkv_w, qkv_b, proj_w)
-    stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
     reducer = _OwnerReduce(group)
     grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     tokens_x = x.reshape(-1, hidden)
@@ -358,6 +358,7 @@ def _backward(ctx, grad_out):
     rng_ctx = (_replay_rng(ctx.rng, x.device) if ctx.rng is not None
                else contextlib.nullcontext())
     with comm_scope("tsp_attention"), rng_ctx:
+        stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
         current, finishing = prepare(0), None
         for r in range(size):
             partial = FlatShard(own.shapes, acc_dtype, x.device).zero_()
