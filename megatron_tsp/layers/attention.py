@@ -145,7 +145,8 @@ def _post_kv_gather(k, v, group, size: int, slot: int) -> Pending:
     torch.cat([k, v], dim=2, out=packed)
 
     def natural(gathered):
-        kv = WORKSPACE.get("kv_natural", slot, gathered.shape, gathered.dtype, gathered.device)
+        # one slot: group r+1's K/V is reordered only after group r's attention is done with it
+        kv = WORKSPACE.get("kv_natural", 0, gathered.shape, gathered.dtype, gathered.device)
         zigzag.unpermute_into(gathered, size, 0, kv)
         return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
 
