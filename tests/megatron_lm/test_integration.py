@@ -108,6 +108,9 @@ def test_dry_run_end_to_end(name):
     assert "TSP groups        : [0, 1, 2, 3, 4, 5, 6, 7]  [8, 9, 10, 11, 12, 13, 14, 15]" in out
     assert "rank 9            : tp_rank=1 pp_rank=0 dp_rank=1" in out
     assert "TSPSelfAttention" in out and "TSPMLP" in out
+    # the attention backend the layers chose for the GPU they will run on, and their mode
+    assert re.search(r"attention_kernel=\w+ \(attention_backward=(saved|recompute)\)", out), \
+        out[-2000:]
     want_norm = cfg["model"]["normalization"]
     assert re.search(rf"final_layernorm=\S+\.{want_norm}\b", out), out[-2000:]
     padded = int(re.search(r"padded vocab\s+: (\d+)", out).group(1))
