@@ -203,9 +203,10 @@ def test_cli_validate(capsys):
 def test_full_scale_7b_128k_d8():
     """One rank of 7B / S=128k / D=8, bf16, no activation recompute (~2.5 min).
 
-    TSP with the attention recomputed in backward keeps only layer inputs and lands within 10% of
-    the paper's 38.8 GB (we measure 37.2); the default saved-attention TSP (58.7 GB) still needs
-    far less than Megatron TP=8 + SP (101.4 GB)."""
+    TSP with the attention recomputed in backward keeps only layer inputs and stays at or below
+    the paper's 38.8 GB (we measure 38.1); the default saved-attention TSP (55.3 GB, issue 12:
+    below the 58.7 GB it measured before the output was saved once) needs far less than Megatron
+    TP=8 + SP (101.4 GB)."""
     full = dict(model=PRESETS["7b"], world_size=8, tp=8, seq=131072, count_flops=False,
                 count_comm=False)
     tsp = run_step(RunConfig(scheme="tsp", **full))
@@ -216,6 +217,7 @@ def test_full_scale_7b_128k_d8():
     assert abs(tsp.static_bytes["Optstate"] - 12 * n) <= 64
     tpsp = run_step(RunConfig(scheme="tpsp", **full))
     assert 45e9 < tsp.peak_bytes < 0.7 * tpsp.peak_bytes, (tsp.peak_bytes, tpsp.peak_bytes)
+    assert tsp.peak_bytes < 58.7e9, tsp.peak_bytes
     lean = run_step(RunConfig(scheme="tsp", tsp_attention_backward="recompute", **full))
-    assert lean.peak_bytes == pytest.approx(38.8e9, rel=0.10)
+    assert 0.9 * 38.8e9 <= lean.peak_bytes <= 38.8e9, lean.peak_bytes
     assert lean.peak_bytes < tsp.peak_bytes
