@@ -258,8 +258,8 @@ def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step
 
     setup_tsp(d)
     group, size, rank = group_info()
-    config = make_config(d, torch.float64, hidden_size=32, num_attention_heads=4,
-                         num_query_groups=2, add_bias_linear=True, attention_dropout=dropout)
+    config = make_config(d, torch.float64, hidden_size=32, num_attention_heads=8,
+                         num_query_groups=4, add_bias_linear=True, attention_dropout=dropout)
     layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal,
                          attention_backward=attention_backward)
     layer.train()
@@ -320,7 +320,7 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
     In ``train()`` the same layer differs from it (so dropout is really configured)."""
     setup_tsp(d)
     group, size, rank = group_info()
-    heads, groups, hidden, seq, batch = 4, 2, 32, 16, 2
+    heads, groups, hidden, seq, batch = 8, 4, 32, 16, 2
     config = make_config(d, torch.float64, hidden_size=hidden, num_attention_heads=heads,
                          num_query_groups=groups, add_bias_linear=True, attention_dropout=dropout)
     layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal)
