@@ -327,3 +327,30 @@ def stock_mlp(config):
         raise ValueError("stock_mlp is the TP=1 reference: build its config with make_config(1, ..)")
     return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                      linear_fc2=RowParallelLinear), tp_group=single_rank_group())
+
+
+def expected_zigzag_batch(batch: dict, group_size: int) -> dict:
+    """The TSP-permuted batch, built from the chunk definition alone (independent of
+    ``megatron_tsp.zigzag``): the sequence is cut into 2D chunks of S/(2D) tokens and rank r
+    holds chunks r and 2D-1-r, so the permuted sequence is chunks ``0, 2D-1, 1, 2D-2, ...``.
+    ``[b, s]`` tensors are reordered along s, the ``[b, 1, s, s]`` attention mask along both
+    sequence axes; anything else (None, scalars) is passed through."""
+    d = group_size
+    out = {}
+    for key, value in batch.items():
+        if not torch.is_tensor(value) or value.dim() < 2 or d == 1:
+            out[key] = value
+            continue
+        seq = value.shape[-1] if key == "attention_mask" else value.shape[1]
+        if seq % (2 * d):
+            raise ValueError(f"{key}: {seq} tokens cannot form {2 * d} chunks")
+        chunk = seq // (2 * d)
+        order = []
+        for rank in range(d):
+            order += [rank, 2 * d - 1 - rank]
+        positions = [c * chunk + i for c in order for i in range(chunk)]
+        if key == "attention_mask":
+            out[key] = value[..., positions, :][..., positions]
+        else:
+            out[key] = value[:, positions]
+    return out
