@@ -171,22 +171,6 @@ def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str 
     return errors
 
 
-def assert_all_close(results, *, rtol: float, what: str = "") -> None:
-    """Per-rank dicts of relative errors (what the rank checks return): every value finite and
-    <= rtol; names the rank and entry of the worst. NaN fails (unlike ``max``)."""
-    worst = None
-    for rank, errors in enumerate(results):
-        if not errors:
-            raise AssertionError(f"{what}: rank {rank} compared nothing")
-        for key, value in errors.items():
-            bad = not (value == value) or value > rtol
-            if bad and (worst is None or not value <= worst[0]):
-                worst = (value, rank, key)
-    if worst is not None:
-        raise AssertionError(f"{what}: rank {worst[1]} {worst[2]}: relative error {worst[0]:.3e} "
-                             f"> rtol {rtol:.1e}")
-
-
 def group_info():
     group = tsp_state.get_tensor_sequence_parallel_group()
     return group, dist.get_world_size(group), dist.get_rank(group)

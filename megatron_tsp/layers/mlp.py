@@ -45,7 +45,9 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
     * otherwise the exact ``activation_func`` (gated: Megatron's GLU with its clamp and offset).
 
     Megatron's fused kernels take the bias separately and add it first; here it is already in the
-    input, so the fused GeLU gets a zero bias (``0 + x`` is exact) and the gated ones none.
+    input, so the fused GeLU gets a zero bias (``0 + x`` is exact) and the gated ones none. Like
+    Megatron's, the fused GeGLU / SwiGLU ignore ``activation_func_clamp_value`` and
+    ``glu_linear_offset`` (TransformerConfig refuses a non-zero offset with fusion).
     """
     act = config.activation_func
     if getattr(config, "use_te_activation_func", False):
@@ -94,6 +96,8 @@ def _fused_activation(config, act) -> Callable[[torch.Tensor], torch.Tensor]:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
         fp8_store = bool(getattr(config, "activation_func_fp8_input_store", False))
+        # The last argument only tags the saved input for Transformer Engine's activation
+        # offloading (Megatron passes it with TE CPU offloading); it changes no value.
         return lambda x: bias_swiglu_impl(x, None, fp8_store, False)
     raise ValueError(
         f"activation_func={_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
