@@ -131,7 +131,7 @@ def check_tsp_mlp_config(config) -> None:
     if config.ffn_hidden_size % d != 0:
         raise ValueError(
             f"--ffn-hidden-size={config.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size={d}: the TSP MLP ring circulates D shards of the "
+            f"--tensor-model-parallel-size={d}: {TSP_MLP_FLAG} circulates D shards of the "
             "MLP's intermediate dimension"
         )
     if getattr(config, "num_moe_experts", None):

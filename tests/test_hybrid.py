@@ -107,3 +107,23 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
         expected += p2p + mm + p2p
     expected += mm + p2p
     assert bwd == expected, bwd
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (dict(tensor_model_parallel_size=2, sequence_parallel=False), "--sequence-parallel"),
+    (dict(ffn_hidden_size=66), "--ffn-hidden-size=66"),
+    (dict(num_moe_experts=4), "--num-experts=4"),
+    (dict(qk_layernorm=True), "--qk-layernorm"),
+])
+def test_check_tsp_mlp_config_names_the_flag(overrides, named):
+    import torch
+
+    from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec
+    from tests.common import make_config
+
+    config = make_config(4, torch.float32)
+    for key, value in overrides.items():  # set after construction: Megatron's own checks differ
+        setattr(config, key, value)
+    with pytest.raises(ValueError) as err:
+        get_gpt_block_tsp_mlp_spec(config)
+    assert named in str(err.value) and "--tsp-mlp" in str(err.value)
