@@ -172,6 +172,32 @@ def unsupported_combinations(args) -> List[str]:
         if value:
             shown = _flag(dest) if value is True else f"{_flag(dest)}={value}"
             problems.append(f"{shown} cannot be combined with {TSP_FLAG}={d}: {why}")
+    for dest, why in (
+        # These wrap or capture the model around module calls; TSP layers read their weights
+        # without calling linear_qkv / linear_proj / linear_fc1 / linear_fc2 (see
+        # megatron_tsp.layers.module_hooks), so the wrappers' per-module logic would not run.
+        ("use_megatron_fsdp", "Megatron-FSDP gathers each module's weights in hooks around its "
+         "call; TSP layers read the weights of linear_qkv/linear_proj/linear_fc1/linear_fc2 "
+         "without calling them (use --use-distributed-optimizer, which TSP supports, with "
+         "--overlap-param-gather)"),
+        ("use_torch_fsdp2", "FSDP2 unshards parameters in hooks around each module's call; "
+         "TSP layers read their submodules' weights without calling them (use "
+         "--use-distributed-optimizer)"),
+        ("enable_cuda_graph", "CUDA graphs capture module calls and replay them with static "
+         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
+        ("external_cuda_graph", "CUDA graphs capture module calls and replay them with static "
+         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
+    ):
+        value = getattr(args, dest, None)
+        if value:
+            problems.append(f"{_flag(dest)} cannot be combined with {TSP_FLAG}={d}: {why}")
+    graph_impl = getattr(args, "cuda_graph_impl", None)
+    if graph_impl not in (None, "none"):
+        problems.append(
+            f"--cuda-graph-impl={graph_impl} cannot be combined with {TSP_FLAG}={d}: CUDA graphs "
+            "capture module calls and replay them with static buffers; TSP's ring and broadcast "
+            "schedule is not graph-captured"
+        )
     backend = getattr(args, "attention_backend", None)
     if backend is not None and _enum_name(backend) not in ALLOWED_ATTENTION_BACKENDS:
         problems.append(
