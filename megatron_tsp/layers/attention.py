@@ -37,6 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import zigzag
+from megatron_tsp.batch_guard import check_attention_input
 from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
                                reduce_to, wait_all, weight_bias_views)
@@ -410,6 +411,7 @@ class TSPSelfAttention(SelfAttention):
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
                 **kwargs):
+        check_attention_input()  # refuses micro-batches that bypassed the zigzag batch hook
         if key_value_states is not None:
             raise ValueError("TSP attention is self-attention only")
         if inference_context is not None or inference_params is not None:

@@ -6,7 +6,9 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 
 * ``tensor_model_parallel_size = D`` (so data-parallel size = world / (D * PP) as for TP=D);
 * ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
-* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec.
+* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec;
+* ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
+  TSP attention never reads the S x S mask.
 
 Every combination TSP does not support is rejected here with a ``TSPArgumentError`` (a
 ``ValueError``) that names the flags and the numbers.
@@ -239,6 +241,11 @@ def translate_args(args) -> None:
         args.tsp_replaced_spec = list(user_spec)
     args.tensor_model_parallel_size = d
     args.sequence_parallel = d > 1
+    # TSP attention is causal by construction and never reads an attention mask: do not let
+    # Megatron build an S x S mask per sample (69 GB at 128k), broadcast it and hand it around.
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
+        args.tsp_disabled_dataloader_mask = True
     args.spec = [SPEC_MODULE, SPEC_ATTR]
 
 
