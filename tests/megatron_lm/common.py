@@ -25,6 +25,8 @@ MEGATRON_DEFAULTS = dict(
     num_attention_heads=None, hidden_size=None, ffn_hidden_size=None, seq_length=None,
     padded_vocab_size=None, world_size=1, use_megatron_fsdp=False, use_torch_fsdp2=False,
     enable_cuda_graph=False, external_cuda_graph=False, cuda_graph_impl="none",
+    num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+    pipeline_model_parallel_layout=None,
 )
 
 
@@ -47,6 +49,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         elif dest == "spec":
             parser.add_argument(flag, nargs="*", default=None)
         elif dest in ("transformer_impl", "fp8", "fp4", "yaml_cfg", "cuda_graph_impl",
+                      "pipeline_model_parallel_layout",
                       "heterogeneous_layers_config_path", "experimental_attention_variant"):
             parser.add_argument(flag, default=default)
         elif dest == "hierarchical_context_parallel_sizes":

@@ -98,6 +98,9 @@ UNSUPPORTED = [
     (["--enable-cuda-graph"], "--enable-cuda-graph"),
     (["--external-cuda-graph"], "--external-cuda-graph"),
     (["--cuda-graph-impl", "local"], "--cuda-graph-impl=local"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage=1"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank=2"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout=Et|tL"),
     (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl=transformer_engine"),
 ]
 
