@@ -6,7 +6,9 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 
 * ``tensor_model_parallel_size = D`` (so data-parallel size = world / (D * PP) as for TP=D);
 * ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
-* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec.
+* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec;
+* ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
+  TSP attention never reads the S x S mask.
 
 Every combination TSP does not support is rejected here with a ``TSPArgumentError`` (a
 ``ValueError``) that names the flags and the numbers.
@@ -191,6 +193,45 @@ def unsupported_combinations(args) -> List[str]:
         if value:
             shown = _flag(dest) if value is True else f"{_flag(dest)}={value}"
             problems.append(f"{shown} cannot be combined with {TSP_FLAG}={d}: {why}")
+    for dest, why in (
+        # These wrap or capture the model around module calls; TSP layers read their weights
+        # without calling linear_qkv / linear_proj / linear_fc1 / linear_fc2 (see
+        # megatron_tsp.layers.module_hooks), so the wrappers' per-module logic would not run.
+        ("use_megatron_fsdp", "Megatron-FSDP gathers each module's weights in hooks around its "
+         "call; TSP layers read the weights of linear_qkv/linear_proj/linear_fc1/linear_fc2 "
+         "without calling them (use --use-distributed-optimizer, which TSP supports, with "
+         "--overlap-param-gather)"),
+        ("use_torch_fsdp2", "FSDP2 unshards parameters in hooks around each module's call; "
+         "TSP layers read their submodules' weights without calling them (use "
+         "--use-distributed-optimizer)"),
+        ("enable_cuda_graph", "CUDA graphs capture module calls and replay them with static "
+         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
+        ("external_cuda_graph", "CUDA graphs capture module calls and replay them with static "
+         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
+    ):
+        value = getattr(args, dest, None)
+        if value:
+            problems.append(f"{_flag(dest)} cannot be combined with {TSP_FLAG}={d}: {why}")
+    interleaved_why = (
+        "interleaved (virtual) pipeline stages are not supported with TSP yet: the real "
+        "training loop on CPU gives losses that differ from TP's from iteration 1 (plain "
+        "--pipeline-model-parallel-size works and is tested)"
+    )
+    for dest in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "pipeline_model_parallel_layout"):
+        value = getattr(args, dest, None)
+        if value:
+            problems.append(f"{_flag(dest)}={value} cannot be combined with {TSP_FLAG}={d}: "
+                            + (interleaved_why if dest != "pipeline_model_parallel_layout" else
+                               "a layout can define virtual (interleaved) stages; "
+                               + interleaved_why))
+    graph_impl = getattr(args, "cuda_graph_impl", None)
+    if graph_impl not in (None, "none"):
+        problems.append(
+            f"--cuda-graph-impl={graph_impl} cannot be combined with {TSP_FLAG}={d}: CUDA graphs "
+            "capture module calls and replay them with static buffers; TSP's ring and broadcast "
+            "schedule is not graph-captured"
+        )
     backend = getattr(args, "attention_backend", None)
     if backend is not None and _enum_name(backend) not in ALLOWED_ATTENTION_BACKENDS:
         problems.append(
@@ -236,6 +277,11 @@ def translate_args(args) -> None:
         args.tsp_replaced_spec = list(user_spec)
     args.tensor_model_parallel_size = d
     args.sequence_parallel = d > 1
+    # TSP attention is causal by construction and never reads an attention mask: do not let
+    # Megatron build an S x S mask per sample (69 GB at 128k), broadcast it and hand it around.
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
+        args.tsp_disabled_dataloader_mask = True
     args.spec = [SPEC_MODULE, SPEC_ATTR]
 
 
@@ -364,6 +410,12 @@ def _check_validated_args(args, d: int) -> None:
         raise TSPArgumentError(
             f"Megatron changed --tensor-model-parallel-size to {args.tensor_model_parallel_size} "
             f"during validation; TSP needs it equal to {TSP_FLAG}={d}"
+        )
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if virtual not in (None, 1):
+        raise TSPArgumentError(
+            f"virtual_pipeline_model_parallel_size={virtual} (interleaved pipeline stages) cannot "
+            f"be combined with {TSP_FLAG}={d}: not supported with TSP yet"
         )
     if d > 1 and not args.sequence_parallel:
         raise TSPArgumentError(
