@@ -329,6 +329,23 @@ TSP_MLP_REJECTIONS = (
      "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated"),
     ("fp8", _truthy, "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module"),
     ("fp4", _truthy, "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module"),
+    # The TSP MLP reads linear_fc1 / linear_fc2's weights without calling those modules (see
+    # megatron_tsp.layers.module_hooks): wrappers acting in hooks around module calls miss them.
+    ("use_megatron_fsdp", _truthy,
+     "Megatron-FSDP gathers each module's weights in hooks around its call; the TSP MLP reads "
+     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
+    ("use_torch_fsdp2", _truthy,
+     "FSDP2 unshards parameters in hooks around each module's call; the TSP MLP reads "
+     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
+    ("enable_cuda_graph", _truthy,
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
+    ("external_cuda_graph", _truthy,
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
+    ("cuda_graph_impl", lambda v: v not in (None, "none"),
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
     ("attention_backend", lambda v: v is not None and _enum_name(v) not in ("auto", "local"),
      "the hybrid builds Megatron's local attention, so another backend would be silently "
      "ignored; drop the flag (auto) or use local"),

@@ -74,6 +74,11 @@ REFUSED = [
     (["--fp4", "nvfp4"], "--fp4=nvfp4"),
     (["--attention-backend", "flash"], "--attention-backend=flash"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl=inference_optimized"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2"),
+    (["--enable-cuda-graph"], "--enable-cuda-graph"),
+    (["--external-cuda-graph"], "--external-cuda-graph"),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl=local"),
 ]
 
 
