@@ -46,14 +46,16 @@ def test_hybrid_with_megatron_default_fusions_fp64(pool4, seed, d, style):
 def test_hybrid_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
     """bf16 hybrid and bf16 TP=4+SP from the same (bf16-rounded) weights vs the fp64
     single-process model. The hybrid sums its D MLP partials on each rank where TP+SP sums them
-    in the reduce-scatter; its median gradient error and loss error may not be worse than
-    TP+SP's beyond bf16 noise (25 %)."""
+    in the reduce-scatter; its median gradient error may not be worse than TP+SP's beyond the
+    noise seen over seeds (ratios 0.93-1.07: 25 % margin), its loss error not beyond bf16 noise."""
     r = pool4.run(checks_hybrid.check_bf16_accuracy, 4, seed, style)[0]
     print(f"bf16 vs fp64 reference ({style}, D=4): " + "; ".join(
         f"{k}: loss {v['loss']:.2e}, grad median {v['grad_median']:.2e}, max {v['grad_max']:.2e}"
         for k, v in r.items()))
     assert r["hybrid"]["grad_median"] <= 1.25 * r["tp_sp"]["grad_median"], r
-    assert r["hybrid"]["loss"] <= max(1.25 * r["tp_sp"]["loss"], 1e-3), r
+    # Megatron's fp32 cross-entropy averages the bf16 logits' rounding: both loss errors are
+    # ~1e-5 and their ratio is noise; an MLP error of bf16 size would show as >= 1e-3.
+    assert r["hybrid"]["loss"] <= max(1.25 * r["tp_sp"]["loss"], 1e-4), r
 
 
 def _mlp_bytes(d, ffn, gated, bias, dtype_bytes=4, hidden=32):
