@@ -5,6 +5,10 @@
 would use its default final norm, which rejects sequence-parallel configs without apex/TE).
 Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
 ``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
+
+``get_gpt_layer_tsp_mlp_spec`` / ``get_gpt_block_tsp_mlp_spec`` are the hybrid for a TP+SP run
+(Megatron-LM ``--tsp-mlp``): Megatron's local layer spec with only the MLP replaced by the TSP
+MLP ring; no zigzag, no batch permutation.
 """
 
 from __future__ import annotations
