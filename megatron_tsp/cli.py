@@ -11,6 +11,7 @@ COMMANDS = {
     "plan": ("megatron_tsp.estimator.planner", "analytic memory / comm / throughput planner"),
     "memory": ("megatron_tsp.estimator.memory", "measured peak memory of one rank (fake tensors)"),
     "bench": ("megatron_tsp.bench", "benchmark TSP vs TP+SP layers"),
+    "generate": ("megatron_tsp.inference.cli", "TSP prefill + Megatron TP decode (generation)"),
 }
 
 USAGE = "usage: megatron-tsp {" + ",".join(COMMANDS) + "} [options]\n\n" + "\n".join(
