@@ -100,6 +100,16 @@ def _check_materialised(model) -> None:
                 raise ValueError(f"decode model tensor {mod_name}.{attr} is on the meta device")
 
 
+def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> torch.Tensor:
+    """One TSP prefill pass of the TSP ``GPTModel`` over ``ids`` [b, S] (natural order, S a
+    multiple of 2D) at cache offset ``context.sequence_len_offset``; returns this rank's final-norm
+    hidden states of its zigzag chunks, ``[S/D, b, h]``. The layers' KV caches are filled."""
+    local = model.embedding(input_ids=zigzag.permute(ids, size, dim=1),
+                            position_ids=zigzag.permute(positions, size, dim=1))
+    return model.decoder(hidden_states=local, attention_mask=None, inference_context=context,
+                         rotary_pos_emb=rotary_table)
+
+
 class TSPInferenceEngine:
     """Generate from a TSP-built ``GPTModel`` (see module docstring).
 
@@ -249,10 +259,7 @@ class TSPInferenceEngine:
             ids = tokens[:, start:start + padded]
             positions = self._positions(start, padded, batch)
             context.sequence_len_offset = start
-            local = model.embedding(input_ids=zigzag.permute(ids, size, dim=1),
-                                    position_ids=zigzag.permute(positions, size, dim=1))
-            local = model.decoder(hidden_states=local, attention_mask=None,
-                                  inference_context=context, rotary_pos_emb=table)
+            local = prefill_slice(model, ids, positions, context, table, size)
             if start + chunk >= length:
                 hidden = self._token_hidden(local, real - 1, padded)
         return self._full_logits(hidden)
