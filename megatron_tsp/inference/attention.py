@@ -163,7 +163,7 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
             k_all = _rope(kv[:, :, :groups], freqs_k, layout.config)
             v_all = kv[:, :, groups:]
             del kv
-            ctx_r = _chunk_attention(q, k_all, v_all, chunks, chunk_len, offset, layout)
+            ctx_r = chunk_attention(q, k_all, v_all, chunks, chunk_len, offset, layout)
             del k_all, v_all
             contrib = torch.matmul(ctx_r, proj_w.t())
             out = contrib if out is None else out.add_(contrib)
@@ -204,9 +204,10 @@ def _cached_prefix(key_mem, val_mem, offset, b0, batch, owner, group, rank):
     return prefix
 
 
-def _chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
+def chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
     """Local chunk c's queries (natural positions offset + [cC, (c+1)C)) against keys
-    [0, offset + (c+1)C), bottom-right causal. Returns ``[2C, b, np * hn]``."""
+    [0, offset + (c+1)C), bottom-right causal. Returns ``[2C, b, np * hn]``. (A module attribute:
+    the prefill memory tool swaps in a flash-equivalent kernel, as the training tool does.)"""
     outs = []
     for i, c in enumerate(chunks):
         q_c = q[i * chunk_len:(i + 1) * chunk_len].permute(1, 2, 0, 3)
