@@ -38,7 +38,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import zigzag
-from megatron_tsp.comm import FlatShard, all_gather_seq, broadcast_from, weight_bias_views
+from megatron_tsp.comm import FlatShard, broadcast_from, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 
 try:  # megatron-core >= 0.14
@@ -153,18 +153,16 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
             mixed = mixed.view(local_len, batch, groups, -1)
             q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
             q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
-            kv = zigzag.unpermute(all_gather_seq(torch.cat([k, v], dim=2), group), size, dim=0)
+            kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, size, chunk_len)
             if offset > 0:
-                kv = torch.cat([_cached_prefix(key_mem, val_mem, offset, b0, batch, r, group,
-                                               rank), kv], dim=0)
+                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r, group, rank)
             if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
                 key_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, groups:]
-            k_all = _rope(kv[:, :, :groups], freqs_k, layout.config)
+            k_all = _rope_blocks(kv[:, :, :groups], freqs_k, layout.config)
             v_all = kv[:, :, groups:]
-            del kv
             ctx_r = chunk_attention(q, k_all, v_all, chunks, chunk_len, offset, layout)
-            del k_all, v_all
+            del k_all, v_all, kv
             contrib = torch.matmul(ctx_r, proj_w.t())
             out = contrib if out is None else out.add_(contrib)
     return out, module.linear_proj.bias
@@ -190,18 +188,51 @@ def _broadcast_shards(own: FlatShard, group, size: int, rank: int):
         pending = nxt
 
 
-def _cached_prefix(key_mem, val_mem, offset, b0, batch, owner, group, rank):
-    """Head group ``owner``'s cached K/V rows [0, offset) (before RoPE), broadcast by its owner:
-    ``[offset, b, 2 ng/D, hn]``."""
+def _natural_kv(local_kv, offset: int, group, size: int, chunk_len: int) -> torch.Tensor:
+    """``[offset + S, b, 2 ng/D, hn]`` buffer whose rows [offset, offset + S) receive every rank's
+    local K/V in natural order: two all-gathers (first chunks, second chunks) straight into the
+    natural-order row blocks, so no permuted copy of the full-sequence K/V is ever made. Rows
+    [0, offset) are left for the cached prefix."""
+    seq = 2 * chunk_len * size
+    kv = torch.empty((offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype,
+                     device=local_kv.device)
+    new = kv[offset:]
+    if size == 1:
+        new.copy_(local_kv)
+        return kv
+    firsts = [new[r * chunk_len:(r + 1) * chunk_len] for r in range(size)]
+    seconds = [new[(2 * size - 1 - r) * chunk_len:(2 * size - r) * chunk_len] for r in range(size)]
+    dist.all_gather(firsts, local_kv[:chunk_len].contiguous(), group=group)
+    dist.all_gather(seconds, local_kv[chunk_len:].contiguous(), group=group)
+    return kv
+
+
+def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, group, rank) -> None:
+    """Rows [0, offset) of ``kv``: head group ``owner``'s cached K/V (before RoPE), broadcast by
+    its owner."""
+    prefix = kv[:offset]
+    groups = key_mem.shape[2]
+    batch = kv.shape[1]
     if rank == owner:
-        prefix = torch.cat([key_mem[:offset, b0:b0 + batch], val_mem[:offset, b0:b0 + batch]],
-                           dim=2).contiguous()
-    else:
-        shape = (offset, batch, key_mem.shape[2] + val_mem.shape[2], key_mem.shape[3])
-        prefix = torch.empty(shape, dtype=key_mem.dtype, device=key_mem.device)
+        prefix[:, :, :groups] = key_mem[:offset, b0:b0 + batch]
+        prefix[:, :, groups:] = val_mem[:offset, b0:b0 + batch]
     if dist.get_world_size(group) > 1:
         broadcast_from(prefix, owner, group, async_op=False)
-    return prefix
+
+
+ROPE_BLOCK = 65536  # rows of K rotated at a time: bounds RoPE's temporaries at long prompts
+
+
+def _rope_blocks(k, freqs, config) -> torch.Tensor:
+    """RoPE of ``k`` [L, b, g, hn] (positions 0..L-1), computed block by block into one output
+    (RoPE is per position, so blocks give the same numbers)."""
+    if freqs is None:
+        return k
+    out = torch.empty_like(k)
+    for start in range(0, k.shape[0], ROPE_BLOCK):
+        end = min(start + ROPE_BLOCK, k.shape[0])
+        out[start:end] = _rope(k[start:end], freqs[start:end], config)
+    return out
 
 
 def chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):

@@ -100,12 +100,47 @@ def _check_materialised(model) -> None:
                 raise ValueError(f"decode model tensor {mod_name}.{attr} is on the meta device")
 
 
+def local_embedding(model, ids, positions) -> torch.Tensor:
+    """This rank's zigzag tokens' embeddings ``[S/D, b, h]`` (``ids``/``positions`` [b, S] in
+    permuted order), as Megatron's sequence-parallel embedding computes them, but without its
+    full-sequence ``[S, b, h]`` partial sums: for each owner r, every rank looks up rank r's
+    tokens in its vocabulary shard (zero rows elsewhere) and the partials are SUM-reduced onto r.
+    Communication: D reduces of ``[S/D, b, h]`` (the bytes of one reduce-scatter). Every token's
+    word embedding comes from exactly one shard, so the sums are exact. Eval mode (no dropout)."""
+    emb = model.embedding
+    word = emb.word_embeddings
+    if getattr(emb, "tokentype_embeddings", None) is not None:
+        raise ValueError("TSP prefill does not support token-type embeddings")
+    group = word.tp_group if getattr(word, "tp_group", None) is not None else (
+        get_tensor_sequence_parallel_group())
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_len = ids.shape[1] // size
+    mine = None
+    for r in range(size):
+        owner_ids = ids[:, r * local_len:(r + 1) * local_len]
+        outside = (owner_ids < word.vocab_start_index) | (owner_ids >= word.vocab_end_index)
+        rows = (owner_ids - word.vocab_start_index).masked_fill(outside, 0)
+        part = torch.nn.functional.embedding(rows, word.weight)
+        part = part.masked_fill(outside.unsqueeze(-1), 0).transpose(0, 1).contiguous()
+        if size > 1:
+            dist.reduce(part, dst=dist.get_global_rank(group, r), group=group)
+        if r == rank:
+            mine = part
+        del part
+    if emb.add_position_embedding:
+        local_pos = positions[:, rank * local_len:(rank + 1) * local_len]
+        mine = mine + emb.position_embeddings(local_pos).transpose(0, 1)
+    if emb.config.fp32_residual_connection:
+        mine = mine.float()
+    return mine
+
+
 def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> torch.Tensor:
     """One TSP prefill pass of the TSP ``GPTModel`` over ``ids`` [b, S] (natural order, S a
     multiple of 2D) at cache offset ``context.sequence_len_offset``; returns this rank's final-norm
     hidden states of its zigzag chunks, ``[S/D, b, h]``. The layers' KV caches are filled."""
-    local = model.embedding(input_ids=zigzag.permute(ids, size, dim=1),
-                            position_ids=zigzag.permute(positions, size, dim=1))
+    local = local_embedding(model, zigzag.permute(ids, size, dim=1),
+                            zigzag.permute(positions, size, dim=1))
     return model.decoder(hidden_states=local, attention_mask=None, inference_context=context,
                          rotary_pos_emb=rotary_table)
 
