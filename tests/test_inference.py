@@ -38,3 +38,46 @@ def test_filter_logits_top_k_top_p(seed):
         p = probs[row][nucleus[row]]
         assert p.sum() >= 0.5, f"seed {seed}"
         assert p.sum() - p.min() < 0.5, f"seed {seed}: nucleus is not minimal"
+
+
+def _run_cli(*args, timeout=600):
+    import os
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+
+    env = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_tsp.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_generate_cli_embedded_model():
+    """`megatron-tsp generate` on 2 gloo ranks: a batch of two text prompts of different
+    lengths, prefill and decode throughput printed, TP=D prefill gives the same tokens."""
+    proc = _run_cli("generate", "--tsp", "2", "--train-steps", "0", "--max-new-tokens", "5",
+                    "--prompt", "the cat sees", "--prompt", "a dog", "--check-tp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "prefill=tsp" in out and "tokens/s | decode:" in out, out
+    assert "TP=D prefill check: tokens identical" in out, out
+
+
+def test_prefill_memory_tool(tmp_path):
+    """Fake-tensor prefill peaks (tiny model, D=2): KV cache as the formula says, TSP below TP
+    and CP, and every peak holds at least the weights and the cache."""
+    import json
+
+    path = tmp_path / "rows.json"
+    proc = _run_cli("prefill-memory", "--model", "tiny", "--size", "2", "--seqs", "2048",
+                    "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(path.read_text())}
+    layers, hidden, heads, seq, d, bf16 = 2, 128, 8, 2048, 2, 2
+    head_dim = hidden // heads
+    assert rows["tsp"]["kv_cache"] == 2 * layers * seq * (heads // d) * head_dim * bf16
+    assert rows["cp"]["kv_cache"] == 2 * layers * (seq // d) * heads * head_dim * bf16
+    for r in rows.values():
+        assert r["peak"] >= r["breakdown"]["Parameter"] + r["kv_cache"], r
+    assert rows["tsp"]["peak"] < rows["tp"]["peak"], rows
+    assert rows["tsp"]["peak"] < rows["cp"]["peak"], rows
