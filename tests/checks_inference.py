@@ -92,7 +92,13 @@ def check_generation(d, seed, style, dtype_name="float64", new_tokens=4):
     assert tsp.prefill_mode == "tsp" and tp.prefill_mode == "tp"
     out["cache_tsp_vs_tp"] = _cache_err(tsp.context, tp.context, length + new_tokens - 1, 2)
     out["prefill_logits_tsp_vs_tp"] = rel_err(tsp.prefill_logits, tp.prefill_logits)
-    chunked = engine.generate(prompts, new_tokens, prefill_chunk_tokens=2 * step)
+    import megatron_tsp.inference.attention as prefill_attention
+
+    saved_block, prefill_attention.ROPE_BLOCK = prefill_attention.ROPE_BLOCK, 5
+    try:  # chunked prefill, and RoPE of the gathered keys in blocks of 5 rows
+        chunked = engine.generate(prompts, new_tokens, prefill_chunk_tokens=2 * step)
+    finally:
+        prefill_attention.ROPE_BLOCK = saved_block
     out["cache_chunked_vs_oneshot"] = _cache_err(chunked.context, tsp.context,
                                                  length + new_tokens - 1, 2)
     out["prefill_logits_chunked_vs_oneshot"] = rel_err(chunked.prefill_logits, tsp.prefill_logits)

@@ -10,6 +10,7 @@ hook). Rank p holds the zigzag chunks p and 2D-1-p of the prompt slice being pre
     owner r writes K_r, V_r into its cache rows [o, o + S)    # exactly a TP=D rank's cache
     (chunked prefill, o > 0: owner r broadcasts cache rows [0, o) of K_r / V_r first)
     Y_p += causal_attention(RoPE(q), RoPE([cache; K_r]), [cache; V_r]) @ W_proj_r^T
+    (RoPE of the gathered keys in place, block by block, after the owner cached them)
 
 After every layer each rank's ``key_value_memory_dict[layer]`` holds its own head groups for every
 prompt position in Megatron's layout (``[max_seq, max_batch, ng/D, hn]``, keys stored before RoPE,
@@ -18,8 +19,9 @@ own TP=D attention with no resharding. One head group's full-sequence K/V is ali
 (plus, for chunked prefill, that group's cached prefix).
 
 Communication per layer per rank (all forward, no autograd): D broadcasts of one weight shard
-(root r), D all-gathers of ``[S/D, b, 2 ng/D, hn]`` (one per head group), and for chunked prefill D
-broadcasts of ``[o, b, 2 ng/D, hn]`` cached K/V from their owners.
+(root r); per head group two all-gathers of ``[S/(2D), b, 2 ng/D, hn]`` (the first and second
+zigzag chunks, received straight into natural-order rows); for chunked prefill D broadcasts of
+``[o, b, 2 ng/D, hn]`` cached K/V from their owners.
 
 The inference-only code deliberately does not reuse the training autograd Function's internals
 (attention.py is free to change them); it shares the public pieces: ``comm``, ``zigzag`` and
@@ -159,10 +161,9 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
             if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
                 key_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, groups:]
-            k_all = _rope_blocks(kv[:, :, :groups], freqs_k, layout.config)
-            v_all = kv[:, :, groups:]
-            ctx_r = chunk_attention(q, k_all, v_all, chunks, chunk_len, offset, layout)
-            del k_all, v_all, kv
+            k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
+            ctx_r = chunk_attention(q, k_all, kv[:, :, groups:], chunks, chunk_len, offset, layout)
+            del k_all, kv
             contrib = torch.matmul(ctx_r, proj_w.t())
             out = contrib if out is None else out.add_(contrib)
     return out, module.linear_proj.bias
@@ -220,19 +221,18 @@ def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, group, rank) ->
         broadcast_from(prefix, owner, group, async_op=False)
 
 
-ROPE_BLOCK = 65536  # rows of K rotated at a time: bounds RoPE's temporaries at long prompts
+ROPE_BLOCK = 16384  # rows of K rotated at a time: bounds RoPE's temporaries at long prompts
 
 
-def _rope_blocks(k, freqs, config) -> torch.Tensor:
-    """RoPE of ``k`` [L, b, g, hn] (positions 0..L-1), computed block by block into one output
-    (RoPE is per position, so blocks give the same numbers)."""
+def _rope_in_place(k, freqs, config) -> torch.Tensor:
+    """RoPE of ``k`` [L, b, g, hn] (positions 0..L-1) written back into ``k`` block by block (RoPE
+    is per position, so blocks give the same numbers; no second full-length key buffer)."""
     if freqs is None:
         return k
-    out = torch.empty_like(k)
     for start in range(0, k.shape[0], ROPE_BLOCK):
         end = min(start + ROPE_BLOCK, k.shape[0])
-        out[start:end] = _rope(k[start:end], freqs[start:end], config)
-    return out
+        k[start:end] = _rope(k[start:end], freqs[start:end], config)
+    return k
 
 
 def chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):

@@ -204,7 +204,8 @@ class TSPInferenceEngine:
         sampling.validate(self.vocab_size)
         for t in stop_tokens:
             if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(f"stop_tokens: {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"stop_tokens: {t} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}: must be one of {PREFILL_MODES}")
         if prefill_chunk_tokens is not None:
