@@ -52,15 +52,27 @@ def _run_cli(*args, timeout=600):
                           text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def test_generate_cli_embedded_model():
-    """`megatron-tsp generate` on 2 gloo ranks: a batch of two text prompts of different
-    lengths, prefill and decode throughput printed, TP=D prefill gives the same tokens."""
-    proc = _run_cli("generate", "--tsp", "2", "--train-steps", "0", "--max-new-tokens", "5",
-                    "--prompt", "the cat sees", "--prompt", "a dog", "--check-tp")
+def test_generate_cli_save_and_load(tmp_path):
+    """`megatron-tsp generate` on gloo ranks: a batch of two text prompts of different lengths,
+    prefill and decode throughput printed, TP=D prefill gives the same tokens; the model saved as
+    a Megatron-LM torch_dist checkpoint under TP=2 loads under D=1 (resharded by megatron-core)
+    and generates the same tokens (fp64)."""
+    ckpt = str(tmp_path / "ckpt")
+    common = ("--train-steps", "0", "--max-new-tokens", "5", "--dtype", "float64",
+              "--prompt", "the cat sees", "--prompt", "a dog")
+    proc = _run_cli("generate", "--tsp", "2", "--check-tp", "--save", ckpt, *common)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
     assert "prefill=tsp" in out and "tokens/s | decode:" in out, out
     assert "TP=D prefill check: tokens identical" in out, out
+    loaded = _run_cli("generate", "--tsp", "1", "--load", ckpt, *common)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr[-3000:]
+
+    def generations(text):
+        return [line for line in text.splitlines() if line.startswith(("[0]", "[1]"))]
+
+    assert len(generations(out)) == 2 and generations(out) == generations(loaded.stdout), (
+        out, loaded.stdout)
 
 
 def test_prefill_memory_tool(tmp_path):

@@ -15,6 +15,7 @@ throughput separately, and (``--check-tp``) whether a TP=D prefill produces the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -51,11 +52,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=150,
                    help="embedded model only: TSP training steps on the embedded corpus")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--save", default=None,
+                   help="embedded model only: write it as a Megatron-LM torch_dist checkpoint "
+                        "(iter_0000001/, latest_checkpointed_iteration.txt, args in common.pt)")
     args = p.parse_args(argv)
     if args.d < 1:
         p.error(f"--tensor-sequence-parallel-size={args.d} must be >= 1")
     if args.config and not args.load:
         p.error("--config describes a checkpoint: pass --load too")
+    if args.save and args.load:
+        p.error("--save writes the embedded model: it cannot be combined with --load")
     return args
 
 
@@ -68,7 +74,7 @@ def _tiny_config(d: int, dtype):
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=d, sequence_parallel=True, use_cpu_initialization=True,
+        tensor_model_parallel_size=d, sequence_parallel=d > 1, use_cpu_initialization=True,
         params_dtype=dtype, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
 
@@ -91,7 +97,7 @@ def _config_from_model_fields(m: dict, d: int, dtype):
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=not m.get("disable_bias_linear", False),
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
-        sequence_parallel=True, use_cpu_initialization=not cuda, params_dtype=dtype,
+        sequence_parallel=d > 1, use_cpu_initialization=not cuda, params_dtype=dtype,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         perform_initialization=False)
@@ -149,11 +155,51 @@ def _build(args, device):
     return model, kwargs, m
 
 
+TINY_ARGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 ffn_hidden_size=128, normalization="RMSNorm", swiglu=True,
+                 disable_bias_linear=True, position_embedding_type="rope",
+                 untie_embeddings_and_output_weights=True, vocab_size=128,
+                 padded_vocab_size=128, max_position_embeddings=256, seq_length=64)
+
+
+def _save_torch_dist(model, root: str) -> None:
+    """The embedded model as Megatron-LM saves a checkpoint: state under ``model`` (sharded, the
+    TP=D layout), the Megatron-LM arguments in ``common.pt``, the iteration tracker file."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(root, "iter_0000001")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "args": argparse.Namespace(**TINY_ARGS),
+             "iteration": 1}
+    with _cpu_cuda_sync():
+        dist_checkpointing.save(state, path)
+
+
+@contextlib.contextmanager
+def _cpu_cuda_sync():
+    """torch_dist's reader / writer synchronize the CUDA stream; on a CPU-only torch there is
+    nothing to wait for."""
+    if torch.cuda.is_available():
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
 def _load_torch_dist(model, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     sharded = {"model": model.sharded_state_dict()}
-    loaded = dist_checkpointing.load(sharded, path)
+    with _cpu_cuda_sync():
+        loaded = dist_checkpointing.load(sharded, path)
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
@@ -219,6 +265,9 @@ def run(rank: int, args) -> int:
         loss = _train_tiny(model, args, group)
         say(f"embedded tiny model: {args.train_steps} TSP training steps on the embedded corpus, "
             f"loss {loss:.3f} ({time.perf_counter() - start:.1f} s)")
+    if args.save:
+        _save_torch_dist(model, args.save)
+        say(f"saved the embedded model (torch_dist, TP={args.d} layout) to {args.save}")
     engine = TSPInferenceEngine(model, **kwargs)
     prompts, is_text = _prompts(args, engine.vocab_size)
     stops = [int(t) for t in args.stop.split(",")] if args.stop else (
