@@ -102,17 +102,24 @@ def check_batch_hook(seed: int) -> dict:
         expected = expected_zigzag_batch(batch, d)
         assert set(out) == set(batch)
         for key in batch:
-            assert torch.equal(out[key], expected[key]), (
-                f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)")
+            if key != "attention_mask":
+                assert torch.equal(out[key], expected[key]), (
+                    f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)")
+        # the S x S mask is left alone (TSP attention never reads it), not permuted twice
+        assert out["attention_mask"] is batch["attention_mask"]
+        from megatron_tsp import batch_guard
+
+        assert batch_guard.zigzag_mark(out["tokens"]) == d
+        assert batch_guard.zigzag_mark(batch["tokens"]) is None
         # contiguous SP shard r of the permuted tokens == zigzag chunks r and 2D-1-r
         r = dist.get_rank()
         chunks = batch["tokens"].chunk(2 * d, dim=1)
         local = out["tokens"].chunk(d, dim=1)[r]
         assert torch.equal(local, torch.cat([chunks[r], chunks[2 * d - 1 - r]], dim=1))
         assert not torch.equal(out["tokens"], batch["tokens"])
-        # the mask is permuted on both axes and stays the causal mask of the true positions
+        # the generic helper still permutes a mask on both axes (causal mask of true positions)
         pos = out["position_ids"][0]
-        assert torch.equal(out["attention_mask"][0, 0], pos.unsqueeze(1) < pos.unsqueeze(0))
+        assert torch.equal(expected["attention_mask"][0, 0], pos.unsqueeze(1) < pos.unsqueeze(0))
         errors = {}
         try:
             wrapped(dict(batch, cu_seqlens=torch.tensor([0, SEQ])))
