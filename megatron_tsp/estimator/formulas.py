@@ -25,6 +25,9 @@ TSP, group D (weights move, tokens stay)
     mlp bwd    ring again                                                   f * W_mlp    [weight]
                gradient accumulator riding the ring one hop behind          f * W_mlp    [grad]
     W_attn = W_qkv (+ qkv bias) + W_proj;  W_mlp = W_fc1 (+ fc1 bias) + W_fc2.
+    [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
+    runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
+    single wgrad GEMM (layers/precision.py); f * W bytes at 4 instead of 2 per element.
     The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
     by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
 
@@ -181,6 +184,12 @@ def _replace(shape: LayerShape, **kw) -> LayerShape:
     return replace(shape, **kw)
 
 
+def accumulation_bytes(dtype_bytes: int) -> int:
+    """Bytes per element of TSP's partial-sum accumulators: fp32 (4) for bf16/fp16 (2), the
+    compute dtype's size otherwise (mirrors ``layers.precision.accumulation_dtype``)."""
+    return max(dtype_bytes, 4)
+
+
 def ring_factor(d: int) -> float:
     """f = (D-1)/D."""
     if d < 1:
@@ -223,10 +232,12 @@ def _term(phase, op, category, elements, dtype_bytes, group, overlap, link="coll
 
 def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None,
                     regather_kv_bwd: bool = True) -> List[CommTerm]:
-    """Every communication of one TSP layer (see module docstring)."""
+    """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
+    per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
+    do)."""
     f = ring_factor(D)
     b = shape.dtype_bytes
-    gb = grad_dtype_bytes or b
+    gb = grad_dtype_bytes or accumulation_bytes(b)
     kv = 2 * shape.tokens * shape.kv_hidden
     t = [
         _term("attn_fwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "prefetch",

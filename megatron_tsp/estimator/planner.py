@@ -232,7 +232,7 @@ class Options:
     tsp_regather_kv: bool = True
     cp_regather_kv: bool = True
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
-    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = param dtype
+    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = fp32 accumulators
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
