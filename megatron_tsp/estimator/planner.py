@@ -48,6 +48,7 @@ class ModelSpec:
     vocab: int = 32000
     tied_embeddings: bool = False
     dtype_bytes: int = 2
+    rope: bool = True  # rotary position embeddings (the fake-tensor tool's models use RoPE)
     description: str = ""
     assumptions: List[str] = field(default_factory=list)
     published: dict = field(default_factory=dict)
@@ -228,7 +229,10 @@ class Options:
     recompute: str = "auto"  # none | full | auto (none if it fits in HBM, else full)
     distributed_optimizer: bool = True
     tsp_recompute_mlp: bool = True  # TSP recomputes the per-shard fc1 GEMM in the backward
-    tsp_recompute_attn: bool = True  # TSP recomputes the attention core per head group
+    tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
+    # [S/D, b, h] attention outputs TSP's saved attention backward keeps per layer: 2 today (the
+    # head-group outputs and the projection input); 1 once the output is saved only once
+    tsp_saved_attn_out_copies: int = 2
     tsp_regather_kv: bool = True
     cp_regather_kv: bool = True
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
@@ -238,36 +242,62 @@ class Options:
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
 
 
-def _layer_activation_elems(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
-    """Elements one layer saves for its backward on one rank (no full recompute)."""
-    h, hkv = shape.hidden, shape.kv_hidden
-    mid = shape.fc1_rows + shape.ffn_hidden  # fc1 output + activation output
+def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
+                            rope: bool = True) -> Dict[str, float]:
+    """Bytes one layer keeps for its backward on one rank (no full recompute), tensor by tensor,
+    as the code saves them (measured with saved-tensor hooks and the fake-tensor tool).
+
+    TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
+    Function's input, the residual, the MLP Function's input), the norms' statistics, the local
+    RoPE table; saved attention backward: each head group's local q/k/v, its output (kept twice
+    today, ``tsp_saved_attn_out_copies``) and fp32 log-sum-exp; the MLP saves only its input
+    unless the per-shard fc1 outputs are kept (``tsp_recompute_mlp=False``).
+    Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
+    QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
+    fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
+    intermediates (fc1 output, activation output, and for GLUs the activated half)."""
+    h, hkv, hn = shape.hidden, shape.kv_hidden, shape.head_dim
+    b = shape.dtype_bytes
+    F_, rows = shape.ffn_hidden, shape.fc1_rows
     bs = shape.tokens
+    norm_stats = 2 if shape.normalization == "LayerNorm" else 1  # mean + rstd, or rstd
     if s.kind == "tsp":
         t = bs / s.tp
-        return {"ln1_in": t * h, "ln1_out": t * h, "qkv": t * (h + 2 * hkv),
-                "attn_out": 0.0 if o.tsp_recompute_attn else t * h,
-                "ln2_in": t * h, "ln2_out": t * h,
-                "mlp_mid": 0.0 if o.tsp_recompute_mlp else t * mid}
+        out = {"norm_in_out": 4 * t * h * b, "norm_stats": 2 * norm_stats * t * b,
+               "rope_table": t * hn * 4 if rope else 0.0}
+        if not o.tsp_recompute_attn:
+            out["attn_qkv"] = t * (h + 2 * hkv) * b
+            out["attn_out"] = o.tsp_saved_attn_out_copies * t * h * b
+            out["attn_lse"] = t * shape.heads * 4
+        if not o.tsp_recompute_mlp:
+            out["mlp_fc1_out"] = t * rows * b
+        return out
     t = bs / s.cp
-    sp = s.kind in ("tp_sp", "tp_cp", "cp")  # CP: T = 1, nothing replicated
-    rep = t / s.tp if sp else t  # tensors replicated over the TP group without SP
-    return {"ln1_in": rep * h, "ln1_out": rep * h, "qkv": t * (h + 2 * hkv) / s.tp,
-            "attn_out": t * h / s.tp, "ln2_in": rep * h, "ln2_out": rep * h,
-            "mlp_mid": t * mid / s.tp}
+    sp = s.kind in ("tp_sp", "tp_cp", "cp")
+    rep = t / s.tp if sp else t  # tensors in the residual-stream layout
+    T = s.tp
+    mid = rows + F_ + (F_ if shape.gated else 0)
+    return {"norm_in_out": 4 * rep * h * b, "norm_stats": 2 * norm_stats * rep * b,
+            "qkv_gemm_out": t * (h + 2 * hkv) / T * b, "rotated_qk": t * (h + hkv) / T * b
+            if rope else 0.0, "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
+            "attn_out": t * h / T * b, "attn_lse": t * shape.heads / T * 4,
+            "mlp_mid": t * mid / T * b}
 
 
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
+    """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
     bs, h, hkv = shape.tokens, shape.hidden, shape.kv_hidden
     if s.kind == "tsp":
         D = s.tp
-        gb = o.tsp_grad_comm_bytes or b
+        gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
+        t = bs / D
         out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
-               "grad_accumulator": shape.w_mlp / D * gb,
+               "grad_accumulators": 4 * shape.w_mlp / D * gb,
+               "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
                "head_group_kv_and_dkv": 2 * (2 * bs * hkv / D) * b}
         if o.tsp_recompute_mlp:
-            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+            out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
     out = {}
     t = bs / s.cp
@@ -293,11 +323,15 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
                 group (DP, or DP x CP for CP) when ``distributed_optimizer``
     activations tensors every layer keeps for its backward (``recompute='full'``: only each
                 layer's input in the residual-stream layout)
-    transient   one layer's working set: TSP: two weight-shard buffers (current + prefetched),
-                the grad accumulator shard, one head group's full-sequence K/V and dK/dV, one MLP
-                shard's intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and
-                dK/dV; with full recompute also the recomputed layer's activations
-    logits      output-layer logits [tokens, vocab/T] bf16 + fp32 copy kept by the cross-entropy
+    transient   (backward peak only) one layer's working set: TSP: two weight-shard buffers
+                (current + prefetched), four fp32 gradient-accumulator shards, the fp32 grad_x
+                accumulator, one head group's full-sequence K/V and dK/dV, one MLP shard's
+                intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and dK/dV;
+                with full recompute also the recomputed layer's activations
+    logits      (forward peak only) the all-gathered final hidden state, the output-layer logits
+                [tokens, vocab/T] bf16 and the fp32 copy kept by the cross-entropy
+    The peak is the larger of forward (activations + logits) and backward (activations +
+    transient); the category not at the peak is 0.
     Not counted: dropout masks (dropout 0), softmax statistics, RNG state, allocator
     fragmentation, framework/NCCL workspaces, the embedding's own output.
     """
@@ -316,25 +350,31 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
     dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
-    layer_act = sum(_layer_activation_elems(shape, s, o).values()) * b
+    layer_act = sum(_layer_activation_bytes(shape, s, o, m.rope).values())
     transient = sum(_layer_transient_bytes(shape, s, o).values())
     if recompute == "full":
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
-        transient += layer_act
+        backward_extra = layer_act + transient  # the recomputed layer and its backward
     elif recompute == "none":
         activations = m.num_layers * layer_act
+        backward_extra = transient
     else:
         raise ValueError(f"recompute must be none or full, got {recompute!r}")
-    logit_tokens = shape.tokens / s.cp
-    logits = logit_tokens * vpad / T * (b + 4)
+    # Forward peak: every layer's saved tensors plus the output layer's: the final hidden state
+    # (all-gathered over TP/TSP) and the bf16 logits [tokens, vocab/T] with the fp32 copy the
+    # unfused cross-entropy keeps. Backward peak: the saved tensors plus one layer's working set
+    # (the logits are gone by then). The peak is the larger of the two.
+    head_tokens = shape.tokens / s.cp
+    logits = head_tokens * vpad / T * (b + 4) + head_tokens * m.hidden * b
+    forward_peak = logits >= backward_extra
     return {
         "params": local_params * b,
         "grads": local_params * 4,
         "optimizer": local_params * 12 / opt_div,
         "activations": activations,
-        "transient": transient,
-        "logits": logits,
+        "transient": 0.0 if forward_peak else backward_extra,
+        "logits": logits if forward_peak else 0.0,
     }
 
 
