@@ -234,6 +234,9 @@ class Options:
     # head-group outputs and the projection input); 1 once the output is saved only once
     tsp_saved_attn_out_copies: int = 2
     tsp_regather_kv: bool = True
+    # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (attn12's
+    # overlap); False = blocking behind their own group's QKV GEMM (the code before it)
+    tsp_kv_pipelined: bool = False
     cp_regather_kv: bool = True
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
     tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = fp32 accumulators
@@ -384,7 +387,8 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
 def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
     if s.kind == "tsp":
         return fm.tsp_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes,
-                                  regather_kv_bwd=o.tsp_regather_kv)
+                                  regather_kv_bwd=o.tsp_regather_kv,
+                                  kv_pipelined=o.tsp_kv_pipelined)
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
     if s.kind == "tp":
