@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -302,8 +302,9 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
-    out = {}
     t = bs / s.cp
+    # the MLP backward holds the gradients of its saved intermediates next to them
+    out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
     if s.kind in ("tp_sp", "tp_cp"):
         out["gathered_input_and_dgrad"] = 2 * t * h * b
     elif s.kind == "tp":
@@ -742,6 +743,54 @@ def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
             "strategies": strategies}
 
 
+def cheapest_fitting_layer_time(model, hw, kind: str, seq: int, gpus: int, degree: int,
+                                o: Options) -> dict:
+    """Per-layer step time (fwd + bwd incl. exposed comm, one micro-batch) of ``kind`` at the
+    cheapest recompute setting whose analytic peak fits in the GPU's HBM. Settings, cheapest
+    first: TSP saved attention, TSP attention recompute, full recompute; TP+SP / others: none,
+    full. Returns the chosen setting, its memory and time (and every candidate)."""
+    m, hw = load_model(model), load_hardware(hw)
+    s = make_strategy(kind, degree) if kind != "tp_cp" else _as_strategy(kind, degree)
+    settings = [("none", False)] + ([("none", True)] if kind == "tsp" else []) + [("full", False)]
+    candidates = []
+    for recompute, attn in settings:
+        oo = replace(o, recompute=recompute, tsp_recompute_attn=attn)
+        r = evaluate(m, hw, s, seq, gpus, oo)
+        mem = sum(analytic_memory(m, s, seq, o.micro_batch, dp=gpus // degree, recompute=recompute,
+                                  distributed_optimizer=o.distributed_optimizer,
+                                  options=oo).values())
+        layer = sum(r["layer_compute_s"].values()) + sum(r["layer_exposed_s"].values())
+        label = recompute + (" (attention recompute)" if attn else "")
+        candidates.append({"setting": label, "mem_bytes": mem, "layer_s": layer,
+                           "exposed_s": sum(r["layer_exposed_s"].values()),
+                           "fits": mem <= hw.hbm_gb * GB})
+    fitting = [c for c in candidates if c["fits"]]
+    best = min(fitting, key=lambda c: c["layer_s"]) if fitting else None
+    return {"strategy": s.label, "best": best, "candidates": candidates}
+
+
+def layer_time_report(m: ModelSpec, hw: HardwareSpec, seq: int, gpus: int, degree: int,
+                      o: Options) -> List[str]:
+    """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
+    res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o)
+           for k in ("tsp", "tp_sp")}
+    kv = "pipelined (fill/drain exposed)" if o.tsp_kv_pipelined else "blocking"
+    lines = [f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
+             f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"]
+    for k, r in res.items():
+        b = r["best"]
+        if b is None:
+            lines.append(f"  {r['strategy']:<7} nothing fits")
+            continue
+        lines.append(f"  {r['strategy']:<7} recompute {b['setting']:<24} mem {b['mem_bytes'] / GB:6.1f}"
+                     f" GB  layer {1e3 * b['layer_s']:7.1f} ms (exposed comm "
+                     f"{1e3 * b['exposed_s']:.1f} ms)")
+    if res["tsp"]["best"] and res["tp_sp"]["best"]:
+        ratio = res["tsp"]["best"]["layer_s"] / res["tp_sp"]["best"]["layer_s"]
+        lines.append(f"  TSP / TP+SP per-layer time: {ratio:.2f}x")
+    return lines
+
+
 def render(p: dict) -> str:
     m, hw, o = p["model"], p["hardware"], p["options"]
     lines = [f"megatron-tsp plan: model {m.name}, S={p['seq']:,}, {p['gpus']} x {hw.name} "
@@ -759,6 +808,8 @@ def render(p: dict) -> str:
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
     lines.append("  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
                  + (txt if regs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    if "tsp" in [r["kind"] for r in p["rows"]] and p["seq"] % (2 * p["degree"]) == 0:
+        lines += [""] + layer_time_report(m, hw, p["seq"], p["gpus"], p["degree"], o)
     pc = paper_check(m, o)
     thr = (m.published or {}).get("throughput_tokens_per_s")
     if thr and thr["gpus"] == p["gpus"] and thr["hardware"] == hw.name and thr["seq"] == p["seq"]:
@@ -810,7 +861,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
     ap.add_argument("--tsp-no-recompute-mlp", action="store_true")
-    ap.add_argument("--tsp-no-recompute-attn", action="store_true")
+    ap.add_argument("--tsp-recompute-attn", action="store_true",
+                    help="TSP attention_backward='recompute' (default: 'saved', as the layers)")
+    ap.add_argument("--tsp-kv-pipelined", action="store_true",
+                    help="model TSP's K/V collectives as pipelined one head group ahead")
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument("--sweep", default="",
                     help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))")
@@ -830,7 +884,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 global_batch_tokens=args.global_batch_tokens,
                 recompute=args.recompute, distributed_optimizer=not args.no_distributed_optimizer,
                 tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
-                tsp_recompute_attn=not args.tsp_no_recompute_attn)
+                tsp_recompute_attn=args.tsp_recompute_attn,
+                tsp_kv_pipelined=args.tsp_kv_pipelined)
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
     if args.seq_length % (2 * args.degree):
