@@ -370,7 +370,14 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
     # unfused cross-entropy keeps. Backward peak: the saved tensors plus one layer's working set
     # (the logits are gone by then). The peak is the larger of the two.
     head_tokens = shape.tokens / s.cp
-    logits = head_tokens * vpad / T * (b + 4) + head_tokens * m.hidden * b
+    stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
+    logits = (head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
+              + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
+              # last layer's output, final-norm output, the norm's normalised intermediate
+              + 3 * stream_tokens * m.hidden * b
+              # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
+              # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
+              + 47 * head_tokens)
     forward_peak = logits >= backward_extra
     return {
         "params": local_params * b,

@@ -83,7 +83,9 @@ def _golden_tsp_memory(seq, D, recompute):
                  + t * h * 4  # fp32 grad_x accumulator
                  + 2 * (2 * seq * h / D) * b  # one head group's K/V and dK/dV
                  + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
-    head = seq * vpad / D * (2 + 4) + seq * h * b  # logits bf16 + fp32, gathered final hidden
+    # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
+    # ~47 B of per-token ids / losses / cross-entropy statistics
+    head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
     if recompute == "full":
         acts, bwd = L * t * h * b, transient + layer
     else:
