@@ -10,24 +10,26 @@ warnings.filterwarnings("ignore")
 from megatron_tsp.estimator import fake_run as fr  # noqa: E402
 from megatron_tsp.estimator import planner as pl  # noqa: E402
 
-# scheme (fake tool), kind (planner), TP, CP, recompute, TSP attention backward
-LAYOUTS = [
-    ("tsp", "tsp", 4, 1, "none", "saved"),
-    ("tsp", "tsp", 4, 1, "none", "recompute"),
-    ("tpsp", "tp_sp", 4, 1, "none", None),
-    ("tpsp", "tp_sp", 4, 1, "full", None),
-    ("tsp", "tsp", 4, 1, "full", "saved"),
-    ("cp", "tp_cp", 2, 2, "none", None),
-]
+def layouts(d):
+    """(name, scheme for the fake tool, kind for the planner, TP, CP, recompute, TSP attention
+    backward) for a group of ``d`` ranks."""
+    return [
+        ("tsp", "tsp", "tsp", d, 1, "none", "saved"),
+        ("tsp-attn-recompute", "tsp", "tsp", d, 1, "none", "recompute"),
+        ("tpsp", "tpsp", "tp_sp", d, 1, "none", None),
+        ("tpsp-full", "tpsp", "tp_sp", d, 1, "full", None),
+        ("tsp-full", "tsp", "tsp", d, 1, "full", "saved"),
+        ("tpcp", "cp", "tp_cp", d // 2, 2, "none", None),
+    ]
 
 
-def main(hidden, layers, heads, vocab, seq, which):
+def main(hidden, layers, heads, vocab, seq, d, which):
     shape = fr.ModelShape(hidden=hidden, layers=layers, heads=heads, vocab=vocab)
     spec = pl.ModelSpec(name="check", hidden=hidden, num_layers=layers, heads=heads,
                         query_groups=heads, ffn=4 * hidden, vocab=vocab)
     out = []
-    for scheme, kind, tp, cp, recompute, attn in LAYOUTS:
-        if which and scheme + ":" + recompute not in which:
+    for name, scheme, kind, tp, cp, recompute, attn in layouts(d):
+        if which and name not in which:
             continue
         measured = fr.run_step(fr.RunConfig(
             scheme=scheme, model=shape, world_size=tp * cp, tp=tp, cp=cp, seq=seq,
@@ -46,5 +48,5 @@ def main(hidden, layers, heads, vocab, seq, which):
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:6]]
-    main(*args, which=sys.argv[6].split(",") if len(sys.argv) > 6 else [])
+    args = [int(a) for a in sys.argv[1:7]]
+    main(*args, which=sys.argv[7].split(",") if len(sys.argv) > 7 else [])
