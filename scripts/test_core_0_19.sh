@@ -16,5 +16,5 @@ if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
     || { echo "SKIP megatron-core 0.19 line: install failed"; exit 0; }
 fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"
-exec "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py \
-  tests/test_validation.py "$@"
+exec "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
+  tests/test_validation.py tests/test_hybrid.py tests/test_inference.py "$@"

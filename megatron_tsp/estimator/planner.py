@@ -5,6 +5,7 @@
 Strategies over one group of size D (the rest of the GPUs are data parallel):
     tsp     TSP over D (Megatron TP group reused, sequence_parallel tagging)
     tp_sp   Megatron TP = D with --sequence-parallel
+    hybrid  TP = D + SP attention with the TSP MLP ring (Megatron-LM ``--tsp-mlp``)
     tp      Megatron TP = D without sequence parallelism (the paper's baseline)
     cp      Megatron CP = D (distributed optimizer shards over CP x DP)
     tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
@@ -161,7 +162,7 @@ def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Strategy:
-    kind: str  # tsp, tp_sp, tp, cp, tp_cp
+    kind: str  # tsp, tp_sp, hybrid, tp, cp, tp_cp
     tp: int = 1  # tensor (or TSP) degree
     cp: int = 1
 
@@ -171,7 +172,8 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP", "tp": f"TP{self.tp}",
+        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP",
+                "hybrid": f"TP{self.tp}+SP+TSP-MLP", "tp": f"TP{self.tp}",
                 "cp": f"CP{self.cp}", "tp_cp": f"TP{self.tp}+SPxCP{self.cp}"}[self.kind]
 
     @property
@@ -180,7 +182,7 @@ class Strategy:
 
 
 def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
-    if kind in ("tsp", "tp_sp", "tp"):
+    if kind in ("tsp", "tp_sp", "hybrid", "tp"):
         return Strategy(kind, tp=degree)
     if kind == "cp":
         return Strategy(kind, cp=degree)
@@ -191,7 +193,8 @@ def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
     raise ValueError(f"unknown strategy {kind!r}")
 
 
-def default_strategies(degree: int, kinds: Sequence[str] = ("tsp", "tp_sp", "cp", "tp_cp", "tp")
+def default_strategies(degree: int,
+                       kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp")
                        ) -> List[Strategy]:
     out = []
     for k in kinds:
@@ -276,15 +279,20 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
             out["mlp_fc1_out"] = t * rows * b
         return out
     t = bs / s.cp
-    sp = s.kind in ("tp_sp", "tp_cp", "cp")
+    sp = s.kind in ("tp_sp", "hybrid", "tp_cp", "cp")
     rep = t / s.tp if sp else t  # tensors in the residual-stream layout
     T = s.tp
     mid = rows + F_ + (F_ if shape.gated else 0)
-    return {"norm_in_out": 4 * rep * h * b, "norm_stats": 2 * norm_stats * rep * b,
-            "qkv_gemm_out": t * (h + 2 * hkv) / T * b, "rotated_qk": t * (h + hkv) / T * b
-            if rope else 0.0, "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
-            "attn_out": t * h / T * b, "attn_lse": t * shape.heads / T * 4,
-            "mlp_mid": t * mid / T * b}
+    out = {"norm_in_out": 4 * rep * h * b, "norm_stats": 2 * norm_stats * rep * b,
+           "qkv_gemm_out": t * (h + 2 * hkv) / T * b, "rotated_qk": t * (h + hkv) / T * b
+           if rope else 0.0, "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
+           "attn_out": t * h / T * b, "attn_lse": t * shape.heads / T * 4,
+           "mlp_mid": t * mid / T * b}
+    if s.kind == "hybrid":
+        # The TSP MLP keeps only its (local) input, already counted in norm_in_out, unless it
+        # keeps the per-shard fc1 outputs (B*S/D tokens x every shard's fc1 rows).
+        out["mlp_mid"] = 0.0 if o.tsp_recompute_mlp else (bs / s.tp) * rows * b
+    return out
 
 
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
@@ -303,6 +311,18 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
     t = bs / s.cp
+    if s.kind == "hybrid":
+        # attention: Megatron's gathered QKV input + dgrad; MLP: TSP's shard buffers, fp32
+        # accumulators and one shard's intermediate
+        D = s.tp
+        gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
+        out = {"gathered_input_and_dgrad": 2 * t * h * b,
+               "weight_shard_buffers": 2 * shape.w_mlp / D * b,
+               "grad_accumulators": 4 * shape.w_mlp / D * gb,
+               "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b)}
+        if o.tsp_recompute_mlp:
+            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+        return out
     # the MLP backward holds the gradients of its saved intermediates next to them
     out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
     if s.kind in ("tp_sp", "tp_cp"):
@@ -399,6 +419,8 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
                                   kv_pipelined=o.tsp_kv_pipelined)
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
+    if s.kind == "hybrid":
+        return fm.hybrid_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes)
     if s.kind == "tp":
         return fm.tp_layer_terms(shape, s.tp)
     if s.kind == "cp":
@@ -436,7 +458,7 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
 
 
 def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
-    return dict(recompute_mlp_fc1=(s.kind == "tsp" and o.tsp_recompute_mlp),
+    return dict(recompute_mlp_fc1=(s.kind in ("tsp", "hybrid") and o.tsp_recompute_mlp),
                 recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
                 full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
 
@@ -483,7 +505,8 @@ def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Stra
 
     # head: output layer GEMM over the group + its (critical) collectives
     hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
-    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "tp": "tp", "cp": "cp", "tp_cp": "tp_sp"}[s.kind]
+    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "hybrid": "tp_sp", "tp": "tp", "cp": "cp",
+                 "tp_cp": "tp_sp"}[s.kind]
     head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
     hc = fm.head_comm(head_shape, s.tp, head_kind)
     head_bw = hw.bandwidth(s.tp, 1)
@@ -495,7 +518,7 @@ def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Stra
     # per step: replicated-grad all-reduce (SP-tagged params) and data-parallel traffic
     local_params = mem["none"]["params"] / m.dtype_bytes
     repl = 0.0
-    if s.kind in ("tsp", "tp_sp", "tp_cp"):
+    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
         repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
                                             o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
     dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
@@ -611,6 +634,9 @@ def assumptions(m: ModelSpec, hw: HardwareSpec, o: Options, degree: int, gpus: i
         f"bwd re-bcast, {'re-gather K/V, ' if o.tsp_regather_kv else ''}reduce-scatter dK/dV, "
         "reduce attn weight grads, MLP ring + grad accumulator ring; TSP recomputes "
         f"fc1={o.tsp_recompute_mlp}, attention core={o.tsp_recompute_attn} in the backward",
+        "hybrid (--tsp-mlp): TP+SP's attention collectives (fwd f*2BSh, bwd f*3BSh) + TSP's "
+        "MLP weight ring (fwd f*W_mlp, bwd ring + grad accumulator 2f*W_mlp); the MLP keeps only "
+        f"its input and recomputes fc1 = {o.tsp_recompute_mlp}",
         "TP+SP (megatron-core 0.16.1 layers.py): fwd AG+RS per block = f*4BSh, bwd re-AG of the "
         "saved input + dgrad RS (both async next to GEMMs) + AG of the row-parallel output grad "
         "= f*6BSh",
@@ -741,11 +767,16 @@ def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
     shape = m.layer_shape(o.micro_batch, seq)
     cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp") for d in ("fwd", "total")}
+    hybrid_cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
+                    for d in ("fwd", "total")}
     tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
     regions = throughput_regions(m, hw, tsp, tpsp, gpus, o)
     thr = regions[-1][0] if regions and regions[-1][1] is None else None
     return {"model": m, "hardware": hw, "options": o, "seq": seq, "gpus": gpus, "degree": degree,
             "rows": rows, "bytes_crossover_seq": cross, "throughput_crossover_seq": thr,
+            "hybrid_bytes_crossover_seq": hybrid_cross,
+            "hybrid_throughput_regions": throughput_regions(
+                m, hw, make_strategy("hybrid", degree), tpsp, gpus, o),
             "throughput_regions": regions,
             "strategies": strategies}
 
@@ -815,6 +846,14 @@ def render(p: dict) -> str:
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
     lines.append("  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
                  + (txt if regs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    hc = p["hybrid_bytes_crossover_seq"]
+    lines.append(f"  hybrid (TP+SP attention + TSP MLP, --tsp-mlp) <= TP+SP bytes at B={o.micro_batch}: "
+                 f"S* fwd = {hc['fwd']:,.0f}, fwd+bwd = {hc['total']:,.0f} tokens "
+                 "(forward: B*S >= W_mlp / 2h)")
+    hregs = p["hybrid_throughput_regions"]
+    txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in hregs)
+    lines.append("  predicted tokens/s, hybrid >= TP+SP on this hardware for S in: "
+                 + (txt if hregs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
     if "tsp" in [r["kind"] for r in p["rows"]] and p["seq"] % (2 * p["degree"]) == 0:
         lines += [""] + layer_time_report(m, hw, p["seq"], p["gpus"], p["degree"], o)
     pc = paper_check(m, o)
@@ -862,12 +901,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-microbatches", type=int, default=None,
                     help="micro-batches per step (default: from --global-batch-tokens)")
     ap.add_argument("--global-batch-tokens", type=int, default=2**24)
-    ap.add_argument("--strategies", default="tsp,tp_sp,cp,tp_cp,tp")
+    ap.add_argument("--strategies", default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
+                    help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
+                         "--tsp-mlp), cp, tp_cp, tp")
     ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
-    ap.add_argument("--tsp-no-recompute-mlp", action="store_true")
+    ap.add_argument("--tsp-no-recompute-mlp", action="store_true",
+                    help="TSP / hybrid MLP keeps the per-shard fc1 outputs")
     ap.add_argument("--tsp-recompute-attn", action="store_true",
                     help="TSP attention_backward='recompute' (default: 'saved', as the layers)")
     ap.add_argument("--tsp-kv-pipelined", action="store_true",

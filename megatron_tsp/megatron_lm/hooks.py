@@ -6,9 +6,12 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
   parallel" argument group (``parse_args`` calls it through the module global, in every version);
 * ``validate_args`` in ``megatron.training.arguments`` and, where it is imported by name
   (core_v0.16), ``megatron.training.initialize`` -> translates the TSP flags *before* Megatron's
-  world-size arithmetic, then checks the derived values;
+  world-size arithmetic, then checks the derived values (``--tsp-mlp``: selects the hybrid
+  block spec only; the batch hook stays a pass-through);
 * ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
+* ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
+  TSP attention can refuse a micro-batch that did not (``megatron_tsp/batch_guard.py``);
 * ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``.
 
 ``install()`` must run before the training script imports those names (the launcher does that;
@@ -22,6 +25,7 @@ import importlib
 import sys
 from typing import Callable, Dict, Tuple
 
+from megatron_tsp import batch_guard
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
 from megatron_tsp.megatron_lm import spec as tsp_spec
@@ -76,9 +80,25 @@ def _describe_translation(args) -> str:
         f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; "
         f"world={args.world_size} = TSP {d} x PP {pp} x DP {dp}"
     )
+    if getattr(args, "tsp_disabled_dataloader_mask", False):
+        text += ("; --no-create-attention-mask-in-dataloader (TSP attention does not read the "
+                 "S x S mask; none is built, broadcast or permuted)")
     replaced = getattr(args, "tsp_replaced_spec", None)
     if replaced:
         text += f"; the user --spec {' '.join(replaced)} is replaced by the TSP block spec"
+    return text
+
+
+def _describe_tsp_mlp_translation(args) -> str:
+    text = (
+        f"{tsp_args.TSP_MLP_FLAG}: TP+SP attention + TSP MLP ring over the "
+        f"tensor_model_parallel_size={args.tensor_model_parallel_size} group, "
+        f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; no batch "
+        "permutation"
+    )
+    replaced = getattr(args, "tsp_replaced_spec", None)
+    if replaced:
+        text += f"; the user --spec {' '.join(replaced)} is replaced by the hybrid block spec"
     return text
 
 
@@ -90,6 +110,15 @@ def _wrap_validate_args(original):
             from megatron_tsp.megatron_lm import dry_run
 
             dry_run.prepare_args(args)
+        if tsp_args.tsp_mlp_requested(args):
+            # TP+SP attention + TSP MLP: Megatron's own layout and batches, only the spec changes.
+            tsp_args.translate_args(args)
+            result = original(args, *rest, **kwargs)
+            tsp_args.check_validated_args(args)
+            tsp_batch.activate(None)
+            tsp_spec.install_gpt_model_hook()
+            _log(_describe_tsp_mlp_translation(args))
+            return result
         if d is None:
             tsp_batch.activate(None)
             return original(args, *rest, **kwargs)
@@ -138,6 +167,7 @@ def install() -> None:
     _replace("megatron.training", "pretrain", _wrap_pretrain)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
+    batch_guard.install(enforce=tsp_batch.active_size() is not None)
     _INSTALLED = True
 
 
@@ -152,6 +182,7 @@ def uninstall() -> None:
     tsp_batch.uninstall_batch_hook()
     tsp_batch.activate(None)
     tsp_spec.uninstall_gpt_model_hook()
+    batch_guard.uninstall()
     _INSTALLED = False
 
 

@@ -23,7 +23,10 @@ MEGATRON_DEFAULTS = dict(
     fp8=None, fp4=None, transformer_impl="transformer_engine", spec=None,
     tensor_parallel_num_weight_shards=None, group_query_attention=False, num_query_groups=1,
     num_attention_heads=None, hidden_size=None, ffn_hidden_size=None, seq_length=None,
-    padded_vocab_size=None, world_size=1,
+    padded_vocab_size=None, world_size=1, use_megatron_fsdp=False, use_torch_fsdp2=False,
+    enable_cuda_graph=False, external_cuda_graph=False, cuda_graph_impl="none",
+    num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+    pipeline_model_parallel_layout=None,
 )
 
 
@@ -45,7 +48,8 @@ def megatron_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true")
         elif dest == "spec":
             parser.add_argument(flag, nargs="*", default=None)
-        elif dest in ("transformer_impl", "fp8", "fp4", "yaml_cfg",
+        elif dest in ("transformer_impl", "fp8", "fp4", "yaml_cfg", "cuda_graph_impl",
+                      "pipeline_model_parallel_layout",
                       "heterogeneous_layers_config_path", "experimental_attention_variant"):
             parser.add_argument(flag, default=default)
         elif dest == "hierarchical_context_parallel_sizes":
@@ -53,6 +57,8 @@ def megatron_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--attention-backend", type=_Backend, default=_Backend("auto"))
+    parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                        dest="create_attention_mask_in_dataloader")
     return add_tsp_arguments(parser)
 
 

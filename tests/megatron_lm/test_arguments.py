@@ -35,6 +35,18 @@ def test_translation_sets_tp_sp_and_spec(d):
     assert not hasattr(args, "tsp_replaced_spec")
 
 
+def test_translation_turns_the_dataloader_mask_off():
+    # Megatron builds an S x S mask per sample by default; TSP attention never reads it.
+    args = parse("--tensor-sequence-parallel-size", "2")
+    assert args.create_attention_mask_in_dataloader is True
+    A.translate_args(args)
+    assert args.create_attention_mask_in_dataloader is False and args.tsp_disabled_dataloader_mask
+    args = parse("--tensor-sequence-parallel-size", "2", "--no-create-attention-mask-in-dataloader")
+    A.translate_args(args)
+    assert not args.create_attention_mask_in_dataloader
+    assert not getattr(args, "tsp_disabled_dataloader_mask", False)  # nothing to announce
+
+
 def test_translation_is_noop_without_flag():
     args = parse("--tensor-model-parallel-size", "4", "--sequence-parallel")
     before = dict(vars(args))
@@ -81,6 +93,15 @@ UNSUPPORTED = [
     (["--attention-backend", "flash"], "--attention-backend=flash"),
     (["--attention-backend", "local"], "--attention-backend=local"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl=inference_optimized"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2"),
+    (["--enable-cuda-graph"], "--enable-cuda-graph"),
+    (["--external-cuda-graph"], "--external-cuda-graph"),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl=local"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage=1"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank=2"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout=Et|tL"),
+    (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl=transformer_engine"),
 ]
 
 
