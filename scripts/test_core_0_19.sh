@@ -11,8 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   if [ -z "$PY312" ]; then echo "SKIP megatron-core 0.19 line: no Python 3.12 found"; exit 0; fi
   "$PY312" -m venv "$VENV" || { echo "SKIP: could not create $VENV"; exit 0; }
 fi
-if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q torch==2.13.0 megatron-core==0.19.2 pytest \
+if ! "$VENV/bin/python" -c "import megatron.core, torch, psutil" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q torch==2.13.0 megatron-core==0.19.2 pytest psutil \
     || { echo "SKIP megatron-core 0.19 line: install failed"; exit 0; }
 fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"

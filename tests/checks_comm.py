@@ -16,7 +16,7 @@ from megatron_tsp.layers.attention import TSPSelfAttention
 from megatron_tsp.layers.mlp import TSPMLP
 from tests.common import DTYPES, group_info, make_config, setup_tsp
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+_MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
 
 
 class _Trace(TorchDispatchMode):
@@ -61,7 +61,7 @@ def _summary(counter, phase):
 def measure_layer(kind, d, dtype_name="float32", seq=32, batch=2, hidden=32, heads=4, groups=2,
                   ffn=64, gated=False, bias=True):
     """Run one TSP layer forward + backward under a CommCounter; return counted comm."""
-    dtype = DTYPES[dtype_name]
+    dtype = getattr(torch, dtype_name)
     setup_tsp(d)
     _, size, _ = group_info()
     if kind == "mlp":

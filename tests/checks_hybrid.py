@@ -16,9 +16,10 @@ from megatron_tsp.comm_counter import CommCounter, label_modules
 from megatron_tsp.estimator import formulas as fm
 from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_mlp_spec
 from tests.checks_comm import _Trace
-from tests.checks_gpt import (STYLES, _batch, _config, _model, _step, _tp_group_info,
-                              reference_run)
-from tests.common import DTYPES, make_config, rel_err, setup_megatron_tp
+from tests.checks_gpt import (STYLES, _batch, _config, _model, _norms_to, _step,
+                              _tp_group_info, reference_run)
+from tests.common import (DTYPES, FUSIONS_OFF, make_config, reference_single_layer_spec, rel_err,
+                          setup_megatron_tp)
 
 # Megatron-LM's defaults (--no-*-fusion flags absent) that can run on CPU: the bias+activation
 # fusion (tanh bias-GeLU / bias-SwiGLU), the bias-dropout-add fusion and the masked-softmax
@@ -30,10 +31,11 @@ SPECS = {"hybrid": get_gpt_block_tsp_mlp_spec, "tp_sp": get_gpt_block_local_sp_s
 
 
 def _hybrid_config(d, dtype, style, fusion, layers=2, hidden=32, heads=8, ffn=64):
+    # make_config now defaults to Megatron-LM's fusions: ``fusion=False`` must switch them off
+    # explicitly, or the unfused and fused variants of these tests would be the same test.
     config = _config(d, dtype, style, layers, hidden, heads, ffn)
-    if fusion:
-        for key, value in MEGATRON_DEFAULT_FUSIONS.items():
-            setattr(config, key, value)
+    for key, value in (MEGATRON_DEFAULT_FUSIONS if fusion else FUSIONS_OFF).items():
+        setattr(config, key, value)
     return config
 
 
@@ -65,13 +67,15 @@ def check_hybrid_vs_single(d, seed, style, dtype_name="float64", fusion=False):
     dtype = DTYPES[dtype_name]
     ref_loss, ref_params, ref_grads, data = reference_run(style, seed, dtype, 2, 32, 8, 64, 128,
                                                           2, 32, "exact")
-    if fusion:  # the reference must use the same (fused) activation formulas
-        setup_megatron_tp(1, seed)
-        config = _hybrid_config(1, dtype, style, fusion)
-        model = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, False)
-        _copy_params(model, ref_params)
-        ref_loss = _step(model, data, "exact")
-        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # The reference uses the same fusion setting (fused tanh-GeLU or the exact one): rebuilt
+    # from stock megatron-core (Megatron's TP=1 local spec and norms) with that config.
+    setup_megatron_tp(1, seed)
+    config = _hybrid_config(1, dtype, style, fusion)
+    model = _norms_to(_model(config, reference_single_layer_spec(config), style, 128, 32, False),
+                      dtype)
+    _copy_params(model, ref_params)
+    ref_loss = _step(model, data, "exact")
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     loss, grads, _ = _run("hybrid", d, seed, style, dtype, fusion, ref_params, data)
     missing = set(ref_grads) ^ set(grads)
     if missing:

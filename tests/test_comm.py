@@ -10,14 +10,15 @@ from tests import checks_comm
 S, B, H, E = 32, 2, 32, 4
 
 
-def mlp_formula(d, ffn, gated, bias):
+def mlp_formula(d, ffn, gated, bias, elem=E, grad_elem=E):
     """Bytes received per rank. The ring moves each rank's (fc1, fc1 bias, fc2) shard D-1 hops:
     forward f*W_mlp; backward the weights again plus a gradient accumulator one hop behind:
-    2 f*W_mlp (f = (D-1)/D). The fc2 bias is replicated and never moves."""
+    2 f*W_mlp (f = (D-1)/D). The fc2 bias is replicated and never moves. The accumulator has
+    ``grad_elem`` bytes per element (fp32 when the model runs in bf16)."""
     f = (d - 1) / d
     rows = (2 if gated else 1) * ffn
     w_mlp = rows * H + (rows if bias else 0) + H * ffn
-    return {"fwd": f * w_mlp * E, "bwd": 2 * f * w_mlp * E}
+    return {"fwd": f * w_mlp * elem, "bwd": f * w_mlp * (elem + grad_elem)}
 
 
 def attention_formula(d, heads, groups, bias):
@@ -48,6 +49,25 @@ def test_mlp_comm_matches_formula(pool4, d, gated, bias):
         assert r["fwd"]["calls"] == {"isend": d - 1, "irecv": d - 1}
         assert r["bwd"]["calls"] == {"isend": 2 * (d - 1), "irecv": 2 * (d - 1)}
         assert r["scopes"] == ["tsp_mlp"]
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_mlp_bf16_grad_accumulator_travels_in_fp32(pool4, d):
+    """bf16 model: weights hop in bf16 (2 bytes), the gradient accumulator in fp32 (4 bytes), and
+    the counted bytes still equal the closed form of estimator/formulas.py."""
+    from megatron_tsp.estimator import formulas as fm
+
+    results = pool4.run(checks_comm.measure_layer, "mlp", d, "bfloat16", seq=S, batch=B,
+                        hidden=H, ffn=64, gated=True, bias=False)
+    expected = mlp_formula(d, 64, True, False, elem=2, grad_elem=4)
+    shape = fm.LayerShape(batch=B, seq=S, hidden=H, heads=4, ffn=64, gated=True, bias=False,
+                          dtype_bytes=2)
+    comm = fm.tsp_layer_comm(shape, d)
+    assert comm["mlp_fwd"] == pytest.approx(expected["fwd"])
+    assert comm["mlp_bwd"] == pytest.approx(expected["bwd"])
+    for r in results:
+        for phase in ("fwd", "bwd"):
+            assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
 
 
 @pytest.mark.parametrize("d", [2, 4])

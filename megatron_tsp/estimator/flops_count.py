@@ -1,6 +1,6 @@
 """FLOP accounting for the measured training step (``torch.utils.flop_counter.FlopCounterMode``).
 
-torch's counter knows the GEMM ops (mm, addmm, bmm, baddbmm) and the CUDA attention kernels, but
+torch's counter knows the GEMM ops (mm, addmm, bmm, baddbmm; we add the in-place addmm_) and the CUDA attention kernels, but
 not the CPU flash-attention kernel our runs use (``_scaled_dot_product_flash_attention_for_cpu``
 and its backward). We register formulas for those two ops that count only the query/key pairs a
 causal kernel actually visits (torch's own SDPA formulas count the dense ``lq x lk`` rectangle
@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 aten = torch.ops.aten
 
-MATMUL_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm")
+MATMUL_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "_scaled_mm")
 ATTENTION_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 ATTENTION_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -52,9 +52,10 @@ def _flash_cpu_bwd(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=N
 
 
 def _addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """``acc.addmm_(a, b)`` (accumulating GEMMs, ``layers/precision.matmul_acc``): torch's
-    counter registers only the out-of-place ``addmm``."""
-    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    """``acc.addmm_(a, b)``: the fp32 accumulators of layers/precision.py (torch counts only the
+    out-of-place ``addmm``)."""
+    m, k = a_shape
+    return 2 * m * k * b_shape[1]
 
 
 CUSTOM_FLOP_FORMULAS = {ATTENTION_FWD: _flash_cpu_fwd, ATTENTION_BWD: _flash_cpu_bwd,

@@ -25,6 +25,9 @@ TSP, group D (weights move, tokens stay)
     mlp bwd    ring again                                                   f * W_mlp    [weight]
                gradient accumulator riding the ring one hop behind          f * W_mlp    [grad]
     W_attn = W_qkv (+ qkv bias) + W_proj;  W_mlp = W_fc1 (+ fc1 bias) + W_fc2.
+    [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
+    runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
+    single wgrad GEMM (layers/precision.py); f * W bytes at 4 instead of 2 per element.
     The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
     by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
 
@@ -186,6 +189,12 @@ def _replace(shape: LayerShape, **kw) -> LayerShape:
     return replace(shape, **kw)
 
 
+def accumulation_bytes(dtype_bytes: int) -> int:
+    """Bytes per element of TSP's partial-sum accumulators: fp32 (4) for bf16/fp16 (2), the
+    compute dtype's size otherwise (mirrors ``layers.precision.accumulation_dtype``)."""
+    return max(dtype_bytes, 4)
+
+
 def ring_factor(d: int) -> float:
     """f = (D-1)/D."""
     if d < 1:
@@ -227,34 +236,46 @@ def _term(phase, op, category, elements, dtype_bytes, group, overlap, link="coll
 
 
 def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None,
-                    regather_kv_bwd: bool = True) -> List[CommTerm]:
-    """Every communication of one TSP layer (see module docstring)."""
+                    regather_kv_bwd: bool = True, kv_pipelined: bool = False) -> List[CommTerm]:
+    """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
+    per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
+    do).
+
+    Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
+    group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
+    reduce-to-owner of the weight gradients likewise exposes only the last (drain); the MLP ring
+    hides every weight hop behind a shard's GEMMs, and its gradient accumulator every hop but
+    the last. ``kv_pipelined``: the K/V all-gathers and dK/dV reduce-scatters are posted one head
+    group ahead (only fill/drain exposed); False = each is waited on right behind the QKV GEMM
+    of its own group (blocking)."""
     f = ring_factor(D)
     b = shape.dtype_bytes
-    gb = grad_dtype_bytes or b
+    gb = grad_dtype_bytes or accumulation_bytes(b)
     kv = 2 * shape.tokens * shape.kv_hidden
+    kv_overlap = "pipelined" if kv_pipelined else "critical"
+    ring = max(D - 1, 1)
     t = [
-        _term("attn_fwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "prefetch",
-              chunks=D, what="owner broadcasts qkv w/b + proj w shard"),
-        _term("attn_fwd", "all_gather", "activation", f * kv, b, "tsp", "pipelined", chunks=D,
+        _term("attn_fwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "pipelined",
+              chunks=D, what="owner broadcasts qkv w/b + proj w shard (first one exposed)"),
+        _term("attn_fwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap, chunks=D,
               what="all-gather K,V of one head group"),
         _term("mlp_fwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
-              chunks=max(D - 1, 1), what="ring of fc1 w/b + fc2 w shards"),
-        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "prefetch",
-              chunks=D, what="re-broadcast attention weight shards"),
+              chunks=ring, what="ring of fc1 w/b + fc2 w shards"),
+        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "pipelined",
+              chunks=D, what="re-broadcast attention weight shards (first one exposed)"),
     ]
     if regather_kv_bwd:
-        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", "pipelined",
+        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap,
                        chunks=D, what="re-gather K,V"))
     t += [
-        _term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "tsp", "pipelined", chunks=D,
-              what="reduce-scatter dK,dV to token owners"),
-        _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "prefetch", chunks=D,
-              what="reduce weight-grad shard to owner"),
+        _term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "tsp", kv_overlap,
+              chunks=D, what="reduce-scatter dK,dV to token owners"),
+        _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "pipelined", chunks=D,
+              what="reduce weight-grad shard to owner (last one exposed)"),
         _term("mlp_bwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
-              chunks=max(D - 1, 1), what="ring of weight shards again"),
-        _term("mlp_bwd", "p2p", "grad", f * shape.w_mlp, gb, "tsp", "prefetch", link="p2p",
-              chunks=max(D - 1, 1), what="grad accumulator one hop behind"),
+              chunks=ring, what="ring of weight shards again"),
+        _term("mlp_bwd", "p2p", "grad", f * shape.w_mlp, gb, "tsp", "pipelined", link="p2p",
+              chunks=ring, what="grad accumulator one hop behind (last hop exposed)"),
     ]
     return t
 

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -49,6 +49,7 @@ class ModelSpec:
     vocab: int = 32000
     tied_embeddings: bool = False
     dtype_bytes: int = 2
+    rope: bool = True  # rotary position embeddings (the fake-tensor tool's models use RoPE)
     description: str = ""
     assumptions: List[str] = field(default_factory=list)
     published: dict = field(default_factory=dict)
@@ -231,65 +232,99 @@ class Options:
     recompute: str = "auto"  # none | full | auto (none if it fits in HBM, else full)
     distributed_optimizer: bool = True
     tsp_recompute_mlp: bool = True  # TSP recomputes the per-shard fc1 GEMM in the backward
-    tsp_recompute_attn: bool = True  # TSP recomputes the attention core per head group
+    tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
+    # [S/D, b, h] attention outputs TSP's saved attention backward keeps per layer: 2 today (the
+    # head-group outputs and the projection input); 1 once the output is saved only once
+    tsp_saved_attn_out_copies: int = 2
     tsp_regather_kv: bool = True
+    # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (attn12's
+    # overlap); False = blocking behind their own group's QKV GEMM (the code before it)
+    tsp_kv_pipelined: bool = False
     cp_regather_kv: bool = True
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
-    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = param dtype
+    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = fp32 accumulators
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
 
 
-def _layer_activation_elems(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
-    """Elements one layer saves for its backward on one rank (no full recompute)."""
-    h, hkv = shape.hidden, shape.kv_hidden
-    mid = shape.fc1_rows + shape.ffn_hidden  # fc1 output + activation output
+def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
+                            rope: bool = True) -> Dict[str, float]:
+    """Bytes one layer keeps for its backward on one rank (no full recompute), tensor by tensor,
+    as the code saves them (measured with saved-tensor hooks and the fake-tensor tool).
+
+    TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
+    Function's input, the residual, the MLP Function's input), the norms' statistics, the local
+    RoPE table; saved attention backward: each head group's local q/k/v, its output (kept twice
+    today, ``tsp_saved_attn_out_copies``) and fp32 log-sum-exp; the MLP saves only its input
+    unless the per-shard fc1 outputs are kept (``tsp_recompute_mlp=False``).
+    Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
+    QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
+    fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
+    intermediates (fc1 output, activation output, and for GLUs the activated half)."""
+    h, hkv, hn = shape.hidden, shape.kv_hidden, shape.head_dim
+    b = shape.dtype_bytes
+    F_, rows = shape.ffn_hidden, shape.fc1_rows
     bs = shape.tokens
+    norm_stats = 2 if shape.normalization == "LayerNorm" else 1  # mean + rstd, or rstd
     if s.kind == "tsp":
         t = bs / s.tp
-        return {"ln1_in": t * h, "ln1_out": t * h, "qkv": t * (h + 2 * hkv),
-                "attn_out": 0.0 if o.tsp_recompute_attn else t * h,
-                "ln2_in": t * h, "ln2_out": t * h,
-                "mlp_mid": 0.0 if o.tsp_recompute_mlp else t * mid}
+        out = {"norm_in_out": 4 * t * h * b, "norm_stats": 2 * norm_stats * t * b,
+               "rope_table": t * hn * 4 if rope else 0.0}
+        if not o.tsp_recompute_attn:
+            out["attn_qkv"] = t * (h + 2 * hkv) * b
+            out["attn_out"] = o.tsp_saved_attn_out_copies * t * h * b
+            out["attn_lse"] = t * shape.heads * 4
+        if not o.tsp_recompute_mlp:
+            out["mlp_fc1_out"] = t * rows * b
+        return out
     t = bs / s.cp
-    sp = s.kind in ("tp_sp", "hybrid", "tp_cp", "cp")  # CP: T = 1, nothing replicated
-    rep = t / s.tp if sp else t  # tensors replicated over the TP group without SP
-    out = {"ln1_in": rep * h, "ln1_out": rep * h, "qkv": t * (h + 2 * hkv) / s.tp,
-           "attn_out": t * h / s.tp, "ln2_in": rep * h, "ln2_out": rep * h,
-           "mlp_mid": t * mid / s.tp}
+    sp = s.kind in ("tp_sp", "hybrid", "tp_cp", "cp")
+    rep = t / s.tp if sp else t  # tensors in the residual-stream layout
+    T = s.tp
+    mid = rows + F_ + (F_ if shape.gated else 0)
+    out = {"norm_in_out": 4 * rep * h * b, "norm_stats": 2 * norm_stats * rep * b,
+           "qkv_gemm_out": t * (h + 2 * hkv) / T * b, "rotated_qk": t * (h + hkv) / T * b
+           if rope else 0.0, "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
+           "attn_out": t * h / T * b, "attn_lse": t * shape.heads / T * 4,
+           "mlp_mid": t * mid / T * b}
     if s.kind == "hybrid":
-        # The TSP MLP keeps only its (local) input, already counted as ln2_out, unless it keeps
-        # the per-shard fc1 outputs: B*S/D tokens x every shard's intermediate = TP+SP's size.
-        out["mlp_mid"] = 0.0 if o.tsp_recompute_mlp else (bs / s.tp) * mid
+        # The TSP MLP keeps only its (local) input, already counted in norm_in_out, unless it
+        # keeps the per-shard fc1 outputs (B*S/D tokens x every shard's fc1 rows).
+        out["mlp_mid"] = 0.0 if o.tsp_recompute_mlp else (bs / s.tp) * rows * b
     return out
 
 
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
+    """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
     bs, h, hkv = shape.tokens, shape.hidden, shape.kv_hidden
     if s.kind == "tsp":
         D = s.tp
-        gb = o.tsp_grad_comm_bytes or b
+        gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
+        t = bs / D
         out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
-               "grad_accumulator": shape.w_mlp / D * gb,
+               "grad_accumulators": 4 * shape.w_mlp / D * gb,
+               "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
                "head_group_kv_and_dkv": 2 * (2 * bs * hkv / D) * b}
         if o.tsp_recompute_mlp:
-            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+            out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
-    out = {}
     t = bs / s.cp
     if s.kind == "hybrid":
-        # attention: Megatron's gathered QKV input + dgrad; MLP: TSP's shard buffers, accumulator
-        # and one shard's intermediate
+        # attention: Megatron's gathered QKV input + dgrad; MLP: TSP's shard buffers, fp32
+        # accumulators and one shard's intermediate
         D = s.tp
-        gb = o.tsp_grad_comm_bytes or b
+        gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
         out = {"gathered_input_and_dgrad": 2 * t * h * b,
                "weight_shard_buffers": 2 * shape.w_mlp / D * b,
-               "grad_accumulator": shape.w_mlp / D * gb}
+               "grad_accumulators": 4 * shape.w_mlp / D * gb,
+               "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b)}
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
+    # the MLP backward holds the gradients of its saved intermediates next to them
+    out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
     if s.kind in ("tp_sp", "tp_cp"):
         out["gathered_input_and_dgrad"] = 2 * t * h * b
     elif s.kind == "tp":
@@ -312,11 +347,15 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
                 group (DP, or DP x CP for CP) when ``distributed_optimizer``
     activations tensors every layer keeps for its backward (``recompute='full'``: only each
                 layer's input in the residual-stream layout)
-    transient   one layer's working set: TSP: two weight-shard buffers (current + prefetched),
-                the grad accumulator shard, one head group's full-sequence K/V and dK/dV, one MLP
-                shard's intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and
-                dK/dV; with full recompute also the recomputed layer's activations
-    logits      output-layer logits [tokens, vocab/T] bf16 + fp32 copy kept by the cross-entropy
+    transient   (backward peak only) one layer's working set: TSP: two weight-shard buffers
+                (current + prefetched), four fp32 gradient-accumulator shards, the fp32 grad_x
+                accumulator, one head group's full-sequence K/V and dK/dV, one MLP shard's
+                intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and dK/dV;
+                with full recompute also the recomputed layer's activations
+    logits      (forward peak only) the all-gathered final hidden state, the output-layer logits
+                [tokens, vocab/T] bf16 and the fp32 copy kept by the cross-entropy
+    The peak is the larger of forward (activations + logits) and backward (activations +
+    transient); the category not at the peak is 0.
     Not counted: dropout masks (dropout 0), softmax statistics, RNG state, allocator
     fragmentation, framework/NCCL workspaces, the embedding's own output.
     """
@@ -335,25 +374,38 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
     dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
-    layer_act = sum(_layer_activation_elems(shape, s, o).values()) * b
+    layer_act = sum(_layer_activation_bytes(shape, s, o, m.rope).values())
     transient = sum(_layer_transient_bytes(shape, s, o).values())
     if recompute == "full":
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
-        transient += layer_act
+        backward_extra = layer_act + transient  # the recomputed layer and its backward
     elif recompute == "none":
         activations = m.num_layers * layer_act
+        backward_extra = transient
     else:
         raise ValueError(f"recompute must be none or full, got {recompute!r}")
-    logit_tokens = shape.tokens / s.cp
-    logits = logit_tokens * vpad / T * (b + 4)
+    # Forward peak: every layer's saved tensors plus the output layer's: the final hidden state
+    # (all-gathered over TP/TSP) and the bf16 logits [tokens, vocab/T] with the fp32 copy the
+    # unfused cross-entropy keeps. Backward peak: the saved tensors plus one layer's working set
+    # (the logits are gone by then). The peak is the larger of the two.
+    head_tokens = shape.tokens / s.cp
+    stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
+    logits = (head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
+              + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
+              # last layer's output, final-norm output, the norm's normalised intermediate
+              + 3 * stream_tokens * m.hidden * b
+              # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
+              # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
+              + 47 * head_tokens)
+    forward_peak = logits >= backward_extra
     return {
         "params": local_params * b,
         "grads": local_params * 4,
         "optimizer": local_params * 12 / opt_div,
         "activations": activations,
-        "transient": transient,
-        "logits": logits,
+        "transient": 0.0 if forward_peak else backward_extra,
+        "logits": logits if forward_peak else 0.0,
     }
 
 
@@ -363,7 +415,8 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
 def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
     if s.kind == "tsp":
         return fm.tsp_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes,
-                                  regather_kv_bwd=o.tsp_regather_kv)
+                                  regather_kv_bwd=o.tsp_regather_kv,
+                                  kv_pipelined=o.tsp_kv_pipelined)
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
     if s.kind == "hybrid":
@@ -728,6 +781,54 @@ def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
             "strategies": strategies}
 
 
+def cheapest_fitting_layer_time(model, hw, kind: str, seq: int, gpus: int, degree: int,
+                                o: Options) -> dict:
+    """Per-layer step time (fwd + bwd incl. exposed comm, one micro-batch) of ``kind`` at the
+    cheapest recompute setting whose analytic peak fits in the GPU's HBM. Settings, cheapest
+    first: TSP saved attention, TSP attention recompute, full recompute; TP+SP / others: none,
+    full. Returns the chosen setting, its memory and time (and every candidate)."""
+    m, hw = load_model(model), load_hardware(hw)
+    s = make_strategy(kind, degree) if kind != "tp_cp" else _as_strategy(kind, degree)
+    settings = [("none", False)] + ([("none", True)] if kind == "tsp" else []) + [("full", False)]
+    candidates = []
+    for recompute, attn in settings:
+        oo = replace(o, recompute=recompute, tsp_recompute_attn=attn)
+        r = evaluate(m, hw, s, seq, gpus, oo)
+        mem = sum(analytic_memory(m, s, seq, o.micro_batch, dp=gpus // degree, recompute=recompute,
+                                  distributed_optimizer=o.distributed_optimizer,
+                                  options=oo).values())
+        layer = sum(r["layer_compute_s"].values()) + sum(r["layer_exposed_s"].values())
+        label = recompute + (" (attention recompute)" if attn else "")
+        candidates.append({"setting": label, "mem_bytes": mem, "layer_s": layer,
+                           "exposed_s": sum(r["layer_exposed_s"].values()),
+                           "fits": mem <= hw.hbm_gb * GB})
+    fitting = [c for c in candidates if c["fits"]]
+    best = min(fitting, key=lambda c: c["layer_s"]) if fitting else None
+    return {"strategy": s.label, "best": best, "candidates": candidates}
+
+
+def layer_time_report(m: ModelSpec, hw: HardwareSpec, seq: int, gpus: int, degree: int,
+                      o: Options) -> List[str]:
+    """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
+    res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o)
+           for k in ("tsp", "tp_sp")}
+    kv = "pipelined (fill/drain exposed)" if o.tsp_kv_pipelined else "blocking"
+    lines = [f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
+             f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"]
+    for k, r in res.items():
+        b = r["best"]
+        if b is None:
+            lines.append(f"  {r['strategy']:<7} nothing fits")
+            continue
+        lines.append(f"  {r['strategy']:<7} recompute {b['setting']:<24} mem {b['mem_bytes'] / GB:6.1f}"
+                     f" GB  layer {1e3 * b['layer_s']:7.1f} ms (exposed comm "
+                     f"{1e3 * b['exposed_s']:.1f} ms)")
+    if res["tsp"]["best"] and res["tp_sp"]["best"]:
+        ratio = res["tsp"]["best"]["layer_s"] / res["tp_sp"]["best"]["layer_s"]
+        lines.append(f"  TSP / TP+SP per-layer time: {ratio:.2f}x")
+    return lines
+
+
 def render(p: dict) -> str:
     m, hw, o = p["model"], p["hardware"], p["options"]
     lines = [f"megatron-tsp plan: model {m.name}, S={p['seq']:,}, {p['gpus']} x {hw.name} "
@@ -753,6 +854,8 @@ def render(p: dict) -> str:
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in hregs)
     lines.append("  predicted tokens/s, hybrid >= TP+SP on this hardware for S in: "
                  + (txt if hregs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    if "tsp" in [r["kind"] for r in p["rows"]] and p["seq"] % (2 * p["degree"]) == 0:
+        lines += [""] + layer_time_report(m, hw, p["seq"], p["gpus"], p["degree"], o)
     pc = paper_check(m, o)
     thr = (m.published or {}).get("throughput_tokens_per_s")
     if thr and thr["gpus"] == p["gpus"] and thr["hardware"] == hw.name and thr["seq"] == p["seq"]:
@@ -807,7 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
     ap.add_argument("--tsp-no-recompute-mlp", action="store_true",
                     help="TSP / hybrid MLP keeps the per-shard fc1 outputs")
-    ap.add_argument("--tsp-no-recompute-attn", action="store_true")
+    ap.add_argument("--tsp-recompute-attn", action="store_true",
+                    help="TSP attention_backward='recompute' (default: 'saved', as the layers)")
+    ap.add_argument("--tsp-kv-pipelined", action="store_true",
+                    help="model TSP's K/V collectives as pipelined one head group ahead")
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument("--sweep", default="",
                     help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))")
@@ -827,7 +933,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 global_batch_tokens=args.global_batch_tokens,
                 recompute=args.recompute, distributed_optimizer=not args.no_distributed_optimizer,
                 tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
-                tsp_recompute_attn=not args.tsp_no_recompute_attn)
+                tsp_recompute_attn=args.tsp_recompute_attn,
+                tsp_kv_pipelined=args.tsp_kv_pipelined)
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
     if args.seq_length % (2 * args.degree):

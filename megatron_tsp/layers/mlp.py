@@ -14,6 +14,13 @@ again, recomputing the shard's fc1 output (by default nothing but X_p is saved; 
 rides the ring behind the weights: rank p+t adds its contribution to shard p's weight gradient at
 step t, and the last hop lands on the owner, who holds the full gradient of its shard exactly like
 a TP=D rank.
+
+Precision: in bf16/fp16 the D partial outputs, the D ``grad_x`` contributions and the D ranks'
+partial weight gradients are summed in fp32 (``accumulation_dtype``), so the accumulator rides the
+ring in fp32 and is cast once, when handed to ``main_grad`` / autograd. Extra memory: the output
+and ``grad_x`` accumulators ([s/D, b, h] fp32 instead of bf16, O(local tokens)) and four fp32 flat
+gradient shards (O(weights / D), independent of the sequence length); extra traffic: the gradient
+accumulator's hops are 4 bytes/element instead of 2 (``formulas.tsp_layer_terms``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron_tsp.comm import FlatShard, ring_exchange, wait_all, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers.grads import weight_grad_output
+from megatron_tsp.layers.precision import accumulation_dtype, matmul_acc, matmul_into
 from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.parallel_state import resolve_group
 
@@ -113,9 +121,24 @@ def _fc1(x, fc1_w, fc1_b):
     return pre + fc1_b if fc1_b is not None else pre
 
 
+def _grad_buffer_dtype(params, fuse_into_main_grad: bool) -> torch.dtype:
+    """dtype of the gradient accumulator that rides the ring: ``main_grad``'s when the gradient is
+    fused into it (fp32 under Megatron DDP), else fp32 for bf16/fp16 params."""
+    acc = accumulation_dtype(params[0].dtype)
+    main_grad = getattr(params[0], "main_grad", None) if fuse_into_main_grad else None
+    if main_grad is not None and main_grad.dtype.itemsize > acc.itemsize:
+        return main_grad.dtype
+    return acc
+
+
 
 
 class _TSPMLPFunction(torch.autograd.Function):
+    """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
+    fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
+    steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind; no
+    collectives."""
+
     @staticmethod
     def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, fuse_into_main_grad,
                 recompute_activation):
@@ -123,8 +146,9 @@ class _TSPMLPFunction(torch.autograd.Function):
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
         saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
+        acc_dtype = accumulation_dtype(x.dtype)
         with comm_scope("tsp_mlp"):
-            out = None
+            out = None  # [tokens, h] partial-output accumulator (fp32 for bf16/fp16)
             current = FlatShard.pack(params) if size > 1 else None
             spare = [FlatShard.like(current), FlatShard.like(current)] if size > 2 else (
                 [FlatShard.like(current)] if size == 2 else [])
@@ -138,11 +162,13 @@ class _TSPMLPFunction(torch.autograd.Function):
                 pre = _fc1(x, w1, b1)
                 if not recompute_activation:
                     saved_pre.append(pre)
-                contrib = torch.matmul(activation(pre), w2.t())
-                out = contrib if out is None else out.add_(contrib)
+                hidden = activation(pre)
+                out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out,
+                                 dtype=acc_dtype)
                 wait_all(requests)
                 if incoming is not None:
                     current = incoming
+        out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
         ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
         ctx.group, ctx.activation, ctx.fuse = group, activation, fuse_into_main_grad
         ctx.saved_pre = saved_pre if not recompute_activation else None
@@ -158,12 +184,15 @@ class _TSPMLPFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
 
         saved_pre = ctx.saved_pre
+        acc_dtype = accumulation_dtype(x.dtype)
+        grad_dtype = _grad_buffer_dtype(params, ctx.fuse)
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
-        def shard_grads(views, step, out: FlatShard):
-            """This shard's dX contribution; its partial weight gradients (from this rank's
-            tokens) are written into ``out``."""
+        def shard_grads(views, step, out: FlatShard, grad_x):
+            """Adds this shard's dX contribution onto ``grad_x`` (None: starts it, in
+            ``acc_dtype``); its partial weight gradients (from this rank's tokens) are written
+            into ``out`` in ``out``'s dtype (fp32 in bf16 runs). Returns ``grad_x``."""
             w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
                 pre = (saved_pre[step] if saved_pre is not None else _fc1(x, w1, b1)).detach()
@@ -174,23 +203,26 @@ class _TSPMLPFunction(torch.autograd.Function):
             hidden = hidden.detach().reshape(-1, hidden.shape[-1])
             d_rows = d_pre.reshape(-1, d_pre.shape[-1])
             g_w1, g_b1, g_w2 = weight_bias_views(out.views(), has_bias)
-            torch.matmul(d_rows.t(), tokens_x, out=g_w1)
+            matmul_into(d_rows.t(), tokens_x, g_w1)
             if has_bias:
-                torch.sum(d_rows, dim=0, out=g_b1)
-            torch.matmul(tokens_dy.t(), hidden, out=g_w2)
-            return torch.matmul(d_pre, w1)
+                torch.sum(d_rows, dim=0, dtype=g_b1.dtype, out=g_b1)
+            matmul_into(tokens_dy.t(), hidden, g_w2)
+            return matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype)
+
+        def grad_shard() -> FlatShard:
+            return FlatShard(current.shapes, grad_dtype, current.buffer.device)
 
         with comm_scope("tsp_mlp"):
             current = FlatShard.pack(params)
-            own = FlatShard.like(current)  # this rank's shard: its own contribution, then the sum
+            own = grad_shard()  # this rank's shard: its own contribution, then the sum
             if size > 1:  # the next shard is posted before this step's matmuls
                 spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
                 requests = ring_exchange(current.buffer, spare[0].buffer, group)
-            grad_x = shard_grads(current.views(), 0, own)
+            grad_x = shard_grads(current.views(), 0, own, None)
             if size > 1:
                 # Double-buffered accumulators: the one being filled was sent two steps ago.
-                acc_out = [FlatShard.like(current), FlatShard.like(current)]
-                acc_in = [FlatShard.like(current), FlatShard.like(current)]
+                acc_out = [grad_shard(), grad_shard()]
+                acc_in = [grad_shard(), grad_shard()]
                 acc_requests, acc_recv = None, None
                 for t in range(1, size):
                     wait_all(requests)
@@ -201,7 +233,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                                                  group)
                     # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
                     filled = acc_out[t % 2]
-                    grad_x.add_(shard_grads(current.views(), t, filled))
+                    grad_x = shard_grads(current.views(), t, filled, grad_x)
                     wait_all(acc_requests)
                     if t >= 2:
                         filled.buffer.add_(acc_recv.buffer)
@@ -214,7 +246,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         fuse = ctx.fuse
         return (
-            grad_x,
+            grad_x.to(x.dtype).view(x.shape),
             weight_grad_output(fc1_w, g_w1, fuse),
             weight_grad_output(fc1_b, g_b1, fuse),
             weight_grad_output(fc2_w, g_w2, fuse),

@@ -45,3 +45,13 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor] = N
     if acc is None:
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
     return acc.addmm_(a.to(out_dtype), b.to(out_dtype))
+
+
+def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` (2-D) computed with ``out.dtype`` accumulation, written in place into
+    ``out`` (e.g. a view of a flat fp32 gradient buffer). Returns ``out``."""
+    if out.dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    if _mm_out_dtype_supported(a):
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

@@ -38,11 +38,12 @@ def test_tsp_hand_checked_mha():
     assert c == {
         "attn_fwd": (192 + 192) * 2,  # f*W_attn + f*KV, bf16
         "mlp_fwd": 384 * 2,  # f*W_mlp
-        "attn_bwd": (192 + 192 + 192 + 192) * 2,  # re-bcast, re-gather, dKV RS, grad reduce
-        "mlp_bwd": (384 + 384) * 2,  # ring + grad accumulator
+        # re-bcast, re-gather, dKV RS (bf16), grad reduce (fp32 accumulator)
+        "attn_bwd": (192 + 192 + 192) * 2 + 192 * 4,
+        "mlp_bwd": 384 * 2 + 384 * 4,  # ring (bf16) + grad accumulator (fp32)
     }
     split = fm.tsp_layer_split(s, 4)
-    assert split["attn_bwd"] == {"weight": 384.0, "grad": 384.0, "activation": 768.0}
+    assert split["attn_bwd"] == {"weight": 384.0, "grad": 768.0, "activation": 768.0}
     assert split["mlp_fwd"] == {"weight": 768.0, "grad": 0.0, "activation": 0.0}
 
 
@@ -55,14 +56,18 @@ def test_tsp_hand_checked_gqa_gated_bias():
     assert (s.w_attn, s.w_mlp, s.replicated_params) == (208, 312, 48)
     assert s.layer_params == 208 + 312 + 48
     # D=2, f=1/2, K/V = 2*4*4 = 32 elements
-    assert fm.tsp_layer_comm(s, 2) == {"attn_fwd": 240.0, "mlp_fwd": 312.0,
-                                       "attn_bwd": 480.0, "mlp_bwd": 624.0}
-    # fp32 gradient traffic: grads at 4 bytes, weights/activations at 2
-    c = fm.tsp_layer_comm(s, 2, grad_dtype_bytes=4)
+    # gradients rounded to bf16 on the wire (not what the layers do; grad_dtype_bytes=2)
+    assert fm.tsp_layer_comm(s, 2, grad_dtype_bytes=2) == {
+        "attn_fwd": 240.0, "mlp_fwd": 312.0, "attn_bwd": 480.0, "mlp_bwd": 624.0}
+    # default: fp32 gradient accumulators, grads at 4 bytes, weights/activations at 2
+    c = fm.tsp_layer_comm(s, 2)
+    assert c == fm.tsp_layer_comm(s, 2, grad_dtype_bytes=4)
     assert c["attn_bwd"] == (104 + 16 + 16) * 2 + 104 * 4
     assert c["mlp_bwd"] == 156 * 2 + 156 * 4
+    # fp32 / fp64 models: accumulators in the model dtype
+    assert fm.accumulation_bytes(4) == 4 and fm.accumulation_bytes(8) == 8
     # without the backward K/V re-gather
-    assert fm.tsp_layer_comm(s, 2, regather_kv_bwd=False)["attn_bwd"] == 480.0 - 16 * 2
+    assert fm.tsp_layer_comm(s, 2, regather_kv_bwd=False)["attn_bwd"] == c["attn_bwd"] - 16 * 2
 
 
 def test_megatron_tp_sp_and_tp():
@@ -150,9 +155,16 @@ def test_paper_model_crossover_constants(D):
     h = PAPER_7B.hidden
     # forward: 12h^2 + 2BSh <= 4BSh  <=>  BS >= 6h (independent of D)
     assert fm.crossover_seq_length(PAPER_7B, D, "fwd") == pytest.approx(6 * h)
-    # fwd+bwd vs TP+SP: 36h^2 + 6BSh <= 10BSh -> 9h; vs plain TP: 36h^2 + 6BSh <= 8BSh -> 18h
-    assert fm.crossover_seq_length(PAPER_7B, D, "total") == pytest.approx(9 * h)
-    assert fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp") == pytest.approx(18 * h)
+    # fwd+bwd with bf16 gradients on the wire (the paper's count):
+    # vs TP+SP: 36h^2 + 6BSh <= 10BSh -> 9h; vs plain TP: 36h^2 + 6BSh <= 8BSh -> 18h
+    bf16_grads = {"grad_dtype_bytes": 2}
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", **bf16_grads) == pytest.approx(9 * h)
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp",
+                                   **bf16_grads) == pytest.approx(18 * h)
+    # what the layers send: fp32 gradient accumulators, the 12h^2 grad term counts twice:
+    # 48h^2 + 6BSh <= 10BSh -> 12h; vs TP: 24h
+    assert fm.crossover_seq_length(PAPER_7B, D, "total") == pytest.approx(12 * h)
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp") == pytest.approx(24 * h)
     # batch: the crossover is in B*S
     assert fm.crossover_seq_length(PAPER_7B.with_batch(4), D) == pytest.approx(6 * h / 4)
     ca = fm.crossover_analysis(PAPER_7B, D)

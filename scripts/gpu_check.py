@@ -1,0 +1,392 @@
+#!/usr/bin/env python
+"""One prepared GPU check for TSP (issue 12 section 5): speed, memory and bf16 accuracy of the
+real layer code on ONE GPU.
+
+    python scripts/gpu_check.py --out-dir DIR            # H100 / H200, torch >= 2.11 with CUDA
+    python scripts/gpu_check.py --out-dir DIR --cpu-smoke # tiny shapes on CPU (the test suite)
+
+(a) One rank's full transformer-layer step (forward + backward) for TSP (D=8) and Megatron
+    TP=8 + SP at 7B / 128k shapes (h=4096, 32 heads, FFN 4h, RoPE, S=131072, micro-batch 1,
+    bf16), built from the same layer specs as training (``megatron_tsp.specs`` for TSP,
+    megatron-core's local spec for TP+SP) in a world of D ranks made of torch's ``fake`` process
+    group: every collective returns at once, so the timings are one rank's compute and memory
+    copies with communication removed. TP+SP's core attention is one causal
+    ``F.scaled_dot_product_attention`` call over the whole sequence (flash / cuDNN; Megatron's
+    local core attention would materialise the [S, S] scores). Reported: median step time of
+    each and their ratio, kernels launched per layer step (torch.profiler), and
+    ``torch.cuda.max_memory_allocated`` during the step beside the fake-tensor prediction
+    (MemTracker under FakeTensorMode, the machinery of ``megatron-tsp memory``) for the same
+    layer, input and layout.
+(b) TSP layers in bf16 against the same layers in fp32 (same weights, input and output
+    gradient) at D=1: relative errors of the output, the input gradient and every weight
+    gradient. D>1 on one GPU is not run: torch's single-process multi-rank ("threaded") process
+    group has no point-to-point or reduce ops (the MLP ring needs isend/irecv, attention a
+    reduce-to-owner); D=4 bf16 accuracy against TP+SP is tested on CPU by tests/test_precision.py.
+(c) ``DIR/gpu_check.json`` and ``DIR/gpu_check.md``.
+
+Timings are reported as ratios and absolute medians, never asserted. Total run time on an H200:
+a few minutes (7B-layer builds on CPU dominate); ``--iters`` / ``--seq`` shorten it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+GB = 1e9
+SCHEMES = {"tsp": "TSP", "tpsp": "Megatron TP+SP"}
+
+
+# --------------------------------------------------------------------------------------------
+# layer construction (real specs, fake process group)
+
+
+def _sdpa_core_attention_class():
+    """Megatron ``core_attention`` for TP+SP on one GPU: one causal SDPA call (flash / cuDNN)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None):
+            super().__init__(config=config)
+            kv = config.kv_channels or config.hidden_size // config.num_attention_heads
+            self.scale = softmax_scale or 1.0 / math.sqrt(kv)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            sq, b = query.shape[0], query.shape[1]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    return SDPACoreAttention
+
+
+def _run_config(scheme, d, model, seq, dtype, init):
+    from megatron_tsp.estimator import fake_run as fr
+
+    return fr.RunConfig(scheme=scheme, model=model, world_size=d, tp=d, seq=seq,
+                        dtype="bf16" if dtype == torch.bfloat16 else "fp32", fake=not init)
+
+
+def setup_groups(scheme: str, d: int, model, seq: int) -> None:
+    """A fake world of ``d`` ranks (this process is rank 0) and the scheme's Megatron groups.
+    Outside FakeTensorMode: group creation checks its configuration with a real collective."""
+    from megatron_tsp.estimator import fake_run as fr
+
+    cfg = _run_config(scheme, d, model, seq, torch.bfloat16, False)
+    fr._ensure_fake_world(d)
+    fr._init_parallel(cfg)
+
+
+def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device: str,
+                init: bool):
+    """One TransformerLayer of ``scheme`` for rank 0 of the fake group of ``d`` ranks (see
+    ``setup_groups``), plus the full-sequence RoPE table the model would pass it."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_tsp.estimator import fake_run as fr
+
+    cfg = _run_config(scheme, d, model, seq, dtype, init)
+    # D=1: Megatron refuses sequence parallelism without tensor parallelism (config only).
+    config_cfg = dataclasses.replace(cfg, scheme="tp") if d == 1 else cfg
+    # On the GPU the parameters are created there (Megatron's default); torch modules (the norms)
+    # follow the default-device context below.
+    config = dataclasses.replace(fr._transformer_config(config_cfg),
+                                 use_cpu_initialization=device == "cpu")
+    if scheme == "tpsp":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from megatron_tsp.layers.norm import TSPNorm
+
+        spec = get_gpt_layer_local_spec(normalization=model.normalization)
+        spec.submodules.input_layernorm = TSPNorm
+        spec.submodules.pre_mlp_layernorm = TSPNorm
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
+    else:
+        spec = fr._layer_spec(cfg, config).layer_specs[0]
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    with torch.device(device):
+        layer = build_module(spec, config=config, layer_number=1)
+    kv = config.kv_channels or model.hidden // model.heads
+    rope = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, use_cpu_initialization=True)
+    freqs = rope(seq).to(device)
+    return layer, freqs
+
+
+def layer_inputs(d: int, model, seq: int, dtype, device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (seq // d, 1, model.hidden)
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    return x, dy
+
+
+def layer_step(layer, x, dy, freqs):
+    """Forward + backward of one layer; returns the output (detached)."""
+    x = x.detach().requires_grad_(True)
+    out, _ = layer(x, attention_mask=None, rotary_pos_emb=freqs)
+    out.backward(dy)
+    return out.detach(), x.grad
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------
+# (a) timing, kernels, memory
+
+
+def _count_kernels(layer, x, dy, freqs, device) -> Dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        layer_step(layer, x, dy, freqs)
+        _sync(device)
+    events = prof.events()
+    if device == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {"kernels": len(kernels), "kind": "CUDA kernels"}
+    leaves = [e for e in events if e.name.startswith("aten::") and not e.cpu_children]
+    return {"kernels": len(leaves), "kind": "leaf aten ops (CPU smoke)"}
+
+
+def _fake_peak(scheme, d, model, seq, dtype, device) -> Dict[str, float]:
+    """The fake-tensor tool's prediction for this layer step: MemTracker's peak under
+    FakeTensorMode (no storage) over the same build and step, parameters, inputs and RoPE table
+    included (as ``max_memory_allocated`` includes them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    setup_groups(scheme, d, model, seq)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer, freqs = build_layer(scheme, d, model, seq, dtype, device, init=False)
+        x, dy = layer_inputs(d, model, seq, dtype, device)
+        tracker = MemTracker()
+        tracker.track_external(layer, x, dy, freqs)
+        with tracker:
+            layer_step(layer, x, dy, freqs)
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    total = None
+    by_cat = {}
+    for k, v in peak.items():
+        name = str(getattr(k, "value", k))
+        if name == "Total":
+            total = int(v)
+        else:
+            by_cat[name] = int(v)
+    if total is None:
+        total = sum(by_cat.values())
+    return {"peak_bytes": total, "by_category": by_cat}
+
+
+def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
+    setup_groups(scheme, d, model, seq)
+    layer, freqs = build_layer(scheme, d, model, seq, dtype, device, init=False)
+    x, dy = layer_inputs(d, model, seq, dtype, device)
+    for _ in range(warmup):
+        layer_step(layer, x, dy, freqs)
+        layer.zero_grad(set_to_none=True)
+    _sync(device)
+    base = peak = None
+    if device == "cuda":
+        layer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        layer_step(layer, x, dy, freqs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    times = []
+    for _ in range(iters):
+        layer.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        layer_step(layer, x, dy, freqs)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    layer.zero_grad(set_to_none=True)
+    kernels = _count_kernels(layer, x, dy, freqs, device)
+    params = sum(p.numel() for p in layer.parameters())
+    del layer, x, dy
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"scheme": scheme, "step_s": times, "step_s_median": statistics.median(times),
+            "kernels_per_layer_step": kernels["kernels"], "kernel_kind": kernels["kind"],
+            "max_memory_allocated_bytes": peak, "memory_before_step_bytes": base,
+            "layer_params": params}
+
+
+# --------------------------------------------------------------------------------------------
+# (b) bf16 vs fp32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def precision_check(model, seq, device) -> dict:
+    """TSP layer at D=1 in bf16 vs the same layer in fp32 (bf16-representable weights/data)."""
+    out = {}
+    runs = {}
+    setup_groups("tsp", 1, model, seq)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer, freqs = build_layer("tsp", 1, model, seq, dtype, device, init=True)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():  # same bf16-representable weights
+                noise = torch.randn(p.shape) * 0.05
+                value = 1.0 + noise if "layernorm" in name and name.endswith("weight") else noise
+                p.copy_(value.to(torch.bfloat16).to(p.dtype))
+        x, dy = layer_inputs(1, model, seq, torch.bfloat16, device, seed=3)
+        y, gx = layer_step(layer, x.to(dtype), dy.to(dtype), freqs)
+        runs[dtype] = (y, gx, {n: p.grad.detach().clone() for n, p in layer.named_parameters()})
+        del layer
+    (y32, g32, w32), (y16, g16, w16) = runs[torch.float32], runs[torch.bfloat16]
+    out["output"] = _rel(y16, y32)
+    out["grad:input"] = _rel(g16, g32)
+    for name in w32:
+        out[f"grad:{name}"] = _rel(w16[name], w32[name])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def write_report(result: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    a, b = result["timing"], result["precision"]
+    s = result["setup"]
+    lines = [f"# gpu_check ({s['mode']})", "",
+             f"{s['device_name']}, torch {s['torch']}, megatron-core {s['megatron_core']}; "
+             f"h={s['hidden']}, heads={s['heads']}, FFN={s['ffn']}, S={s['seq']}, D={s['d']}, "
+             f"micro-batch 1, {s['dtype']}, fake process group (no communication).", "",
+             "## (a) one rank's layer step, forward + backward", "",
+             "| scheme | step ms (median) | kernels / layer step | max_memory_allocated GB "
+             "| fake-tensor prediction GB |", "|---|---|---|---|---|"]
+    for key, name in SCHEMES.items():
+        r = a[key]
+        mem = r["max_memory_allocated_bytes"]
+        lines.append(f"| {name} | {1e3 * r['step_s_median']:.2f} | {r['kernels_per_layer_step']}"
+                     f" | {'n/a (CPU)' if mem is None else f'{mem / GB:.2f}'}"
+                     f" | {r['fake_peak_bytes'] / GB:.4g} |")
+    lines += ["", f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** "
+              f"({a['tsp']['kernel_kind']}).", "",
+              "## (b) TSP layer, bf16 vs fp32 (D=1)", "", "| tensor | relative error |",
+              "|---|---|"]
+    for k, v in b["d1"].items():
+        lines.append(f"| {k} | {v:.3e} |")
+    lines += ["", f"D>1: {b['d_gt_1']}", ""]
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on CPU, same code path (used by tests/test_gpu_check.py)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 131072)")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--d", type=int, default=8, help="group size D (TSP) = TP size (TP+SP)")
+    p.add_argument("--skip-fake", action="store_true", help="skip the fake-tensor prediction")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    args = parse_args(argv)
+    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.estimator import fake_run as fr
+
+    if args.cpu_smoke:
+        device, model = "cpu", fr.ModelShape(hidden=64, layers=1, heads=4, vocab=128)
+        seq, d, iters = args.seq or 64, min(args.d, 2), args.iters or 2
+        enable_cpu_support()
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --cpu-smoke on a CPU machine", file=sys.stderr)
+            return 2
+        device, model = "cuda", fr.PRESETS["7b"]
+        seq, d, iters = args.seq or 131072, args.d, args.iters or 3
+    model = dataclasses.replace(model, layers=1)
+    dtype = torch.bfloat16
+    t0 = time.time()
+    timing = {}
+    for scheme in SCHEMES:
+        timing[scheme] = time_scheme(scheme, d, model, seq, dtype, device, iters, args.warmup)
+        timing[scheme]["fake_peak_bytes"] = None
+        if not args.skip_fake:
+            fk = _fake_peak(scheme, d, model, seq, dtype, device)
+            timing[scheme]["fake_peak_bytes"] = fk["peak_bytes"]
+            timing[scheme]["fake_peak_by_category"] = fk["by_category"]
+        print(f"[a] {scheme}: {1e3 * timing[scheme]['step_s_median']:.2f} ms, "
+              f"{timing[scheme]['kernels_per_layer_step']} kernels, "
+              f"peak {timing[scheme]['max_memory_allocated_bytes']}, "
+              f"fake {timing[scheme]['fake_peak_bytes']}", flush=True)
+    timing["ratio_tsp_over_tpsp"] = (timing["tsp"]["step_s_median"]
+                                     / timing["tpsp"]["step_s_median"])
+    prec_seq = seq if args.cpu_smoke else min(seq, 8192)
+    precision = {"d1": precision_check(model, prec_seq, device), "seq": prec_seq,
+                 "d_gt_1": "not run on one GPU: torch's threaded process group implements no "
+                           "isend/irecv/reduce (the MLP ring and the attention owner reduce "
+                           "need them); D=4 bf16 vs TP+SP is tests/test_precision.py (CPU)"}
+    print("[b] bf16 vs fp32 (D=1):", {k: f"{v:.2e}" for k, v in precision["d1"].items()},
+          flush=True)
+    try:
+        import megatron.core as mc
+        core_version = getattr(mc, "__version__", "?")
+    except Exception:  # pragma: no cover
+        core_version = "?"
+    result = {
+        "setup": {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "device": device,
+                  "device_name": (torch.cuda.get_device_name() if device == "cuda"
+                                  else platform.processor() or "cpu"),
+                  "torch": torch.__version__, "megatron_core": core_version,
+                  "hidden": model.hidden, "heads": model.heads, "ffn": model.ffn_size,
+                  "seq": seq, "d": d, "dtype": "bf16", "iters": iters,
+                  "wall_s": None},
+        "timing": timing, "precision": precision,
+    }
+    result["setup"]["wall_s"] = round(time.time() - t0, 1)
+    write_report(result, args.out_dir)
+    print(f"wrote {args.out_dir}/gpu_check.md and gpu_check.json ({result['setup']['wall_s']} s)")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""bf16 accuracy of TSP vs Megatron TP+SP, both against an fp64 single-process reference.
+
+Run inside every rank of a gloo pool. One fp64 stock GPTModel (TP=1) defines the exact loss and
+gradients; the weights it uses are first rounded to bf16 so that the two bf16 runs (Megatron
+TP=D + SP and TSP-D, same ranks, same batch) start from exactly the reference's weights and differ
+from it only by their own bf16 arithmetic.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from megatron_tsp import checkpoint, zigzag
+from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from tests.checks_gpt import _batch, _config, _model, _step, _tp_group_info
+from tests.common import group_info, setup_megatron_tp, setup_tsp
+
+
+def _norm_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in fp64 (Frobenius)."""
+    expected = expected.double()
+    diff = (actual.double() - expected).norm().item()
+    scale = expected.norm().item()
+    return diff / (scale if scale > 0 else 1.0)
+
+
+def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
+    """One bf16 step of TSP-d or Megatron TP=d+SP from ``full_params``: loss and full grads."""
+    if kind == "tsp":
+        setup_tsp(d)
+        group, size, _ = group_info()
+        spec_fn, local = get_gpt_block_tsp_spec, zigzag.get_batch_on_this_tsp_rank(data, d)
+    else:
+        setup_megatron_tp(d)
+        group, size, _ = _tp_group_info()
+        spec_fn, local = get_gpt_block_local_sp_spec, data
+    config = _config(d, torch.bfloat16, style, **dims)
+    model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
+    model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
+    checkpoint.load_full_state(model, {n: t.to(torch.bfloat16) for n, t in full_params.items()},
+                               group)
+    loss = _step(model, local, "megatron")
+    checkpoint.allreduce_sequence_parallel_grads(model, group)
+    return loss.double(), checkpoint.gather_full_state(model, group, grads=True)
+
+
+def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, vocab=256,
+                        batch=2, seq=64):
+    """Loss and per-parameter gradient errors of TSP-d and TP=d+SP (bf16) against fp64."""
+    dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
+    setup_megatron_tp(1, seed)
+    config64 = _config(1, torch.float64, style, **dims)
+    reference = _model(config64, get_gpt_block_local_sp_spec(config64), style, vocab, seq,
+                       parallel_output=True).to(torch.float64)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # bf16-representable weights, Megatron's init scale
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float64))
+    full = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    data = _batch(seed, batch, seq, vocab)
+    ref_loss = _step(reference, data, "megatron").double()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+    out = {}
+    for kind in ("tp_sp", "tsp"):
+        loss, grads = _run_bf16(kind, d, style, full, data, dims, vocab, seq)
+        per_param = {n: _norm_rel(grads[n], g) for n, g in ref_grads.items()}
+        out[kind] = {
+            "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "grad_median": statistics.median(per_param.values()),
+            "grad_max": max(per_param.values()),
+            "per_param": per_param,
+        }
+    return out
+
+
+def _global_norm_rel(local_actual, local_expected, group) -> float:
+    """Frobenius relative error of a tensor sharded over ``group`` (each rank: its slice)."""
+    import torch.distributed as dist
+
+    sums = torch.tensor([(local_actual.double() - local_expected.double()).pow(2).sum().item(),
+                         local_expected.double().pow(2).sum().item()], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    return (sums[0] / sums[1]).sqrt().item()
+
+
+def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ffn=256):
+    """One MLP layer, bf16: TSP-d and Megatron's MLP at TP=d+SP against an fp64 reference on the
+    same (bf16-representable) weights, input and output gradient. Output, input-gradient and
+    weight-gradient errors (Frobenius, relative)."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_tsp.layers.mlp import TSPMLP, make_activation
+    from tests.common import make_config
+
+    act = F.silu if gated else F.gelu
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for kind in ("tp_sp", "tsp"):
+        (setup_tsp if kind == "tsp" else setup_megatron_tp)(d)
+        group, size, rank = group_info() if kind == "tsp" else _tp_group_info()
+        config = make_config(d, torch.bfloat16, hidden_size=hidden, ffn_hidden_size=ffn,
+                             gated_linear_unit=gated, add_bias_linear=bias, activation_func=act)
+        layer = (TSPMLP if kind == "tsp" else MLP)(config, submodules)
+        if kind == "tp_sp":  # same full weights / data for both kinds
+            gen.manual_seed(seed)
+            full = {}
+            for n, p in layer.named_parameters():
+                sharded, dim, _ = checkpoint.sharding_of(p)
+                shape = list(p.shape)
+                if sharded:
+                    shape[dim] *= size
+                full[n] = (torch.randn(shape, generator=gen) * 0.1).to(torch.bfloat16).double()
+            x_full = torch.randn(seq, batch, hidden, generator=gen).to(torch.bfloat16).double()
+            dy_full = torch.randn(seq, batch, hidden, generator=gen).to(torch.bfloat16).double()
+            ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
+            xr = x_full.clone().requires_grad_(True)
+            pre = xr @ ref["linear_fc1.weight"].t()
+            if bias:
+                pre = pre + ref["linear_fc1.bias"]
+            yr = make_activation(config)(pre) @ ref["linear_fc2.weight"].t()
+            yr.backward(dy_full)  # fc2 bias is added outside both layers
+        checkpoint.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()},
+                                   group)
+        if kind == "tsp":
+            split = lambda t: zigzag.split(t, size, rank, dim=0)  # noqa: E731
+        else:
+            split = lambda t: t.chunk(size, dim=0)[rank]  # noqa: E731
+        x = split(x_full).to(torch.bfloat16).requires_grad_(True)
+        y, _ = layer(x)
+        y.backward(split(dy_full).to(torch.bfloat16))
+        grads = checkpoint.gather_full_state(layer, group, grads=True)
+        out[kind] = {"output": _global_norm_rel(y, split(yr.detach()), group),
+                     "grad:input": _global_norm_rel(x.grad, split(xr.grad), group)}
+        for n, g in grads.items():
+            out[kind][f"grad:{n}"] = _norm_rel(g, ref[n].grad)
+    return out

@@ -1,0 +1,52 @@
+"""Run in a subprocess by test_planner_memory.py: the fake-tensor tool (``fake_run.run_step``)
+and the planner's ``analytic_memory`` on the same layouts; prints one JSON line."""
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+from megatron_tsp.estimator import fake_run as fr  # noqa: E402
+from megatron_tsp.estimator import planner as pl  # noqa: E402
+
+def layouts(d):
+    """(name, scheme for the fake tool, kind for the planner, TP, CP, recompute, TSP attention
+    backward) for a group of ``d`` ranks."""
+    return [
+        ("tsp", "tsp", "tsp", d, 1, "none", "saved"),
+        ("tsp-attn-recompute", "tsp", "tsp", d, 1, "none", "recompute"),
+        ("tpsp", "tpsp", "tp_sp", d, 1, "none", None),
+        ("tpsp-full", "tpsp", "tp_sp", d, 1, "full", None),
+        ("tsp-full", "tsp", "tsp", d, 1, "full", "saved"),
+        ("tpcp", "cp", "tp_cp", d // 2, 2, "none", None),
+    ]
+
+
+def main(hidden, layers, heads, vocab, seq, d, which):
+    shape = fr.ModelShape(hidden=hidden, layers=layers, heads=heads, vocab=vocab)
+    spec = pl.ModelSpec(name="check", hidden=hidden, num_layers=layers, heads=heads,
+                        query_groups=heads, ffn=4 * hidden, vocab=vocab)
+    out = []
+    for name, scheme, kind, tp, cp, recompute, attn in layouts(d):
+        if which and name not in which:
+            continue
+        measured = fr.run_step(fr.RunConfig(
+            scheme=scheme, model=shape, world_size=tp * cp, tp=tp, cp=cp, seq=seq,
+            recompute=recompute, count_flops=False, count_comm=False,
+            tsp_attention_backward=attn))
+        planned = pl.analytic_memory(
+            spec, pl.Strategy(kind, tp=tp, cp=cp), seq, recompute=recompute,
+            distributed_optimizer=False,
+            options=pl.Options(tsp_recompute_attn=attn == "recompute"))
+        out.append({"layout": f"{measured.label} {recompute}" + (f" attn={attn}" if attn else ""),
+                    "measured": measured.peak_bytes, "planned": sum(planned.values()),
+                    "measured_phase": measured.peak_phase,
+                    "measured_by_category": measured.peak_breakdown,
+                    "planned_by_category": planned})
+    print("@@RESULT@@" + json.dumps(out))
+
+
+if __name__ == "__main__":
+    args = [int(a) for a in sys.argv[1:7]]
+    main(*args, which=sys.argv[7].split(",") if len(sys.argv) > 7 else [])
