@@ -32,8 +32,9 @@ def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
             assert r["tsp"][name] <= 1.01 * r["tp_sp"][name], (name, r)
 
 
-@pytest.mark.xfail(strict=False, reason="attention still sums dK/dV and weight-gradient partials "
-                   "in bf16 (attn12's part of issue 12); remove this mark once it lands")
+@pytest.mark.xfail(strict=False, reason="attention now accumulates in fp32 (attn12) and TSP's "
+                   "median gradient error is at or below TP+SP's, but its bf16 loss error is "
+                   "still 1.2-1.4x TP+SP's (cause not isolated yet)")
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
     """Two-layer GPTModel (llama: GQA + RoPE + SwiGLU + RMSNorm; gpt2: MHA + learned positions +
