@@ -182,6 +182,17 @@ class RunResult:
 # baseline core attention through the TSP layers' kernels and K/V collectives
 
 
+def _gather_kv(k, v, group, size):
+    """The packed K/V all-gather of the TSP layers with per-call buffers (TE's CP allocates per
+    call; the persistent ``comm.WORKSPACE`` is TSP's own): natural-order views (K, V)."""
+    from megatron_tsp import zigzag
+    from megatron_tsp.comm import all_gather_seq
+
+    groups = k.shape[2]
+    kv = zigzag.unpermute(all_gather_seq(torch.cat([k, v], dim=2), group), size, dim=0)
+    return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
+
+
 class BaselineCoreAttention(torch.autograd.Function):
     """Core attention of the TP / TP+SP / TP x CP baselines, built from the TSP layers' own code:
     the attention-kernel interface (``megatron_tsp.layers.kernels``, the backend the layers would
@@ -195,13 +206,11 @@ class BaselineCoreAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, chunks, group):
-        from megatron_tsp.layers import attention as tsp_attention
         from megatron_tsp.layers import kernels
 
         kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
         size = dist.get_world_size(group) if group is not None else 1
-        k_nat, v_nat = (tsp_attention._post_kv_gather(k, v, group, size, slot=0).wait()
-                        if group is not None else (k, v))
+        k_nat, v_nat = _gather_kv(k, v, group, size) if group is not None else (k, v)
         outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks, scale)
         del k_nat, v_nat
         out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -212,21 +221,23 @@ class BaselineCoreAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from megatron_tsp.layers import attention as tsp_attention
         from megatron_tsp.layers import kernels
 
         q, k, v, out, *lses = ctx.saved_tensors
         group, chunks = ctx.group, ctx.chunks
         size = dist.get_world_size(group) if group is not None else 1
-        k_nat, v_nat = (tsp_attention._post_kv_gather(k, v, group, size, slot=0).wait()
-                        if group is not None else (k, v))
+        k_nat, v_nat = _gather_kv(k, v, group, size) if group is not None else (k, v)
         c_len = q.shape[0] // len(chunks)
         outs = [out.narrow(0, i * c_len, c_len) for i in range(len(chunks))]
         dq, dkv = kernels.zigzag_backward(ctx.kernel, dout.contiguous(), q, k_nat, v_nat, chunks,
                                           ctx.scale, outs, lses)
         del k_nat, v_nat
         if group is not None:
-            dkv = tsp_attention._post_kv_grad_scatter(dkv, q.dtype, group, size, slot=0).wait()
+            from megatron_tsp import zigzag
+            from megatron_tsp.comm import reduce_scatter_seq
+
+            # per-call buffers, like TE's CP (TSP's persistent workspace is TSP's own)
+            dkv = reduce_scatter_seq(zigzag.permute(dkv.to(q.dtype), size, dim=0), group)
         else:
             dkv = dkv.to(q.dtype)
         groups = k.shape[2]

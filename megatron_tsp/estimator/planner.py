@@ -235,7 +235,7 @@ class Options:
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
     # [S/D, b, h] attention outputs TSP's saved attention backward keeps per layer: 2 today (the
     # head-group outputs and the projection input); 1 once the output is saved only once
-    tsp_saved_attn_out_copies: int = 2
+    tsp_saved_attn_out_copies: int = 1
     tsp_regather_kv: bool = True
     # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (attn12's
     # overlap); False = blocking behind their own group's QKV GEMM (the code before it)
@@ -255,8 +255,8 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
 
     TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
     Function's input, the residual, the MLP Function's input), the norms' statistics, the local
-    RoPE table; saved attention backward: each head group's local q/k/v, its output (kept twice
-    today, ``tsp_saved_attn_out_copies``) and fp32 log-sum-exp; the MLP saves only its input
+    RoPE table; saved attention backward: each head group's local q/k/v, its output (kept once,
+    ``tsp_saved_attn_out_copies``) and fp32 log-sum-exp; the MLP saves only its input
     unless the per-shard fc1 outputs are kept (``tsp_recompute_mlp=False``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
@@ -295,6 +295,18 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
     return out
 
 
+def _tsp_comm_workspace(shape: LayerShape, D: int):
+    """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
+    all layers, allocated once): (in forward, in backward). Forward: two gathered and one
+    natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers; backward
+    adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers."""
+    b = shape.dtype_bytes
+    kv_full = 2 * shape.tokens * shape.kv_hidden / D
+    kv_local = kv_full / D
+    fwd = (3 * kv_full + 2 * kv_local) * b
+    return fwd, fwd + (2 * kv_full + 2 * kv_local) * b
+
+
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
     """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
@@ -306,7 +318,10 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
                "grad_accumulators": 4 * shape.w_mlp / D * gb,
                "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
-               "head_group_kv_and_dkv": 2 * (2 * bs * hkv / D) * b}
+               # one head group's dK/dV over the full sequence: the fp32 (accumulation dtype)
+               # accumulator and its cast for the reduce-scatter; the gathered K/V themselves
+               # live in the persistent comm workspace (``_tsp_comm_workspace``)
+               "head_group_dkv": (2 * bs * hkv / D) * (fm.accumulation_bytes(b) + b)}
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
@@ -380,6 +395,8 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
         backward_extra = layer_act + transient  # the recomputed layer and its backward
+        if s.kind == "tsp":  # the recomputed attention forward's output accumulator
+            backward_extra += shape.tokens / s.tp * m.hidden * fm.accumulation_bytes(b)
     elif recompute == "none":
         activations = m.num_layers * layer_act
         backward_extra = transient
@@ -398,6 +415,10 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
               # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
               # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
               + 47 * head_tokens)
+    if s.kind == "tsp":
+        ws_fwd, ws_bwd = _tsp_comm_workspace(shape, s.tp)
+        logits += ws_fwd
+        backward_extra += ws_bwd
     forward_peak = logits >= backward_extra
     return {
         "params": local_params * b,
