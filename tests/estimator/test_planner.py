@@ -75,21 +75,27 @@ def _golden_tsp_memory(seq, D, recompute):
     local = L * (12 * h * h / D + 4 * h) + 2 * vpad * h / D + 2 * h
     t = seq / D  # local tokens
     # saved per layer: LN1/LN2 inputs and outputs (4h), LayerNorm mean+rstd (2 x 2 floats of
-    # b bytes), the local fp32 RoPE table (hn), saved attention: q,k,v (3h), the output twice
-    # (2h), the fp32 log-sum-exp per head; the MLP recomputes its intermediates
-    layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 2 * h * b + 4 * heads)
+    # b bytes), the local fp32 RoPE table (hn), saved attention: q,k,v (3h), the output once
+    # (h), the fp32 log-sum-exp per head; the MLP recomputes its intermediates
+    layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 1 * h * b + 4 * heads)
     transient = (2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
                  + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
                  + t * h * 4  # fp32 grad_x accumulator
-                 + 2 * (2 * seq * h / D) * b  # one head group's K/V and dK/dV
+                 + (2 * seq * h / D) * (4 + b)  # one head group's fp32 dK/dV and its cast
                  + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
-    if recompute == "full":
-        acts, bwd = L * t * h * b, transient + layer
+    # persistent K/V comm workspace: forward 3 gathered/natural [S, 2h/D] + 2 local send buffers;
+    # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers
+    kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
+    ws_fwd = (3 * kv_full + 2 * kv_local) * b
+    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * b
+    head += ws_fwd
+    if recompute == "full":  # + the recomputed attention forward's fp32 output accumulator
+        acts, bwd = L * t * h * b, transient + layer + t * h * 4 + ws_bwd
     else:
-        acts, bwd = L * layer, transient
+        acts, bwd = L * layer, transient + ws_bwd
     fwd_peak = head >= bwd
     return {"params": 2 * local, "grads": 4 * local, "optimizer": 12 * local,
             "activations": acts, "transient": 0.0 if fwd_peak else bwd,
