@@ -237,6 +237,10 @@ class Options:
     # head-group outputs and the projection input); 1 once the output is saved only once
     tsp_saved_attn_out_copies: int = 1
     tsp_regather_kv: bool = True
+    # attention kernel backend (layers/kernels.py): "aten_flash" (the CUDA default: one call per
+    # zigzag chunk, native GQA), "cudnn" / "te_fused" / "cpu_flash" (top-left causal: a chunk runs
+    # as prefix + diagonal and concatenates their dK/dV; cudnn and cpu_flash repeat K/V for GQA)
+    attn_kernel: str = "aten_flash"
     # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (attn12's
     # overlap); False = blocking behind their own group's QKV GEMM (the code before it)
     tsp_kv_pipelined: bool = False
@@ -307,6 +311,30 @@ def _tsp_comm_workspace(shape: LayerShape, D: int):
     return fwd, fwd + (2 * kv_full + 2 * kv_local) * b
 
 
+_TOP_LEFT_KERNELS = ("cudnn", "te_fused", "cpu_flash")
+_REPEAT_KV_KERNELS = ("cudnn", "cpu_flash")
+
+
+def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
+    """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
+    whole sequence S), before ``zigzag_backward`` adds it into the fp32 accumulator: the kernel's
+    dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
+    prefix block and a diagonal block and concatenates their dK/dV (twice the bytes at the
+    moment of the cat); a kernel without native GQA computes dK/dV per query head from K/V
+    repeated to the query heads, then folds them to the key/value heads."""
+    if kernel not in _TOP_LEFT_KERNELS + ("aten_flash", "sdpa_recompute"):
+        raise ValueError(f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
+                         "cpu_flash or sdpa_recompute")
+    b = shape.dtype_bytes
+    per_head_group = 2 * shape.tokens / D * b  # K+V (or dK+dV) of one hidden unit over S keys
+    repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
+    width = shape.hidden if repeat else shape.kv_hidden  # heads the kernel computes dK/dV for
+    out = per_head_group * width * (2 if kernel in _TOP_LEFT_KERNELS else 1)
+    if repeat:  # the repeated K/V inputs and the folded dK/dV
+        out += per_head_group * (shape.hidden + shape.kv_hidden)
+    return out
+
+
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
     """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
@@ -322,6 +350,7 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
                # accumulator and its cast for the reduce-scatter; the gathered K/V themselves
                # live in the persistent comm workspace (``_tsp_comm_workspace``)
                "head_group_dkv": (2 * bs * hkv / D) * (fm.accumulation_bytes(b) + b)}
+        out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out

@@ -38,7 +38,8 @@ def main(hidden, layers, heads, vocab, seq, d, which):
         planned = pl.analytic_memory(
             spec, pl.Strategy(kind, tp=tp, cp=cp), seq, recompute=recompute,
             distributed_optimizer=False,
-            options=pl.Options(tsp_recompute_attn=attn == "recompute"))
+            options=pl.Options(tsp_recompute_attn=attn == "recompute",
+                               attn_kernel="cpu_flash"))  # the tool runs the CPU backend
         out.append({"layout": f"{measured.label} {recompute}" + (f" attn={attn}" if attn else ""),
                     "measured": measured.peak_bytes, "planned": sum(planned.values()),
                     "measured_phase": measured.peak_phase,
