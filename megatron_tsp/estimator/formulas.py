@@ -236,7 +236,8 @@ def _term(phase, op, category, elements, dtype_bytes, group, overlap, link="coll
 
 
 def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None,
-                    regather_kv_bwd: bool = True, kv_pipelined: bool = False) -> List[CommTerm]:
+                    regather_kv_bwd: bool = True, kv_pipelined: bool = True,
+                    recompute_attn: bool = False) -> List[CommTerm]:
     """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
     per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
     do).
@@ -245,9 +246,12 @@ def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
     reduce-to-owner of the weight gradients likewise exposes only the last (drain); the MLP ring
     hides every weight hop behind a shard's GEMMs, and its gradient accumulator every hop but
-    the last. ``kv_pipelined``: the K/V all-gathers and dK/dV reduce-scatters are posted one head
-    group ahead (only fill/drain exposed); False = each is waited on right behind the QKV GEMM
-    of its own group (blocking)."""
+    the last. ``kv_pipelined`` (what the layers do since issue 12): the K/V all-gathers and dK/dV
+    reduce-scatters are posted one head group ahead (only fill/drain exposed); False is a what-if,
+    the code before issue 12: each waited on right behind the QKV GEMM of its own group
+    (blocking). The backward's first weight re-broadcast hides behind the first head group's
+    attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention
+    recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is exposed."""
     f = ring_factor(D)
     b = shape.dtype_bytes
     gb = grad_dtype_bytes or accumulation_bytes(b)
@@ -261,8 +265,10 @@ def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int
               what="all-gather K,V of one head group"),
         _term("mlp_fwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
               chunks=ring, what="ring of fc1 w/b + fc2 w shards"),
-        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "pipelined",
-              chunks=D, what="re-broadcast attention weight shards (first one exposed)"),
+        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp",
+              "pipelined" if recompute_attn else "prefetch", chunks=D,
+              what="re-broadcast attention weight shards"
+              + (" (first one exposed)" if recompute_attn else "")),
     ]
     if regather_kv_bwd:
         t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap,

@@ -233,20 +233,20 @@ class Options:
     distributed_optimizer: bool = True
     tsp_recompute_mlp: bool = True  # TSP recomputes the per-shard fc1 GEMM in the backward
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
-    # [S/D, b, h] attention outputs TSP's saved attention backward keeps per layer: 2 today (the
-    # head-group outputs and the projection input); 1 once the output is saved only once
-    tsp_saved_attn_out_copies: int = 1
     tsp_regather_kv: bool = True
     # attention kernel backend (layers/kernels.py): "aten_flash" (the CUDA default: one call per
     # zigzag chunk, native GQA), "cudnn" / "te_fused" / "cpu_flash" (top-left causal: a chunk runs
     # as prefix + diagonal and concatenates their dK/dV; cudnn and cpu_flash repeat K/V for GQA)
     attn_kernel: str = "aten_flash"
-    # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (attn12's
-    # overlap); False = blocking behind their own group's QKV GEMM (the code before it)
-    tsp_kv_pipelined: bool = False
+    # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (what the layers
+    # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the code before
+    # issue 12 §2)
+    tsp_kv_pipelined: bool = True
     cp_regather_kv: bool = True
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
-    tsp_grad_comm_bytes: Optional[int] = None  # TSP per-layer grad traffic; None = fp32 accumulators
+    # TSP weight-gradient traffic (owner reduce, MLP gradient ring) bytes per element: None = the
+    # accumulation dtype, as the layers send it (fp32 in bf16 runs); 2 is a what-if (bf16 wire)
+    tsp_grad_comm_bytes: Optional[int] = None
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -260,7 +260,7 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
     TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
     Function's input, the residual, the MLP Function's input), the norms' statistics, the local
     RoPE table; saved attention backward: each head group's local q/k/v, its output (kept once,
-    ``tsp_saved_attn_out_copies``) and fp32 log-sum-exp; the MLP saves only its input
+    saved once) and fp32 log-sum-exp; the MLP saves only its input
     unless the per-shard fc1 outputs are kept (``tsp_recompute_mlp=False``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
@@ -277,7 +277,7 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
                "rope_table": t * hn * 4 if rope else 0.0}
         if not o.tsp_recompute_attn:
             out["attn_qkv"] = t * (h + 2 * hkv) * b
-            out["attn_out"] = o.tsp_saved_attn_out_copies * t * h * b
+            out["attn_out"] = t * h * b  # saved once (the chunks' output rows)
             out["attn_lse"] = t * shape.heads * 4
         if not o.tsp_recompute_mlp:
             out["mlp_fc1_out"] = t * rows * b
@@ -466,7 +466,8 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
     if s.kind == "tsp":
         return fm.tsp_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes,
                                   regather_kv_bwd=o.tsp_regather_kv,
-                                  kv_pipelined=o.tsp_kv_pipelined)
+                                  kv_pipelined=o.tsp_kv_pipelined,
+                                  recompute_attn=o.tsp_recompute_attn)
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
     if s.kind == "hybrid":
@@ -693,7 +694,11 @@ def assumptions(m: ModelSpec, hw: HardwareSpec, o: Options, degree: int, gpus: i
         "CP modelled as all-gather K/V (TE's default P2P ring moves the same bytes per rank); "
         f"bwd re-gather K/V={o.cp_regather_kv}; K/V traffic hides only behind attention compute",
         "overlap: TSP weight/grad traffic is data-independent (prefetch, hides behind any compute "
-        "of the phase); TSP K/V per head group is pipelined (first group exposed); TP/SP "
+        "of the phase) except the first forward weight broadcast (and with attention recompute "
+        "the first backward one), the last attention weight-grad reduce and the MLP gradient "
+        "ring's last hop; TSP K/V all-gathers / dK/dV reduce-scatters are "
+        + ("pipelined one head group ahead (first group exposed)" if o.tsp_kv_pipelined
+           else "BLOCKING (what-if: the code before issue 12)") + "; TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
@@ -862,7 +867,8 @@ def layer_time_report(m: ModelSpec, hw: HardwareSpec, seq: int, gpus: int, degre
     """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
     res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o)
            for k in ("tsp", "tp_sp")}
-    kv = "pipelined (fill/drain exposed)" if o.tsp_kv_pipelined else "blocking"
+    kv = ("pipelined (fill/drain exposed)" if o.tsp_kv_pipelined
+          else "blocking: what-if, the code before issue 12")
     lines = [f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
              f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"]
     for k, r in res.items():
@@ -962,8 +968,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TSP / hybrid MLP keeps the per-shard fc1 outputs")
     ap.add_argument("--tsp-recompute-attn", action="store_true",
                     help="TSP attention_backward='recompute' (default: 'saved', as the layers)")
-    ap.add_argument("--tsp-kv-pipelined", action="store_true",
-                    help="model TSP's K/V collectives as pipelined one head group ahead")
+    ap.add_argument("--tsp-kv-blocking", action="store_true",
+                    help="WHAT-IF (not what the layers do): TSP's K/V all-gathers and dK/dV "
+                         "reduce-scatters waited on right behind their own head group's QKV "
+                         "GEMM, as before issue 12 (default: pipelined one head group ahead)")
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument("--sweep", default="",
                     help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))")
@@ -984,7 +992,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 recompute=args.recompute, distributed_optimizer=not args.no_distributed_optimizer,
                 tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
                 tsp_recompute_attn=args.tsp_recompute_attn,
-                tsp_kv_pipelined=args.tsp_kv_pipelined)
+                tsp_kv_pipelined=not args.tsp_kv_blocking)
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
     if args.seq_length % (2 * args.degree):

@@ -82,6 +82,9 @@ def _golden_tsp_memory(seq, D, recompute):
                  + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
                  + t * h * 4  # fp32 grad_x accumulator
                  + (2 * seq * h / D) * (4 + b)  # one head group's fp32 dK/dV and its cast
+                 # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
+                 # call, native GQA), before it is added into the fp32 accumulator
+                 + (2 * seq * h / D) * b
                  + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
@@ -159,14 +162,15 @@ def test_evaluate_golden_h100():
     tsp = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D, o)
     recompute = 2 * S * 4 * h * h  # fc1 GEMM (F = 4h: 4h x h); attention saved (default)
     assert tsp["layer_compute_s"]["bwd"] == pytest.approx((2 * (gemm + attn) + recompute) / D / flops)
-    # TSP forward: the first head group's weight broadcast (fill) and, with blocking K/V
-    # collectives, every K/V all-gather; pipelined, only the first group's
+    # TSP forward: the first head group's weight broadcast (fill) and, K/V all-gathers being
+    # pipelined one group ahead (the default, what the layers do), only the first group's; the
+    # blocking what-if (the code before issue 12) exposes every K/V all-gather
     kv = 7 / 8 * 2 * S * h * 2
     bcast = 7 / 8 * 4 * h * h * 2
-    assert tsp["layer_exposed_s"]["fwd"] == pytest.approx((kv + bcast / D) / bw)
-    piped = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D,
-                        pl.Options(recompute="none", tsp_kv_pipelined=True))
-    assert piped["layer_exposed_s"]["fwd"] == pytest.approx((kv / D + bcast / D) / bw)
+    assert tsp["layer_exposed_s"]["fwd"] == pytest.approx((kv / D + bcast / D) / bw)
+    blocking = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D,
+                           pl.Options(recompute="none", tsp_kv_pipelined=False))
+    assert blocking["layer_exposed_s"]["fwd"] == pytest.approx((kv + bcast / D) / bw)
     assert tsp["layer_comm_fwd"] == pytest.approx(7 / 8 * (12 * h * h + 2 * S * h) * 2)
     assert tsp["dp"] == 1 and tsp["dp_exposed_s"] == 0.0
     step = 32 * (tsp["layer_compute_s"]["fwd"] + tsp["layer_compute_s"]["bwd"]
@@ -227,3 +231,30 @@ def test_cli_plan_smoke(tmp_path):
         assert "skipped" in out
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernel_dkv_workspace_by_backend():
+    """The attention kernel's dK/dV outputs in the backward working set: one head group over the
+    whole sequence for aten_flash (one bottom-right call, native GQA); twice that for top-left
+    kernels (prefix + diagonal blocks, then their concatenation); kernels without native GQA
+    also hold K/V repeated to the query heads and dK/dV per query head before the fold."""
+    m = pl.ModelSpec(name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096,
+                     vocab=1000)
+    S, D = 8192, 4
+    shape = m.layer_shape(1, S)
+    unit = 2 * S / D * 2  # K+V of one hidden unit over S tokens, bf16
+    assert pl._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
+    assert pl._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
+    assert pl._kernel_dkv_bytes(shape, D, "cpu_flash") == pytest.approx(
+        2 * unit * 1024 + unit * (1024 + 256))
+    with pytest.raises(ValueError, match="attn_kernel='fa9'"):
+        pl._kernel_dkv_bytes(shape, D, "fa9")
+
+
+def test_tsp_backward_broadcast_fill_only_with_attention_recompute():
+    shape = pl.load_model("7b").layer_shape(1, 131072)
+    saved = {t.what: t.overlap for t in fm.tsp_layer_terms(shape, 8)}
+    rec = {t.what: t.overlap for t in fm.tsp_layer_terms(shape, 8, recompute_attn=True)}
+    assert saved["re-broadcast attention weight shards"] == "prefetch"
+    assert rec["re-broadcast attention weight shards (first one exposed)"] == "pipelined"
+    assert saved["all-gather K,V of one head group"] == "pipelined"
