@@ -450,8 +450,10 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
                 PYTHONUNBUFFERED="1", **{RECORD_ENV: record},
             )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
+            # env's PYTHONPATH goes in front of (not instead of) the inherited one
             rank_env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (package_root, rank_env.get("PYTHONPATH")) if p)
+                p for p in (package_root, (env or {}).get("PYTHONPATH"),
+                            os.environ.get("PYTHONPATH")) if p)
             for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
                 rank_env.pop(name, None)
             cmd = [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", WORKER_FLAG]
