@@ -209,7 +209,7 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("torch.cuda:get_device_properties", _value(_device_properties),
            "architecture checks read .major"),
     Answer("torch.cuda:get_device_capability", _const((9, 0)), "architecture checks"),
-    Answer("torch.cuda:get_device_name", _const("cpu"), "logged"),
+    Answer("torch.cuda:get_device_name", _const("cpu"), "printed in start-up reports"),
     # streams and events (CPU work is ordered: waits are no-ops)
     Answer("torch.cuda:Stream", _value(_CpuStream), "DDP / optimizer side streams"),
     Answer("torch.cuda:Event", _value(_CpuEvent), "timers and overlap bookkeeping"),
