@@ -1,6 +1,6 @@
 # Sourced by the A/B launch scripts: builds Megatron-LM argument arrays from a config in configs/
 # and environment knobs. Every variant gets the same MODEL_ARGS / TRAINING_ARGS / DATA_ARGS /
-# LOGGING_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | cp).
+# LOGGING_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | tsp_mlp | cp).
 #
 # Knobs (environment):
 #   MEGATRON_LM_PATH   Megatron-LM checkout (required; contains pretrain_gpt.py)
@@ -64,7 +64,7 @@ parallel_args() {
 
 # entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py.
 entry() {
-    if [[ "$1" == "tsp" ]]; then
+    if [[ "$1" == "tsp" || "$1" == "tsp_mlp" ]]; then
         ENTRY=(-m megatron_tsp.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py")
     else
         ENTRY=("${MEGATRON_LM_PATH}/pretrain_gpt.py")

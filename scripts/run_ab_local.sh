@@ -6,7 +6,7 @@
 #
 # Knobs: see scripts/megatron_common.sh, plus
 #   NPROC      GPUs (processes) on this node          (default: the config's gpus_per_node)
-#   VARIANTS   space-separated subset of "tsp tp cp"  (default "tsp tp")
+#   VARIANTS   space-separated subset of "tsp tp tsp_mlp cp"  (default "tsp tp")
 #   DRY_RUN=1  only validate through Megatron's argument code and build one rank on the meta
 #              device (python -m megatron_tsp.launch ... --tsp-dry-run; no GPU needed)
 source "$(dirname "${BASH_SOURCE[0]}")/megatron_common.sh"
