@@ -17,4 +17,4 @@ if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
 fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"
 exec "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py \
-  tests/test_validation.py "$@"
+  tests/test_validation.py tests/test_rejections.py "$@"

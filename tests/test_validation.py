@@ -87,3 +87,11 @@ def test_layers_reject_unshardable_shapes(pool4):
         assert "3 local tokens" in errors["local_seq"]
         assert "--vocab-size (padded)=130" in errors["vocab"]
         assert "--seq-length=36" in errors["seq"]
+        assert errors["qk_layernorm"].startswith(
+            "--qk-layernorm (TransformerConfig.qk_layernorm=True) cannot be combined with "
+            "--tensor-sequence-parallel-size=4")
+        assert errors["softmax"].startswith("--softmax-type=learnable (TransformerConfig."
+                                            "softmax_type='learnable') cannot be combined")
+        assert errors["window"].startswith("--window-size=16 0 (TransformerConfig.window_size")
+        assert errors["moe"].startswith("--num-experts=4 (TransformerConfig.num_moe_experts=4) "
+                                        "cannot be combined with --tensor-sequence-parallel-size=4")

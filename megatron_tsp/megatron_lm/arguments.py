@@ -8,8 +8,8 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 * ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
 * ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec.
 
-Every combination TSP does not support is rejected here with a ``TSPArgumentError`` (a
-``ValueError``) that names the flags and the numbers.
+Every combination TSP does not support (the rows of ``megatron_tsp.rejections``) is rejected here
+with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Iterable, List, Optional, Sequence
 
+from megatron_tsp import rejections
 from megatron_tsp.validation import TSP_FLAG, check_model_shape, check_parallel_layout
 
 GROUP_TITLE = "tensor-sequence parallel"
@@ -24,13 +25,6 @@ GROUP_TITLE = "tensor-sequence parallel"
 # Module and attribute handed to Megatron's ``--spec <module> <attribute>``.
 SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
-
-# ``--attention-backend`` values TSP accepts. TSP attention is its own module (substituted at the
-# ``self_attention`` level), so a backend choice would either be ignored (flash / fused / unfused
-# select Transformer Engine kernels) or replace parts of the TSP spec (local): only the default is
-# accepted, so no flag on the command line is silently without effect.
-ALLOWED_ATTENTION_BACKENDS = ("auto",)
-
 
 class TSPArgumentError(ValueError):
     """A command line that TSP cannot run. The message names the flags."""
@@ -90,101 +84,13 @@ def tsp_size(args) -> Optional[int]:
     return getattr(args, "tensor_sequence_parallel_size", None)
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _enum_name(value) -> str:
-    return getattr(value, "name", str(value))
-
-
 def unsupported_combinations(args) -> List[str]:
-    """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``."""
-    d = tsp_size(args)
-    problems: List[str] = []
+    """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``.
 
-    def on(dest) -> bool:
-        return bool(getattr(args, dest, None))
-
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    try:
-        # world size 0 is divisible by anything: only the flag combinations are checked here.
-        check_parallel_layout(0, d, pp, tensor_model_parallel_size=tp, context_parallel_size=cp)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if getattr(args, "hierarchical_context_parallel_sizes", None):
-        problems.append(
-            f"--hierarchical-context-parallel-sizes cannot be combined with {TSP_FLAG}={d}: "
-            "TSP already shards the sequence over its group"
-        )
-    if on("hybrid_context_parallel"):
-        problems.append(f"--hybrid-context-parallel cannot be combined with {TSP_FLAG}={d}")
-    if on("tp_comm_overlap"):
-        problems.append(
-            f"--tp-comm-overlap cannot be combined with {TSP_FLAG}={d}: it overlaps Transformer "
-            "Engine's TP all-gather/reduce-scatter GEMMs, which TSP layers do not issue"
-        )
-    experts = getattr(args, "num_experts", None)
-    if experts:
-        problems.append(
-            f"--num-experts={experts} (MoE) cannot be combined with {TSP_FLAG}={d}: "
-            "TSP supports dense MLPs only"
-        )
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    if ep > 1:
-        problems.append(
-            f"--expert-model-parallel-size={ep} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP supports dense MLPs only"
-        )
-    shards = getattr(args, "tensor_parallel_num_weight_shards", None)
-    if shards not in (None, 1):
-        problems.append(
-            f"--tensor-parallel-num-weight-shards={shards} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP already shards the weights over its group"
-        )
-    for dest, why in (
-        ("sft", "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches"),
-        (
-            "dataloader_inter_document_masking",
-            "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
-        ),
-        (
-            "reset_attention_mask",
-            "TSP attention is causal over the whole sequence and does not read per-document masks",
-        ),
-        (
-            "reset_position_ids",
-            "TSP attention derives token positions from the zigzag layout, not per-document ids",
-        ),
-        ("multi_latent_attention", "TSP supports standard self-attention only"),
-        ("qk_layernorm", "TSP attention does not support it yet"),
-        ("use_legacy_models", "TSP needs megatron-core models"),
-        ("mtp_num_layers", "multi-token prediction layers have no TSP spec"),
-        ("experimental_attention_variant", "TSP attention would be replaced"),
-        ("heterogeneous_layers_config_path", "heterogeneous layers have no TSP spec"),
-        ("yaml_cfg", "the YAML path bypasses Megatron's validate_args, where TSP is translated"),
-        ("fp8", "FP8 needs Transformer Engine layers; TSP layers are not TE modules"),
-        ("fp4", "FP4 needs Transformer Engine layers; TSP layers are not TE modules"),
-    ):
-        value = getattr(args, dest, None)
-        if value:
-            shown = _flag(dest) if value is True else f"{_flag(dest)}={value}"
-            problems.append(f"{shown} cannot be combined with {TSP_FLAG}={d}: {why}")
-    backend = getattr(args, "attention_backend", None)
-    if backend is not None and _enum_name(backend) not in ALLOWED_ATTENTION_BACKENDS:
-        problems.append(
-            f"--attention-backend={_enum_name(backend)} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP attention is its own module and would be replaced or silently ignored; "
-            "drop the flag (auto)"
-        )
-    impl = getattr(args, "transformer_impl", None)
-    if impl == "inference_optimized":
-        problems.append(
-            f"--transformer-impl=inference_optimized cannot be combined with {TSP_FLAG}={d}"
-        )
-    return problems
+    The reasons are the rows of ``megatron_tsp.rejections`` (one table shared with the specs and
+    the layers) refused by the parsed arguments.
+    """
+    return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP)
 
 
 def check_supported(args) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_tsp import rejections
 from megatron_tsp.megatron_lm import arguments as A
 from tests.megatron_lm.common import megatron_parser
 
@@ -56,44 +57,42 @@ def test_tp_equal_to_d_is_accepted_and_sequence_parallel_redundant():
     assert args.tensor_model_parallel_size == 4 and args.sequence_parallel
 
 
-UNSUPPORTED = [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size=2"),
-    (["--context-parallel-size", "2"], "--context-parallel-size=2"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes"),
-    (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
-    (["--tp-comm-overlap"], "--tp-comm-overlap"),
-    (["--num-experts", "8"], "--num-experts=8"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size=2"),
-    (["--tensor-parallel-num-weight-shards", "2"], "--tensor-parallel-num-weight-shards=2"),
-    (["--sft"], "--sft"),
-    (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking"),
-    (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--reset-position-ids"], "--reset-position-ids"),
-    (["--multi-latent-attention"], "--multi-latent-attention"),
-    (["--qk-layernorm"], "--qk-layernorm"),
-    (["--use-legacy-models"], "--use-legacy-models"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers=1"),
-    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant=dsa"),
-    (["--heterogeneous-layers-config-path", "x.json"], "--heterogeneous-layers-config-path"),
-    (["--yaml-cfg", "x.yaml"], "--yaml-cfg=x.yaml"),
-    (["--fp8", "hybrid"], "--fp8=hybrid"),
-    (["--fp4", "nvfp4"], "--fp4=nvfp4"),
-    (["--attention-backend", "flash"], "--attention-backend=flash"),
-    (["--attention-backend", "local"], "--attention-backend=local"),
-    (["--transformer-impl", "inference_optimized"], "--transformer-impl=inference_optimized"),
-]
+ROWS = [r for r in rejections.rows(rejections.TSP)]
 
 
-@pytest.mark.parametrize("extra,named", UNSUPPORTED, ids=[u[1] for u in UNSUPPORTED])
-def test_unsupported_combinations_name_the_flags(extra, named):
-    args = parse("--tensor-sequence-parallel-size", "4", *extra)
+@pytest.mark.parametrize("row", ROWS, ids=[r.flag for r in ROWS])
+def test_every_table_row_is_refused_by_name(row):
+    args = parse("--tensor-sequence-parallel-size", "2", *row.argv())
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(args)
     message = str(err.value)
-    assert named in message and "--tensor-sequence-parallel-size" in message
+    shown = row.flag if not row.example else f"{row.flag}={' '.join(row.example)}"
+    assert message.startswith(shown + " cannot be combined with --tensor-sequence-parallel-size=2")
+    assert row.reason in message
     assert isinstance(err.value, ValueError)
     # nothing was translated: the user's arguments are untouched on error
     assert args.spec is None
+
+
+def test_defaults_are_accepted():
+    args = parse("--tensor-sequence-parallel-size", "2")
+    assert A.unsupported_combinations(args) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tensor-model-parallel-size", "4"],            # = D
+    ["--attention-backend", "auto"],
+    ["--cuda-graph-impl", "none"],
+    ["--softmax-type", "vanilla"],
+    ["--position-embedding-type", "rope"],
+    ["--transformer-impl", "local"],
+    ["--context-parallel-size", "1"],
+    ["--expert-model-parallel-size", "1"],
+    ["--tensor-parallel-num-weight-shards", "1"],
+])
+def test_allowed_values_pass(argv):
+    args = parse("--tensor-sequence-parallel-size", "4", *argv)
+    assert A.unsupported_combinations(args) == []
 
 
 def test_several_problems_are_listed_together():
