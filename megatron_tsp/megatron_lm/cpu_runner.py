@@ -1,0 +1,541 @@
+"""Run Megatron-LM's own training script (``pretrain_gpt.py``) on CPU ranks over gloo.
+
+A test tool, also useful to users who want to see a TSP run next to a stock one on a laptop::
+
+    python -m megatron_tsp.megatron_lm.cpu_runner --nproc 2 [--summary] [--stock] -- \\
+        path/to/pretrain_gpt.py <megatron args> [--tensor-sequence-parallel-size 2]
+
+(``megatron-tsp cpu-run ...`` is the same command.) It starts ``--nproc`` local processes with
+torchrun's environment variables and ``--distributed-backend gloo`` appended; each runs the script
+through ``megatron_tsp.launch`` (``--stock``: plain ``runpy``, no TSP hooks) after
+``apply_cuda_answers()``. Nothing else is changed: the script, Megatron's arguments, its data
+path, model builder, optimizer, DDP, schedules and logging are the checkout's own.
+
+Every CUDA-only call the loop makes is answered in one place, ``CUDA_ANSWERS`` (below), each
+entry saying why it is needed. Three answers are not plain replacements:
+
+* ``device='cuda'`` tensors, ``Tensor.cuda()`` and ``.to('cuda')`` are redirected to the CPU by a
+  ``TorchFunctionMode`` (``CudaToCpuMode``) kept active for the whole run;
+* Megatron's jit warm-up draws random tensors whose shapes depend on TP and SP. On CPU they come
+  from the generator that ``--use-cpu-initialization`` then uses for the weights, so the warm-up
+  runs under ``torch.random.fork_rng`` (otherwise TP=2 and TSP=2 would start from different
+  weights: the warm-up's draws are not part of training);
+* apex's ``fused_weight_gradient_mlp_cuda`` (gradient-accumulation fusion, on by default in
+  Megatron) is replaced by a torch module with the same two functions: ``main_grad +=
+  grad_output^T @ input`` computed in fp32 from the (bf16/fp16/fp32) operands, as the CUDA kernel
+  accumulates in fp32.
+
+Nothing here is applied on import: only the worker processes call ``apply_cuda_answers()``.
+``TORCHDYNAMO_DISABLE=1`` is set in the workers (Megatron's jit fusions would otherwise be
+compiled by dynamo on CPU, slowly).
+
+The rank that logs (the last one, as Megatron's ``print_rank_last``) also writes one JSON line per
+iteration with the full-precision ``lm loss`` and grad norm, read back by ``run_training``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import types
+from typing import Callable, Dict, List, Optional, Sequence
+
+RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
+WORKER_FLAG = "--cpu-runner-worker"
+
+
+# --------------------------------------------------------------------------------------------
+# The answers
+# --------------------------------------------------------------------------------------------
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is ordered, so waits and syncs are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event`` (already complete; elapsed time 0)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _device_properties(*args, **kwargs):
+    # Megatron reads ``.major`` (architecture checks) and ``.name``; 9 = Hopper, the newest
+    # architecture megatron-core 0.16 knows without Transformer Engine.
+    return types.SimpleNamespace(major=9, minor=0, name="cpu (megatron_tsp cpu_runner)",
+                                 total_memory=0, multi_processor_count=1)
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+def _fused_weight_gradient_module() -> types.ModuleType:
+    """A torch stand-in for apex's ``fused_weight_gradient_mlp_cuda``.
+
+    ``wgrad_gemm_accum_fp32(input, grad_output, main_grad)``: ``main_grad += grad_output^T @
+    input`` with fp32 accumulation (the operands are upcast exactly, the product and the sum are
+    fp32, as apex's cuBLAS GEMM with an fp32 output does). ``..._fp16`` is the same into a
+    half-precision ``main_grad``.
+    """
+    import torch
+
+    module = types.ModuleType("fused_weight_gradient_mlp_cuda")
+
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.float().t(), total_input.float())
+
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        main_grad.add_((grad_output.float().t() @ total_input.float()).to(main_grad.dtype))
+
+    module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
+    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
+    module.__doc__ = _fused_weight_gradient_module.__doc__
+    module.__tsp_cpu_stand_in__ = True
+    del torch
+    return module
+
+
+def _check_dataset_helpers():
+    """Replaces ``compile_helpers`` (which runs ``make`` on rank 0): the compiled extension must
+    already sit next to ``helpers.cpp`` (``scripts/megatron_lm_sources.sh`` copies the wheel's)."""
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError as exc:
+        raise RuntimeError(
+            "megatron.core.datasets.helpers_cpp is not compiled in this checkout; copy the "
+            "megatron-core wheel's helpers_cpp*.so next to helpers.cpp "
+            "(scripts/megatron_lm_sources.sh does) or run `make -C megatron/core/datasets`"
+        ) from exc
+
+
+def _fork_rng(original):
+    def warmup_without_drawing_from_the_training_generator(*args, **kwargs):
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return warmup_without_drawing_from_the_training_generator
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One CUDA-only call and what the CPU run answers instead."""
+
+    target: str  # "module:attr" (attribute of an importable module)
+    make: Callable  # original -> replacement
+    why: str
+    optional: bool = False  # absent in some versions
+
+
+def _const(value):
+    return lambda original: (lambda *a, **k: value)
+
+
+def _value(value):
+    if isinstance(value, type):
+        return lambda original: value
+
+    # A fresh function per answer: torch._dynamo's trace rules refuse one function object
+    # registered under two torch names.
+    def make(original):
+        def answer(*args, **kwargs):
+            return value(*args, **kwargs)
+
+        answer.__name__ = getattr(original, "__name__", "answer")
+        return answer
+
+    return make
+
+
+CUDA_ANSWERS: Sequence[Answer] = (
+    # device setup
+    Answer("torch.cuda:is_available", _const(True),
+           "initialize_megatron asserts CUDA before anything else"),
+    Answer("torch.cuda:device_count", _const(1),
+           "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed"),
+    Answer("torch.cuda:set_device", _value(_nothing), "one CPU 'device' per rank"),
+    Answer("torch.cuda:get_device_properties", _value(_device_properties),
+           "architecture checks read .major"),
+    Answer("torch.cuda:get_device_capability", _const((9, 0)), "architecture checks"),
+    Answer("torch.cuda:get_device_name", _const("cpu"), "logged"),
+    # streams and events (CPU work is ordered: waits are no-ops)
+    Answer("torch.cuda:Stream", _value(_CpuStream), "DDP / optimizer side streams"),
+    Answer("torch.cuda:Event", _value(_CpuEvent), "timers and overlap bookkeeping"),
+    Answer("torch.cuda:current_stream", _const(_CPU_STREAM), "stream ordering"),
+    Answer("torch.cuda:default_stream", _const(_CPU_STREAM), "stream ordering"),
+    Answer("torch.cuda:set_stream", _value(_nothing), "stream ordering"),
+    Answer("torch.cuda:stream", _value(lambda *a, **k: contextlib.nullcontext()),
+           "`with torch.cuda.stream(s):` blocks"),
+    Answer("torch.cuda:synchronize", _value(_nothing), "timers, barriers"),
+    # memory reports (no device memory on CPU: 0)
+    Answer("torch.cuda:empty_cache", _value(_nothing), "memory housekeeping"),
+    Answer("torch.cuda:memory_allocated", _value(_zero), "memory report"),
+    Answer("torch.cuda:max_memory_allocated", _value(_zero), "memory report"),
+    Answer("torch.cuda:memory_reserved", _value(_zero), "memory report"),
+    Answer("torch.cuda:max_memory_reserved", _value(_zero), "memory report"),
+    Answer("torch.cuda:reset_peak_memory_stats", _value(_nothing), "memory report"),
+    Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {}), "memory report"),
+    Answer("torch.cuda:device_memory_used", _value(_zero), "memory report", optional=True),
+    Answer("torch.cuda:mem_get_info", _const((0, 0)), "memory report"),
+    # RNG: the CUDA generator is the CPU one. megatron_tsp.cpu_support (applied with these
+    # answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
+    # model-parallel RNG tracker and the default causal mask to the CPU.
+    Answer("torch.cuda:set_rng_state",
+           _value(lambda state, *a, **k: __import__("torch").set_rng_state(state)),
+           "checkpoints save and restore the 'CUDA' RNG state"),
+    Answer("torch.cuda.nvtx:range_push", _value(_nothing), "profiling ranges", optional=True),
+    Answer("torch.cuda.nvtx:range_pop", _value(_nothing), "profiling ranges", optional=True),
+    # builds of CUDA code
+    Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers),
+           "rank 0 runs `make` for the dataset index helpers; the compiled .so is provided"),
+    Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
+           "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
+           optional=True),
+    # the jit warm-up's random draws
+    Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng,
+           "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
+)
+
+
+class CudaToCpuMode:
+    """``device='cuda'`` in factory functions, ``Tensor.cuda()`` and ``.to('cuda')`` -> CPU;
+    ``Tensor.type()`` (the legacy type string, asserted on by clip_grads) reports the CUDA name."""
+
+    def __new__(cls):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        def is_cuda(device) -> bool:
+            if device is None:
+                return False
+            if isinstance(device, int):
+                return True  # Megatron passes torch.cuda.current_device() indices
+            try:
+                return torch.device(device).type == "cuda"
+            except (RuntimeError, TypeError):
+                return False
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types_, args=(), kwargs=None):
+                kwargs = dict(kwargs or {})
+                if func is torch.Tensor.cuda:
+                    return args[0]
+                if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                    # clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'
+                    name = func(*args)
+                    return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+                if is_cuda(kwargs.get("device")):
+                    kwargs["device"] = "cpu"
+                if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]) \
+                        and not torch.is_tensor(args[1]):
+                    args = (args[0], "cpu") + tuple(args[2:])
+                return func(*args, **kwargs)
+
+        return _Mode()
+
+
+_APPLIED: Dict[str, object] = {}
+_MODE = None
+
+
+def _resolve(target: str):
+    module_name, attr = target.split(":")
+    module = importlib.import_module(module_name)
+    return module, attr
+
+
+def apply_cuda_answers() -> List[str]:
+    """Answer every entry of ``CUDA_ANSWERS`` (idempotent); returns the targets replaced.
+
+    Needs the Megatron-LM checkout importable (the script's directory first on ``sys.path``).
+    """
+    global _MODE
+    import torch
+
+    if "fused_weight_gradient_mlp_cuda" not in sys.modules:
+        sys.modules["fused_weight_gradient_mlp_cuda"] = _fused_weight_gradient_module()
+    replaced = []
+    for answer in CUDA_ANSWERS:
+        if answer.target in _APPLIED:
+            continue
+        try:
+            module, attr = _resolve(answer.target)
+        except ImportError:
+            if answer.optional:
+                continue
+            raise
+        if not hasattr(module, attr):
+            if answer.optional:
+                continue
+            raise AttributeError(f"cpu_runner: {answer.target} not found ({answer.why})")
+        original = getattr(module, attr)
+        _APPLIED[answer.target] = original
+        setattr(module, attr, answer.make(original))
+        replaced.append(answer.target)
+    from megatron_tsp import cpu_support
+
+    cpu_support.enable_cpu_support(force=True)
+    if _MODE is None:
+        _MODE = CudaToCpuMode()
+        _MODE.__enter__()
+    del torch
+    return replaced
+
+
+# --------------------------------------------------------------------------------------------
+# Per-iteration record (full precision) from Megatron's training_log
+# --------------------------------------------------------------------------------------------
+
+
+def _install_iteration_record(path: str) -> None:
+    import inspect
+
+    import torch
+
+    training = importlib.import_module("megatron.training.training")
+    original = training.training_log
+    signature = inspect.signature(original)
+
+    def training_log(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        loss_dict = bound.arguments.get("loss_dict") or {}
+        grad_norm = bound.arguments.get("grad_norm")
+        iteration = bound.arguments.get("iteration")
+        dist = torch.distributed
+        if dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1:
+            losses = {k: float(v) for k, v in loss_dict.items()
+                      if torch.is_tensor(v) or isinstance(v, float)}
+            with open(path, "a") as f:
+                f.write(json.dumps({"iteration": iteration, "losses": losses,
+                                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                                    "skipped": int(bound.arguments.get("skipped_iter") or 0)})
+                        + "\n")
+        return original(*args, **kwargs)
+
+    training.training_log = training_log
+
+
+# --------------------------------------------------------------------------------------------
+# Worker and launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _worker(argv: List[str]) -> int:
+    """Inside one rank: answer CUDA, then run the script (through the TSP launcher or stock)."""
+    stock = False
+    if argv and argv[0] == "--stock":
+        stock, argv = True, argv[1:]
+    script = os.path.abspath(argv[0])
+    script_dir = os.path.dirname(script)
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)
+    apply_cuda_answers()
+    record = os.environ.get(RECORD_ENV)
+    if record:
+        _install_iteration_record(record)
+    if stock:
+        import runpy
+
+        sys.argv = [script] + argv[1:]
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    from megatron_tsp import launch
+
+    return launch.main([script] + argv[1:])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """What ``run_training`` returns. ``losses[i]`` / ``grad_norms[i]``: iteration ``i + 1``."""
+
+    returncode: int
+    losses: List[float]
+    grad_norms: List[Optional[float]]
+    iterations: List[int]
+    records: List[dict]
+    log: str  # stdout + stderr of every rank, rank-prefixed
+
+    def check(self) -> "TrainingRun":
+        if self.returncode != 0:
+            raise RuntimeError(f"training run failed (exit {self.returncode}):\n{self.log[-6000:]}")
+        return self
+
+
+LOSS_KEY = "lm loss"
+
+
+def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dict] = None,
+                 python: Optional[str] = None, stock: bool = False, timeout: float = 1800,
+                 check: bool = True) -> TrainingRun:
+    """Run ``script`` (Megatron-LM's ``pretrain_gpt.py``) on ``nproc`` CPU ranks over gloo.
+
+    ``args``: Megatron's arguments (``--distributed-backend gloo`` is appended). ``env``: extra
+    environment for every rank. ``python``: interpreter (default: this one). ``stock``: run the
+    script without the TSP launcher. Returns the per-iteration ``lm loss`` and grad norm (full
+    precision, from Megatron's own ``training_log``) and the ranks' output; raises (with the log)
+    when a rank fails and ``check``.
+    """
+    python = python or sys.executable
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="tsp_cpu_run_") as tmp:
+        record = os.path.join(tmp, "iterations.jsonl")
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(os.environ)
+            rank_env.update(env or {})
+            rank_env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                PYTHONUNBUFFERED="1", **{RECORD_ENV: record},
+            )
+            rank_env.setdefault("OMP_NUM_THREADS", "1")
+            for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+                rank_env.pop(name, None)
+            cmd = [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", WORKER_FLAG]
+            cmd += ["--stock"] if stock else []
+            cmd += [script, *args, "--distributed-backend", "gloo"]
+            out = open(os.path.join(tmp, f"rank{rank}.log"), "w")
+            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out,
+                                           stderr=subprocess.STDOUT), out))
+        returncode = 0
+        try:
+            for proc, _ in procs:
+                try:
+                    code = proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    code = 124
+                if code != 0 and returncode == 0:
+                    returncode = code
+                    for other, _ in procs:  # one rank failed: the others would hang
+                        if other.poll() is None:
+                            other.kill()
+        finally:
+            for proc, out in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+        log = ""
+        for rank in range(nproc):
+            with open(os.path.join(tmp, f"rank{rank}.log")) as f:
+                log += "".join(f"[rank{rank}] {line}" for line in f)
+        records = []
+        if os.path.exists(record):
+            with open(record) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+    run = TrainingRun(
+        returncode=returncode,
+        losses=[r["losses"].get(LOSS_KEY) for r in records],
+        grad_norms=[r["grad_norm"] for r in records],
+        iterations=[r["iteration"] for r in records],
+        records=records,
+        log=log,
+    )
+    return run.check() if check else run
+
+
+def parse_log_losses(log: str) -> List[float]:
+    """``lm loss`` values as Megatron prints them (for logs of runs not made by this module)."""
+    return [float(m) for m in re.findall(r"lm loss: ([0-9.eE+-]+)", log)]
+
+
+def summary(run: TrainingRun) -> str:
+    lines = [f"{'iteration':>9}  {'lm loss':>22}  {'grad norm':>22}"]
+    for it, loss, norm in zip(run.iterations, run.losses, run.grad_norms):
+        lines.append(f"{it:>9}  {loss!r:>22}  {norm!r:>22}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == WORKER_FLAG:
+        return _worker(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_tsp.megatron_lm.cpu_runner",
+        description="Run Megatron-LM's pretrain_gpt.py on CPU ranks over gloo "
+        "(CUDA-only calls answered; see the module docstring).",
+        usage="%(prog)s --nproc N [--summary] [--stock] -- pretrain_gpt.py ARGS...",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("--summary", action="store_true",
+                        help="print only the per-iteration loss / grad norm table")
+    parser.add_argument("--stock", action="store_true",
+                        help="run the script without the TSP launcher hooks")
+    parser.add_argument("--timeout", type=float, default=3600)
+    if "--" in argv:
+        split = argv.index("--")
+        ours, rest = argv[:split], argv[split + 1:]
+    else:
+        ours, rest = argv, []
+    opts = parser.parse_args(ours)
+    if not rest:
+        parser.error("give the script and its arguments after --")
+    run = run_training(rest[0], rest[1:], opts.nproc, stock=opts.stock, timeout=opts.timeout,
+                       check=False)
+    if not opts.summary or run.returncode != 0:
+        sys.stdout.write(run.log)
+    print(summary(run))
+    return run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
