@@ -229,6 +229,9 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {}), "memory report"),
     Answer("torch.cuda:device_memory_used", _value(_zero), "memory report", optional=True),
     Answer("torch.cuda:mem_get_info", _const((0, 0)), "memory report"),
+    Answer("torch.accelerator:is_available", _const(False),
+           "a CUDA build of torch (the Python 3.12 venv) reports an accelerator, and the data "
+           "loader's pin-memory thread then initialises the CUDA driver", optional=True),
     # RNG: the CUDA generator is the CPU one. megatron_tsp.cpu_support (applied with these
     # answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
@@ -296,6 +299,31 @@ def _resolve(target: str):
     return module, attr
 
 
+BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _stand_in_for_triton_kernels() -> None:
+    """Without triton (CPU torch), ``megatron.training.initialize`` (core_v0.16) still imports
+    Megatron's batch-invariant Triton kernels at import time; they run only with
+    ``--batch-invariant-mode``. Register a module with the same functions that refuses to enable
+    the mode, before Megatron imports the real one."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None or BATCH_INVARIANT_KERNELS in sys.modules:
+        return
+    module = types.ModuleType(BATCH_INVARIANT_KERNELS)
+
+    def needs_triton(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton (Megatron's Triton kernels)")
+
+    module.enable_batch_invariant_mode = needs_triton
+    module.set_batch_invariant_mode = needs_triton
+    module.disable_batch_invariant_mode = lambda *a, **k: None
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.__tsp_cpu_stand_in__ = True
+    sys.modules[BATCH_INVARIANT_KERNELS] = module
+
+
 def apply_cuda_answers() -> List[str]:
     """Answer every entry of ``CUDA_ANSWERS`` (idempotent); returns the targets replaced.
 
@@ -303,6 +331,8 @@ def apply_cuda_answers() -> List[str]:
     """
     global _MODE
     import torch
+
+    _stand_in_for_triton_kernels()
 
     if "fused_weight_gradient_mlp_cuda" not in sys.modules:
         sys.modules["fused_weight_gradient_mlp_cuda"] = _fused_weight_gradient_module()
