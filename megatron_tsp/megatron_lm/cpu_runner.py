@@ -169,6 +169,20 @@ def _fork_rng(original):
     return warmup_without_drawing_from_the_training_generator
 
 
+RUNNER_MODULE = "megatron_tsp.megatron_lm.cpu_runner"
+
+
+def _spawn_children_import_the_runner(original):
+    def get_preparation_data(name):
+        data = original(name)
+        if "init_main_from_path" in data:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = RUNNER_MODULE
+        return data
+
+    return get_preparation_data
+
+
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """One CUDA-only call and what the CPU run answers instead."""
@@ -246,6 +260,12 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
            "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
            optional=True),
+    # spawned helper processes
+    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner,
+           "the checkpoint writer starts a 'spawn' multiprocessing Manager, whose child re-runs "
+           "the main script (pretrain_gpt.py) as __mp_main__ without these answers (core_v0.16 "
+           "then fails importing triton); children import this module instead (they only run "
+           "pickled functions)"),
     # the jit warm-up's random draws
     Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng,
            "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
