@@ -9,7 +9,9 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
   world-size arithmetic, then checks the derived values;
 * ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
-* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``.
+* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``;
+* ``generate_state_dict`` (``megatron.training.checkpointing``) -> checkpoints store the args of a
+  stock TP=D + SP run (no TSP spec, no TSP-only flags; see ``checkpoint_args.py``).
 
 ``install()`` must run before the training script imports those names (the launcher does that;
 the patches in ``patches/`` put it at the top of ``pretrain_gpt.py``).
@@ -24,6 +26,7 @@ from typing import Callable, Dict, Tuple
 
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
+from megatron_tsp.megatron_lm import checkpoint_args
 from megatron_tsp.megatron_lm import spec as tsp_spec
 
 _ORIGINALS: Dict[Tuple[str, str], Callable] = {}
@@ -136,6 +139,8 @@ def install() -> None:
     _replace("megatron.training.initialize", "validate_args", _wrap_validate_args)
     _replace("megatron.training.training", "pretrain", _wrap_pretrain)
     _replace("megatron.training", "pretrain", _wrap_pretrain)
+    _replace("megatron.training.checkpointing", "generate_state_dict",
+             checkpoint_args.wrap_generate_state_dict)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
     _INSTALLED = True
