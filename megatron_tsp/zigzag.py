@@ -114,6 +114,7 @@ BATCH_SEQ_DIM = 1
 def get_batch_on_this_tsp_rank(
     batch: Dict[str, Optional[torch.Tensor]],
     group_size: Optional[int] = None,
+    permute_attention_mask: bool = True,
 ) -> Dict[str, Optional[torch.Tensor]]:
     """Zigzag-permute a Megatron ``get_batch`` dict along the sequence.
 
@@ -127,7 +128,15 @@ def get_batch_on_this_tsp_rank(
     true positions. The per-token losses the model returns (``[b, s]``) are in the same permuted
     order; ``loss_mask`` is permuted identically, so ``sum(loss * mask) / sum(mask)`` equals the
     unpermuted objective. ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
+
+    ``permute_attention_mask=False`` passes ``attention_mask`` through untouched (TSP attention
+    never reads it: causality comes from the zigzag positions; the Megatron-LM hook uses this so
+    that no S x S tensor is permuted). The returned tensors are marked for
+    ``megatron_tsp.batch_guard`` (TSP attention refuses unmarked micro-batches under the
+    launcher).
     """
+    from megatron_tsp.batch_guard import mark_zigzagged
+
     if group_size is None:
         from megatron_tsp import parallel_state
 
@@ -137,10 +146,13 @@ def get_batch_on_this_tsp_rank(
         if value is None or group_size == 1:
             out[key] = value
         elif key == "attention_mask":
-            out[key] = permute(permute(value, group_size, dim=-1), group_size, dim=-2)
+            out[key] = (permute(permute(value, group_size, dim=-1), group_size, dim=-2)
+                        if permute_attention_mask else value)
         elif torch.is_tensor(value) and value.dim() >= 2:
             check_sequence_length(value.shape[BATCH_SEQ_DIM], group_size)
             out[key] = permute(value, group_size, dim=BATCH_SEQ_DIM)
         else:
             out[key] = value
+    for key in ("tokens", "position_ids", "labels"):
+        mark_zigzagged(out.get(key), group_size)
     return out

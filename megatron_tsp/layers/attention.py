@@ -37,6 +37,8 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_tsp import rejections, zigzag
+from megatron_tsp.batch_guard import check_attention_input
+from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.comm import (FlatShard, all_gather_seq, broadcast_from, reduce_scatter_seq,
                                reduce_to, wait_all, weight_bias_views)
 from megatron_tsp.comm_counter import comm_scope
@@ -412,6 +414,7 @@ class TSPSelfAttention(SelfAttention):
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
                 **kwargs):
+        check_attention_input()  # refuses micro-batches that bypassed the zigzag batch hook
         if key_value_states is not None:
             raise ValueError("TSP attention is self-attention only")
         if inference_context is not None or inference_params is not None:
@@ -439,6 +442,9 @@ class TSPSelfAttention(SelfAttention):
         layout = self.tsp_layout
         if not self.training and layout.dropout_p > 0:
             layout = dataclasses.replace(layout, dropout_p=0.0)
+        # linear_qkv / linear_proj are not called: fire their pre-hooks (DDP param-gather waits).
+        run_forward_pre_hooks(self.linear_qkv)
+        run_forward_pre_hooks(self.linear_proj)
         out = tsp_self_attention(
             hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
             self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,

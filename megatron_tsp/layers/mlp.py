@@ -29,6 +29,7 @@ from megatron_tsp import rejections
 from megatron_tsp.comm import FlatShard, ring_exchange, wait_all, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers.grads import weight_grad_output
+from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.parallel_state import resolve_group
 
 
@@ -218,6 +219,9 @@ class TSPMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("TSP MLP does not support per_token_scale (MoE routing)")
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        # fc1 / fc2 are not called: fire their pre-hooks (DDP param-gather waits).
+        run_forward_pre_hooks(fc1)
+        run_forward_pre_hooks(fc2)
         out = tsp_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, self.tsp_group,
                       self.tsp_activation, self.gradient_accumulation_fusion,
                       self.recompute_activation)

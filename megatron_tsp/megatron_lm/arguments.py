@@ -6,7 +6,9 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 
 * ``tensor_model_parallel_size = D`` (so data-parallel size = world / (D * PP) as for TP=D);
 * ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
-* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec.
+* ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec;
+* ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
+  TSP attention never reads the S x S mask.
 
 Every combination TSP does not support (the rows of ``megatron_tsp.rejections``) is rejected here
 with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
@@ -119,6 +121,11 @@ def translate_args(args) -> None:
         args.tsp_replaced_spec = list(user_spec)
     args.tensor_model_parallel_size = d
     args.sequence_parallel = d > 1
+    # TSP attention is causal by construction and never reads an attention mask: do not let
+    # Megatron build an S x S mask per sample (69 GB at 128k), broadcast it and hand it around.
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
+        args.tsp_disabled_dataloader_mask = True
     args.spec = [SPEC_MODULE, SPEC_ATTR]
 
 
@@ -144,6 +151,12 @@ def _check_validated_args(args, d: int) -> None:
         raise TSPArgumentError(
             f"Megatron changed --tensor-model-parallel-size to {args.tensor_model_parallel_size} "
             f"during validation; TSP needs it equal to {TSP_FLAG}={d}"
+        )
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if virtual not in (None, 1):
+        raise TSPArgumentError(
+            f"virtual_pipeline_model_parallel_size={virtual} (interleaved pipeline stages) cannot "
+            f"be combined with {TSP_FLAG}={d}: not supported with TSP yet"
         )
     if d > 1 and not args.sequence_parallel:
         raise TSPArgumentError(

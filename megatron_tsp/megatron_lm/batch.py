@@ -9,6 +9,12 @@ both modules before the script runs, so every TSP rank permutes the full broadca
 ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]`` and Megatron's contiguous sequence-parallel shards are the
 zigzag chunks.
 
+The attention mask is left alone: TSP attention never reads it (causality comes from the zigzag
+positions), and the launcher turns Megatron's dataloader mask off
+(``--no-create-attention-mask-in-dataloader``), so at long sequence lengths no S x S mask is built,
+broadcast or permuted. The permuted tensors are marked; under TSP, ``megatron_tsp.batch_guard``
+makes TSP attention refuse a micro-batch that did not pass through this hook.
+
 Loss normalization is untouched: labels and ``loss_mask`` are permuted like the tokens, the
 vocab-parallel cross-entropy gives every rank the per-token loss of the full (permuted) sequence,
 and ``sum(loss * mask)`` / ``sum(mask)`` are invariant under a permutation.
@@ -33,6 +39,9 @@ def activate(tsp_size: Optional[int]) -> None:
     """Permute batches for a TSP group of ``tsp_size`` ranks (None: pass batches through)."""
     global _ACTIVE_SIZE
     _ACTIVE_SIZE = tsp_size
+    from megatron_tsp import batch_guard
+
+    batch_guard.enforce(tsp_size is not None)
 
 
 def active_size() -> Optional[int]:
@@ -59,7 +68,7 @@ def tsp_permute_batch(batch):
             f"packed (THD) sequences with cu_seqlens cannot run with {TSP_FLAG}={size}; "
             "drop --sft / --dataloader-inter-document-masking"
         )
-    return get_batch_on_this_tsp_rank(batch, group_size=size)
+    return get_batch_on_this_tsp_rank(batch, group_size=size, permute_attention_mask=False)
 
 
 def _wrap(original):

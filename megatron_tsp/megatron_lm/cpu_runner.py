@@ -485,6 +485,8 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
     """
     python = python or sys.executable
     port = _free_port()
+    # The workers import this package: make sure they find the copy this process uses.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="tsp_cpu_run_") as tmp:
         record = os.path.join(tmp, "iterations.jsonl")
         procs = []
@@ -498,6 +500,8 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
                 PYTHONUNBUFFERED="1", **{RECORD_ENV: record},
             )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
+            rank_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (package_root, rank_env.get("PYTHONPATH")) if p)
             for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
                 rank_env.pop(name, None)
             cmd = [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", WORKER_FLAG]

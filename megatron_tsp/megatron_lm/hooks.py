@@ -9,6 +9,8 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
   world-size arithmetic, then checks the derived values;
 * ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
+* ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
+  TSP attention can refuse a micro-batch that did not (``megatron_tsp/batch_guard.py``);
 * ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``;
 * ``generate_state_dict`` (``megatron.training.checkpointing``) -> checkpoints store the args of a
   stock TP=D + SP run (no TSP spec, no TSP-only flags; see ``checkpoint_args.py``).
@@ -24,6 +26,7 @@ import importlib
 import sys
 from typing import Callable, Dict, Tuple
 
+from megatron_tsp import batch_guard
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
 from megatron_tsp.megatron_lm import checkpoint_args
@@ -79,6 +82,9 @@ def _describe_translation(args) -> str:
         f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; "
         f"world={args.world_size} = TSP {d} x PP {pp} x DP {dp}"
     )
+    if getattr(args, "tsp_disabled_dataloader_mask", False):
+        text += ("; --no-create-attention-mask-in-dataloader (TSP attention does not read the "
+                 "S x S mask; none is built, broadcast or permuted)")
     replaced = getattr(args, "tsp_replaced_spec", None)
     if replaced:
         text += f"; the user --spec {' '.join(replaced)} is replaced by the TSP block spec"
@@ -143,6 +149,7 @@ def install() -> None:
              checkpoint_args.wrap_generate_state_dict)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
+    batch_guard.install(enforce=tsp_batch.active_size() is not None)
     _INSTALLED = True
 
 
@@ -157,6 +164,7 @@ def uninstall() -> None:
     tsp_batch.uninstall_batch_hook()
     tsp_batch.activate(None)
     tsp_spec.uninstall_gpt_model_hook()
+    batch_guard.uninstall()
     _INSTALLED = False
 
 

@@ -100,15 +100,22 @@ def check_batch_hook(seed: int) -> dict:
         expected = zigzag.get_batch_on_this_tsp_rank(batch, d)
         assert set(out) == set(batch)
         for key in batch:
-            assert torch.equal(out[key], expected[key]), key
+            if key != "attention_mask":
+                assert torch.equal(out[key], expected[key]), key
+        # the S x S mask is left alone (TSP attention never reads it), not permuted twice
+        assert out["attention_mask"] is batch["attention_mask"]
+        from megatron_tsp import batch_guard
+
+        assert batch_guard.zigzag_mark(out["tokens"]) == d
+        assert batch_guard.zigzag_mark(batch["tokens"]) is None
         # contiguous SP shard r of the permuted tokens == zigzag chunks r and 2D-1-r
         r = dist.get_rank()
         local = out["tokens"].chunk(d, dim=1)[r]
         assert torch.equal(local, zigzag.split(batch["tokens"], d, r, dim=1))
         assert not torch.equal(out["tokens"], batch["tokens"])
-        # the mask is permuted on both axes and stays the causal mask of the true positions
+        # the generic helper still permutes a mask on both axes (causal mask of true positions)
         pos = out["position_ids"][0]
-        assert torch.equal(out["attention_mask"][0, 0], pos.unsqueeze(1) < pos.unsqueeze(0))
+        assert torch.equal(expected["attention_mask"][0, 0], pos.unsqueeze(1) < pos.unsqueeze(0))
         errors = {}
         try:
             wrapped(dict(batch, cu_seqlens=torch.tensor([0, SEQ])))

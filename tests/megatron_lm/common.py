@@ -62,6 +62,8 @@ def megatron_parser() -> argparse.ArgumentParser:
             parser.add_argument(row.flag, dest=row.dest, type=int, default=None)
         else:
             parser.add_argument(row.flag, dest=row.dest, default=None)
+    parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                        dest="create_attention_mask_in_dataloader")
     return add_tsp_arguments(parser)
 
 

@@ -36,6 +36,18 @@ def test_translation_sets_tp_sp_and_spec(d):
     assert not hasattr(args, "tsp_replaced_spec")
 
 
+def test_translation_turns_the_dataloader_mask_off():
+    # Megatron builds an S x S mask per sample by default; TSP attention never reads it.
+    args = parse("--tensor-sequence-parallel-size", "2")
+    assert args.create_attention_mask_in_dataloader is True
+    A.translate_args(args)
+    assert args.create_attention_mask_in_dataloader is False and args.tsp_disabled_dataloader_mask
+    args = parse("--tensor-sequence-parallel-size", "2", "--no-create-attention-mask-in-dataloader")
+    A.translate_args(args)
+    assert not args.create_attention_mask_in_dataloader
+    assert not getattr(args, "tsp_disabled_dataloader_mask", False)  # nothing to announce
+
+
 def test_translation_is_noop_without_flag():
     args = parse("--tensor-model-parallel-size", "4", "--sequence-parallel")
     before = dict(vars(args))
