@@ -1,7 +1,7 @@
 """Every flag of the rejection table against the argument parsers of real Megatron-LM trees.
 
-For each tree (``MEGATRON_LM_PATH``: core_v0.16.1 on this Python; ``MEGATRON_LM_0_19_PATH``:
-core_v0.19.0 on ``$VENV312/bin/python``), a subprocess builds Megatron-LM's own parser
+For each tree (``MEGATRON_LM_PATH``: core_v0.16.1 on this Python; ``MEGATRON_LM_PATH_0_19``:
+core_v0.19.0 on ``$VENV312/bin/python``; scripts/megatron_lm_sources.sh prints both), a subprocess builds Megatron-LM's own parser
 (``add_megatron_arguments`` with the TSP group, as the launcher does) and reports, per row: whether
 the flag exists, its dest and choices, and what ``unsupported_combinations`` says when the row's
 example is parsed. A row must name a flag that exists exactly in the trees its ``versions`` list,
@@ -67,7 +67,7 @@ def _trees():
     venv = os.environ.get("VENV312", os.path.join(REPO, ".venv312"))
     return [
         ("core_v0.16", os.environ.get("MEGATRON_LM_PATH"), sys.executable),
-        ("core_v0.19", os.environ.get("MEGATRON_LM_0_19_PATH"),
+        ("core_v0.19", os.environ.get("MEGATRON_LM_PATH_0_19"),
          os.path.join(venv, "bin", "python")),
     ]
 
@@ -85,7 +85,7 @@ def _probe(tree, python):
 @pytest.mark.parametrize("label,tree,python", _trees(), ids=[t[0] for t in _trees()])
 def test_table_flags_match_megatron_lm_parser(label, tree, python):
     if not tree or not os.path.isfile(os.path.join(tree, "pretrain_gpt.py")):
-        pytest.skip(f"set {'MEGATRON_LM_PATH' if '16' in label else 'MEGATRON_LM_0_19_PATH'} "
+        pytest.skip(f"set {'MEGATRON_LM_PATH' if '16' in label else 'MEGATRON_LM_PATH_0_19'} "
                     f"to a Megatron-LM {label} tree")
     if not os.path.isfile(python):
         pytest.skip(f"{python} not found (set VENV312 to the Python 3.12 venv)")
