@@ -135,7 +135,7 @@ def test_use_checkpoint_args_does_not_carry_the_tsp_spec(runs):
     # The stock run that loaded it with --use-checkpoint-args built Megatron's own layers.
     log = runs["tp_from_tsp"].log
     assert re.search(r"\bspec \.+ None$", log, re.M), "the stock run's --spec is not None"
-    assert "megatron_tsp" not in log
+    assert "megatron_tsp.megatron_lm.spec" not in log and "TSPSelfAttention" not in log
 
 
 _TE_LOAD_PROBE = r"""
