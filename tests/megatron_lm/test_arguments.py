@@ -162,3 +162,30 @@ def test_strip_tsp_flags():
     argv = ["--num-layers", "2", "--tensor-sequence-parallel-size", "8", "--tsp-dry-run",
             "--tsp-dry-run-world-size=16", "--tsp-dry-run-rank", "3", "--seq-length", "64"]
     assert A.strip_tsp_flags(argv) == ["--num-layers", "2", "--seq-length", "64"]
+
+
+def test_checkpoints_store_a_stock_runs_args():
+    from megatron_tsp.megatron_lm import checkpoint_args
+
+    args = parse("--tensor-sequence-parallel-size", "4", "--spec", "my.module", "my_spec")
+    A.translate_args(args)
+    args.tsp_dry_run_world_size = 8
+
+    def generate_state_dict(args_, model, optimizer, *rest, **kwargs):
+        return {"args": args_, "model": model, "checkpoint_version": 3.0}
+
+    wrapped = checkpoint_args.wrap_generate_state_dict(generate_state_dict)
+    state = wrapped(args, "MODEL", None)
+    stored = state["args"]
+    assert state["model"] == "MODEL" and stored is not args
+    assert stored.spec == ["my.module", "my_spec"]  # the user's own --spec
+    assert stored.tensor_model_parallel_size == 4 and stored.sequence_parallel
+    assert not [k for k in vars(stored) if checkpoint_args.is_tsp_only(k)]
+    # the live args are untouched
+    assert args.spec == [A.SPEC_MODULE, A.SPEC_ATTR] and args.tensor_sequence_parallel_size == 4
+    # no user spec: None; a stock run's args pass through as they are
+    plain = parse("--tensor-sequence-parallel-size", "2")
+    A.translate_args(plain)
+    assert wrapped(plain, None, None)["args"].spec is None
+    stock = parse("--tensor-model-parallel-size", "2")
+    assert wrapped(stock, None, None)["args"] is stock
