@@ -1,7 +1,8 @@
 """Every flag of the rejection table against the argument parsers of real Megatron-LM trees.
 
-For each tree (``MEGATRON_LM_PATH``: core_v0.16.1 on this Python; ``MEGATRON_LM_PATH_0_19``:
-core_v0.19.0 on ``$VENV312/bin/python``; scripts/megatron_lm_sources.sh prints both), a subprocess builds Megatron-LM's own parser
+For each tree (``MEGATRON_LM_PATH`` on this interpreter; ``MEGATRON_LM_PATH_0_19`` on
+``$VENV312/bin/python`` when that venv exists; scripts/test_core_0_19.sh also runs this file in the
+venv with ``MEGATRON_LM_PATH`` = the core_v0.19.0 tree), a subprocess builds Megatron-LM's own parser
 (``add_megatron_arguments`` with the TSP group, as the launcher does) and reports, per row: whether
 the flag exists, its dest and choices, and what ``unsupported_combinations`` says when the row's
 example is parsed. A row must name a flag that exists exactly in the trees its ``versions`` list,
@@ -64,12 +65,15 @@ print("PROBE " + json.dumps(out))
 
 
 def _trees():
-    venv = os.environ.get("VENV312", os.path.join(REPO, ".venv312"))
-    return [
-        ("core_v0.16", os.environ.get("MEGATRON_LM_PATH"), sys.executable),
-        ("core_v0.19", os.environ.get("MEGATRON_LM_PATH_0_19"),
-         os.path.join(venv, "bin", "python")),
-    ]
+    """(label, tree, python): the tree of MEGATRON_LM_PATH on this interpreter (core_v0.16.1 in the
+    main CI run, core_v0.19.0 when scripts/test_core_0_19.sh runs this file in the 3.12 venv), and
+    MEGATRON_LM_PATH_0_19 on the 3.12 venv's interpreter when that venv exists."""
+    trees = [("MEGATRON_LM_PATH", os.environ.get("MEGATRON_LM_PATH"), sys.executable)]
+    venv_python = os.path.join(os.environ.get("VENV312", os.path.join(REPO, ".venv312")),
+                               "bin", "python")
+    if os.environ.get("MEGATRON_LM_PATH_0_19") and os.path.isfile(venv_python):
+        trees.append(("MEGATRON_LM_PATH_0_19", os.environ["MEGATRON_LM_PATH_0_19"], venv_python))
+    return trees
 
 
 def _probe(tree, python):
@@ -85,10 +89,7 @@ def _probe(tree, python):
 @pytest.mark.parametrize("label,tree,python", _trees(), ids=[t[0] for t in _trees()])
 def test_table_flags_match_megatron_lm_parser(label, tree, python):
     if not tree or not os.path.isfile(os.path.join(tree, "pretrain_gpt.py")):
-        pytest.skip(f"set {'MEGATRON_LM_PATH' if '16' in label else 'MEGATRON_LM_PATH_0_19'} "
-                    f"to a Megatron-LM {label} tree")
-    if not os.path.isfile(python):
-        pytest.skip(f"{python} not found (set VENV312 to the Python 3.12 venv)")
+        pytest.skip(f"set {label} to a Megatron-LM tree")
     probe = _probe(tree, python)
     version = probe["version"]
     assert version in R.MEGATRON_LM_VERSIONS, version
