@@ -9,8 +9,9 @@ Megatron-LM run loading the checkpoint with ``--use-checkpoint-args`` would buil
 the TSP spec (and fail without the launcher's hooks, or silently run TSP layers).
 
 ``install()`` (``hooks.py``) therefore wraps ``generate_state_dict``: the stored args are a copy
-with the user's own ``--spec`` (``None`` unless one was given; ``tsp_replaced_spec`` keeps it) and
-without the TSP-only attributes (``tensor_sequence_parallel_size`` and every ``tsp_*``). Everything
+with the user's own ``--spec`` in place of any ``megatron_tsp.megatron_lm.spec`` spec (``None``
+unless one was given; ``tsp_replaced_spec`` keeps it) and without the TSP-only attributes
+(``tensor_sequence_parallel_size`` and every ``tsp_*``, e.g. ``--tsp-mlp``'s ``tsp_mlp``). Everything
 else -- ``tensor_model_parallel_size = D`` and ``sequence_parallel`` included -- is what TP=D + SP
 stores, which is what the checkpoint is. A TSP run that loads it with ``--use-checkpoint-args``
 is translated again by ``validate_args`` (which runs after Megatron copies the checkpoint's args).
@@ -34,11 +35,13 @@ def is_tsp_only(name: str) -> bool:
 def stock_args(args):
     """A shallow copy of ``args`` as a stock Megatron-LM run with the same layout would have them
     (``args`` itself is unchanged). Non-TSP args are returned as they are."""
-    if tsp_args.tsp_size(args) is None and getattr(args, "tsp_replaced_spec", None) is None:
+    spec = list(getattr(args, "spec", None) or [])
+    tsp_spec = bool(spec) and spec[0] == tsp_args.SPEC_MODULE  # any TSP spec (TSP, --tsp-mlp)
+    if not tsp_spec and not any(is_tsp_only(name) for name in vars(args)):
         return args
     stored = copy.copy(args)
     user_spec = getattr(args, "tsp_replaced_spec", None)
-    if list(getattr(args, "spec", None) or []) == [tsp_args.SPEC_MODULE, tsp_args.SPEC_ATTR]:
+    if tsp_spec:
         stored.spec = list(user_spec) if user_spec else None
     for name in list(vars(stored)):
         if is_tsp_only(name):

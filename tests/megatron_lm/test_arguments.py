@@ -1,5 +1,7 @@
 """The TSP argument group, its translation into Megatron's arguments, and the rejections."""
 
+import argparse
+
 import pytest
 
 from megatron_tsp import rejections
@@ -187,5 +189,14 @@ def test_checkpoints_store_a_stock_runs_args():
     plain = parse("--tensor-sequence-parallel-size", "2")
     A.translate_args(plain)
     assert wrapped(plain, None, None)["args"].spec is None
-    stock = parse("--tensor-model-parallel-size", "2")
-    assert wrapped(stock, None, None)["args"] is stock
+    stock = parse("--tensor-model-parallel-size", "2")  # the launcher without the TSP flag
+    stored = wrapped(stock, None, None)["args"]
+    assert {k: v for k, v in vars(stock).items() if not checkpoint_args.is_tsp_only(k)} == vars(
+        stored)
+    bare = argparse.Namespace(spec=None, tensor_model_parallel_size=2)  # Megatron without it
+    assert wrapped(bare, None, None)["args"] is bare
+    # any TSP spec (e.g. the --tsp-mlp hybrid's) and any tsp_* attribute is a TSP run's
+    hybrid = parse("--tensor-model-parallel-size", "2")
+    hybrid.spec, hybrid.tsp_mlp = [A.SPEC_MODULE, "tsp_mlp_block_spec"], True
+    stored = wrapped(hybrid, None, None)["args"]
+    assert stored.spec is None and not hasattr(stored, "tsp_mlp")
