@@ -257,6 +257,10 @@ CUDA_ANSWERS: Sequence[Answer] = (
     # builds of CUDA code
     Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers),
            "rank 0 runs `make` for the dataset index helpers; the compiled .so is provided"),
+    Answer("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
+           lambda original: (lambda self, *a, **k: False),
+           "the fused softmax CUDA kernels (scaled_masked_softmax_cuda) are imported when fp16/bf16 "
+           "shapes qualify; without them Megatron's own torch softmax path runs"),
     Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
            "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
            optional=True),
@@ -314,9 +318,13 @@ _MODE = None
 
 
 def _resolve(target: str):
-    module_name, attr = target.split(":")
-    module = importlib.import_module(module_name)
-    return module, attr
+    """``"module:attr"`` or ``"module:Class.attr"`` -> (owner object, attribute name)."""
+    module_name, path = target.split(":")
+    owner = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    return owner, attr
 
 
 BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -362,7 +370,7 @@ def apply_cuda_answers() -> List[str]:
             continue
         try:
             module, attr = _resolve(answer.target)
-        except ImportError:
+        except (ImportError, AttributeError):
             if answer.optional:
                 continue
             raise

@@ -50,8 +50,9 @@ def main():
     from megatron.core import parallel_state as mpu
 
     iterator = None
+    # every rank calls the provider (Megatron's dataset builder has a barrier); TP rank 0 builds
+    train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider([2, 0, 0])
     if mpu.get_tensor_model_parallel_rank() == 0:
-        train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider([2, 0, 0])
         samples = [train_ds[i] for i in range(args.micro_batch_size)]
         iterator = iter([torch.utils.data.default_collate(samples)])
     batch = pretrain_gpt.get_batch(iterator)
