@@ -28,6 +28,8 @@ _EXPORTS = {
     "TSPNorm": "megatron_tsp.layers.norm",
     "get_gpt_layer_tsp_spec": "megatron_tsp.specs",
     "get_gpt_block_tsp_spec": "megatron_tsp.specs",
+    "get_gpt_layer_tsp_mlp_spec": "megatron_tsp.specs",  # TP+SP attention + TSP MLP
+    "get_gpt_block_tsp_mlp_spec": "megatron_tsp.specs",
     "build_tsp_gpt_model": "megatron_tsp.model",
     # tools
     "CommCounter": "megatron_tsp.comm_counter",

@@ -12,12 +12,15 @@ COMMANDS = {
     "plan": ("megatron_tsp.estimator.planner", "analytic memory / comm / throughput planner"),
     "memory": ("megatron_tsp.estimator.memory", "measured peak memory of one rank (fake tensors)"),
     "bench": ("megatron_tsp.bench", "benchmark TSP vs TP+SP layers"),
+    "generate": ("megatron_tsp.inference.cli", "TSP prefill + Megatron TP decode (generation)"),
+    "prefill-memory": ("megatron_tsp.inference.memory",
+                       "one rank's peak memory of a long-prompt prefill: TSP / TP / CP"),
     "cpu-run": ("megatron_tsp.megatron_lm.cpu_runner",
                 "run Megatron-LM's pretrain_gpt.py on CPU ranks (gloo), TSP or stock"),
 }
 
 USAGE = "usage: megatron-tsp {" + ",".join(COMMANDS) + "} [options]\n\n" + "\n".join(
-    f"  {k:<9}{v[1]}" for k, v in COMMANDS.items()) + "\n\n'megatron-tsp CMD --help' for options."
+    f"  {k:<16}{v[1]}" for k, v in COMMANDS.items()) + "\n\n'megatron-tsp CMD --help' for options."
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,6 +5,10 @@
 would use its default final norm, which rejects sequence-parallel configs without apex/TE).
 Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
 ``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
+
+``get_gpt_layer_tsp_mlp_spec`` / ``get_gpt_block_tsp_mlp_spec`` are the hybrid for a TP+SP run
+(Megatron-LM ``--tsp-mlp``): Megatron's local layer spec with only the MLP replaced by the TSP
+MLP ring; no zigzag, no batch permutation.
 """
 
 from __future__ import annotations
@@ -118,6 +122,53 @@ def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
                                 pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
     layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
+    try:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    except TypeError:
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# TP+SP attention + TSP MLP ("--tsp-mlp")
+# ---------------------------------------------------------------------------------------------
+def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
+                               num_experts: Optional[int] = None,
+                               mlp_recompute_activation: bool = True) -> ModuleSpec:
+    """TransformerLayer spec of the hybrid: Megatron's own TP+SP attention, TSP's MLP ring.
+
+    Under TP=D + sequence parallelism the MLP's input is already sequence-sharded ([s/D, b, h]
+    per rank, contiguous blocks) and the MLP is token-wise, so the TSP weight ring replaces
+    ColumnParallelLinear's activation all-gather before fc1 and RowParallelLinear's
+    reduce-scatter after fc2. No zigzag and no batch permutation: the attention (and everything
+    outside the MLP) is ``get_gpt_layer_local_spec``'s, the MLP parameters are the same
+    Column/RowParallelLinear TP=D shards, so state dicts and checkpoints are TP=D+SP's.
+    """
+    if num_experts:
+        raise ValueError("--tsp-mlp replaces dense MLPs only: --num-experts (MoE) is not "
+                         "supported")
+    if normalization not in (None, "LayerNorm", "RMSNorm"):
+        raise ValueError(f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and "
+                         "RMSNorm")
+    spec = get_gpt_layer_local_sp_spec(normalization)
+    spec.submodules.mlp = ModuleSpec(
+        module=TSPMLP,
+        params={"recompute_activation": mlp_recompute_activation},
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
+    return spec
+
+
+def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
+                               vp_stage: Optional[int] = None,
+                               pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Block spec for this pipeline stage: hybrid layers (``get_gpt_layer_tsp_mlp_spec``) plus
+    the sequence-parallel-tagged final norm."""
+    from megatron_tsp.validation import check_tsp_mlp_config
+
+    check_tsp_mlp_config(config)
+    layer = get_gpt_layer_tsp_mlp_spec(normalization=normalization or config.normalization,
+                                       num_experts=config.num_moe_experts)
     try:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:

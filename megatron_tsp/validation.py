@@ -107,3 +107,46 @@ def check_transformer_config(config, vocab_size: Optional[int] = None,
         seq_length=seq_length,
         hidden_size=config.hidden_size,
     )
+
+
+TSP_MLP_FLAG = "--tsp-mlp"
+
+
+def check_tsp_mlp_config(config) -> None:
+    """Check a ``TransformerConfig`` for the hybrid (TP+SP attention + TSP MLP, ``--tsp-mlp``).
+
+    The TSP MLP ring runs over the tensor-parallel group on the sequence-parallel activations
+    TP+SP already has; everything outside the MLP is Megatron's, so only what the MLP needs is
+    checked here (Megatron checks the rest)."""
+    d = config.tensor_model_parallel_size
+    if d > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"{TSP_MLP_FLAG} with --tensor-model-parallel-size={d} needs --sequence-parallel "
+            "(sequence_parallel=True): the TSP MLP ring works on sequence-sharded activations"
+        )
+    if config.ffn_hidden_size % d != 0:
+        raise ValueError(
+            f"--ffn-hidden-size={config.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size={d}: {TSP_MLP_FLAG} circulates D shards of the "
+            "MLP's intermediate dimension"
+        )
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(
+            f"--num-experts={config.num_moe_experts} (MoE) cannot be combined with "
+            f"{TSP_MLP_FLAG}: the TSP MLP ring replaces dense MLPs only"
+        )
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError(f"--multi-latent-attention cannot be combined with {TSP_MLP_FLAG}: "
+                         "the hybrid spec builds standard self-attention")
+    if getattr(config, "qk_layernorm", False):
+        raise ValueError(f"--qk-layernorm cannot be combined with {TSP_MLP_FLAG}: the hybrid "
+                         "spec's norms are sequence-parallel-tagged torch norms")
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        raise ValueError(f"--fp8 / --fp4 cannot be combined with {TSP_MLP_FLAG}: they need "
+                         "Transformer Engine layers; the TSP MLP is not a TE module")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(
+            f"--context-parallel-size={config.context_parallel_size} cannot be combined with "
+            f"{TSP_MLP_FLAG}: the hybrid uses Megatron's local attention, which has no context "
+            "parallelism"
+        )

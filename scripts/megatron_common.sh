@@ -1,6 +1,6 @@
 # Sourced by the A/B launch scripts: builds Megatron-LM argument arrays from a config in configs/
 # and environment knobs. Every variant gets the same MODEL_ARGS / TRAINING_ARGS / DATA_ARGS /
-# TOKENIZER / LOGGING_ARGS / OPTIMIZER_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | cp), plus
+# TOKENIZER / LOGGING_ARGS / OPTIMIZER_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | tsp_mlp | cp), plus
 # the per-variant output directories (OUTPUT_ARGS: checkpoints, TensorBoard).
 #
 # Knobs (environment):
@@ -134,7 +134,7 @@ output_args() {
 
 # entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py.
 entry() {
-    if [[ "$1" == "tsp" ]]; then
+    if [[ "$1" == "tsp" || "$1" == "tsp_mlp" ]]; then
         ENTRY=(-m megatron_tsp.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py")
     else
         ENTRY=("${MEGATRON_LM_PATH}/pretrain_gpt.py")

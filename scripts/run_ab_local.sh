@@ -7,7 +7,7 @@
 # Knobs: see scripts/megatron_common.sh (data, tokenizer, DIST_OPT, CKPT_DIR / LOAD_DIR /
 # SAVE_INTERVAL, TENSORBOARD_DIR, TORCHRUN_ARGS, ...), plus
 #   NPROC        GPUs (processes) on this node          (default: the config's gpus_per_node)
-#   VARIANTS     space-separated subset of "tsp tp cp"  (default "tsp tp")
+#   VARIANTS     subset of "tsp tp tsp_mlp cp"          (default "tsp tp")
 #   MASTER_PORT  torchrun rendezvous port               (default 29500)
 #   DRY_RUN=1    only validate through Megatron's argument code and build one rank on the meta
 #                device (python -m megatron_tsp.launch ... --tsp-dry-run; no GPU needed)

@@ -15,66 +15,76 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_tsp import checkpoint, zigzag
 from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.layers.mlp import TSPMLP, make_activation
-from tests.common import DTYPES, group_info, make_config, rel_err, setup_tsp
+from megatron_tsp.layers.mlp import TSPMLP
+from tests.common import (DTYPES, TOL, FUSIONS_OFF, assert_close, group_info, make_config,
+                          setup_tsp, stock_mlp)
 
 
-def _grads_vs_reference(module, full_grads, group, errors, replicated_sum=True):
-    """Compare each parameter's gradient on this rank with the reference's slice."""
+def _grad_pairs(module, full_grads, group, actual, expected):
+    """Add each parameter's gradient on this rank (``grad:<name>``) and the reference's slice."""
     import torch.distributed as dist
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     for name, param in module.named_parameters():
+        if param.grad is None:
+            raise AssertionError(f"{name}: no gradient")
         grad = param.grad.clone()
         sharded, dim, stride = checkpoint.sharding_of(param)
         if sharded:
-            expected = checkpoint.shard(full_grads[name], dim, stride, size, rank)
+            want = checkpoint.shard(full_grads[name], dim, stride, size, rank)
         else:  # replicated: each rank saw its own tokens; the group sum is the full gradient
             dist.all_reduce(grad, group=group)
-            expected = full_grads[name]
-        errors[f"grad:{name}"] = rel_err(grad, expected)
+            want = full_grads[name]
+        actual[f"grad:{name}"] = grad
+        expected[f"grad:{name}"] = want
+
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
 def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activation="gelu",
-              recompute_activation=True):
+              recompute_activation=True, fusions="megatron-lm"):
+    """TSP MLP on zigzag tokens vs megatron-core's stock ``MLP`` (TP=1) on the full sequence:
+    output, input gradient and every weight gradient. ``fusions``: "megatron-lm" (the defaults,
+    fused bias-GeLU / SwiGLU) or "off"."""
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
-    act = {"gelu": F.gelu, "silu": F.silu}[activation]
-    config = make_config(d, dtype, hidden_size=hidden, ffn_hidden_size=ffn,
-                         gated_linear_unit=gated, add_bias_linear=bias, activation_func=act)
+    fields = dict(hidden_size=hidden, ffn_hidden_size=ffn, gated_linear_unit=gated,
+                  add_bias_linear=bias, activation_func=ACTIVATIONS[activation])
+    if fusions == "off":
+        fields.update(FUSIONS_OFF)
+    config = make_config(d, dtype, **fields)
     layer = TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                          linear_fc2=RowParallelLinear),
                    recompute_activation=recompute_activation)
+    reference = stock_mlp(make_config(1, dtype, **fields))
     torch.manual_seed(seed)  # same full weights and data on every rank, fresh per run
-    full = {n: torch.randn(checkpoint.unshard([p] * size, *checkpoint.sharding_of(p)[1:]).shape
-                           if checkpoint.sharding_of(p)[0] else p.shape, dtype=dtype) * 0.2
-            for n, p in layer.named_parameters()}
+    full = {n: torch.randn(p.shape, dtype=dtype) * 0.2 for n, p in reference.named_parameters()}
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(full[n])
     checkpoint.load_full_state(layer, full, group)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
 
-    # single-process reference on the full sequence
-    ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
     xr = x_full.clone().requires_grad_(True)
-    pre = xr @ ref["linear_fc1.weight"].t()
-    if bias:
-        pre = pre + ref["linear_fc1.bias"]
-    yr = make_activation(config)(pre) @ ref["linear_fc2.weight"].t()
-    if bias:
-        yr = yr + ref["linear_fc2.bias"]
+    out_r, bias_r = reference(xr)
+    yr = out_r + bias_r if bias_r is not None else out_r
     yr.backward(dy_full)
 
     x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
     out, out_bias = layer(x)
     y = out + out_bias if out_bias is not None else out
     y.backward(zigzag.split(dy_full, size, rank, dim=0))
-    errors = {
-        "output": rel_err(y, zigzag.split(yr, size, rank, dim=0)),
-        "grad:input": rel_err(x.grad, zigzag.split(xr.grad, size, rank, dim=0)),
-    }
-    _grads_vs_reference(layer, {n: t.grad for n, t in ref.items()}, group, errors)
-    return errors
+    actual = {"output": y, "grad:input": x.grad}
+    expected = {"output": zigzag.split(yr, size, rank, dim=0),
+                "grad:input": zigzag.split(xr.grad, size, rank, dim=0)}
+    _grad_pairs(layer, {n: p.grad for n, p in reference.named_parameters()}, group, actual,
+                expected)
+    return assert_close(actual, expected, rtol=TOL[dtype],
+                        what=f"TSP MLP D={d} {dtype_name} {activation} gated={gated} "
+                             f"fusions={fusions} seed={seed}")
 
 
 def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config):
@@ -82,7 +92,7 @@ def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_fre
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     s, b, h = x.shape
-    hn = qkv_w.shape[1] // heads if False else h // heads
+    hn = h // heads
     mixed = x @ qkv_w.t()
     if qkv_b is not None:
         mixed = mixed + qkv_b
@@ -144,19 +154,30 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
     out, out_bias = layer(x, attention_mask=None, rotary_pos_emb=freqs)
     y = out + out_bias if out_bias is not None else out
     y.backward(zigzag.split(dy_full, size, rank, dim=0))
-    errors = {
-        "output": rel_err(y, zigzag.split(yr, size, rank, dim=0)),
-        "grad:input": rel_err(x.grad, zigzag.split(xr.grad, size, rank, dim=0)),
-    }
-    _grads_vs_reference(layer, {n: t.grad for n, t in ref.items()}, group, errors)
-    return errors
+    actual = {"output": y, "grad:input": x.grad}
+    expected = {"output": zigzag.split(yr, size, rank, dim=0),
+                "grad:input": zigzag.split(xr.grad, size, rank, dim=0)}
+    _grad_pairs(layer, {n: t.grad for n, t in ref.items()}, group, actual, expected)
+    return assert_close(actual, expected, rtol=TOL[dtype],
+                        what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
+                             f"rope={rope} backward={attention_backward} seed={seed}")
 
 
-def check_main_grad_contract(d, seed, kind):
+def _build_layer(kind, config, **kwargs):
+    if kind == "mlp":
+        return TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                            linear_fc2=RowParallelLinear), **kwargs)
+    return TSPSelfAttention(config, SelfAttentionSubmodules(
+        linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear), layer_number=1, **kwargs)
+
+
+def check_main_grad_contract(d, seed, kind, zero_out_wgrad=False):
     """With gradient-accumulation fusion, weight grads land in ``main_grad`` (fp32, accumulated
-    over two backward passes) and autograd's ``.grad`` is a flagged dummy — Megatron DDP's contract."""
-    import torch.distributed as dist
-
+    over two backward passes) and autograd's ``.grad`` is a flagged dummy — Megatron DDP's
+    contract. With ``param.zero_out_wgrad`` (set by Megatron DDP) the dummy must be zeros, not
+    uninitialised memory: the check runs with torch's deterministic mode, which fills
+    uninitialised floats with NaN, so garbage cannot pass as zeros by luck."""
     setup_tsp(d)
     group, size, rank = group_info()
     torch.manual_seed(seed)
@@ -164,16 +185,8 @@ def check_main_grad_contract(d, seed, kind):
     dy = torch.randn(16 // size, 2, 32, dtype=torch.float64)
 
     def build():
-        config = make_config(d, torch.float64, hidden_size=32, ffn_hidden_size=64,
-                             num_attention_heads=4)
-        if kind == "mlp":
-            layer = TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                 linear_fc2=RowParallelLinear))
-        else:
-            layer = TSPSelfAttention(config, SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                linear_proj=RowParallelLinear), layer_number=1)
-        return layer
+        return _build_layer(kind, make_config(d, torch.float64, hidden_size=32,
+                                              ffn_hidden_size=64, num_attention_heads=4))
 
     def run(layer):
         out, _ = layer(x.clone().requires_grad_(True))
@@ -184,18 +197,160 @@ def check_main_grad_contract(d, seed, kind):
     fused.load_state_dict(plain.state_dict())
     fused.gradient_accumulation_fusion = True
     sharded = [p for p in fused.parameters() if getattr(p, "tensor_model_parallel", False)]
+    assert sharded, "no tensor-parallel parameters"
     for p in sharded:
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         p.grad_added_to_main_grad = False
-    run(plain)
-    run(plain)
-    run(fused)
-    run(fused)
-    errors = {}
+        if zero_out_wgrad:
+            p.zero_out_wgrad = True
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        run(plain)
+        run(plain)
+        run(fused)
+        run(fused)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    actual, expected = {}, {}
     for (name, p_plain), p_fused in zip(plain.named_parameters(), fused.parameters()):
         if not getattr(p_fused, "tensor_model_parallel", False):
             continue
-        assert p_fused.grad_added_to_main_grad, name
-        assert p_fused.main_grad.dtype == torch.float32
-        errors[name] = rel_err(p_fused.main_grad.double(), p_plain.grad)
+        assert p_fused.grad_added_to_main_grad, f"{name}: grad_added_to_main_grad not set"
+        assert p_fused.main_grad.dtype == torch.float32, name
+        actual[f"main_grad:{name}"] = p_fused.main_grad.double()
+        expected[f"main_grad:{name}"] = p_plain.grad
+        if zero_out_wgrad:  # autograd's dummy .grad: exactly zero (NaN if left uninitialised)
+            actual[f"grad:{name}"] = p_fused.grad
+            expected[f"grad:{name}"] = torch.zeros_like(p_fused)
+    errors = assert_close(actual, expected, rtol=1e-6, atol=0.0,  # main_grad is fp32
+                          what=f"{kind} main_grad D={d} zero_out_wgrad={zero_out_wgrad} "
+                               f"seed={seed}")
+    if zero_out_wgrad:
+        for name, value in actual.items():
+            if name.startswith("grad:") and torch.count_nonzero(value).item() != 0:
+                raise AssertionError(f"{name}: zero_out_wgrad dummy gradient is not all zeros")
+    return errors
+
+
+def _fd_attention_loss(layer, x, dy, dropout_seed, group):
+    """sum over the group of <dy, attention(x) + proj bias>, the dropout RNG reseeded first (the
+    same mask on every evaluation)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(dropout_seed)
+    out, out_bias = layer(x)
+    y = out + out_bias if out_bias is not None else out
+    total = (y * dy).sum().reshape(1)
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step=1e-6):
+    """Attention dropout > 0 (backward recomputes attention and must replay the forward's dropout
+    masks): analytic gradients of the TSP layer vs central finite differences, fp64, the dropout
+    RNG reseeded before every evaluation. Per tensor (input, each weight, bias) a random direction
+    v: ``<grad, v>`` summed over the group vs ``(L(w + h v) - L(w - h v)) / 2h``."""
+    import torch.distributed as dist
+
+    setup_tsp(d)
+    group, size, rank = group_info()
+    config = make_config(d, torch.float64, hidden_size=32, num_attention_heads=8,
+                         num_query_groups=4, add_bias_linear=True, attention_dropout=dropout)
+    layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal,
+                         attention_backward=attention_backward)
+    layer.train()
+    torch.manual_seed(seed + 1000 * rank)  # this rank's tokens and sharded weights
+    with torch.no_grad():
+        for p in layer.parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(16 // size, 2, 32, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    torch.manual_seed(seed)  # replicated parameters: identical on every rank
+    with torch.no_grad():
+        for p in layer.parameters():
+            if not getattr(p, "tensor_model_parallel", False):
+                p.copy_(torch.randn_like(p) * 0.3)
+    dropout_seed = seed + 7
+
+    # the masks really drop something: two RNG states give different outputs
+    with torch.no_grad():
+        a = _fd_attention_loss(layer, x, dy, dropout_seed, group)
+        b = _fd_attention_loss(layer, x, dy, dropout_seed + 1, group)
+        if torch.equal(a, b):
+            raise AssertionError("attention dropout had no effect: the check would be vacuous")
+
+    # Analytic gradients: each rank backpropagates its own tokens' term of the loss; the TSP
+    # backward routes every cross-rank contribution (K/V, weight shards) to its owner.
+    torch.manual_seed(dropout_seed)
+    x_leaf = x.clone().requires_grad_(True)
+    out, out_bias = layer(x_leaf)
+    ((out + out_bias) * dy).sum().backward()
+
+    tensors = {"input": (x, x_leaf.grad)}
+    for name, p in layer.named_parameters():
+        tensors[name] = (p.data, p.grad)
+    analytic, numeric = {}, {}
+    for i, (name, (value, grad)) in enumerate(tensors.items()):
+        replicated = name != "input" and not getattr(dict(layer.named_parameters())[name],
+                                                     "tensor_model_parallel", False)
+        gen = torch.Generator().manual_seed(seed + 31 * i + (0 if replicated else 1000 * rank))
+        v = torch.randn(value.shape, dtype=value.dtype, generator=gen)
+        inner = (grad * v).sum().reshape(1)
+        dist.all_reduce(inner, group=group)
+        with torch.no_grad():
+            value.add_(v, alpha=step)
+            plus = _fd_attention_loss(layer, x, dy, dropout_seed, group)
+            value.add_(v, alpha=-2 * step)
+            minus = _fd_attention_loss(layer, x, dy, dropout_seed, group)
+            value.add_(v, alpha=step)
+        analytic[f"d/d {name}"] = inner
+        numeric[f"d/d {name}"] = (plus - minus) / (2 * step)
+    return assert_close(analytic, numeric, rtol=1e-6,
+                        what=f"attention dropout={dropout} backward={attention_backward} D={d} "
+                             f"gradient vs finite differences, seed={seed}")
+
+
+def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
+    """``eval()`` turns attention dropout off: the output equals the dropout-free reference.
+    In ``train()`` the same layer differs from it (so dropout is really configured)."""
+    setup_tsp(d)
+    group, size, rank = group_info()
+    heads, groups, hidden, seq, batch = 8, 4, 32, 16, 2
+    config = make_config(d, torch.float64, hidden_size=hidden, num_attention_heads=heads,
+                         num_query_groups=groups, add_bias_linear=True, attention_dropout=dropout)
+    layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal)
+    torch.manual_seed(seed)
+    full = {}
+    for n, p in layer.named_parameters():
+        sharded, dim, _ = checkpoint.sharding_of(p)
+        shape = list(p.shape)
+        if sharded:
+            shape[dim] *= size
+        full[n] = torch.randn(shape, dtype=torch.float64) * 0.3
+    checkpoint.load_full_state(layer, full, group)
+    x_full = torch.randn(seq, batch, hidden, dtype=torch.float64)
+    ref = reference_attention(x_full, full["linear_qkv.weight"], full["linear_qkv.bias"],
+                              full["linear_proj.weight"], full["linear_proj.bias"], heads, groups,
+                              None, config)
+    expected = zigzag.split(ref, size, rank, dim=0)
+    x = zigzag.split(x_full, size, rank, dim=0)
+
+    def output():
+        with torch.no_grad():
+            out, out_bias = layer(x)
+        return out + out_bias
+
+    layer.eval()
+    errors = assert_close(output(), expected, rtol=1e-10, name="eval output",
+                          what=f"attention dropout={dropout} in eval(), D={d}, seed={seed}")
+    layer.train()
+    train_error = (output() - expected).abs().max().item() / expected.abs().max().item()
+    if not train_error > 1e-3:
+        raise AssertionError(f"train() output equals the dropout-free reference "
+                             f"(relative difference {train_error:.1e}): dropout is not active")
     return errors

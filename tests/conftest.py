@@ -4,6 +4,11 @@ import sys
 
 import pytest
 
+# Megatron's fusions (on by default, as in Megatron-LM) are torch.compile'd functions; compiling
+# them on CPU takes minutes and changes nothing numerically, so the suite runs them eagerly. Set
+# before torch is imported: the rank pool and the subprocesses inherit it.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -30,9 +30,11 @@ def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float = 90) -> N
     """Start one CPU rank: repo on sys.path, one thread, gloo on loopback, megatron CPU shims."""
     sys.path.insert(0, REPO)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # see tests/conftest.py
     import torch
     import torch.distributed as dist
 
+    torch._dynamo.config.disable = True
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))

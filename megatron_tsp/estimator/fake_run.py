@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from megatron_tsp.estimator import flops_count
 
-SCHEMES = ("tsp", "tp", "tpsp", "cp")
+SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
 GB = 1e9
 GIB = 2 ** 30
 
@@ -98,7 +98,7 @@ PRESETS = {
 
 @dataclass
 class RunConfig:
-    scheme: str = "tsp"  # tsp | tp | tpsp | cp
+    scheme: str = "tsp"  # tsp | tp | tpsp | hybrid (TP+SP attention + TSP MLP) | cp
     model: ModelShape = PRESETS["7b"]
     world_size: int = 8
     tp: int = 8  # the TSP group size D for scheme "tsp"
@@ -123,7 +123,7 @@ class RunConfig:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.scheme in ("tsp", "tpsp") or (self.scheme == "cp" and self.tp > 1)
+        return self.scheme in ("tsp", "tpsp", "hybrid") or (self.scheme == "cp" and self.tp > 1)
 
     @property
     def label(self) -> str:
@@ -132,6 +132,9 @@ class RunConfig:
             if self.tsp_mlp_recompute_activation is False:
                 suffix += " keep-fc1"
             return f"TSP D={self.tp}{suffix}"
+        if self.scheme == "hybrid":
+            keep = " keep-fc1" if self.tsp_mlp_recompute_activation is False else ""
+            return f"TP={self.tp}+SP+TSP-MLP{keep}"
         if self.scheme == "cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
@@ -151,7 +154,7 @@ class RunConfig:
             if n % self.tp:
                 raise ValueError(f"{what} ({n}) not divisible by TP/D={self.tp}")
         split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
-                 "tp": 1}[self.scheme]
+                 "hybrid": self.tp, "tp": 1}[self.scheme]
         if self.seq % split:
             raise ValueError(f"sequence length {self.seq} must be divisible by {split} "
                              f"for {self.label}")
@@ -440,6 +443,17 @@ def _layer_spec(cfg: RunConfig, config):
             block = TransformerBlockSubmodules(layer_specs=[layer] * len(block.layer_specs),
                                                layer_norm=block.layer_norm)
         return block
+    if cfg.scheme == "hybrid":
+        from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec, get_gpt_layer_tsp_mlp_spec
+
+        get_gpt_block_tsp_mlp_spec(config)  # the configuration checks
+        opts = {}
+        if cfg.tsp_mlp_recompute_activation is not None:
+            opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
+        layer = get_gpt_layer_tsp_mlp_spec(normalization=cfg.model.normalization, **opts)
+        layer.submodules.self_attention.submodules.core_attention = FlashCoreAttention
+        return TransformerBlockSubmodules(layer_specs=[layer] * cfg.model.layers,
+                                          layer_norm=TSPNorm)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; TSPNorm is the same
     # torch norm with its params tagged sequence_parallel (what TE/apex norms do under SP).

@@ -36,6 +36,11 @@ Megatron TP + sequence parallel, group D (megatron-core 0.16.1, tensor_parallel/
          (async, overlapped with the wgrad GEMM); RowParallelLinear's reduce-scatter has an
          all-gather of the output grad as adjoint                            f * 6BSh
 
+Hybrid, group D: TP+SP attention + TSP MLP (``--tsp-mlp``): the attention rows of TP+SP
+(fwd f * 2BSh, bwd f * 3BSh) and the MLP rows of TSP (fwd f * W_mlp, bwd 2 f * W_mlp): the MLP's
+f * 5BSh of activation traffic becomes f * 3W_mlp of weight / grad traffic, independent of S and
+prefetchable. Forward crossover vs TP+SP: BS >= W_mlp / 2h (4h for a GELU MLP with F = 4h).
+
 Megatron TP without SP: fwd 2 all-reduces of BSh (2f each) = f * 4BSh; bwd the two
 ColumnParallelLinear dgrad all-reduces = f * 4BSh.
 
@@ -276,6 +281,21 @@ def tp_sp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
     return out
 
 
+def hybrid_layer_terms(shape: LayerShape, D: int, *,
+                       grad_dtype_bytes: Optional[int] = None) -> List[CommTerm]:
+    """TP+SP attention + TSP MLP (``--tsp-mlp``): Megatron's attention collectives, TSP's MLP ring.
+
+    attn fwd   all-gather before QKV, reduce-scatter after proj                  f * 2BSh
+    attn bwd   AG of proj's output grad, QKV's re-gather of its input, QKV dgrad RS  f * 3BSh
+    mlp fwd    ring of (fc1 w, fc1 b, fc2 w) shards                              f * W_mlp
+    mlp bwd    ring again + gradient accumulator one hop behind                 2 f * W_mlp
+    """
+    attention = [t for t in tp_sp_layer_terms(shape, D) if t.phase.startswith("attn")]
+    mlp = [t for t in tsp_layer_terms(shape, D, grad_dtype_bytes=grad_dtype_bytes)
+           if t.phase.startswith("mlp")]
+    return attention + mlp
+
+
 def tp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
     """Megatron TP without sequence parallelism."""
     f = ring_factor(D)
@@ -345,6 +365,10 @@ def tsp_layer_split(shape: LayerShape, D: int, **kw) -> Dict[str, Dict[str, floa
 
 def tp_sp_layer_comm(shape: LayerShape, D: int) -> Dict[str, float]:
     return sum_terms(tp_sp_layer_terms(shape, D))
+
+
+def hybrid_layer_comm(shape: LayerShape, D: int, **kw) -> Dict[str, float]:
+    return sum_terms(hybrid_layer_terms(shape, D, **kw))
 
 
 def tp_layer_comm(shape: LayerShape, D: int) -> Dict[str, float]:
@@ -429,9 +453,13 @@ def _select(comm: Dict[str, float], direction: str) -> float:
     raise ValueError(f"direction must be fwd, bwd or total, got {direction!r}")
 
 
+_CANDIDATES = {"tsp": tsp_layer_comm, "hybrid": hybrid_layer_comm}
+
+
 def crossover_seq_length(shape: LayerShape, D: int, direction: str = "fwd",
-                         baseline: str = "tp_sp", **tsp_kw) -> float:
-    """Smallest S (real number) with TSP bytes <= baseline bytes for ``shape.batch``.
+                         baseline: str = "tp_sp", candidate: str = "tsp", **tsp_kw) -> float:
+    """Smallest S (real number) with the candidate's bytes (TSP, or the ``hybrid`` TP+SP
+    attention + TSP MLP) <= baseline bytes for ``shape.batch``.
 
     Both counts are affine in S (TSP: weights + a*S, baseline: b*S), so S* = weights / (b - a);
     ``math.inf`` if TSP's per-token traffic is not below the baseline's. Multiply by the batch
@@ -439,7 +467,8 @@ def crossover_seq_length(shape: LayerShape, D: int, direction: str = "fwd",
     """
     base = _BASELINES[baseline]
     s1, s2 = shape.with_seq(1), shape.with_seq(2)
-    t1, t2 = (_select(tsp_layer_comm(s, D, **tsp_kw), direction) for s in (s1, s2))
+    cand = _CANDIDATES[candidate]
+    t1, t2 = (_select(cand(s, D, **tsp_kw), direction) for s in (s1, s2))
     b1, b2 = (_select(base(s, D), direction) for s in (s1, s2))
     a_t, c_t = t2 - t1, t1 - (t2 - t1)  # slope, intercept
     a_b, c_b = b2 - b1, b1 - (b2 - b1)

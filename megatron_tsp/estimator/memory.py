@@ -9,6 +9,7 @@ Examples::
 
     megatron-tsp memory --scheme tsp --tp 8 --seq 131072              # one rank of 7B, D=8
     megatron-tsp memory --scheme cp --tp 4 --cp 2 --seq 131072 --recompute full
+    megatron-tsp memory --scheme hybrid --tp 8 --seq 131072         # TP+SP attention + TSP MLP
     megatron-tsp memory --table                                        # the paper's 7B table
     megatron-tsp memory --validate --model small --scheme tpsp --tp 4 --world-size 4 --seq 2048
 """
@@ -30,7 +31,8 @@ PAPER_GB = {
     ("cp", 4, 2, 131072): 85.0, ("cp", 2, 4, 131072): 140.0,
 }
 
-TABLE_LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tpsp", 8, 1), ("cp", 4, 2), ("cp", 2, 4)]
+TABLE_LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tpsp", 8, 1), ("hybrid", 8, 1), ("cp", 4, 2),
+                 ("cp", 2, 4)]
 CATEGORIES = [("Parameter", "params"), ("Gradient", "grads"), ("Optstate", "optim"),
               ("Activation", "activ"), ("Temp", "temp")]
 
@@ -53,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tie-embeddings", action="store_true",
                    help="share embedding and output weights (default: untied)")
     r = p.add_argument_group("run")
-    r.add_argument("--scheme", choices=["tsp", "tp", "tpsp", "cp"], default="tsp",
+    r.add_argument("--scheme", choices=["tsp", "tp", "tpsp", "hybrid", "cp"], default="tsp",
                    help="tsp (TSP, D=--tp), tp (Megatron TP), tpsp (TP + sequence parallel), "
+                        "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
                         "cp (TP x CP with SP)")
     r.add_argument("--tp", type=int, default=8, help="TP size, or the TSP group size D")
     r.add_argument("--cp", type=int, default=1)
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TSP attention: keep per-head-group q/k/v, out, lse (saved, the layer "
                         "default) or only the input and recompute (lowest memory)")
     r.add_argument("--tsp-keep-fc1", action="store_true",
-                   help="TSP MLP: keep the per-shard fc1 outputs instead of recomputing them")
+                   help="TSP / hybrid MLP: keep the per-shard fc1 outputs instead of recomputing "
+                        "them")
     r.add_argument("--table-tsp-variants", action="store_true",
                    help="--table: also TSP with attention recompute")
     r.add_argument("--real", action="store_true",
@@ -79,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run fake and real for the same configuration and compare the peaks")
     r.add_argument("--tolerance", type=float, default=0.10, help="--validate: allowed rel. error")
     r.add_argument("--table", action="store_true",
-                   help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP4xCP2, TP2xCP4 at --seqs")
+                   help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP=8+SP+TSP-MLP, TP4xCP2, "
+                        "TP2xCP4 at --seqs")
     r.add_argument("--seqs", default="16384,131072", help="--table: sequence lengths")
     r.add_argument("--no-flops", action="store_true")
     r.add_argument("--no-comm", action="store_true")
@@ -116,8 +121,8 @@ def _config(args, scheme, tp, cp, seq, fake=True):
                      fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm,
                      tsp_attention_backward=(args.tsp_attention_backward if scheme == "tsp"
                                              else None),
-                     tsp_mlp_recompute_activation=(False if args.tsp_keep_fc1 and scheme == "tsp"
-                                                   else None))
+                     tsp_mlp_recompute_activation=(False if args.tsp_keep_fc1
+                                                   and scheme in ("tsp", "hybrid") else None))
 
 
 def format_table(results, units: str = "GB", paper: bool = True) -> str:

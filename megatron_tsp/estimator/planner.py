@@ -5,6 +5,7 @@
 Strategies over one group of size D (the rest of the GPUs are data parallel):
     tsp     TSP over D (Megatron TP group reused, sequence_parallel tagging)
     tp_sp   Megatron TP = D with --sequence-parallel
+    hybrid  TP = D + SP attention with the TSP MLP ring (Megatron-LM ``--tsp-mlp``)
     tp      Megatron TP = D without sequence parallelism (the paper's baseline)
     cp      Megatron CP = D (distributed optimizer shards over CP x DP)
     tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
@@ -160,7 +161,7 @@ def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Strategy:
-    kind: str  # tsp, tp_sp, tp, cp, tp_cp
+    kind: str  # tsp, tp_sp, hybrid, tp, cp, tp_cp
     tp: int = 1  # tensor (or TSP) degree
     cp: int = 1
 
@@ -170,7 +171,8 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP", "tp": f"TP{self.tp}",
+        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP",
+                "hybrid": f"TP{self.tp}+SP+TSP-MLP", "tp": f"TP{self.tp}",
                 "cp": f"CP{self.cp}", "tp_cp": f"TP{self.tp}+SPxCP{self.cp}"}[self.kind]
 
     @property
@@ -179,7 +181,7 @@ class Strategy:
 
 
 def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
-    if kind in ("tsp", "tp_sp", "tp"):
+    if kind in ("tsp", "tp_sp", "hybrid", "tp"):
         return Strategy(kind, tp=degree)
     if kind == "cp":
         return Strategy(kind, cp=degree)
@@ -190,7 +192,8 @@ def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
     raise ValueError(f"unknown strategy {kind!r}")
 
 
-def default_strategies(degree: int, kinds: Sequence[str] = ("tsp", "tp_sp", "cp", "tp_cp", "tp")
+def default_strategies(degree: int,
+                       kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp")
                        ) -> List[Strategy]:
     out = []
     for k in kinds:
@@ -250,11 +253,16 @@ def _layer_activation_elems(shape: LayerShape, s: Strategy, o: Options) -> Dict[
                 "ln2_in": t * h, "ln2_out": t * h,
                 "mlp_mid": 0.0 if o.tsp_recompute_mlp else t * mid}
     t = bs / s.cp
-    sp = s.kind in ("tp_sp", "tp_cp", "cp")  # CP: T = 1, nothing replicated
+    sp = s.kind in ("tp_sp", "hybrid", "tp_cp", "cp")  # CP: T = 1, nothing replicated
     rep = t / s.tp if sp else t  # tensors replicated over the TP group without SP
-    return {"ln1_in": rep * h, "ln1_out": rep * h, "qkv": t * (h + 2 * hkv) / s.tp,
-            "attn_out": t * h / s.tp, "ln2_in": rep * h, "ln2_out": rep * h,
-            "mlp_mid": t * mid / s.tp}
+    out = {"ln1_in": rep * h, "ln1_out": rep * h, "qkv": t * (h + 2 * hkv) / s.tp,
+           "attn_out": t * h / s.tp, "ln2_in": rep * h, "ln2_out": rep * h,
+           "mlp_mid": t * mid / s.tp}
+    if s.kind == "hybrid":
+        # The TSP MLP keeps only its (local) input, already counted as ln2_out, unless it keeps
+        # the per-shard fc1 outputs: B*S/D tokens x every shard's intermediate = TP+SP's size.
+        out["mlp_mid"] = 0.0 if o.tsp_recompute_mlp else (bs / s.tp) * mid
+    return out
 
 
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
@@ -271,6 +279,17 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         return out
     out = {}
     t = bs / s.cp
+    if s.kind == "hybrid":
+        # attention: Megatron's gathered QKV input + dgrad; MLP: TSP's shard buffers, accumulator
+        # and one shard's intermediate
+        D = s.tp
+        gb = o.tsp_grad_comm_bytes or b
+        out = {"gathered_input_and_dgrad": 2 * t * h * b,
+               "weight_shard_buffers": 2 * shape.w_mlp / D * b,
+               "grad_accumulator": shape.w_mlp / D * gb}
+        if o.tsp_recompute_mlp:
+            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+        return out
     if s.kind in ("tp_sp", "tp_cp"):
         out["gathered_input_and_dgrad"] = 2 * t * h * b
     elif s.kind == "tp":
@@ -347,6 +366,8 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
                                   regather_kv_bwd=o.tsp_regather_kv)
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
+    if s.kind == "hybrid":
+        return fm.hybrid_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes)
     if s.kind == "tp":
         return fm.tp_layer_terms(shape, s.tp)
     if s.kind == "cp":
@@ -384,7 +405,7 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
 
 
 def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
-    return dict(recompute_mlp_fc1=(s.kind == "tsp" and o.tsp_recompute_mlp),
+    return dict(recompute_mlp_fc1=(s.kind in ("tsp", "hybrid") and o.tsp_recompute_mlp),
                 recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
                 full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
 
@@ -431,7 +452,8 @@ def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Stra
 
     # head: output layer GEMM over the group + its (critical) collectives
     hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
-    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "tp": "tp", "cp": "cp", "tp_cp": "tp_sp"}[s.kind]
+    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "hybrid": "tp_sp", "tp": "tp", "cp": "cp",
+                 "tp_cp": "tp_sp"}[s.kind]
     head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
     hc = fm.head_comm(head_shape, s.tp, head_kind)
     head_bw = hw.bandwidth(s.tp, 1)
@@ -443,7 +465,7 @@ def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Stra
     # per step: replicated-grad all-reduce (SP-tagged params) and data-parallel traffic
     local_params = mem["none"]["params"] / m.dtype_bytes
     repl = 0.0
-    if s.kind in ("tsp", "tp_sp", "tp_cp"):
+    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
         repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
                                             o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
     dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
@@ -559,6 +581,9 @@ def assumptions(m: ModelSpec, hw: HardwareSpec, o: Options, degree: int, gpus: i
         f"bwd re-bcast, {'re-gather K/V, ' if o.tsp_regather_kv else ''}reduce-scatter dK/dV, "
         "reduce attn weight grads, MLP ring + grad accumulator ring; TSP recomputes "
         f"fc1={o.tsp_recompute_mlp}, attention core={o.tsp_recompute_attn} in the backward",
+        "hybrid (--tsp-mlp): TP+SP's attention collectives (fwd f*2BSh, bwd f*3BSh) + TSP's "
+        "MLP weight ring (fwd f*W_mlp, bwd ring + grad accumulator 2f*W_mlp); the MLP keeps only "
+        f"its input and recomputes fc1 = {o.tsp_recompute_mlp}",
         "TP+SP (megatron-core 0.16.1 layers.py): fwd AG+RS per block = f*4BSh, bwd re-AG of the "
         "saved input + dgrad RS (both async next to GEMMs) + AG of the row-parallel output grad "
         "= f*6BSh",
@@ -689,11 +714,16 @@ def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
     shape = m.layer_shape(o.micro_batch, seq)
     cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp") for d in ("fwd", "total")}
+    hybrid_cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
+                    for d in ("fwd", "total")}
     tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
     regions = throughput_regions(m, hw, tsp, tpsp, gpus, o)
     thr = regions[-1][0] if regions and regions[-1][1] is None else None
     return {"model": m, "hardware": hw, "options": o, "seq": seq, "gpus": gpus, "degree": degree,
             "rows": rows, "bytes_crossover_seq": cross, "throughput_crossover_seq": thr,
+            "hybrid_bytes_crossover_seq": hybrid_cross,
+            "hybrid_throughput_regions": throughput_regions(
+                m, hw, make_strategy("hybrid", degree), tpsp, gpus, o),
             "throughput_regions": regions,
             "strategies": strategies}
 
@@ -715,6 +745,14 @@ def render(p: dict) -> str:
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
     lines.append("  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
                  + (txt if regs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    hc = p["hybrid_bytes_crossover_seq"]
+    lines.append(f"  hybrid (TP+SP attention + TSP MLP, --tsp-mlp) <= TP+SP bytes at B={o.micro_batch}: "
+                 f"S* fwd = {hc['fwd']:,.0f}, fwd+bwd = {hc['total']:,.0f} tokens "
+                 "(forward: B*S >= W_mlp / 2h)")
+    hregs = p["hybrid_throughput_regions"]
+    txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in hregs)
+    lines.append("  predicted tokens/s, hybrid >= TP+SP on this hardware for S in: "
+                 + (txt if hregs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
     pc = paper_check(m, o)
     thr = (m.published or {}).get("throughput_tokens_per_s")
     if thr and thr["gpus"] == p["gpus"] and thr["hardware"] == hw.name and thr["seq"] == p["seq"]:
@@ -760,12 +798,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-microbatches", type=int, default=None,
                     help="micro-batches per step (default: from --global-batch-tokens)")
     ap.add_argument("--global-batch-tokens", type=int, default=2**24)
-    ap.add_argument("--strategies", default="tsp,tp_sp,cp,tp_cp,tp")
+    ap.add_argument("--strategies", default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
+                    help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
+                         "--tsp-mlp), cp, tp_cp, tp")
     ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
-    ap.add_argument("--tsp-no-recompute-mlp", action="store_true")
+    ap.add_argument("--tsp-no-recompute-mlp", action="store_true",
+                    help="TSP / hybrid MLP keeps the per-shard fc1 outputs")
     ap.add_argument("--tsp-no-recompute-attn", action="store_true")
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument("--sweep", default="",

@@ -418,7 +418,12 @@ class TSPSelfAttention(SelfAttention):
         if key_value_states is not None:
             raise ValueError("TSP attention is self-attention only")
         if inference_context is not None or inference_params is not None:
-            raise ValueError("TSP attention does not support inference KV caches")
+            # Inference hook: TSP prefill into megatron-core's KV cache (decode runs Megatron's
+            # own TP=D attention on the same parameters, see megatron_tsp/inference).
+            from megatron_tsp.inference.attention import prefill_attention
+
+            return prefill_attention(self, hidden_states, inference_context or inference_params,
+                                     rotary_pos_emb)
         if packed_seq_params is not None:
             raise ValueError("TSP attention does not support packed (THD) sequences")
         if attention_bias is not None:

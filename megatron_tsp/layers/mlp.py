@@ -34,8 +34,31 @@ from megatron_tsp.parallel_state import resolve_group
 
 
 def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Megatron's MLP activation (plain or gated), applied to one shard's fc1 output."""
+    """The activation Megatron's ``MLP.forward`` applies for ``config``, as a function of one
+    shard's fc1 output (the fc1 bias already added).
+
+    Mirrors megatron-core's ``MLP`` (0.16 and 0.19 agree), so TSP equals TP=D+SP under the same
+    flags:
+
+    * ``bias_activation_fusion`` (Megatron-LM's default): ``F.gelu`` runs as Megatron's fused
+      tanh-approximate GeLU (``bias_gelu_impl``; GeGLU ``bias_geglu_impl`` when gated) and gated
+      ``F.silu`` as the fused SwiGLU (``bias_swiglu_impl``). Megatron's MLP has no fused form of
+      any other activation; it fails at its first forward, TSP refuses at construction.
+    * otherwise the exact ``activation_func`` (gated: Megatron's GLU with its clamp and offset).
+
+    Megatron's fused kernels take the bias separately and add it first; here it is already in the
+    input, so the fused GeLU gets a zero bias (``0 + x`` is exact) and the gated ones none. Like
+    Megatron's, the fused GeGLU / SwiGLU ignore ``activation_func_clamp_value`` and
+    ``glu_linear_offset`` (TransformerConfig refuses a non-zero offset with fusion).
+    """
     act = config.activation_func
+    if getattr(config, "use_te_activation_func", False):
+        raise ValueError(
+            "use_te_activation_func=True (--use-te-activation-func): TSP applies the MLP "
+            "activation itself per weight shard and cannot use Transformer Engine's activation "
+            f"module; drop the flag (activation_func={_name(act)} is then applied directly)")
+    if config.bias_activation_fusion:
+        return _fused_activation(config, act)
     if not config.gated_linear_unit:
         return act
     clamp = getattr(config, "activation_func_clamp_value", None)
@@ -49,6 +72,41 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
         return act(x_glu) * (x_linear + offset)
 
     return glu
+
+
+def _name(fn) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}".lstrip(".")
+
+
+def _fused_activation(config, act) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Megatron's fused bias-activation kernel for ``act`` (``MLP.forward``'s fused branch)."""
+    import torch.nn.functional as F
+
+    if act is F.gelu:
+        if config.gated_linear_unit:
+            from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
+
+            return lambda x: bias_geglu_impl(x, None)
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+        def fused_gelu(x: torch.Tensor) -> torch.Tensor:
+            return bias_gelu_impl(x, x.new_zeros(()))
+
+        return fused_gelu
+    if act is F.silu and config.gated_linear_unit:
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+        fp8_store = bool(getattr(config, "activation_func_fp8_input_store", False))
+        # The last argument only tags the saved input for Transformer Engine's activation
+        # offloading (Megatron passes it with TE CPU offloading); it changes no value.
+        return lambda x: bias_swiglu_impl(x, None, fp8_store, False)
+    raise ValueError(
+        f"activation_func={_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
+        "fused bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): "
+        "set bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to "
+        "use it under TSP"
+    )
 
 
 def _fc1(x, fc1_w, fc1_b):

@@ -12,6 +12,13 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 
 Every combination TSP does not support (the rows of ``megatron_tsp.rejections``) is rejected here
 with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
+
+``--tsp-mlp`` is the hybrid for an existing TP+SP run: ``--tensor-model-parallel-size D
+--sequence-parallel --tsp-mlp`` keeps Megatron's attention and replaces only the MLP's activation
+all-gather / reduce-scatter by the TSP weight ring. Its translation leaves the parallel layout
+alone and only selects ``spec = (megatron_tsp.megatron_lm.spec, tsp_mlp_block_spec)``; no batch
+permutation (the MLP input is Megatron's contiguous sequence shard), parameters and checkpoints
+are TP=D's. What it refuses is the one table ``TSP_MLP_REJECTIONS``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ GROUP_TITLE = "tensor-sequence parallel"
 # Module and attribute handed to Megatron's ``--spec <module> <attribute>``.
 SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
+TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
+TSP_MLP_FLAG = "--tsp-mlp"
 
 class TSPArgumentError(ValueError):
     """A command line that TSP cannot run. The message names the flags."""
@@ -54,6 +63,16 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="Run the transformer layers with TSP over groups of D ranks (Megatron's "
         "tensor-parallel ranks). Implies --tensor-model-parallel-size D and --sequence-parallel, "
         "selects the TSP block spec and zigzag-permutes every batch.",
+    )
+    group.add_argument(
+        TSP_MLP_FLAG,
+        dest="tsp_mlp",
+        action="store_true",
+        default=False,
+        help="Hybrid for a TP+SP run: with '--tensor-model-parallel-size D --sequence-parallel', "
+        "keep Megatron's attention and run only the MLP on the TSP weight ring (no activation "
+        "all-gather before fc1 / reduce-scatter after fc2; the weight shards circulate "
+        "instead). No zigzag, no batch permutation; parameters and checkpoints are TP=D's.",
     )
     group.add_argument(
         "--tsp-dry-run",
@@ -108,8 +127,12 @@ def check_supported(args) -> None:
 def translate_args(args) -> None:
     """Rewrite ``args`` in place for TSP, before Megatron's ``validate_args``.
 
-    No-op when ``--tensor-sequence-parallel-size`` is absent. Raises ``TSPArgumentError``.
+    No-op when neither ``--tensor-sequence-parallel-size`` nor ``--tsp-mlp`` is given. Raises
+    ``TSPArgumentError``.
     """
+    if tsp_mlp_requested(args):
+        _translate_tsp_mlp_args(args)
+        return
     d = tsp_size(args)
     if d is None:
         return
@@ -129,8 +152,136 @@ def translate_args(args) -> None:
     args.spec = [SPEC_MODULE, SPEC_ATTR]
 
 
+# ---------------------------------------------------------------------------------------------
+# --tsp-mlp (TP+SP attention + TSP MLP)
+# ---------------------------------------------------------------------------------------------
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _enum_name(value) -> str:
+    return getattr(value, "name", str(value))
+
+
+def _truthy(value) -> bool:
+    return bool(value)
+
+
+def _above_one(value) -> bool:
+    return (value or 1) > 1
+
+
+def _not_one(value) -> bool:
+    return value not in (None, 1)
+
+
+_NO_CONTEXT_PARALLEL = ("the hybrid builds Megatron's local attention, which has no context "
+                        "parallelism")
+
+# Everything --tsp-mlp refuses, one row per Megatron argument: (dest, refused(value), why).
+# The hybrid changes only the MLP (and selects Megatron's local layer spec), so only flags that
+# would touch the MLP, replace the spec or need Transformer Engine modules are here.
+TSP_MLP_REJECTIONS = (
+    ("tensor_sequence_parallel_size", lambda v: v is not None,
+     f"{TSP_FLAG} already runs the MLP (and attention) under TSP; use one or the other"),
+    ("num_experts", _truthy, "the TSP MLP ring replaces dense MLPs only (no MoE)"),
+    ("expert_model_parallel_size", _above_one, "the TSP MLP ring replaces dense MLPs only"),
+    ("context_parallel_size", _above_one, _NO_CONTEXT_PARALLEL),
+    ("hierarchical_context_parallel_sizes", _truthy, _NO_CONTEXT_PARALLEL),
+    ("hybrid_context_parallel", _truthy, _NO_CONTEXT_PARALLEL),
+    ("tp_comm_overlap", _truthy,
+     "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's layers "
+     "are Megatron's local modules and its MLP issues no such collectives"),
+    ("tensor_parallel_num_weight_shards", _not_one,
+     "the TSP MLP ring circulates exactly the D tensor-parallel shards"),
+    ("multi_latent_attention", _truthy, "the hybrid spec builds standard self-attention"),
+    ("qk_layernorm", _truthy, "the hybrid spec's norms are sequence-parallel-tagged torch norms"),
+    ("use_legacy_models", _truthy, "the hybrid needs megatron-core models"),
+    ("mtp_num_layers", _truthy, "multi-token prediction layers have no hybrid spec"),
+    ("experimental_attention_variant", _truthy, "the hybrid spec would replace it"),
+    ("heterogeneous_layers_config_path", _truthy, "heterogeneous layers have no hybrid spec"),
+    ("yaml_cfg", _truthy,
+     "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated"),
+    ("fp8", _truthy, "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module"),
+    ("fp4", _truthy, "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module"),
+    # The TSP MLP reads linear_fc1 / linear_fc2's weights without calling those modules (see
+    # megatron_tsp.layers.module_hooks): wrappers acting in hooks around module calls miss them.
+    ("use_megatron_fsdp", _truthy,
+     "Megatron-FSDP gathers each module's weights in hooks around its call; the TSP MLP reads "
+     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
+    ("use_torch_fsdp2", _truthy,
+     "FSDP2 unshards parameters in hooks around each module's call; the TSP MLP reads "
+     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
+    ("enable_cuda_graph", _truthy,
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
+    ("external_cuda_graph", _truthy,
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
+    ("cuda_graph_impl", lambda v: v not in (None, "none"),
+     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
+     "graph-captured"),
+    ("attention_backend", lambda v: v is not None and _enum_name(v) not in ("auto", "local"),
+     "the hybrid builds Megatron's local attention, so another backend would be silently "
+     "ignored; drop the flag (auto) or use local"),
+    ("transformer_impl", lambda v: v == "inference_optimized",
+     "the hybrid spec is the training layer spec"),
+)
+
+
+def tsp_mlp_requested(args) -> bool:
+    return bool(getattr(args, "tsp_mlp", False))
+
+
+def tsp_mlp_unsupported_combinations(args) -> List[str]:
+    """Every reason the command line cannot run with ``--tsp-mlp`` (empty: none)."""
+    problems: List[str] = []
+    for dest, refused, why in TSP_MLP_REJECTIONS:
+        value = getattr(args, dest, None)
+        if refused(value):
+            shown = _flag(dest) if value is True else f"{_flag(dest)}={_enum_name(value)}"
+            problems.append(f"{shown} cannot be combined with {TSP_MLP_FLAG}: {why}")
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and not getattr(args, "sequence_parallel", False):
+        problems.append(
+            f"{TSP_MLP_FLAG} with --tensor-model-parallel-size={tp} needs --sequence-parallel: "
+            "the TSP MLP ring works on the sequence-sharded activations TP+SP has"
+        )
+    return problems
+
+
+def _translate_tsp_mlp_args(args) -> None:
+    problems = tsp_mlp_unsupported_combinations(args)
+    if problems:
+        raise TSPArgumentError(problems[0] if len(problems) == 1 else
+                               f"the command line cannot run with {TSP_MLP_FLAG}:\n  - "
+                               + "\n  - ".join(problems))
+    user_spec = getattr(args, "spec", None)
+    if user_spec and list(user_spec) != [SPEC_MODULE, TSP_MLP_SPEC_ATTR]:
+        args.tsp_replaced_spec = list(user_spec)
+    args.spec = [SPEC_MODULE, TSP_MLP_SPEC_ATTR]
+
+
+def _check_validated_tsp_mlp_args(args) -> None:
+    tp = args.tensor_model_parallel_size
+    if tp > 1 and not args.sequence_parallel:
+        raise TSPArgumentError(
+            f"Megatron turned --sequence-parallel off during validation; {TSP_MLP_FLAG} with "
+            f"--tensor-model-parallel-size={tp} needs sequence-parallel activations"
+        )
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if ffn is not None and ffn % tp:
+        raise TSPArgumentError(
+            f"--ffn-hidden-size={ffn} is not divisible by --tensor-model-parallel-size={tp}: "
+            f"{TSP_MLP_FLAG} circulates D shards of the MLP's intermediate dimension"
+        )
+
+
 def check_validated_args(args) -> None:
     """Checks that need Megatron's derived values (after ``validate_args``)."""
+    if tsp_mlp_requested(args):
+        _check_validated_tsp_mlp_args(args)
+        return
     d = tsp_size(args)
     if d is None:
         return
@@ -178,7 +329,7 @@ def _check_validated_args(args, d: int) -> None:
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
     """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
     flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
-    flags_alone = {"--tsp-dry-run"}
+    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG}
     out: List[str] = []
     skip = False
     for item in argv:

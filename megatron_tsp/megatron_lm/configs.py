@@ -43,7 +43,7 @@ REQUIRED_MODEL_FIELDS = (
     "position_embedding_type",
 )
 SECTIONS = ("model", "parallel", "training")
-VARIANTS = ("tsp", "tp", "cp", "none")
+VARIANTS = ("tsp", "tp", "tsp_mlp", "cp", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_TYPES = ("learned_absolute", "rope", "none")
 # Model fields that are not Megatron flags of the same name.
@@ -210,6 +210,8 @@ def parallel_args(cfg: dict, variant: str = "tsp", size: Optional[int] = None) -
         out += ["--tensor-sequence-parallel-size", str(d)]
     elif variant == "tp":
         out += ["--tensor-model-parallel-size", str(d), "--sequence-parallel"]
+    elif variant == "tsp_mlp":  # TP+SP with the TSP MLP ring (through the launcher)
+        out += ["--tensor-model-parallel-size", str(d), "--sequence-parallel", "--tsp-mlp"]
     elif variant == "cp":
         out += ["--context-parallel-size", str(d), "--use-distributed-optimizer"]
     for field, value in par.items():

@@ -224,6 +224,9 @@ CUDA_ANSWERS: Sequence[Answer] = (
            "architecture checks read .major"),
     Answer("torch.cuda:get_device_capability", _const((9, 0)), "architecture checks"),
     Answer("torch.cuda:get_device_name", _const("cpu"), "printed in start-up reports"),
+    Answer("torch.accelerator:is_available", _const(False),
+           "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA "
+           "build of torch and no driver that initialises CUDA and fails", optional=True),
     # streams and events (CPU work is ordered: waits are no-ops)
     Answer("torch.cuda:Stream", _value(_CpuStream), "DDP / optimizer side streams"),
     Answer("torch.cuda:Event", _value(_CpuEvent), "timers and overlap bookkeeping"),
@@ -471,9 +474,17 @@ class TrainingRun:
     records: List[dict]
     log: str  # stdout + stderr of every rank, rank-prefixed
 
+    failed_rank: Optional[int] = None
+
+    def rank_log(self, rank: int) -> str:
+        prefix = f"[rank{rank}] "
+        return "\n".join(line for line in self.log.splitlines() if line.startswith(prefix))
+
     def check(self) -> "TrainingRun":
         if self.returncode != 0:
-            raise RuntimeError(f"training run failed (exit {self.returncode}):\n{self.log[-6000:]}")
+            rank = self.failed_rank if self.failed_rank is not None else 0
+            raise RuntimeError(f"training run failed (exit {self.returncode}), rank {rank}:\n"
+                               f"{self.rank_log(rank)[-6000:]}")
         return self
 
 
@@ -521,14 +532,15 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
             procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out,
                                            stderr=subprocess.STDOUT), out))
         returncode = 0
+        failed_rank = None
         try:
-            for proc, _ in procs:
+            for rank, (proc, _) in enumerate(procs):
                 try:
                     code = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     code = 124
                 if code != 0 and returncode == 0:
-                    returncode = code
+                    returncode, failed_rank = code, rank
                     for other, _ in procs:  # one rank failed: the others would hang
                         if other.poll() is None:
                             other.kill()
@@ -553,6 +565,7 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
         iterations=[r["iteration"] for r in records],
         records=records,
         log=log,
+        failed_rank=failed_rank,
     )
     return run.check() if check else run
 

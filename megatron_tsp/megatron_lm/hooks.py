@@ -6,7 +6,8 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
   parallel" argument group (``parse_args`` calls it through the module global, in every version);
 * ``validate_args`` in ``megatron.training.arguments`` and, where it is imported by name
   (core_v0.16), ``megatron.training.initialize`` -> translates the TSP flags *before* Megatron's
-  world-size arithmetic, then checks the derived values;
+  world-size arithmetic, then checks the derived values (``--tsp-mlp``: selects the hybrid
+  block spec only; the batch hook stays a pass-through);
 * ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
 * ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
@@ -91,6 +92,19 @@ def _describe_translation(args) -> str:
     return text
 
 
+def _describe_tsp_mlp_translation(args) -> str:
+    text = (
+        f"{tsp_args.TSP_MLP_FLAG}: TP+SP attention + TSP MLP ring over the "
+        f"tensor_model_parallel_size={args.tensor_model_parallel_size} group, "
+        f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; no batch "
+        "permutation"
+    )
+    replaced = getattr(args, "tsp_replaced_spec", None)
+    if replaced:
+        text += f"; the user --spec {' '.join(replaced)} is replaced by the hybrid block spec"
+    return text
+
+
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, *rest, **kwargs):
@@ -99,6 +113,15 @@ def _wrap_validate_args(original):
             from megatron_tsp.megatron_lm import dry_run
 
             dry_run.prepare_args(args)
+        if tsp_args.tsp_mlp_requested(args):
+            # TP+SP attention + TSP MLP: Megatron's own layout and batches, only the spec changes.
+            tsp_args.translate_args(args)
+            result = original(args, *rest, **kwargs)
+            tsp_args.check_validated_args(args)
+            tsp_batch.activate(None)
+            tsp_spec.install_gpt_model_hook()
+            _log(_describe_tsp_mlp_translation(args))
+            return result
         if d is None:
             tsp_batch.activate(None)
             return original(args, *rest, **kwargs)

@@ -63,6 +63,22 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
 tsp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]
 
 
+def tsp_mlp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """``--tsp-mlp``: the hybrid block (Megatron's TP+SP attention, TSP MLP ring) for this stage.
+
+    Resolved like ``tsp_block_spec``. Megatron's groups are not marked as TSP groups: the
+    hybrid's MLP finds the tensor-parallel group itself, and no batch is permuted."""
+    from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec
+
+    cfg = _transformer_config(config)
+    return get_gpt_block_tsp_mlp_spec(
+        cfg, normalization=cfg.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
+
+
+tsp_mlp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]
+
+
 def is_tsp_spec(spec) -> bool:
     return getattr(spec, "is_tsp_spec", False) is True
 
@@ -116,3 +132,18 @@ def uninstall_gpt_model_hook() -> None:
 
     GPTModel.__init__ = _ORIGINAL_GPT_INIT
     _ORIGINAL_GPT_INIT = None
+
+
+def tp_sp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """Megatron's stock local TP+SP block (``get_gpt_block_local_sp_spec``) for machines without
+    apex / Transformer Engine, where Megatron's torch norms refuse ``--sequence-parallel``:
+    ``--spec megatron_tsp.megatron_lm.spec tp_sp_block_spec`` through the launcher (no TSP flag)
+    gives the TP+SP baseline a TSP or ``--tsp-mlp`` run is compared with on CPU."""
+    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+
+    cfg = _transformer_config(config)
+    return get_gpt_block_local_sp_spec(cfg, normalization=cfg.normalization, vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+
+
+tp_sp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]

@@ -34,16 +34,11 @@ def _groups(d: int, seed: int) -> None:
 
 
 def _config(d: int, style: str, dtype=torch.float32):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Megatron-LM's defaults (fusions included, see tests.common.make_config) for this style."""
+    from tests.common import make_config
 
-    fields = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                  ffn_hidden_size=FFN, use_cpu_initialization=True, params_dtype=dtype,
-                  hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
-                  sequence_parallel=d > 1, bias_activation_fusion=False, bias_dropout_fusion=False,
-                  masked_softmax_fusion=False, apply_rope_fusion=False,
-                  gradient_accumulation_fusion=False)
-    fields.update(STYLES[style]["config"])
-    return TransformerConfig(**fields)
+    return make_config(d, dtype, num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                       ffn_hidden_size=FFN, **STYLES[style]["config"])
 
 
 def _model(config, spec, style):
@@ -79,29 +74,37 @@ def megatron_loss(model, batch):
 
 
 def check_batch_hook(seed: int) -> dict:
-    """The wrapped ``get_batch_on_this_cp_rank`` zigzags on the TSP group, only when active."""
+    """The wrapped ``get_batch_on_this_cp_rank`` zigzags on the TSP group, only when active; the
+    expected batch is built from the chunk definition (``tests.common.expected_zigzag_batch``),
+    not by the function under test. Installing twice (the launcher and a patched
+    ``pretrain_gpt.py`` both call ``install()``) must still permute once, and uninstalling must
+    restore Megatron's own function."""
     import megatron.core.utils as core_utils
 
     from megatron_tsp.megatron_lm import batch as hook
+    from tests.common import expected_zigzag_batch
 
     d = dist.get_world_size()
     _groups(d, seed)
     original = core_utils.get_batch_on_this_cp_rank
     hook.install_batch_hook()
+    hook.install_batch_hook()  # second install: a no-op
     try:
         wrapped = core_utils.get_batch_on_this_cp_rank
-        assert wrapped is not original and wrapped.__wrapped_by_tsp__ is original
+        assert wrapped is not original and wrapped.__wrapped_by_tsp__ is original, (
+            "installing twice wrapped the wrapper")
         batch = _batch(seed)
         hook.activate(None)
         passthrough = wrapped(dict(batch))
         assert all(torch.equal(passthrough[k], batch[k]) for k in batch)
         hook.activate(d)
         out = wrapped(dict(batch))
-        expected = zigzag.get_batch_on_this_tsp_rank(batch, d)
+        expected = expected_zigzag_batch(batch, d)
         assert set(out) == set(batch)
         for key in batch:
             if key != "attention_mask":
-                assert torch.equal(out[key], expected[key]), key
+                assert torch.equal(out[key], expected[key]), (
+                    f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)")
         # the S x S mask is left alone (TSP attention never reads it), not permuted twice
         assert out["attention_mask"] is batch["attention_mask"]
         from megatron_tsp import batch_guard
@@ -110,8 +113,9 @@ def check_batch_hook(seed: int) -> dict:
         assert batch_guard.zigzag_mark(batch["tokens"]) is None
         # contiguous SP shard r of the permuted tokens == zigzag chunks r and 2D-1-r
         r = dist.get_rank()
+        chunks = batch["tokens"].chunk(2 * d, dim=1)
         local = out["tokens"].chunk(d, dim=1)[r]
-        assert torch.equal(local, zigzag.split(batch["tokens"], d, r, dim=1))
+        assert torch.equal(local, torch.cat([chunks[r], chunks[2 * d - 1 - r]], dim=1))
         assert not torch.equal(out["tokens"], batch["tokens"])
         # the generic helper still permutes a mask on both axes (causal mask of true positions)
         pos = out["position_ids"][0]
@@ -126,12 +130,17 @@ def check_batch_hook(seed: int) -> dict:
             wrapped(dict(batch))
         except RuntimeError as exc:
             errors["size"] = str(exc)
-        assert "packed (THD)" in errors.get("packed", "") and "--sft" in errors["packed"], errors
-        assert f"has {d} ranks" in errors.get("size", ""), errors
+        assert errors.get("packed") == (
+            f"packed (THD) sequences with cu_seqlens cannot run with "
+            f"--tensor-sequence-parallel-size={d}; drop --sft / "
+            f"--dataloader-inter-document-masking"), errors
+        assert errors.get("size") == (
+            f"--tensor-sequence-parallel-size={2 * d} but the tensor-parallel group has {d} "
+            f"ranks"), errors
     finally:
         hook.activate(None)
         hook.uninstall_batch_hook()
-    assert core_utils.get_batch_on_this_cp_rank is original
+    assert core_utils.get_batch_on_this_cp_rank is original, "uninstall did not restore Megatron's"
     return {"ok": True}
 
 
@@ -142,12 +151,12 @@ def check_spec_hook_and_loss(seed: int, style: str) -> dict:
     from megatron_tsp.layers.attention import TSPSelfAttention
     from megatron_tsp.layers.mlp import TSPMLP
     from megatron_tsp.megatron_lm import spec as spec_hook
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from tests.common import assert_close, reference_tp_sp_block_spec
 
     d = dist.get_world_size()
     _groups(d, seed)
     config = _config(d, style)
-    stock = _model(config, get_gpt_block_local_sp_spec(config), style)
+    stock = _model(config, reference_tp_sp_block_spec(config), style)
     spec_hook.install_gpt_model_hook()
     try:
         _groups(d, seed + 1)  # different init: the weights must come from the stock model
@@ -180,9 +189,9 @@ def check_spec_hook_and_loss(seed: int, style: str) -> dict:
     tsp_batch = zigzag.get_batch_on_this_tsp_rank(batch, d)
     tsp_sum, tsp_tokens = megatron_loss(tsp, tsp_batch)
     assert int(tsp_tokens) == int(ref_tokens)
-    rel = abs(tsp_sum.item() - ref_sum.item()) / abs(ref_sum.item())
-    assert rel < 1e-5, (tsp_sum.item(), ref_sum.item())
-    return {"loss_rel_err": rel, "tokens": int(tsp_tokens)}
+    errors = assert_close(tsp_sum, ref_sum, rtol=1e-5, name="loss sum",
+                          what=f"--spec TSP model ({style}) vs stock TP={d}+SP, seed={seed}")
+    return {"loss_rel_err": errors["loss sum"], "tokens": int(tsp_tokens)}
 
 
 def _sharded_layout(model):
@@ -208,7 +217,7 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
     from megatron.core import dist_checkpointing
 
     from megatron_tsp.megatron_lm import spec as spec_hook
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from tests.common import assert_close, reference_tp_sp_block_spec
 
     d = dist.get_world_size()
     config = _config(d, style)
@@ -222,7 +231,7 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
         def build(kind: str, init_seed: int):
             _groups(d, init_seed)
             spec = (spec_hook.tsp_block_spec if kind == "tsp"
-                    else get_gpt_block_local_sp_spec(config))
+                    else reference_tp_sp_block_spec(config))
             return _model(config, spec, style)
 
         batch = _batch(seed)
@@ -251,8 +260,8 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
             with torch.no_grad():
                 a, _ = megatron_loss(src, ref_batch)
                 b, _ = megatron_loss(dst, out_batch)
-            rel = abs(a.item() - b.item()) / abs(a.item())
-            assert rel < 1e-5, (src_kind, dst_kind, a.item(), b.item())
+            rel = assert_close(b, a, rtol=1e-5, name="loss sum",
+                               what=f"{src_kind}->{dst_kind} ({style}), seed={seed}")["loss sum"]
             results[f"{src_kind}->{dst_kind}"] = rel
             results["keys"] = len(layout_src)
         return results

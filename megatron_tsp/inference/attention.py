@@ -1,0 +1,252 @@
+"""TSP prefill of one attention layer into megatron-core's static KV cache.
+
+Called from ``TSPSelfAttention.forward`` when an inference context is passed (its only inference
+hook). Rank p holds the zigzag chunks p and 2D-1-p of the prompt slice being prefilled
+(``[S/D, b, h]``) and TP=D shard p of the QKV / output projections. For each head group r:
+
+    owner r broadcasts (W_qkv_r, b_qkv_r, W_proj_r)          # shard r+1 already in flight
+    q, k, v = X_p @ W_qkv_r^T                                 # k, v before RoPE
+    K_r, V_r = all-gather(k, v) -> natural order [S, b, ng/D, hn]
+    owner r writes K_r, V_r into its cache rows [o, o + S)    # exactly a TP=D rank's cache
+    (chunked prefill, o > 0: owner r broadcasts cache rows [0, o) of K_r / V_r first)
+    Y_p += causal_attention(RoPE(q), RoPE([cache; K_r]), [cache; V_r]) @ W_proj_r^T
+    (RoPE of the gathered keys in place, block by block, after the owner cached them)
+
+After every layer each rank's ``key_value_memory_dict[layer]`` holds its own head groups for every
+prompt position in Megatron's layout (``[max_seq, max_batch, ng/D, hn]``, keys stored before RoPE,
+as the static path of ``Attention._adjust_key_value_for_inference`` does), so decode is Megatron's
+own TP=D attention with no resharding. One head group's full-sequence K/V is alive at a time
+(plus, for chunked prefill, that group's cached prefix).
+
+Communication per layer per rank (all forward, no autograd): D broadcasts of one weight shard
+(root r); per head group two all-gathers of ``[S/(2D), b, 2 ng/D, hn]`` (the first and second
+zigzag chunks, received straight into natural-order rows); for chunked prefill D broadcasts of
+``[o, b, 2 ng/D, hn]`` cached K/V from their owners.
+
+The inference-only code deliberately does not reuse the training autograd Function's internals
+(attention.py is free to change them); it shares the public pieces: ``comm``, ``zigzag`` and
+megatron-core's RoPE.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
+
+from megatron_tsp import zigzag
+from megatron_tsp.comm import FlatShard, broadcast_from, weight_bias_views
+from megatron_tsp.comm_counter import comm_scope
+
+try:  # megatron-core >= 0.14
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+except ImportError:  # pragma: no cover
+    _yarn_get_concentration_factor_from_config = None
+
+
+class _NoCP:
+    """RoPE reads the CP group only for THD inputs; TSP inference has no CP axis."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+    @staticmethod
+    def rank() -> int:
+        return 0
+
+
+def _rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> torch.Tensor:
+    if freqs is None:
+        return t
+    mscale = 1.0
+    if _yarn_get_concentration_factor_from_config is not None:
+        mscale = _yarn_get_concentration_factor_from_config(config)
+    return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=_NoCP())
+
+
+def _lower_right_causal(q_len: int, kv_len: int):
+    with _disable_current_modes():  # CausalBias is a tensor subclass: build it outside fake modes
+        return causal_lower_right(q_len, kv_len)
+
+
+def _static_cache(module, context, dtype, device):
+    """This rank's (key, value) cache of the layer, allocated by Megatron's own allocator on first
+    use, exactly as ``Attention._adjust_key_value_for_inference`` does for a TP=D rank."""
+    memory = context.key_value_memory_dict
+    if module.layer_number not in memory:
+        key_dim = getattr(module, "key_hidden_size", module.hidden_size_per_attention_head)
+        val_dim = getattr(module, "val_hidden_size", module.hidden_size_per_attention_head)
+        memory[module.layer_number] = (
+            module._allocate_memory(context.max_sequence_length, context.max_batch_size, key_dim,
+                                    dtype).to(device),
+            module._allocate_memory(context.max_sequence_length, context.max_batch_size, val_dim,
+                                    dtype).to(device),
+        )
+    return memory[module.layer_number]
+
+
+def check_context(module, context) -> None:
+    """Refuse what the TSP prefill does not implement, naming the setting."""
+    if not context.is_static_batching():
+        raise ValueError(
+            "TSP prefill supports megatron-core's StaticInferenceContext only; the dynamic "
+            "context (paged KV blocks, packed requests) is not supported")
+    if context.is_decode_only():
+        raise ValueError(
+            "TSP attention runs the prefill only: decode with the tied TP=D model "
+            "(megatron_tsp.inference.TSPInferenceEngine)")
+    if module.config.flash_decode:
+        raise ValueError("--flash-decode stores keys after RoPE; TSP prefill supports the "
+                         "default static cache (keys before RoPE) only")
+
+
+def prefill_attention(module, hidden_states: torch.Tensor, context,
+                      rotary_pos_emb=None) -> tuple:
+    """TSP prefill of one layer; returns ``(output, linear_proj.bias)`` like ``SelfAttention``.
+
+    ``hidden_states``: this rank's zigzag tokens ``[S/D, b, h]`` of the prompt slice at cache
+    offset ``context.sequence_len_offset`` (natural positions ``[o, o + S)``), batch rows
+    ``[context.batch_size_offset, + b)``. ``rotary_pos_emb``: Megatron's RoPE table (or a (q, k)
+    pair) covering at least ``o + S`` positions, indexed by natural position.
+    """
+    check_context(module, context)
+    group = module.tsp_group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout = module.tsp_layout
+    local_len, batch = hidden_states.shape[0], hidden_states.shape[1]
+    if local_len % 2 != 0:
+        raise ValueError(f"TSP prefill got {local_len} local tokens: the prompt slice must split "
+                         f"into 2 x {size} zigzag chunks")
+    seq = local_len * size
+    offset, b0 = context.sequence_len_offset, context.batch_size_offset
+    if offset + seq > context.max_sequence_length:
+        raise ValueError(f"prefill of {seq} tokens at offset {offset} exceeds the inference "
+                         f"context's max_sequence_length={context.max_sequence_length}")
+    if module.config.no_rope_freq and module.config.no_rope_freq[module.layer_number - 1]:
+        rotary_pos_emb = None
+    q_table, k_table = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                        else (rotary_pos_emb, rotary_pos_emb))
+    freqs_q = freqs_k = None
+    if q_table is not None:
+        positions = offset + zigzag.local_positions(seq, size, rank, device=q_table.device)
+        freqs_q = q_table.index_select(0, positions)
+        freqs_k = k_table[:offset + seq]
+    key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
+    has_bias = module.linear_qkv.bias is not None
+    own = FlatShard.pack([module.linear_qkv.weight]
+                         + ([module.linear_qkv.bias] if has_bias else [])
+                         + [module.linear_proj.weight])
+    chunks = zigzag.chunk_ids(size, rank)
+    chunk_len = local_len // 2
+    groups, head_dim = layout.groups, layout.head_dim
+    out = None
+    with torch.no_grad(), comm_scope("tsp_prefill_attention"):
+        for r, shard in _broadcast_shards(own, group, size, rank):
+            w, b, proj_w = weight_bias_views(shard.views(), has_bias)
+            mixed = torch.matmul(hidden_states, w.t())
+            if b is not None:
+                mixed = mixed + b
+            mixed = mixed.view(local_len, batch, groups, -1)
+            q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
+            q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
+            kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, size, chunk_len)
+            if offset > 0:
+                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r, group, rank)
+            if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
+                key_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, :groups]
+                val_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, groups:]
+            k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
+            ctx_r = chunk_attention(q, k_all, kv[:, :, groups:], chunks, chunk_len, offset, layout)
+            del k_all, kv
+            contrib = torch.matmul(ctx_r, proj_w.t())
+            out = contrib if out is None else out.add_(contrib)
+    return out, module.linear_proj.bias
+
+
+def _broadcast_shards(own: FlatShard, group, size: int, rank: int):
+    """Yield (r, shard r) for r = 0..D-1; shard r+1's broadcast is posted before r is used."""
+    if size == 1:
+        yield 0, own
+        return
+    spare = [FlatShard.like(own), FlatShard.like(own)]
+
+    def post(r):
+        buf = own if r == rank else spare[r % 2]
+        return buf, broadcast_from(buf.buffer, r, group, async_op=True)
+
+    pending = post(0)
+    for r in range(size):
+        nxt = post(r + 1) if r + 1 < size else None
+        buf, req = pending
+        req.wait()
+        yield r, buf
+        pending = nxt
+
+
+def _natural_kv(local_kv, offset: int, group, size: int, chunk_len: int) -> torch.Tensor:
+    """``[offset + S, b, 2 ng/D, hn]`` buffer whose rows [offset, offset + S) receive every rank's
+    local K/V in natural order: two all-gathers (first chunks, second chunks) straight into the
+    natural-order row blocks, so no permuted copy of the full-sequence K/V is ever made. Rows
+    [0, offset) are left for the cached prefix."""
+    seq = 2 * chunk_len * size
+    kv = torch.empty((offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype,
+                     device=local_kv.device)
+    new = kv[offset:]
+    if size == 1:
+        new.copy_(local_kv)
+        return kv
+    firsts = [new[r * chunk_len:(r + 1) * chunk_len] for r in range(size)]
+    seconds = [new[(2 * size - 1 - r) * chunk_len:(2 * size - r) * chunk_len] for r in range(size)]
+    dist.all_gather(firsts, local_kv[:chunk_len].contiguous(), group=group)
+    dist.all_gather(seconds, local_kv[chunk_len:].contiguous(), group=group)
+    return kv
+
+
+def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, group, rank) -> None:
+    """Rows [0, offset) of ``kv``: head group ``owner``'s cached K/V (before RoPE), broadcast by
+    its owner."""
+    prefix = kv[:offset]
+    groups = key_mem.shape[2]
+    batch = kv.shape[1]
+    if rank == owner:
+        prefix[:, :, :groups] = key_mem[:offset, b0:b0 + batch]
+        prefix[:, :, groups:] = val_mem[:offset, b0:b0 + batch]
+    if dist.get_world_size(group) > 1:
+        broadcast_from(prefix, owner, group, async_op=False)
+
+
+ROPE_BLOCK = 16384  # rows of K rotated at a time: bounds RoPE's temporaries at long prompts
+
+
+def _rope_in_place(k, freqs, config) -> torch.Tensor:
+    """RoPE of ``k`` [L, b, g, hn] (positions 0..L-1) written back into ``k`` block by block (RoPE
+    is per position, so blocks give the same numbers; no second full-length key buffer)."""
+    if freqs is None:
+        return k
+    for start in range(0, k.shape[0], ROPE_BLOCK):
+        end = min(start + ROPE_BLOCK, k.shape[0])
+        k[start:end] = _rope(k[start:end], freqs[start:end], config)
+    return k
+
+
+def chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
+    """Local chunk c's queries (natural positions offset + [cC, (c+1)C)) against keys
+    [0, offset + (c+1)C), bottom-right causal. Returns ``[2C, b, np * hn]``. (A module attribute:
+    the prefill memory tool swaps in a flash-equivalent kernel, as the training tool does.)"""
+    outs = []
+    for i, c in enumerate(chunks):
+        q_c = q[i * chunk_len:(i + 1) * chunk_len].permute(1, 2, 0, 3)
+        kv_len = offset + (c + 1) * chunk_len
+        k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
+        v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(
+            q_c, k_c, v_c, attn_mask=_lower_right_causal(chunk_len, kv_len),
+            scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups)
+        outs.append(o.permute(2, 0, 1, 3).reshape(chunk_len, q.shape[1], -1))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,347 @@
+"""``megatron-tsp generate``: TSP prefill + Megatron TP=D decode from the command line.
+
+Without ``--load`` it uses the embedded tiny model (Llama-style, char-level vocabulary of 128),
+trained for ``--train-steps`` steps on the embedded corpus under TSP so its output is readable.
+With ``--load DIR`` it loads a megatron-core ``torch_dist`` checkpoint (Megatron-LM's ``--save``
+layout, state under ``model``; saved under TP=D + SP or under TSP-D: they are the same) whose
+architecture comes from ``--config`` (a ``configs/*.json`` file) or from the Megatron-LM
+arguments stored in the checkpoint.
+
+On a CPU machine it spawns D gloo ranks; under ``torchrun`` (``WORLD_SIZE`` set) it uses the
+launched ranks (NCCL when CUDA is available). Prints the generated tokens, the prefill and decode
+throughput separately, and (``--check-tp``) whether a TP=D prefill produces the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-tsp generate", description=__doc__.splitlines()[0])
+    p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=2)
+    p.add_argument("--load", default=None, help="torch_dist checkpoint directory (iteration "
+                   "directory or a root with latest_checkpointed_iteration.txt)")
+    p.add_argument("--config", default=None, help="model JSON (configs/*.json) for --load")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text (byte tokens; repeat for a batch)")
+    p.add_argument("--prompt-ids", action="append", default=None,
+                   help="prompt as comma-separated token ids (repeat for a batch)")
+    p.add_argument("--random-prompt-tokens", type=int, default=0,
+                   help="use one random prompt of this many tokens (throughput runs)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stop", default=None, help="stop token ids, comma-separated (text: '.')")
+    p.add_argument("--prefill", choices=["auto", "tsp", "tp"], default="auto")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    p.add_argument("--check-tp", action="store_true",
+                   help="also prefill under Megatron TP=D and compare the tokens")
+    p.add_argument("--train-steps", type=int, default=150,
+                   help="embedded model only: TSP training steps on the embedded corpus")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--save", default=None,
+                   help="embedded model only: write it as a Megatron-LM torch_dist checkpoint "
+                        "(iter_0000001/, latest_checkpointed_iteration.txt, args in common.pt)")
+    args = p.parse_args(argv)
+    if args.d < 1:
+        p.error(f"--tensor-sequence-parallel-size={args.d} must be >= 1")
+    if args.config and not args.load:
+        p.error("--config describes a checkpoint: pass --load too")
+    if args.save and args.load:
+        p.error("--save writes the embedded model: it cannot be combined with --load")
+    return args
+
+
+# ------------------------------------------------------------------ models
+def _tiny_config(d: int, dtype):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=d, sequence_parallel=d > 1, use_cpu_initialization=True,
+        params_dtype=dtype, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+
+
+def _config_from_model_fields(m: dict, d: int, dtype):
+    """TransformerConfig from Megatron-LM argument names (a configs/*.json "model" block or the
+    args namespace stored in a checkpoint)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    swiglu = bool(m.get("swiglu", False))
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        num_query_groups=m.get("num_query_groups") or m["num_attention_heads"],
+        ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"],
+        normalization=m.get("normalization", "LayerNorm"),
+        layernorm_epsilon=m.get("norm_epsilon", 1e-5), gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=not m.get("disable_bias_linear", False),
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
+        sequence_parallel=d > 1, use_cpu_initialization=not cuda, params_dtype=dtype,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        perform_initialization=False)
+
+
+def _checkpoint_dir(path: str) -> str:
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.exists(tracker):
+        it = open(tracker).read().strip()
+        return os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+    return path
+
+
+def _model_fields(args) -> dict:
+    if args.config:
+        import json
+
+        with open(args.config) as f:
+            return json.load(f)["model"]
+    common = os.path.join(_checkpoint_dir(args.load), "common.pt")
+    if not os.path.exists(common):
+        raise SystemExit(f"--load {args.load}: no common.pt with Megatron-LM arguments; "
+                         f"pass --config")
+    saved = torch.load(common, map_location="cpu", weights_only=False).get("args")
+    if saved is None:
+        raise SystemExit(f"--load {args.load}: common.pt holds no 'args'; pass --config")
+    return vars(saved)
+
+
+def _build(args, device):
+    from megatron_tsp.model import build_tsp_gpt_model
+
+    dtype = DTYPES[args.dtype]
+    if args.load is None:
+        from megatron_tsp.data import VOCAB_SIZE
+
+        config = _tiny_config(args.d, dtype)
+        kwargs = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
+        model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=256,
+                                    seq_length=64, **kwargs)
+        return model.to(device), kwargs, None
+    m = _model_fields(args)
+    config = _config_from_model_fields(m, args.d, dtype)
+    kwargs = dict(position_embedding_type=m.get("position_embedding_type", "learned_absolute"),
+                  share_embeddings_and_output_weights=not m.get(
+                      "untie_embeddings_and_output_weights", False),
+                  rotary_base=m.get("rotary_base", 10000),
+                  rotary_percent=m.get("rotary_percent", 1.0))
+    vocab = m.get("padded_vocab_size") or m["vocab_size"]
+    seq = m.get("max_position_embeddings") or m["seq_length"]
+    step = 2 * args.d
+    model = build_tsp_gpt_model(config, vocab_size=vocab, max_sequence_length=seq,
+                                seq_length=seq // step * step, **kwargs).to(device)
+    _load_torch_dist(model, _checkpoint_dir(args.load))
+    return model, kwargs, m
+
+
+TINY_ARGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 ffn_hidden_size=128, normalization="RMSNorm", swiglu=True,
+                 disable_bias_linear=True, position_embedding_type="rope",
+                 untie_embeddings_and_output_weights=True, vocab_size=128,
+                 padded_vocab_size=128, max_position_embeddings=256, seq_length=64)
+
+
+def _save_torch_dist(model, root: str) -> None:
+    """The embedded model as Megatron-LM saves a checkpoint: state under ``model`` (sharded, the
+    TP=D layout), the Megatron-LM arguments in ``common.pt``, the iteration tracker file."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(root, "iter_0000001")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "args": argparse.Namespace(**TINY_ARGS),
+             "iteration": 1}
+    with _cpu_cuda_sync():
+        dist_checkpointing.save(state, path)
+
+
+@contextlib.contextmanager
+def _cpu_cuda_sync():
+    """torch_dist's reader / writer synchronize the CUDA stream; on a CPU-only torch there is
+    nothing to wait for."""
+    if torch.cuda.is_available():
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def _load_torch_dist(model, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    sharded = {"model": model.sharded_state_dict()}
+    with _cpu_cuda_sync():
+        loaded = dist_checkpointing.load(sharded, path)
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise SystemExit(f"--load {path}: checkpoint lacks {missing[:5]}")
+
+
+def _train_tiny(model, args, group) -> float:
+    """A few TSP training steps on the embedded corpus (so generations are readable)."""
+    from megatron_tsp import zigzag
+    from megatron_tsp.checkpoint import allreduce_sequence_parallel_grads
+    from megatron_tsp.data import batches
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    data = batches(8, 64, seed=args.seed)
+    loss = float("nan")
+    size = dist.get_world_size(group)
+    for _ in range(args.train_steps):
+        batch = zigzag.get_batch_on_this_tsp_rank(next(data), size)
+        opt.zero_grad(set_to_none=True)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        total = losses.float().mean()
+        total.backward()
+        allreduce_sequence_parallel_grads(model, group)
+        opt.step()
+        dist.all_reduce(total, group=group)
+        loss = total.item() / size
+    model.eval()
+    return loss
+
+
+# ------------------------------------------------------------------ run
+def _prompts(args, vocab: int):
+    if args.random_prompt_tokens:
+        g = torch.Generator().manual_seed(args.seed)
+        return [torch.randint(0, vocab, (args.random_prompt_tokens,), generator=g).tolist()], False
+    if args.prompt_ids:
+        return [[int(t) for t in s.replace(",", " ").split()] for s in args.prompt_ids], False
+    texts = args.prompt or ["the cat sees a red ball. my friend "]
+    return [list(t.encode("utf-8")) for t in texts], True
+
+
+def run(rank: int, args) -> int:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tsp import parallel_state
+    from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        from megatron_tsp.cpu_support import enable_cpu_support
+
+        enable_cpu_support()
+    parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=args.d,
+                                             create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(args.seed)
+    group = parallel_state.get_tensor_sequence_parallel_group()
+    model, kwargs, _ = _build(args, device)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    if args.load is None and args.train_steps > 0:
+        start = time.perf_counter()
+        loss = _train_tiny(model, args, group)
+        say(f"embedded tiny model: {args.train_steps} TSP training steps on the embedded corpus, "
+            f"loss {loss:.3f} ({time.perf_counter() - start:.1f} s)")
+    if args.save:
+        _save_torch_dist(model, args.save)
+        say(f"saved the embedded model (torch_dist, TP={args.d} layout) to {args.save}")
+    engine = TSPInferenceEngine(model, **kwargs)
+    prompts, is_text = _prompts(args, engine.vocab_size)
+    stops = [int(t) for t in args.stop.split(",")] if args.stop else (
+        [ord(".")] if is_text else [])
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed)
+    try:
+        result = engine.generate(prompts, args.max_new_tokens, sampling, stops,
+                                 prefill=args.prefill,
+                                 prefill_chunk_tokens=args.prefill_chunk_tokens)
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 2
+    show = (lambda ids: repr(bytes(ids).decode("utf-8", "replace"))) if is_text else (
+        lambda ids: " ".join(map(str, ids)) if len(ids) <= 32 else
+        " ".join(map(str, ids[:32])) + " ...")
+    say(f"D={args.d}, prefill={result.prefill_mode}, {len(prompts)} prompt(s) of "
+        f"{[len(p) for p in prompts]} tokens")
+    for i, p in enumerate(prompts):
+        say(f"[{i}] {show(p)} -> {show(result.tokens[i])}")
+    say(f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s = "
+        f"{result.prefill_tokens_per_s:,.0f} tokens/s | decode: {result.decode_tokens} tokens in "
+        f"{result.decode_seconds:.3f} s = {result.decode_tokens_per_s:,.0f} tokens/s")
+    rc = 0
+    if args.check_tp:
+        tp = engine.generate(prompts, args.max_new_tokens, sampling, stops, prefill="tp")
+        same = tp.tokens == result.tokens
+        err = ((tp.prefill_logits - result.prefill_logits).abs().max()
+               / tp.prefill_logits.abs().max()).item()
+        say(f"TP=D prefill check: tokens {'identical' if same else 'DIFFER'}, last-token logits "
+            f"max rel diff {err:.1e}")
+        rc = 0 if same else 1
+    return rc
+
+
+def _spawned(rank: int, args, port: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.d, timeout=timedelta(seconds=300))
+    try:
+        rc = run(rank, args)
+    finally:
+        from megatron_tsp import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    if rc:
+        sys.exit(rc)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        rc = run(dist.get_rank(), args)
+        dist.destroy_process_group()
+        return rc
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_spawned, args=(args, port), nprocs=args.d, join=True)
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

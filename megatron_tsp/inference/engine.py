@@ -1,0 +1,384 @@
+"""TSP prefill -> Megatron TP=D decode, on one set of parameters.
+
+``TSPInferenceEngine`` holds two views of the same weights:
+
+- the TSP ``GPTModel`` (TSP layers, ``sequence_parallel=True``): prefill. Each rank embeds and
+  processes only its zigzag chunks of the prompt; the TSP attention's inference hook writes the
+  head-group owner's gathered K/V into megatron-core's ``StaticInferenceContext``.
+- a stock megatron-core ``GPTModel`` with the local TP spec and ``sequence_parallel=False``,
+  built on the meta device and then *tied* to the TSP model's parameter tensors (same names and
+  shards by construction, no copy): decode, one token per step, Megatron's own TP=D forward
+  reading the cache the prefill left — no resharding of weights or cache.
+
+Prompt handling: the prefilled slice is padded at the end to a multiple of 2D (causal attention
+keeps padding invisible to real tokens; padded cache rows are overwritten by the first decode
+steps before anything reads them). A batch whose prompts differ in length is prefilled up to the
+shortest prompt; the remaining prompt tokens are fed through decode steps (teacher-forced), as
+megatron-core's static text generation does. A prefilled slice shorter than 2D tokens runs
+Megatron's own TP prefill instead. ``prefill_chunk_tokens`` splits a long prefill into chunks:
+each chunk's queries attend to the cache plus the chunk itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_tsp import zigzag
+from megatron_tsp.inference.sampling import SamplingParams, select_next
+from megatron_tsp.parallel_state import get_tensor_sequence_parallel_group
+
+PREFILL_MODES = ("auto", "tsp", "tp")
+SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[List[int]]  # generated tokens per prompt (stop token included when hit)
+    prefill_logits: torch.Tensor  # [b, V] logits after the batched prefill's last token
+    prefill_mode: str  # "tsp" or "tp"
+    prefill_tokens: int  # prompt tokens prefilled (all rows, padding excluded)
+    prefill_seconds: float
+    decode_tokens: int  # tokens produced by decode steps (all rows, forced prompt tokens included)
+    decode_seconds: float
+    context: object = field(repr=False, default=None)  # the StaticInferenceContext (KV cache)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def build_decode_model(tsp_model, **gpt_kwargs):
+    """Stock megatron-core TP=D ``GPTModel`` sharing ``tsp_model``'s parameter tensors.
+
+    ``gpt_kwargs``: the GPTModel keyword arguments ``tsp_model`` was built with
+    (position_embedding_type, share_embeddings_and_output_weights, rotary_base, ...). Built on the
+    meta device (no parameter memory), then every parameter is replaced by the TSP model's tensor
+    of the same name; any name or shape mismatch raises.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+
+    config = dataclasses.replace(tsp_model.config, sequence_parallel=False)
+    kwargs = dict(gpt_kwargs)
+    kwargs["parallel_output"] = False  # decode needs the full vocabulary on every rank
+    with torch.device("meta"):
+        decode = GPTModel(config=config, transformer_layer_spec=get_gpt_block_local_sp_spec(config),
+                          vocab_size=tsp_model.vocab_size,
+                          max_sequence_length=tsp_model.max_sequence_length, **kwargs)
+    source = dict(tsp_model.named_parameters())
+    for name, param in list(decode.named_parameters()):
+        if name not in source or source[name].shape != param.shape:
+            raise ValueError(f"decode model parameter {name} {tuple(param.shape)} has no "
+                             f"counterpart in the TSP model (pass the same GPTModel arguments)")
+        owner = decode.get_submodule(name.rsplit(".", 1)[0]) if "." in name else decode
+        owner._parameters[name.rsplit(".", 1)[-1]] = source[name]
+    if set(source) != {n for n, _ in decode.named_parameters()}:
+        raise ValueError("TSP and decode models have different parameter sets: "
+                         f"{sorted(set(source) ^ {n for n, _ in decode.named_parameters()})}")
+    _check_materialised(decode)
+    return decode
+
+
+def _check_materialised(model) -> None:
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            raise ValueError(f"decode model buffer {name} was not materialised")
+    for mod_name, mod in model.named_modules():
+        for attr, value in vars(mod).items():
+            if torch.is_tensor(value) and value.is_meta:
+                raise ValueError(f"decode model tensor {mod_name}.{attr} is on the meta device")
+
+
+def local_embedding(model, ids, positions) -> torch.Tensor:
+    """This rank's zigzag tokens' embeddings ``[S/D, b, h]`` (``ids``/``positions`` [b, S] in
+    permuted order), as Megatron's sequence-parallel embedding computes them, but without its
+    full-sequence ``[S, b, h]`` partial sums: for each owner r, every rank looks up rank r's
+    tokens in its vocabulary shard (zero rows elsewhere) and the partials are SUM-reduced onto r.
+    Communication: D reduces of ``[S/D, b, h]`` (the bytes of one reduce-scatter). Every token's
+    word embedding comes from exactly one shard, so the sums are exact. Eval mode (no dropout)."""
+    emb = model.embedding
+    word = emb.word_embeddings
+    if getattr(emb, "tokentype_embeddings", None) is not None:
+        raise ValueError("TSP prefill does not support token-type embeddings")
+    group = word.tp_group if getattr(word, "tp_group", None) is not None else (
+        get_tensor_sequence_parallel_group())
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_len = ids.shape[1] // size
+    mine = None
+    for r in range(size):
+        owner_ids = ids[:, r * local_len:(r + 1) * local_len]
+        outside = (owner_ids < word.vocab_start_index) | (owner_ids >= word.vocab_end_index)
+        rows = (owner_ids - word.vocab_start_index).masked_fill(outside, 0)
+        part = torch.nn.functional.embedding(rows, word.weight)
+        part = part.masked_fill(outside.unsqueeze(-1), 0).transpose(0, 1).contiguous()
+        if size > 1:
+            dist.reduce(part, dst=dist.get_global_rank(group, r), group=group)
+        if r == rank:
+            mine = part
+        del part
+    if emb.add_position_embedding:
+        local_pos = positions[:, rank * local_len:(rank + 1) * local_len]
+        mine = mine + emb.position_embeddings(local_pos).transpose(0, 1)
+    if emb.config.fp32_residual_connection:
+        mine = mine.float()
+    return mine
+
+
+def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> torch.Tensor:
+    """One TSP prefill pass of the TSP ``GPTModel`` over ``ids`` [b, S] (natural order, S a
+    multiple of 2D) at cache offset ``context.sequence_len_offset``; returns this rank's final-norm
+    hidden states of its zigzag chunks, ``[S/D, b, h]``. The layers' KV caches are filled."""
+    local = local_embedding(model, zigzag.permute(ids, size, dim=1),
+                            zigzag.permute(positions, size, dim=1))
+    return model.decoder(hidden_states=local, attention_mask=None, inference_context=context,
+                         rotary_pos_emb=rotary_table)
+
+
+class TSPInferenceEngine:
+    """Generate from a TSP-built ``GPTModel`` (see module docstring).
+
+    Every rank of the TSP group calls ``generate`` with the same arguments. Arguments are checked
+    before any collective, so a bad request raises the same ``ValueError`` on every rank and the
+    engine stays usable.
+    """
+
+    def __init__(self, tsp_model, group=None, **gpt_kwargs):
+        config = tsp_model.config
+        position = getattr(tsp_model, "position_embedding_type", "learned_absolute")
+        if position not in SUPPORTED_POSITIONS:
+            raise ValueError(f"position_embedding_type={position!r}: TSP inference supports "
+                             f"{', '.join(SUPPORTED_POSITIONS)}")
+        if config.flash_decode:
+            raise ValueError("--flash-decode is not supported by TSP prefill (its cache holds "
+                             "keys after RoPE)")
+        if not (tsp_model.pre_process and tsp_model.post_process):
+            raise ValueError("TSP inference needs the whole model on each rank "
+                             "(--pipeline-model-parallel-size 1)")
+        gpt_kwargs.setdefault("position_embedding_type", position)
+        gpt_kwargs.setdefault("share_embeddings_and_output_weights",
+                              tsp_model.share_embeddings_and_output_weights)
+        if position == "rope":
+            gpt_kwargs.setdefault("rotary_percent", tsp_model.rotary_percent)
+            gpt_kwargs.setdefault("rotary_base", tsp_model.rotary_base)
+        self.tsp_model = tsp_model.eval()
+        self.decode_model = build_decode_model(tsp_model, **gpt_kwargs).eval()
+        self.group = group if group is not None else get_tensor_sequence_parallel_group()
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.vocab_size = tsp_model.vocab_size
+        self.max_positions = tsp_model.max_sequence_length
+        self.device = next(tsp_model.parameters()).device
+        self.position = position
+
+    # ------------------------------------------------------------------ checks
+    def check_request(self, prompts, max_new_tokens, sampling, stop_tokens, prefill,
+                      prefill_chunk_tokens) -> None:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: need a non-empty list of token-id lists")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids {bad[:4]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens={max_new_tokens} = "
+                f"{longest + max_new_tokens} exceeds the model's max_sequence_length="
+                f"{self.max_positions} (--max-position-embeddings)")
+        sampling.validate(self.vocab_size)
+        for t in stop_tokens:
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"stop_tokens: {t} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r}: must be one of {PREFILL_MODES}")
+        if prefill_chunk_tokens is not None:
+            step = 2 * self.size
+            if (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < step
+                    or prefill_chunk_tokens % step):
+                raise ValueError(
+                    f"prefill_chunk_tokens={prefill_chunk_tokens!r}: must be a positive multiple "
+                    f"of 2 x tensor-sequence-parallel size = {step}")
+            if prefill == "tp":
+                raise ValueError("prefill_chunk_tokens needs prefill='tsp' or 'auto' (Megatron's "
+                                 "static TP path prefills in one pass)")
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: Optional[SamplingParams] = None, stop_tokens: Sequence[int] = (),
+                 prefill: str = "auto",
+                 prefill_chunk_tokens: Optional[int] = None) -> GenerationResult:
+        """Prefill the prompts (TSP, or TP when shorter than 2D tokens or ``prefill='tp'``),
+        then decode up to ``max_new_tokens`` per prompt under Megatron TP=D."""
+        sampling = sampling or SamplingParams()
+        self.check_request(prompts, max_new_tokens, sampling, stop_tokens, prefill,
+                           prefill_chunk_tokens)
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        batch = len(prompts)
+        lengths = [len(p) for p in prompts]
+        shortest, longest = min(lengths), max(lengths)
+        mode = prefill
+        if mode == "auto":
+            mode = "tsp" if shortest >= 2 * self.size else "tp"
+        chunk = prefill_chunk_tokens or shortest
+        padded_end = self._padded_end(shortest, chunk) if mode == "tsp" else shortest
+        context = StaticInferenceContext(batch, max(padded_end, longest + max_new_tokens))
+        tokens = torch.zeros(batch, max(longest, padded_end), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.as_tensor([int(t) for t in p], dtype=torch.long)
+        tokens = tokens.to(self.device)
+
+        self._sync()
+        start = time.perf_counter()
+        if mode == "tsp":
+            logits = self._prefill_tsp(tokens, shortest, chunk, context)
+        else:
+            logits = self._prefill_tp(tokens[:, :shortest], context)
+        self._sync()
+        prefill_s = time.perf_counter() - start
+        context.sequence_len_offset = shortest
+        result = GenerationResult(tokens=[[] for _ in prompts], prefill_logits=logits,
+                                  prefill_mode=mode, prefill_tokens=shortest * batch,
+                                  prefill_seconds=prefill_s, decode_tokens=0, decode_seconds=0.0,
+                                  context=context)
+        if max_new_tokens == 0:
+            return result
+        self._decode(prompts, tokens, lengths, logits, max_new_tokens, sampling,
+                     set(int(t) for t in stop_tokens), context, result)
+        return result
+
+    # ------------------------------------------------------------------ prefill
+    def _padded_end(self, length: int, chunk: int) -> int:
+        step = 2 * self.size
+        last_start = ((length - 1) // chunk) * chunk
+        return last_start + -(-(length - last_start) // step) * step
+
+    def _prefill_tp(self, tokens, context):
+        """Megatron's own TP=D prefill (static context at offset 0, causal mask)."""
+        positions = self._positions(0, tokens.shape[1], tokens.shape[0])
+        context.enable_prefill_mode()
+        logits = self.decode_model(tokens, positions, None, inference_context=context,
+                                   runtime_gather_output=True)
+        return logits[:, -1]
+
+    def _prefill_tsp(self, tokens, length, chunk, context):
+        """Chunks [o, o + chunk) of the first ``length`` tokens, each padded to a multiple of 2D,
+        through the TSP model; returns the full-vocabulary logits of token ``length - 1``."""
+        model, size = self.tsp_model, self.size
+        batch = tokens.shape[0]
+        table = None
+        if self.position == "rope":
+            table = model.rotary_pos_emb(context.max_sequence_length)
+        context.enable_prefill_mode()
+        hidden = None
+        for start in range(0, length, chunk):
+            real = min(chunk, length - start)
+            padded = -(-real // (2 * size)) * 2 * size
+            ids = tokens[:, start:start + padded]
+            positions = self._positions(start, padded, batch)
+            context.sequence_len_offset = start
+            local = prefill_slice(model, ids, positions, context, table, size)
+            if start + chunk >= length:
+                hidden = self._token_hidden(local, real - 1, padded)
+        return self._full_logits(hidden)
+
+    def _positions(self, start: int, count: int, batch: int) -> torch.Tensor:
+        """Natural positions; padding beyond the model's table is clamped (its outputs and cache
+        rows are never read)."""
+        pos = torch.arange(start, start + count, device=self.device).clamp_(
+            max=self.max_positions - 1)
+        return pos.unsqueeze(0).expand(batch, count)
+
+    def _token_hidden(self, local, index: int, seq: int) -> torch.Tensor:
+        """Hidden state [b, h] of natural position ``index`` of a zigzag-split slice of ``seq``
+        tokens, broadcast from the rank that holds it."""
+        size = self.size
+        chunk_len = seq // (2 * size)
+        chunk = index // chunk_len
+        owner = chunk if chunk < size else 2 * size - 1 - chunk
+        row = (index % chunk_len) + (0 if chunk < size else chunk_len)
+        if self.rank == owner:
+            hidden = local[row].contiguous()
+        else:
+            hidden = torch.empty(local.shape[1:], dtype=local.dtype, device=local.device)
+        if size > 1:
+            dist.broadcast(hidden, src=dist.get_global_rank(self.group, owner), group=self.group)
+        return hidden
+
+    def _full_logits(self, hidden) -> torch.Tensor:
+        """[b, V] from final-norm hidden states [b, h], through the decode model's output layer
+        (the same parameters; vocabulary shards gathered)."""
+        model = self.decode_model
+        weight = (model.shared_embedding_or_output_weight()
+                  if model.share_embeddings_and_output_weights else None)
+        logits, _ = model.output_layer(hidden.unsqueeze(0), weight=weight,
+                                       runtime_gather_output=True)
+        return logits[0]
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, prompts, tokens, lengths, logits, max_new_tokens, sampling, stops,
+                context, result) -> None:
+        batch = len(prompts)
+        shortest = min(lengths)
+        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        produced = [0] * batch
+        done = [False] * batch
+        context.enable_decode_mode()
+        start = time.perf_counter()
+        position = shortest  # natural position of the token chosen from ``logits``
+        steps = 0
+        while True:
+            chosen = self._select(logits, sampling, generator)
+            next_ids = []
+            for i in range(batch):
+                if position < lengths[i]:  # still inside this prompt: teacher-forced
+                    next_ids.append(int(tokens[i, position]))
+                    continue
+                tok = int(chosen[i])
+                next_ids.append(tok)
+                if not done[i]:
+                    result.tokens[i].append(tok)
+                    produced[i] += 1
+                    if tok in stops or produced[i] >= max_new_tokens:
+                        done[i] = True
+            if all(done):
+                break
+            ids = torch.tensor(next_ids, dtype=torch.long, device=self.device).unsqueeze(1)
+            pos = torch.full((batch, 1), position, dtype=torch.long, device=self.device)
+            logits = self.decode_model(ids, pos, None, inference_context=context,
+                                       runtime_gather_output=True)[:, -1]
+            context.sequence_len_offset += 1
+            position += 1
+            steps += 1
+        self._sync()
+        result.decode_seconds = time.perf_counter() - start
+        result.decode_tokens = steps * batch
+
+    def _select(self, logits, sampling, generator) -> torch.Tensor:
+        """Rank 0 of the group chooses, everyone receives the same tokens."""
+        chosen = select_next(logits, sampling, generator).to(torch.long).contiguous()
+        if self.size > 1:
+            dist.broadcast(chosen, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return chosen
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

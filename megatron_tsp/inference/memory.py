@@ -1,0 +1,215 @@
+"""``megatron-tsp prefill-memory``: one rank's peak memory for a long-prompt prefill, measured.
+
+Runs one rank of the real prefill code under ``FakeTensorMode`` and torch's ``fake`` process group
+(shapes only, no storage; collectives return at once), with the estimator's MemTracker
+(``megatron_tsp.estimator.fake_run``), for three ways to prefill S prompt tokens on D GPUs:
+
+* ``tsp``: TSP prefill (``megatron_tsp.inference``): weights 1/D, activations 1/D, one head
+  group's full K/V alive at a time; the KV cache of this rank's head groups for all S tokens.
+* ``tp``: Megatron TP=D static-context prefill (no sequence parallelism, as Megatron's inference
+  runs): weights 1/D, full-sequence activations, the same KV cache.
+* ``cp``: context parallelism CP=D (TP=1, Megatron's zigzag layout, K/V all-gathered per layer):
+  full weights, activations 1/D, a KV cache of all heads for this rank's S/D tokens.
+
+The KV cache is included (allocated up front for S tokens, like ``StaticInferenceContext``);
+logits are for the last token only (a [b, V/D] row, negligible). Attention everywhere uses the
+estimator's flash-equivalent kernel (output + log-sum-exp, no S x S scores). Batch 1 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+SCHEMES = ("tsp", "tp", "cp")
+
+
+def _run_config(scheme: str, size: int, seq: int, model, batch: int, dtype: str, fake: bool):
+    from megatron_tsp.estimator.fake_run import RunConfig
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"--scheme {scheme!r}: must be one of {SCHEMES}")
+    return RunConfig(scheme=scheme, model=model, world_size=size,
+                     tp=1 if scheme == "cp" else size, cp=size if scheme == "cp" else 1,
+                     seq=seq, micro_batch=batch, dtype=dtype, fake=fake, count_flops=False,
+                     count_comm=False)
+
+
+@contextlib.contextmanager
+def _flash_prefill_attention(enabled: bool):
+    """Swap the TSP prefill's SDPA call for the estimator's flash-equivalent kernel."""
+    if not enabled:
+        yield
+        return
+    import megatron_tsp.inference.attention as inf_attn
+    from megatron_tsp.estimator.fake_run import ChunkedCausalAttention
+
+    def flash(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
+        spec = [(i * chunk_len, chunk_len, offset + (c + 1) * chunk_len)
+                for i, c in enumerate(chunks)]
+        out = ChunkedCausalAttention.apply(q, k_nat, v_nat, layout.softmax_scale, spec, None)
+        return out.view(q.shape[0], q.shape[1], -1)
+
+    saved = inf_attn.chunk_attention
+    inf_attn.chunk_attention = flash
+    try:
+        yield
+    finally:
+        inf_attn.chunk_attention = saved
+
+
+def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
+                 dtype: str = "bf16") -> dict:
+    """Peak bytes of one rank prefilling ``seq`` tokens (fake tensors); see the module docstring.
+
+    Returns ``{"peak": bytes, "breakdown": {category: bytes}, "kv_cache": bytes, "params": ...}``.
+    """
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_tsp import zigzag
+    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.inference.engine import prefill_slice
+
+    cfg = _run_config(scheme, size, seq, model or fr.PRESETS["7b"], batch, dtype, True)
+    cfg.validate()
+    enable_cpu_support()
+    fr._ensure_fake_world(cfg.world_size)
+    fr._init_parallel(cfg)
+    config = fr._transformer_config(cfg)
+    model_parallel_cuda_manual_seed(1234)
+    shape = cfg.model
+    head_dim = shape.hidden // shape.heads
+    cache_groups = shape.groups if scheme == "cp" else shape.groups // size
+    cache_tokens = seq // size if scheme == "cp" else seq
+    element = 2 if dtype == "bf16" else 4
+    kv_bytes = 2 * shape.layers * cache_tokens * batch * cache_groups * head_dim * element
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gpt = fr._build_model(cfg, config).eval()
+        params = sum(p.numel() for p in gpt.parameters()) * element
+        tracker = fr._lean_mem_tracker()
+        tracker.track_external(gpt)
+        local = seq // size if scheme == "cp" else seq
+        tokens = torch.randint(0, shape.vocab, (batch, local))
+        if scheme == "cp":
+            from megatron.core import parallel_state as mpu
+
+            positions = zigzag.local_positions(seq, size, mpu.get_context_parallel_rank())
+        else:
+            positions = torch.arange(seq)
+        positions = positions.unsqueeze(0).expand(batch, -1)
+        with torch.no_grad(), fr._no_rng_fork(True), fr._cpu_cp_rope(), \
+                _flash_prefill_attention(scheme == "tsp"), tracker:
+            table = gpt.rotary_pos_emb(seq)
+            if scheme == "cp":
+                # a CP rank caches K/V of all heads for its own S/D tokens, allocated up front
+                params_dtype = config.params_dtype
+                cache = [torch.empty(cache_tokens, batch, cache_groups, head_dim,
+                                     dtype=params_dtype) for _ in range(2 * shape.layers)]
+                hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
+                hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
+                                     rotary_pos_emb=table)
+            else:
+                context = StaticInferenceContext(batch, seq)
+                if scheme == "tsp":
+                    hidden = prefill_slice(gpt, tokens, positions, context, table, size)
+                else:
+                    hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
+                    hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
+                                         inference_context=context, rotary_pos_emb=table)
+            logits, _ = gpt.output_layer(hidden[-1:])
+            del hidden, logits
+        snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()}
+    peak = breakdown.pop("Total", sum(breakdown.values()))
+    return {"scheme": scheme, "size": size, "seq": seq, "batch": batch, "peak": peak,
+            "breakdown": breakdown, "kv_cache": kv_bytes, "params": params}
+
+
+def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: int = 1,
+                          dtype: str = "bf16", timeout: float = 3600) -> dict:
+    """``prefill_peak`` in a fresh process (no module caches shared between measurements)."""
+    from megatron_tsp.estimator.fake_run import PRESETS
+
+    payload = json.dumps(dict(scheme=scheme, size=size, seq=seq, batch=batch, dtype=dtype,
+                              model=dataclasses.asdict(model or PRESETS["7b"])))
+    code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
+            "from megatron_tsp.estimator.fake_run import ModelShape; "
+            "from megatron_tsp.inference import memory as m; a = json.loads(sys.stdin.read()); "
+            "a['model'] = ModelShape(**a['model']); "
+            "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@RESULT@@"):
+            return json.loads(line[len("@@RESULT@@"):])
+    raise RuntimeError(f"prefill measurement failed (rc={proc.returncode}):\n"
+                       f"{proc.stderr[-4000:]}")
+
+
+LABELS = {"tsp": "TSP prefill D={d}", "tp": "TP={d} prefill", "cp": "CP={d} prefill"}
+
+
+def format_rows(rows, units: str = "GiB") -> str:
+    div = 2 ** 30 if units == "GiB" else 1e9
+    head = (f"{'prefill':<18}{'tokens':>10}{'params':>9}{'KV cache':>10}{'activ+temp':>12}"
+            f"{'peak':>9}  ({units}, one rank)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        b = r["breakdown"]
+        other = r["peak"] - b.get("Parameter", 0) - r["kv_cache"]
+        lines.append(f"{LABELS[r['scheme']].format(d=r['size']):<18}{r['seq']:>10}"
+                     f"{b.get('Parameter', 0) / div:>9.2f}{r['kv_cache'] / div:>10.2f}"
+                     f"{other / div:>12.2f}{r['peak'] / div:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-tsp prefill-memory",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="7b", help="estimator preset (7b, small, tiny)")
+    p.add_argument("--size", type=int, default=8, help="GPUs: D for TSP, TP size, CP size")
+    p.add_argument("--seqs", default="131072,524288,1048576", help="prompt lengths")
+    p.add_argument("--schemes", default="tsp,tp,cp")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--units", choices=["GiB", "GB"], default="GiB")
+    p.add_argument("--json", help="write the rows to this file")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from megatron_tsp.estimator.fake_run import PRESETS
+
+    if args.model not in PRESETS:
+        p.error(f"--model {args.model!r}: presets are {', '.join(PRESETS)}")
+    rows = []
+    for seq in [int(s) for s in args.seqs.split(",") if s]:
+        for scheme in [s for s in args.schemes.split(",") if s]:
+            if scheme not in SCHEMES:
+                p.error(f"--schemes: {scheme!r} is not one of {SCHEMES}")
+            rows.append(prefill_peak_isolated(scheme, args.size, seq, PRESETS[args.model],
+                                              args.batch, args.dtype))
+            print(format_rows(rows[-1:], args.units).splitlines()[-1], flush=True)
+    print(format_rows(rows, args.units))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
