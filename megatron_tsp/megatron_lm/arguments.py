@@ -156,7 +156,12 @@ def translate_args(args) -> None:
 # --tsp-mlp (TP+SP attention + TSP MLP)
 # ---------------------------------------------------------------------------------------------
 def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+    """The Megatron-LM flag of ``dest`` (the rejection table knows the flags whose names differ,
+    e.g. ``fp8`` -> ``--fp8-format``)."""
+    try:
+        return rejections.row_for(dest).flag
+    except KeyError:
+        return "--" + dest.replace("_", "-")
 
 
 def _enum_name(value) -> str:
