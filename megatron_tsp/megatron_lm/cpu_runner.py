@@ -246,9 +246,6 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {}), "memory report"),
     Answer("torch.cuda:device_memory_used", _value(_zero), "memory report", optional=True),
     Answer("torch.cuda:mem_get_info", _const((0, 0)), "memory report"),
-    Answer("torch.accelerator:is_available", _const(False),
-           "a CUDA build of torch (the Python 3.12 venv) reports an accelerator, and the data "
-           "loader's pin-memory thread then initialises the CUDA driver", optional=True),
     # RNG: the CUDA generator is the CPU one. megatron_tsp.cpu_support (applied with these
     # answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
