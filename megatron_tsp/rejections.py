@@ -308,7 +308,8 @@ def refusals_for_values(values: Mapping[str, Any], d: Optional[int], mode: str =
     for r in rows(mode):
         key = r.config_field if r.config_field in values else r.dest
         if key in values and r.refuses(values[key], d):
-            out.append(r.message(values[key], d, mode, config_value=key == r.config_field))
+            out.append(r.message(values[key], d, mode,
+                                 config_value=config_value and key == r.config_field))
     return out
 
 
@@ -341,8 +342,9 @@ def check_config(config, d: Optional[int] = None, mode: str = TSP,
     raise_if_any(refusals_for_config(config, d, mode, layer))
 
 
-def check_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP) -> None:
-    raise_if_any(refusals_for_values(values, d, mode))
+def check_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
+                 config_value: bool = True) -> None:
+    raise_if_any(refusals_for_values(values, d, mode, config_value))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def check_parallel_layout(
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
     rejections.check_values({"tensor_model_parallel_size": tensor_model_parallel_size,
-                             "context_parallel_size": context_parallel_size}, d)
+                             "context_parallel_size": context_parallel_size}, d,
+                            config_value=False)  # command-line values, not a config
     if pipeline_model_parallel_size < 1:
         raise ValueError(
             f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}"

@@ -51,7 +51,7 @@ def test_model_shape_errors_name_flag_and_numbers(kwargs, message):
         (dict(world_size=16, tensor_sequence_parallel_size=4, tensor_model_parallel_size=2),
          "--tensor-model-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4:"
          " TSP already uses the tensor-parallel ranks as its folded axis; leave "
-         "--tensor-model-parallel-size at 1"),
+         "--tensor-model-parallel-size at 1 (or equal to D)"),
         (dict(world_size=16, tensor_sequence_parallel_size=4, context_parallel_size=2),
          "--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4: "
          "TSP already shards the sequence over its group; use one or the other"),
