@@ -27,12 +27,13 @@ fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"
 "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
-  tests/test_overlap.py tests/test_recompute.py "$@" || exit 1
+  tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py "$@" || exit 1
 
 # The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
 SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \
   || skip_or_fail "Megatron-LM core_v0.19.0 sources unavailable"
 P019=$(echo "$SOURCES" | sed -n 's/^export MEGATRON_LM_PATH_0_19=//p')
 [ -f "$P019/pretrain_gpt.py" ] || skip_or_fail "no core_v0.19.0 tree"
-MEGATRON_LM_PATH="$P019" "$VENV/bin/python" -m pytest -q \
-  tests/megatron_lm/test_training_loop.py -k "test_tsp2_matches_tp2" -p no:cacheprovider
+MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
+  tests/megatron_lm/test_training_loop.py -k "test_tsp2_matches_tp2" \
+  tests/megatron_lm/test_rejection_flags.py -p no:cacheprovider

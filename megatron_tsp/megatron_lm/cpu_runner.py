@@ -169,6 +169,20 @@ def _fork_rng(original):
     return warmup_without_drawing_from_the_training_generator
 
 
+RUNNER_MODULE = "megatron_tsp.megatron_lm.cpu_runner"
+
+
+def _spawn_children_import_the_runner(original):
+    def get_preparation_data(name):
+        data = original(name)
+        if "init_main_from_path" in data:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = RUNNER_MODULE
+        return data
+
+    return get_preparation_data
+
+
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """One CUDA-only call and what the CPU run answers instead."""
@@ -250,6 +264,12 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
            "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
            optional=True),
+    # spawned helper processes
+    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner,
+           "the checkpoint writer starts a 'spawn' multiprocessing Manager, whose child re-runs "
+           "the main script (pretrain_gpt.py) as __mp_main__ without these answers (core_v0.16 "
+           "then fails importing triton); children import this module instead (they only run "
+           "pickled functions)"),
     # the jit warm-up's random draws
     Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng,
            "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
@@ -307,6 +327,31 @@ def _resolve(target: str):
     return owner, attr
 
 
+BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _stand_in_for_triton_kernels() -> None:
+    """Without triton (CPU torch), ``megatron.training.initialize`` (core_v0.16) still imports
+    Megatron's batch-invariant Triton kernels at import time; they run only with
+    ``--batch-invariant-mode``. Register a module with the same functions that refuses to enable
+    the mode, before Megatron imports the real one."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None or BATCH_INVARIANT_KERNELS in sys.modules:
+        return
+    module = types.ModuleType(BATCH_INVARIANT_KERNELS)
+
+    def needs_triton(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton (Megatron's Triton kernels)")
+
+    module.enable_batch_invariant_mode = needs_triton
+    module.set_batch_invariant_mode = needs_triton
+    module.disable_batch_invariant_mode = lambda *a, **k: None
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.__tsp_cpu_stand_in__ = True
+    sys.modules[BATCH_INVARIANT_KERNELS] = module
+
+
 def apply_cuda_answers() -> List[str]:
     """Answer every entry of ``CUDA_ANSWERS`` (idempotent); returns the targets replaced.
 
@@ -314,6 +359,8 @@ def apply_cuda_answers() -> List[str]:
     """
     global _MODE
     import torch
+
+    _stand_in_for_triton_kernels()
 
     if "fused_weight_gradient_mlp_cuda" not in sys.modules:
         sys.modules["fused_weight_gradient_mlp_cuda"] = _fused_weight_gradient_module()

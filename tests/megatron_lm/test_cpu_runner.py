@@ -48,3 +48,17 @@ def test_cuda_to_cpu_mode_redirects_device_arguments():
         assert t.device.type == u.device.type == v.device.type == "cpu"
         assert torch.ones(1).type() == "torch.cuda.FloatTensor"
         assert torch.ones(1).type(torch.float64).dtype == torch.float64
+
+
+def test_spawned_children_import_the_runner_not_the_script():
+    # Megatron's checkpoint writer starts a 'spawn' Manager; its child must not re-run
+    # pretrain_gpt.py (as __mp_main__) without the CPU answers.
+    def preparation_data(name):
+        return {"init_main_from_path": "/x/pretrain_gpt.py", "sys_path": ["/x"], "name": name}
+
+    data = cpu_runner._spawn_children_import_the_runner(preparation_data)("SyncManager")
+    assert data == {"init_main_from_name": "megatron_tsp.megatron_lm.cpu_runner",
+                    "sys_path": ["/x"], "name": "SyncManager"}
+    import importlib.util
+
+    assert importlib.util.find_spec(data["init_main_from_name"]) is not None
