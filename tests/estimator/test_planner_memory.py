@@ -4,8 +4,8 @@ The tool (``megatron-tsp memory``) runs one rank of the real model code; the pla
 each layer saves (``planner._layer_activation_bytes``), so a change to what the layers save shows
 up here. Reduced config: h=512, 2 layers, 8 heads, vocab 4096, S=8192, D=4 (TSP saved / recompute
 attention, TP+SP with and without full recompute, TP2 x CP2): about 1-2 min. The 7B / 128k check
-is marked slow (TSP D=8 saved attention, TP=8+SP without and with full recompute: about 2 min
-on an idle 2-core machine, 7 min with the cores shared).
+is marked slow (TSP D=8 saved attention and full recompute, TP=8+SP without and with full
+recompute: about 3 min on an idle 2-core machine, ~12 min with the cores shared).
 """
 
 import json
@@ -46,4 +46,4 @@ def test_planner_memory_matches_fake_tool_reduced():
 
 @pytest.mark.slow
 def test_planner_memory_matches_fake_tool_7b_128k():
-    _check(_run([4096, 32, 32, 32000, 131072, 8, "tsp,tpsp,tpsp-full"], timeout=2400))
+    _check(_run([4096, 32, 32, 32000, 131072, 8, "tsp,tsp-full,tpsp,tpsp-full"], timeout=2400))
