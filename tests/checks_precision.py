@@ -83,9 +83,32 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
             checkpoint.gather_full_state(model, group, grads=True))
 
 
+def _planted_bf16_accumulation(where):
+    """Context manager that makes TSP's partial sums in ``where`` ('mlp', 'attention' or '')
+    accumulate in the compute dtype (bf16), i.e. the regression the precision tests must catch."""
+    import contextlib
+
+    from megatron_tsp.layers import attention, mlp
+
+    @contextlib.contextmanager
+    def planted():
+        modules = {"mlp": [mlp], "attention": [attention], "": []}[where]
+        saved = [m.accumulation_dtype for m in modules]
+        try:
+            for m in modules:
+                m.accumulation_dtype = lambda dtype: dtype
+            yield
+        finally:
+            for m, f in zip(modules, saved):
+                m.accumulation_dtype = f
+    return planted()
+
+
 def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, vocab=256,
-                        batch=2, seq=64):
-    """Loss and per-parameter gradient errors of TSP-d and TP=d+SP (bf16) against fp64."""
+                        batch=2, seq=64, plant_bf16_accumulation=""):
+    """Loss, per-token loss, per-layer activation and per-parameter gradient errors of TSP-d and
+    TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
+    breaks TSP's fp32 accumulation there, to show that the criteria can fail."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
@@ -104,8 +127,9 @@ def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, v
 
     out = {}
     for kind in ("tp_sp", "tsp"):
-        loss, token_losses, acts, local_slice, group, grads = _run_bf16(
-            kind, d, style, full, data, dims, vocab, seq)
+        with _planted_bf16_accumulation(plant_bf16_accumulation if kind == "tsp" else ""):
+            loss, token_losses, acts, local_slice, group, grads = _run_bf16(
+                kind, d, style, full, data, dims, vocab, seq)
         per_param = {n: _norm_rel(grads[n], g) for n, g in ref_grads.items()}
         out[kind] = {
             "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
