@@ -1,4 +1,5 @@
-"""``megatron-tsp`` console entry point: ``demo``, ``plan``, ``memory``, ``bench`` subcommands."""
+"""``megatron-tsp`` console entry point: ``demo``, ``plan``, ``memory``, ``bench``, ``cpu-run``
+subcommands."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ COMMANDS = {
     "generate": ("megatron_tsp.inference.cli", "TSP prefill + Megatron TP decode (generation)"),
     "prefill-memory": ("megatron_tsp.inference.memory",
                        "one rank's peak memory of a long-prompt prefill: TSP / TP / CP"),
+    "cpu-run": ("megatron_tsp.megatron_lm.cpu_runner",
+                "run Megatron-LM's pretrain_gpt.py on CPU ranks (gloo), TSP or stock"),
 }
 
 USAGE = "usage: megatron-tsp {" + ",".join(COMMANDS) + "} [options]\n\n" + "\n".join(

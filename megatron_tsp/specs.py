@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_tsp import rejections
 from megatron_tsp.layers.attention import TSPSelfAttention
 from megatron_tsp.layers.mlp import TSPMLP
 from megatron_tsp.layers.norm import TSPNorm
@@ -46,12 +47,8 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
     True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
     False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).
     """
-    if qk_layernorm:
-        raise ValueError("TSP attention does not support --qk-layernorm yet")
-    if num_experts:
-        raise ValueError("TSP supports dense MLPs only: --num-experts (MoE) is not supported")
-    if multi_latent_attention:
-        raise ValueError("TSP supports standard self-attention only: --multi-latent-attention")
+    rejections.check_values({"qk_layernorm": qk_layernorm, "num_moe_experts": num_experts,
+                             "multi_latent_attention": multi_latent_attention}, d=None)
     if normalization not in (None, "LayerNorm", "RMSNorm"):
         raise ValueError(f"--normalization={normalization!r}: TSP supports LayerNorm and RMSNorm")
     return ModuleSpec(

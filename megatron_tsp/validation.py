@@ -1,5 +1,8 @@
 """Configuration checks for TSP, raised as ``ValueError`` naming the flag and the numbers.
 
+Settings TSP refuses outright (MoE, CP, qk-layernorm, ...) are the rows of ``rejections``; this
+module adds the arithmetic (divisibility of heads, groups, FFN, vocabulary, sequence, world size).
+
 Everything here is pure (no collectives), so it can run before any process group exists.
 """
 
@@ -7,9 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_tsp.zigzag import check_sequence_length
-
-TSP_FLAG = "--tensor-sequence-parallel-size"
+from megatron_tsp import rejections
+from megatron_tsp.rejections import TSP_FLAG
 
 
 def _divides(value: int, flag: str, group_size: int, what: str) -> None:
@@ -17,6 +19,16 @@ def _divides(value: int, flag: str, group_size: int, what: str) -> None:
         raise ValueError(
             f"{flag}={value} is not divisible by {TSP_FLAG}={group_size}: TSP shards {what} "
             f"over the group, so {flag} % {group_size} must be 0"
+        )
+
+
+def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
+    if group_size < 1:
+        raise ValueError(f"tensor-sequence-parallel size must be >= 1, got {group_size}")
+    if seq_length % (2 * group_size) != 0:
+        raise ValueError(
+            f"{flag}={seq_length} must be divisible by 2 x tensor-sequence-parallel size "
+            f"= {2 * group_size} (zigzag partition into 2D chunks)"
         )
 
 
@@ -30,17 +42,9 @@ def check_parallel_layout(
     d = tensor_sequence_parallel_size
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
-    if tensor_model_parallel_size not in (1, d) or (tensor_model_parallel_size > 1 and d == 1):
-        raise ValueError(
-            f"--tensor-model-parallel-size={tensor_model_parallel_size} cannot be combined with "
-            f"{TSP_FLAG}={d}: TSP already uses the tensor-parallel ranks as its folded axis; "
-            f"leave --tensor-model-parallel-size at 1"
-        )
-    if context_parallel_size > 1:
-        raise ValueError(
-            f"--context-parallel-size={context_parallel_size} cannot be combined with "
-            f"{TSP_FLAG}={d}: TSP already shards the sequence over its group; use one or the other"
-        )
+    rejections.check_values({"tensor_model_parallel_size": tensor_model_parallel_size,
+                             "context_parallel_size": context_parallel_size}, d,
+                            config_value=False)  # command-line values, not a config
     if pipeline_model_parallel_size < 1:
         raise ValueError(
             f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}"
@@ -94,8 +98,7 @@ def check_transformer_config(config, vocab_size: Optional[int] = None,
             "TSP runs on the tensor-parallel ranks with sequence-parallel activations: "
             "set sequence_parallel=True (--sequence-parallel) in the TransformerConfig"
         )
-    if config.context_parallel_size > 1:
-        check_parallel_layout(d, d, context_parallel_size=config.context_parallel_size)
+    rejections.check_config(config, d)
     check_model_shape(
         d,
         num_attention_heads=config.num_attention_heads,
@@ -105,12 +108,6 @@ def check_transformer_config(config, vocab_size: Optional[int] = None,
         seq_length=seq_length,
         hidden_size=config.hidden_size,
     )
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError("TSP supports dense MLPs only: --num-experts (MoE) is not supported")
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError("TSP supports standard self-attention only: --multi-latent-attention")
-    if getattr(config, "qk_layernorm", False):
-        raise ValueError("TSP attention does not support --qk-layernorm yet")
 
 
 TSP_MLP_FLAG = "--tsp-mlp"

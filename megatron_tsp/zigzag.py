@@ -19,15 +19,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-
-def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
-    if group_size < 1:
-        raise ValueError(f"tensor-sequence-parallel size must be >= 1, got {group_size}")
-    if seq_length % (2 * group_size) != 0:
-        raise ValueError(
-            f"{flag}={seq_length} must be divisible by 2 x tensor-sequence-parallel size "
-            f"= {2 * group_size} (zigzag partition into 2D chunks)"
-        )
+from megatron_tsp.validation import check_sequence_length  # noqa: F401 (re-exported)
 
 
 def chunk_ids(group_size: int, rank: int) -> tuple[int, int]:

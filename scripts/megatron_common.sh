@@ -1,6 +1,7 @@
 # Sourced by the A/B launch scripts: builds Megatron-LM argument arrays from a config in configs/
 # and environment knobs. Every variant gets the same MODEL_ARGS / TRAINING_ARGS / DATA_ARGS /
-# LOGGING_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | tsp_mlp | cp).
+# TOKENIZER / LOGGING_ARGS / OPTIMIZER_ARGS; only MODEL_PARALLEL_ARGS differ (tsp | tp | tsp_mlp | cp), plus
+# the per-variant output directories (OUTPUT_ARGS: checkpoints, TensorBoard).
 #
 # Knobs (environment):
 #   MEGATRON_LM_PATH   Megatron-LM checkout (required; contains pretrain_gpt.py)
@@ -10,11 +11,32 @@
 #   MICRO_BATCH        override training.micro_batch_size
 #   GLOBAL_BATCH       override training.global_batch_size
 #   TRAIN_ITERS        override training.train_iters
-#   DATA_PATH          Megatron data prefix(es); unset -> --mock-data
-#   TOKENIZER_ARGS     tokenizer flags (default: NullTokenizer with the config's vocab size)
+#   DIST_OPT           1: --use-distributed-optimizer in every variant (default); 0: not added
+#   DATA_PATH          Megatron data prefix(es): "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..."
+#                      (unset -> --mock-data)
+#   SPLIT              --split with DATA_PATH                        (default 949,50,1)
+#   DATA_CACHE_PATH    --data-cache-path (index cache of the dataset builders)
+#   TOKENIZER_MODEL    --tokenizer-model: a Hugging Face name/path or a SentencePiece / TikToken
+#                      model file (tokenizer type: TOKENIZER_TYPE, default HuggingFaceTokenizer)
+#   VOCAB_FILE, MERGE_FILE  GPT-2 BPE files (tokenizer type GPT2BPETokenizer)
+#   TOKENIZER_TYPE     --tokenizer-type for the two above
+#   TOKENIZER_ARGS     the tokenizer flags verbatim (overrides the three above; default without
+#                      any: NullTokenizer with the config's vocab size)
+#   CKPT_DIR           --save CKPT_DIR/<variant> --save-interval SAVE_INTERVAL, and --load of the
+#                      same directory (resume) unless LOAD_DIR is set
+#   SAVE_INTERVAL      iterations between checkpoints                (default 1000)
+#   LOAD_DIR           --load LOAD_DIR in every variant (TSP and TP=D+SP checkpoints are
+#                      interchangeable: a TSP checkpoint resumes under TP and the reverse)
+#   TENSORBOARD_DIR    --tensorboard-dir TENSORBOARD_DIR/<variant> with timers, throughput, memory
+#                      and world size logged there (scripts/compare.sh reads these directories)
 #   EXTRA_ARGS         appended to every variant (same for all)
 #   LOG_DIR            where <variant>.log go                       (default ./ab_logs)
 #   PYTHON             python executable                            (default python)
+#   TORCHRUN_ARGS      extra torchrun options (run_ab_local.sh, LAUNCH_MODE=torchrun)
+#   SRUN_ARGS          extra srun options for the training step (scripts/slurm): containers,
+#                      GPU binding, e.g. "--container-image=img.sqsh --container-mounts=/data:/data
+#                      --gpu-bind=closest"
+# Lists (DATA_PATH, TOKENIZER_ARGS, EXTRA_ARGS, TORCHRUN_ARGS, SRUN_ARGS) are split on whitespace.
 set -euo pipefail
 
 _here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -44,22 +66,70 @@ mapfile -t MODEL_ARGS < <(_cfg --part model)
 mapfile -t TRAINING_ARGS < <(_cfg --part training)
 VOCAB_SIZE="$(_cfg --get model.vocab_size)"
 if [[ -n "${DATA_PATH:-}" ]]; then
-    read -r -a DATA_ARGS <<< "--data-path ${DATA_PATH} --split 949,50,1"
+    read -r -a _prefixes <<< "${DATA_PATH}"
+    DATA_ARGS=(--data-path "${_prefixes[@]}" --split "${SPLIT:-949,50,1}")
+    if [[ -n "${DATA_CACHE_PATH:-}" ]]; then
+        DATA_ARGS+=(--data-cache-path "${DATA_CACHE_PATH}")
+    fi
 else
     DATA_ARGS=(--mock-data)
 fi
+# TSP attention ignores masks (causal over the zigzag layout): no S x S mask in the data loader.
+DATA_ARGS+=(--no-create-attention-mask-in-dataloader)
 if [[ -n "${TOKENIZER_ARGS:-}" ]]; then
     read -r -a TOKENIZER <<< "${TOKENIZER_ARGS}"
+elif [[ -n "${TOKENIZER_MODEL:-}" ]]; then
+    TOKENIZER=(--tokenizer-type "${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
+               --tokenizer-model "${TOKENIZER_MODEL}")
+elif [[ -n "${VOCAB_FILE:-}" || -n "${MERGE_FILE:-}" ]]; then
+    : "${VOCAB_FILE:?VOCAB_FILE and MERGE_FILE go together (GPT-2 BPE)}"
+    : "${MERGE_FILE:?VOCAB_FILE and MERGE_FILE go together (GPT-2 BPE)}"
+    TOKENIZER=(--tokenizer-type "${TOKENIZER_TYPE:-GPT2BPETokenizer}" --vocab-file "${VOCAB_FILE}"
+               --merge-file "${MERGE_FILE}")
 else
     TOKENIZER=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE}")
 fi
 LOGGING_ARGS=(--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 1000000)
+OPTIMIZER_ARGS=()
+[[ "${DIST_OPT:-1}" == "1" ]] && OPTIMIZER_ARGS=(--use-distributed-optimizer)
 EXTRA=()
 [[ -n "${EXTRA_ARGS:-}" ]] && read -r -a EXTRA <<< "${EXTRA_ARGS}"
+TORCHRUN_EXTRA=()
+[[ -n "${TORCHRUN_ARGS:-}" ]] && read -r -a TORCHRUN_EXTRA <<< "${TORCHRUN_ARGS}"
+SRUN_EXTRA=()
+[[ -n "${SRUN_ARGS:-}" ]] && read -r -a SRUN_EXTRA <<< "${SRUN_ARGS}"
 
-# parallel_args VARIANT -> MODEL_PARALLEL_ARGS (the only difference between the variants)
+# parallel_args VARIANT -> MODEL_PARALLEL_ARGS (the only difference between the variants). With
+# DIST_OPT=1 every variant already has --use-distributed-optimizer (OPTIMIZER_ARGS).
 parallel_args() {
-    mapfile -t MODEL_PARALLEL_ARGS < <(_cfg --part parallel --variant "$1" "${_size[@]}")
+    local _all
+    mapfile -t _all < <(_cfg --part parallel --variant "$1" "${_size[@]}")
+    MODEL_PARALLEL_ARGS=()
+    for _a in "${_all[@]}"; do
+        if [[ "${_a}" == "--use-distributed-optimizer" && "${#OPTIMIZER_ARGS[@]}" -gt 0 ]]; then
+            continue
+        fi
+        MODEL_PARALLEL_ARGS+=("${_a}")
+    done
+}
+
+# output_args VARIANT -> OUTPUT_ARGS: per-variant checkpoint and TensorBoard directories.
+output_args() {
+    OUTPUT_ARGS=()
+    if [[ -n "${CKPT_DIR:-}" ]]; then
+        OUTPUT_ARGS+=(--save "${CKPT_DIR}/$1" --save-interval "${SAVE_INTERVAL:-1000}")
+        if [[ -z "${LOAD_DIR:-}" ]]; then
+            OUTPUT_ARGS+=(--load "${CKPT_DIR}/$1")
+        fi
+    fi
+    if [[ -n "${LOAD_DIR:-}" ]]; then
+        OUTPUT_ARGS+=(--load "${LOAD_DIR}")
+    fi
+    if [[ -n "${TENSORBOARD_DIR:-}" ]]; then
+        OUTPUT_ARGS+=(--tensorboard-dir "${TENSORBOARD_DIR}/$1" --tensorboard-log-interval 1
+                      --log-timers-to-tensorboard --log-memory-to-tensorboard
+                      --log-world-size-to-tensorboard)
+    fi
 }
 
 # entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py.
@@ -73,5 +143,13 @@ entry() {
 
 common_args() {
     COMMON_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${TOKENIZER[@]}"
-                 "${LOGGING_ARGS[@]}" "${EXTRA[@]}")
+                 "${LOGGING_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${EXTRA[@]}")
+}
+
+# variant_args VARIANT -> VARIANT_ARGS: everything after the entry point for that variant.
+variant_args() {
+    common_args
+    parallel_args "$1"
+    output_args "$1"
+    VARIANT_ARGS=("${COMMON_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}")
 }

@@ -4,35 +4,39 @@
 #
 #   MEGATRON_LM_PATH=/path/to/Megatron-LM CONFIG=llama3-8b-32k NPROC=8 scripts/run_ab_local.sh
 #
-# Knobs: see scripts/megatron_common.sh, plus
-#   NPROC      GPUs (processes) on this node          (default: the config's gpus_per_node)
-#   VARIANTS   space-separated subset of "tsp tp tsp_mlp cp"  (default "tsp tp")
-#   DRY_RUN=1  only validate through Megatron's argument code and build one rank on the meta
-#              device (python -m megatron_tsp.launch ... --tsp-dry-run; no GPU needed)
+# Knobs: see scripts/megatron_common.sh (data, tokenizer, DIST_OPT, CKPT_DIR / LOAD_DIR /
+# SAVE_INTERVAL, TENSORBOARD_DIR, TORCHRUN_ARGS, ...), plus
+#   NPROC        GPUs (processes) on this node          (default: the config's gpus_per_node)
+#   VARIANTS     subset of "tsp tp tsp_mlp cp"          (default "tsp tp")
+#   MASTER_PORT  torchrun rendezvous port               (default 29500)
+#   DRY_RUN=1    only validate through Megatron's argument code and build one rank on the meta
+#                device (python -m megatron_tsp.launch ... --tsp-dry-run; no GPU needed)
 source "$(dirname "${BASH_SOURCE[0]}")/megatron_common.sh"
 
 NPROC="${NPROC:-$(_cfg --get parallel.gpus_per_node)}"
 VARIANTS="${VARIANTS:-tsp tp}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 mkdir -p "${LOG_DIR}"
-common_args
 
 logs=()
 for variant in ${VARIANTS}; do
-    parallel_args "${variant}"
+    variant_args "${variant}"
     log="${LOG_DIR}/${variant}.log"
     if [[ "${DRY_RUN:-0}" == "1" ]]; then
         cmd=("${PYTHON}" -m megatron_tsp.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py"
-             "${COMMON_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" --tsp-dry-run
-             --tsp-dry-run-world-size "${NPROC}")
+             "${VARIANT_ARGS[@]}" --tsp-dry-run --tsp-dry-run-world-size "${NPROC}")
     else
         entry "${variant}"
-        cmd=(torchrun --nproc-per-node "${NPROC}" --master-port "${MASTER_PORT}" "${ENTRY[@]}"
-             "${COMMON_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}")
+        cmd=(torchrun --nproc-per-node "${NPROC}" --master-port "${MASTER_PORT}"
+             "${TORCHRUN_EXTRA[@]}" "${ENTRY[@]}" "${VARIANT_ARGS[@]}")
     fi
     echo "[ab] ${variant}: ${cmd[*]}" | tee "${log}"
     "${cmd[@]}" 2>&1 | tee -a "${log}"
-    logs+=("${variant}=${log}")
+    if [[ -n "${TENSORBOARD_DIR:-}" && "${DRY_RUN:-0}" != "1" ]]; then
+        logs+=("${variant}=${TENSORBOARD_DIR}/${variant}")
+    else
+        logs+=("${variant}=${log}")
+    fi
 done
 
 if [[ "${DRY_RUN:-0}" != "1" ]]; then

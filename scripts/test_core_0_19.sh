@@ -1,21 +1,39 @@
 #!/usr/bin/env bash
-# Run the TSP core numerics tests against megatron-core 0.19.2 (Python >= 3.12 required).
+# Run the TSP core numerics tests against megatron-core 0.19.2 (Python >= 3.12 required), then
+# the real core_v0.19.0 pretrain_gpt.py training loop (TSP=2 vs TP=2) through the CPU runner.
 # Creates .venv312/ (git-ignored) with pyenv's Python 3.12; torch 2.13.0 there is a CUDA build
-# (about 4.8 GB, ~40 s) that runs on CPU. Skips with a message when no Python 3.12 exists or the
-# packages cannot be installed; fails when a test fails.
+# (about 4.8 GB, ~40 s) that runs on CPU. Outside CI a missing Python 3.12 or a failed install is
+# a SKIP with a message; in CI (CI=true) it is a failure. A failing test always fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV312:-.venv312}
+skip_or_fail() {
+  if [ "${CI:-}" = "true" ]; then echo "FAIL megatron-core 0.19 line: $1"; exit 1; fi
+  echo "SKIP megatron-core 0.19 line: $1"; exit 0
+}
 if [ ! -x "$VENV/bin/python" ]; then
   PY312=$(PYENV_VERSION=3.12.1 pyenv which python3 2>/dev/null || command -v python3.12 || true)
-  if [ -z "$PY312" ]; then echo "SKIP megatron-core 0.19 line: no Python 3.12 found"; exit 0; fi
-  "$PY312" -m venv "$VENV" || { echo "SKIP: could not create $VENV"; exit 0; }
+  [ -n "$PY312" ] || skip_or_fail "no Python 3.12 found"
+  "$PY312" -m venv "$VENV" || skip_or_fail "could not create $VENV"
 fi
-if ! "$VENV/bin/python" -c "import megatron.core, torch, psutil" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest, psutil" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0 megatron-core==0.19.2 pytest psutil \
-    || { echo "SKIP megatron-core 0.19 line: install failed"; exit 0; }
+    || skip_or_fail "install failed"
+fi
+if ! "$VENV/bin/python" -c "import six, regex, yaml, pydantic, triton" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q six regex pyyaml pydantic triton \
+    || skip_or_fail "install of Megatron-LM's import dependencies failed"
 fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"
-exec "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
+"$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
-  tests/test_overlap.py tests/test_recompute.py "$@"
+  tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py "$@" || exit 1
+
+# The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
+SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \
+  || skip_or_fail "Megatron-LM core_v0.19.0 sources unavailable"
+P019=$(echo "$SOURCES" | sed -n 's/^export MEGATRON_LM_PATH_0_19=//p')
+[ -f "$P019/pretrain_gpt.py" ] || skip_or_fail "no core_v0.19.0 tree"
+MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
+  tests/megatron_lm/test_training_loop.py -k "test_tsp2_matches_tp2" \
+  tests/megatron_lm/test_rejection_flags.py -p no:cacheprovider

@@ -53,6 +53,17 @@ def layer_errors(d):
     cfg = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4)
     layer = TSPSelfAttention(cfg, attn_sub, 1, AttnMaskType.causal)
     errors["local_seq"] = _error_of(layer, torch.randn(3, 1, 32))
+    # Settings of the rejection table that reach the layers directly (bypassing the specs).
+    for name, overrides in (("qk_layernorm", dict(qk_layernorm=True)),
+                            ("softmax", dict(softmax_type="learnable")),
+                            ("window", dict(window_size=(16, 0)))):
+        refused = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4,
+                              **overrides)
+        errors[name] = _error_of(TSPSelfAttention, refused, attn_sub, 1, AttnMaskType.causal)
+    refused = make_config(d, torch.float32, hidden_size=32, num_moe_experts=4,
+                          add_bias_linear=False)
+    errors["moe"] = _error_of(TSPMLP, refused, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                             linear_fc2=RowParallelLinear))
     from megatron_tsp.model import build_tsp_gpt_model
 
     errors["vocab"] = _error_of(build_tsp_gpt_model, cfg, vocab_size=130, max_sequence_length=32)

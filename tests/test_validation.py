@@ -4,7 +4,7 @@ a bad configuration on one rank does not hang the others."""
 import pytest
 import torch
 
-from megatron_tsp import validation, zigzag
+from megatron_tsp import rejections, validation, zigzag
 from tests import checks_validation
 
 
@@ -51,7 +51,7 @@ def test_model_shape_errors_name_flag_and_numbers(kwargs, message):
         (dict(world_size=16, tensor_sequence_parallel_size=4, tensor_model_parallel_size=2),
          "--tensor-model-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4:"
          " TSP already uses the tensor-parallel ranks as its folded axis; leave "
-         "--tensor-model-parallel-size at 1"),
+         "--tensor-model-parallel-size at 1 (or equal to D)"),
         (dict(world_size=16, tensor_sequence_parallel_size=4, context_parallel_size=2),
          "--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4: "
          "TSP already shards the sequence over its group; use one or the other"),
@@ -102,7 +102,7 @@ def test_tsp_with_tp_or_cp_fails_on_all_ranks(pool4):
     assert errors == [
         "--tensor-model-parallel-size=4 cannot be combined with --tensor-sequence-parallel-size=2:"
         " TSP already uses the tensor-parallel ranks as its folded axis; leave "
-        "--tensor-model-parallel-size at 1"] * 4
+        "--tensor-model-parallel-size at 1 (or equal to D)"] * 4
     errors = pool4.run(checks_validation.init_with_per_rank_sizes, [2] * 4,
                        context_parallel_size=2, timeout=120)
     assert errors == [
@@ -124,5 +124,11 @@ def test_layers_reject_unshardable_shapes(pool4):
         "seq": ("--seq-length=36 must be divisible by 2 x tensor-sequence-parallel size = 8 "
                 "(zigzag partition into 2D chunks)"),
     }
+    # settings of the rejection table that reach the layers directly
+    for key, dest, value in (("qk_layernorm", "qk_layernorm", True),
+                             ("softmax", "softmax_type", "learnable"),
+                             ("window", "window_size", (16, 0)),
+                             ("moe", "num_moe_experts", 4)):
+        expected[key] = rejections.row_for(dest).message(value, 4, config_value=True)
     for errors in pool4.run(checks_validation.layer_errors, 4, timeout=120):
         assert errors == expected

@@ -40,7 +40,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_tsp import zigzag
+from megatron_tsp import rejections, zigzag
 from megatron_tsp.batch_guard import check_attention_input
 from megatron_tsp.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done,
                                post_all_gather, post_reduce_scatter, reduce_to, weight_bias_views)
@@ -493,14 +493,17 @@ class TSPSelfAttention(SelfAttention):
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        check_model_shape(dist.get_world_size(group), config.num_attention_heads,
-                          config.num_query_groups, hidden_size=config.hidden_size)
-        if getattr(config, "attention_output_gate", False):
-            raise ValueError("TSP attention does not support attention_output_gate")
+        size = dist.get_world_size(group)
+        check_model_shape(size, config.num_attention_heads, config.num_query_groups,
+                          hidden_size=config.hidden_size)
+        rejections.check_config(config, size, layer="attention")
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
         if self.q_layernorm is not None or self.k_layernorm is not None:
-            raise ValueError("TSP attention does not support --qk-layernorm yet")
+            # A spec that adds q/k norms without config.qk_layernorm (e.g. a custom spec).
+            raise rejections.TSPRejection(
+                rejections.row_for("qk_layernorm").message(True, size)
+                + f" (the spec gives {type(self).__name__} a q_layernorm / k_layernorm)")
         self.tsp_group = group
         scale = config.softmax_scale
         if scale is None:

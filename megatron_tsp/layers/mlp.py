@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 
+from megatron_tsp import rejections
 from megatron_tsp.comm import FlatShard, ring_exchange, wait_all, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 from megatron_tsp.layers.grads import weight_grad_output
@@ -282,8 +283,10 @@ class TSPMLP(MLP):
                  ffn_hidden_size=None, tp_group=None, pg_collection=None,
                  recompute_activation: bool = True, **kwargs):
         if is_expert:
-            raise ValueError("TSP supports dense MLPs only (is_expert=True / MoE is not supported)")
+            reason = rejections.row_for("num_experts").reason
+            raise rejections.TSPRejection(f"TSPMLP built as an expert (is_expert=True): {reason}")
         group = resolve_group(pg_collection, tp_group)
+        rejections.check_config(config, dist.get_world_size(group), layer="mlp")
         if ffn_hidden_size is None:
             ffn_hidden_size = config.ffn_hidden_size
         size = dist.get_world_size(group)

@@ -8,25 +8,29 @@
 * ``batch``: zigzag permutation after Megatron's TP broadcast.
 * ``dry_run``: ``--tsp-dry-run``.
 * ``configs``: the JSON model/parallel configs in ``configs/`` and their Megatron arguments.
-* ``compare``: side-by-side table and loss-curve PNG from Megatron logs.
+* ``compare``: side-by-side table and loss-curve PNG from Megatron logs or TensorBoard event files
+  (``event_files``).
 
 Importing this package does not import Megatron.
 """
 
-from megatron_tsp.megatron_lm.arguments import (
-    TSPArgumentError,
-    add_tsp_arguments,
-    translate_args,
-    unsupported_combinations,
-)
-from megatron_tsp.megatron_lm.hooks import install, is_installed, uninstall
+import importlib
 
-__all__ = [
-    "TSPArgumentError",
-    "add_tsp_arguments",
-    "install",
-    "is_installed",
-    "translate_args",
-    "uninstall",
-    "unsupported_combinations",
-]
+_EXPORTS = {
+    "TSPArgumentError": "megatron_tsp.megatron_lm.arguments",
+    "add_tsp_arguments": "megatron_tsp.megatron_lm.arguments",
+    "translate_args": "megatron_tsp.megatron_lm.arguments",
+    "unsupported_combinations": "megatron_tsp.megatron_lm.arguments",
+    "install": "megatron_tsp.megatron_lm.hooks",
+    "is_installed": "megatron_tsp.megatron_lm.hooks",
+    "uninstall": "megatron_tsp.megatron_lm.hooks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # Lazy, so that the shell tools (configs, compare) start without importing torch.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megatron_tsp.megatron_lm' has no attribute {name!r}")

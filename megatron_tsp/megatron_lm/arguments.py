@@ -10,8 +10,8 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 * ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
   TSP attention never reads the S x S mask.
 
-Every combination TSP does not support is rejected here with a ``TSPArgumentError`` (a
-``ValueError``) that names the flags and the numbers.
+Every combination TSP does not support (the rows of ``megatron_tsp.rejections``) is rejected here
+with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
 
 ``--tsp-mlp`` is the hybrid for an existing TP+SP run: ``--tensor-model-parallel-size D
 --sequence-parallel --tsp-mlp`` keeps Megatron's attention and replaces only the MLP's activation
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 from typing import Iterable, List, Optional, Sequence
 
+from megatron_tsp import rejections
 from megatron_tsp.validation import TSP_FLAG, check_model_shape, check_parallel_layout
 
 GROUP_TITLE = "tensor-sequence parallel"
@@ -35,13 +36,6 @@ SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
 TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
 TSP_MLP_FLAG = "--tsp-mlp"
-
-# ``--attention-backend`` values TSP accepts. TSP attention is its own module (substituted at the
-# ``self_attention`` level), so a backend choice would either be ignored (flash / fused / unfused
-# select Transformer Engine kernels) or replace parts of the TSP spec (local): only the default is
-# accepted, so no flag on the command line is silently without effect.
-ALLOWED_ATTENTION_BACKENDS = ("auto",)
-
 
 class TSPArgumentError(ValueError):
     """A command line that TSP cannot run. The message names the flags."""
@@ -111,140 +105,13 @@ def tsp_size(args) -> Optional[int]:
     return getattr(args, "tensor_sequence_parallel_size", None)
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _enum_name(value) -> str:
-    return getattr(value, "name", str(value))
-
-
 def unsupported_combinations(args) -> List[str]:
-    """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``."""
-    d = tsp_size(args)
-    problems: List[str] = []
+    """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``.
 
-    def on(dest) -> bool:
-        return bool(getattr(args, dest, None))
-
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    try:
-        # world size 0 is divisible by anything: only the flag combinations are checked here.
-        check_parallel_layout(0, d, pp, tensor_model_parallel_size=tp, context_parallel_size=cp)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if getattr(args, "hierarchical_context_parallel_sizes", None):
-        problems.append(
-            f"--hierarchical-context-parallel-sizes cannot be combined with {TSP_FLAG}={d}: "
-            "TSP already shards the sequence over its group"
-        )
-    if on("hybrid_context_parallel"):
-        problems.append(f"--hybrid-context-parallel cannot be combined with {TSP_FLAG}={d}")
-    if on("tp_comm_overlap"):
-        problems.append(
-            f"--tp-comm-overlap cannot be combined with {TSP_FLAG}={d}: it overlaps Transformer "
-            "Engine's TP all-gather/reduce-scatter GEMMs, which TSP layers do not issue"
-        )
-    experts = getattr(args, "num_experts", None)
-    if experts:
-        problems.append(
-            f"--num-experts={experts} (MoE) cannot be combined with {TSP_FLAG}={d}: "
-            "TSP supports dense MLPs only"
-        )
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    if ep > 1:
-        problems.append(
-            f"--expert-model-parallel-size={ep} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP supports dense MLPs only"
-        )
-    shards = getattr(args, "tensor_parallel_num_weight_shards", None)
-    if shards not in (None, 1):
-        problems.append(
-            f"--tensor-parallel-num-weight-shards={shards} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP already shards the weights over its group"
-        )
-    for dest, why in (
-        ("sft", "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches"),
-        (
-            "dataloader_inter_document_masking",
-            "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
-        ),
-        (
-            "reset_attention_mask",
-            "TSP attention is causal over the whole sequence and does not read per-document masks",
-        ),
-        (
-            "reset_position_ids",
-            "TSP attention derives token positions from the zigzag layout, not per-document ids",
-        ),
-        ("multi_latent_attention", "TSP supports standard self-attention only"),
-        ("qk_layernorm", "TSP attention does not support it yet"),
-        ("use_legacy_models", "TSP needs megatron-core models"),
-        ("mtp_num_layers", "multi-token prediction layers have no TSP spec"),
-        ("experimental_attention_variant", "TSP attention would be replaced"),
-        ("heterogeneous_layers_config_path", "heterogeneous layers have no TSP spec"),
-        ("yaml_cfg", "the YAML path bypasses Megatron's validate_args, where TSP is translated"),
-        ("fp8", "FP8 needs Transformer Engine layers; TSP layers are not TE modules"),
-        ("fp4", "FP4 needs Transformer Engine layers; TSP layers are not TE modules"),
-    ):
-        value = getattr(args, dest, None)
-        if value:
-            shown = _flag(dest) if value is True else f"{_flag(dest)}={value}"
-            problems.append(f"{shown} cannot be combined with {TSP_FLAG}={d}: {why}")
-    for dest, why in (
-        # These wrap or capture the model around module calls; TSP layers read their weights
-        # without calling linear_qkv / linear_proj / linear_fc1 / linear_fc2 (see
-        # megatron_tsp.layers.module_hooks), so the wrappers' per-module logic would not run.
-        ("use_megatron_fsdp", "Megatron-FSDP gathers each module's weights in hooks around its "
-         "call; TSP layers read the weights of linear_qkv/linear_proj/linear_fc1/linear_fc2 "
-         "without calling them (use --use-distributed-optimizer, which TSP supports, with "
-         "--overlap-param-gather)"),
-        ("use_torch_fsdp2", "FSDP2 unshards parameters in hooks around each module's call; "
-         "TSP layers read their submodules' weights without calling them (use "
-         "--use-distributed-optimizer)"),
-        ("enable_cuda_graph", "CUDA graphs capture module calls and replay them with static "
-         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
-        ("external_cuda_graph", "CUDA graphs capture module calls and replay them with static "
-         "buffers; TSP's ring and broadcast schedule is not graph-captured"),
-    ):
-        value = getattr(args, dest, None)
-        if value:
-            problems.append(f"{_flag(dest)} cannot be combined with {TSP_FLAG}={d}: {why}")
-    interleaved_why = (
-        "interleaved (virtual) pipeline stages are not supported with TSP yet: the real "
-        "training loop on CPU gives losses that differ from TP's from iteration 1 (plain "
-        "--pipeline-model-parallel-size works and is tested)"
-    )
-    for dest in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                 "pipeline_model_parallel_layout"):
-        value = getattr(args, dest, None)
-        if value:
-            problems.append(f"{_flag(dest)}={value} cannot be combined with {TSP_FLAG}={d}: "
-                            + (interleaved_why if dest != "pipeline_model_parallel_layout" else
-                               "a layout can define virtual (interleaved) stages; "
-                               + interleaved_why))
-    graph_impl = getattr(args, "cuda_graph_impl", None)
-    if graph_impl not in (None, "none"):
-        problems.append(
-            f"--cuda-graph-impl={graph_impl} cannot be combined with {TSP_FLAG}={d}: CUDA graphs "
-            "capture module calls and replay them with static buffers; TSP's ring and broadcast "
-            "schedule is not graph-captured"
-        )
-    backend = getattr(args, "attention_backend", None)
-    if backend is not None and _enum_name(backend) not in ALLOWED_ATTENTION_BACKENDS:
-        problems.append(
-            f"--attention-backend={_enum_name(backend)} cannot be combined with {TSP_FLAG}={d}: "
-            "TSP attention is its own module and would be replaced or silently ignored; "
-            "drop the flag (auto)"
-        )
-    impl = getattr(args, "transformer_impl", None)
-    if impl == "inference_optimized":
-        problems.append(
-            f"--transformer-impl=inference_optimized cannot be combined with {TSP_FLAG}={d}"
-        )
-    return problems
+    The reasons are the rows of ``megatron_tsp.rejections`` (one table shared with the specs and
+    the layers) refused by the parsed arguments.
+    """
+    return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP)
 
 
 def check_supported(args) -> None:
@@ -288,6 +155,19 @@ def translate_args(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # --tsp-mlp (TP+SP attention + TSP MLP)
 # ---------------------------------------------------------------------------------------------
+def _flag(dest: str) -> str:
+    """The Megatron-LM flag of ``dest`` (the rejection table knows the flags whose names differ,
+    e.g. ``fp8`` -> ``--fp8-format``)."""
+    try:
+        return rejections.row_for(dest).flag
+    except KeyError:
+        return "--" + dest.replace("_", "-")
+
+
+def _enum_name(value) -> str:
+    return getattr(value, "name", str(value))
+
+
 def _truthy(value) -> bool:
     return bool(value)
 

@@ -1,6 +1,10 @@
 """Compare Megatron-LM training logs of A/B variants (TSP vs TP+SP vs CP).
 
     python -m megatron_tsp.megatron_lm.compare tsp=logs/tsp.log tp=logs/tp.log [--png loss.png]
+    python -m megatron_tsp.megatron_lm.compare tsp=tb/tsp tp=tb/tp     # TensorBoard event dirs
+
+Each ``NAME=PATH`` is a log file or TensorBoard event files (a ``*tfevents*`` file or a directory
+holding them, as written by ``--tensorboard-dir``; read by ``event_files`` without TensorBoard).
 
 Parses what Megatron prints: the per-iteration lines (``iteration N/ M | ... | elapsed time per
 iteration (ms): T | throughput per GPU (TFLOP/s/GPU): F | ... | global batch size: B | lm loss: L
@@ -91,6 +95,50 @@ def parse_log(path: str, name: Optional[str] = None) -> RunLog:
     if not run.iterations:
         raise ValueError(f"{path}: no Megatron iteration lines with 'lm loss' found")
     return run
+
+
+def parse_events(path: str, name: Optional[str] = None) -> RunLog:
+    """A ``RunLog`` from Megatron's TensorBoard scalars: ``lm loss``, ``iteration-time`` (s),
+    ``throughput`` (TFLOP/s/GPU), ``batch-size``, ``mem-max-allocated-bytes`` / ``mem-reserved-bytes``
+    (written by the last rank, which owns the writer) and the argument texts."""
+    from megatron_tsp.megatron_lm import event_files
+
+    events = event_files.read_run(path)
+    run = RunLog(name=name or path, path=path)
+    for key in ("seq_length", "world_size", "global_batch_size", "micro_batch_size",
+                "tensor_model_parallel_size", "tensor_sequence_parallel_size",
+                "context_parallel_size", "data_parallel_size"):
+        if key in events.texts:
+            run.args[key] = events.texts[key].strip()
+    losses = events.series("lm loss")
+    if not losses:
+        raise ValueError(f"{path}: no 'lm loss' scalars in the TensorBoard event files")
+    seconds = dict(events.series("iteration-time"))
+    tflops = dict(events.series("throughput"))
+    batch = dict(events.series("batch-size"))
+    for step, loss in losses:
+        run.iterations.append(step)
+        run.loss.append(loss)
+        run.ms_per_iter.append(seconds[step] * 1000.0 if step in seconds else math.nan)
+        run.tflops.append(tflops.get(step, math.nan))
+        run.global_batch.append(int(batch[step]) if step in batch else -1)
+    world = run.arg_int("world_size")
+    writer_rank = world - 1 if world else 0
+    for tag, target in (("mem-max-allocated-bytes", run.max_allocated_mb),
+                        ("mem-reserved-bytes", run.max_reserved_mb)):
+        values = [v for _, v in events.series(tag)]
+        if values:
+            target[writer_rank] = max(values) / 2**20
+    return run
+
+
+def parse_run(path: str, name: Optional[str] = None) -> RunLog:
+    """A log file or TensorBoard event files (see the module docstring)."""
+    from megatron_tsp.megatron_lm import event_files
+
+    if event_files.is_event_path(path):
+        return parse_events(path, name)
+    return parse_log(path, name)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -188,13 +236,14 @@ def _named(items: Sequence[str]) -> List[Tuple[str, str]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_tsp.megatron_lm.compare",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("logs", nargs="+", metavar="[NAME=]LOG")
+    parser.add_argument("logs", nargs="+", metavar="[NAME=]LOG_OR_EVENTS",
+                        help="a Megatron log, or TensorBoard event files (file or directory)")
     parser.add_argument("--png", default=None, help="write the loss curves to this PNG")
     parser.add_argument("--skip", type=int, default=1,
                         help="warm-up iterations left out of time averages (default 1)")
     ns = parser.parse_args(argv)
     try:
-        runs = [parse_log(path, name) for name, path in _named(ns.logs)]
+        runs = [parse_run(path, name) for name, path in _named(ns.logs)]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

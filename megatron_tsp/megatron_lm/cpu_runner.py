@@ -169,6 +169,20 @@ def _fork_rng(original):
     return warmup_without_drawing_from_the_training_generator
 
 
+RUNNER_MODULE = "megatron_tsp.megatron_lm.cpu_runner"
+
+
+def _spawn_children_import_the_runner(original):
+    def get_preparation_data(name):
+        data = original(name)
+        if "init_main_from_path" in data:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = RUNNER_MODULE
+        return data
+
+    return get_preparation_data
+
+
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """One CUDA-only call and what the CPU run answers instead."""
@@ -209,7 +223,10 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("torch.cuda:get_device_properties", _value(_device_properties),
            "architecture checks read .major"),
     Answer("torch.cuda:get_device_capability", _const((9, 0)), "architecture checks"),
-    Answer("torch.cuda:get_device_name", _const("cpu"), "logged"),
+    Answer("torch.cuda:get_device_name", _const("cpu"), "printed in start-up reports"),
+    Answer("torch.accelerator:is_available", _const(False),
+           "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA "
+           "build of torch and no driver that initialises CUDA and fails", optional=True),
     # streams and events (CPU work is ordered: waits are no-ops)
     Answer("torch.cuda:Stream", _value(_CpuStream), "DDP / optimizer side streams"),
     Answer("torch.cuda:Event", _value(_CpuEvent), "timers and overlap bookkeeping"),
@@ -240,9 +257,19 @@ CUDA_ANSWERS: Sequence[Answer] = (
     # builds of CUDA code
     Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers),
            "rank 0 runs `make` for the dataset index helpers; the compiled .so is provided"),
+    Answer("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
+           lambda original: (lambda self, *a, **k: False),
+           "the fused softmax CUDA kernels (scaled_masked_softmax_cuda) are imported when fp16/bf16 "
+           "shapes qualify; without them Megatron's own torch softmax path runs"),
     Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
            "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
            optional=True),
+    # spawned helper processes
+    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner,
+           "the checkpoint writer starts a 'spawn' multiprocessing Manager, whose child re-runs "
+           "the main script (pretrain_gpt.py) as __mp_main__ without these answers (core_v0.16 "
+           "then fails importing triton); children import this module instead (they only run "
+           "pickled functions)"),
     # the jit warm-up's random draws
     Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng,
            "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
@@ -291,9 +318,38 @@ _MODE = None
 
 
 def _resolve(target: str):
-    module_name, attr = target.split(":")
-    module = importlib.import_module(module_name)
-    return module, attr
+    """``"module:attr"`` or ``"module:Class.attr"`` -> (owner object, attribute name)."""
+    module_name, path = target.split(":")
+    owner = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    return owner, attr
+
+
+BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _stand_in_for_triton_kernels() -> None:
+    """Without triton (CPU torch), ``megatron.training.initialize`` (core_v0.16) still imports
+    Megatron's batch-invariant Triton kernels at import time; they run only with
+    ``--batch-invariant-mode``. Register a module with the same functions that refuses to enable
+    the mode, before Megatron imports the real one."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None or BATCH_INVARIANT_KERNELS in sys.modules:
+        return
+    module = types.ModuleType(BATCH_INVARIANT_KERNELS)
+
+    def needs_triton(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton (Megatron's Triton kernels)")
+
+    module.enable_batch_invariant_mode = needs_triton
+    module.set_batch_invariant_mode = needs_triton
+    module.disable_batch_invariant_mode = lambda *a, **k: None
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.__tsp_cpu_stand_in__ = True
+    sys.modules[BATCH_INVARIANT_KERNELS] = module
 
 
 def apply_cuda_answers() -> List[str]:
@@ -304,6 +360,8 @@ def apply_cuda_answers() -> List[str]:
     global _MODE
     import torch
 
+    _stand_in_for_triton_kernels()
+
     if "fused_weight_gradient_mlp_cuda" not in sys.modules:
         sys.modules["fused_weight_gradient_mlp_cuda"] = _fused_weight_gradient_module()
     replaced = []
@@ -312,7 +370,7 @@ def apply_cuda_answers() -> List[str]:
             continue
         try:
             module, attr = _resolve(answer.target)
-        except ImportError:
+        except (ImportError, AttributeError):
             if answer.optional:
                 continue
             raise
@@ -413,9 +471,17 @@ class TrainingRun:
     records: List[dict]
     log: str  # stdout + stderr of every rank, rank-prefixed
 
+    failed_rank: Optional[int] = None
+
+    def rank_log(self, rank: int) -> str:
+        prefix = f"[rank{rank}] "
+        return "\n".join(line for line in self.log.splitlines() if line.startswith(prefix))
+
     def check(self) -> "TrainingRun":
         if self.returncode != 0:
-            raise RuntimeError(f"training run failed (exit {self.returncode}):\n{self.log[-6000:]}")
+            rank = self.failed_rank if self.failed_rank is not None else 0
+            raise RuntimeError(f"training run failed (exit {self.returncode}), rank {rank}:\n"
+                               f"{self.rank_log(rank)[-6000:]}")
         return self
 
 
@@ -435,6 +501,8 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
     """
     python = python or sys.executable
     port = _free_port()
+    # The workers import this package: make sure they find the copy this process uses.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="tsp_cpu_run_") as tmp:
         record = os.path.join(tmp, "iterations.jsonl")
         procs = []
@@ -448,6 +516,10 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
                 PYTHONUNBUFFERED="1", **{RECORD_ENV: record},
             )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
+            # env's PYTHONPATH goes in front of (not instead of) the inherited one
+            rank_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (package_root, (env or {}).get("PYTHONPATH"),
+                            os.environ.get("PYTHONPATH")) if p)
             for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
                 rank_env.pop(name, None)
             cmd = [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", WORKER_FLAG]
@@ -457,14 +529,15 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
             procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out,
                                            stderr=subprocess.STDOUT), out))
         returncode = 0
+        failed_rank = None
         try:
-            for proc, _ in procs:
+            for rank, (proc, _) in enumerate(procs):
                 try:
                     code = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     code = 124
                 if code != 0 and returncode == 0:
-                    returncode = code
+                    returncode, failed_rank = code, rank
                     for other, _ in procs:  # one rank failed: the others would hang
                         if other.poll() is None:
                             other.kill()
@@ -489,6 +562,7 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
         iterations=[r["iteration"] for r in records],
         records=records,
         log=log,
+        failed_rank=failed_rank,
     )
     return run.check() if check else run
 

@@ -12,7 +12,9 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
 * ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
   TSP attention can refuse a micro-batch that did not (``megatron_tsp/batch_guard.py``);
-* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``.
+* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``;
+* ``generate_state_dict`` (``megatron.training.checkpointing``) -> checkpoints store the args of a
+  stock TP=D + SP run (no TSP spec, no TSP-only flags; see ``checkpoint_args.py``).
 
 ``install()`` must run before the training script imports those names (the launcher does that;
 the patches in ``patches/`` put it at the top of ``pretrain_gpt.py``).
@@ -28,6 +30,7 @@ from typing import Callable, Dict, Tuple
 from megatron_tsp import batch_guard
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
+from megatron_tsp.megatron_lm import checkpoint_args
 from megatron_tsp.megatron_lm import spec as tsp_spec
 
 _ORIGINALS: Dict[Tuple[str, str], Callable] = {}
@@ -165,6 +168,8 @@ def install() -> None:
     _replace("megatron.training.initialize", "validate_args", _wrap_validate_args)
     _replace("megatron.training.training", "pretrain", _wrap_pretrain)
     _replace("megatron.training", "pretrain", _wrap_pretrain)
+    _replace("megatron.training.checkpointing", "generate_state_dict",
+             checkpoint_args.wrap_generate_state_dict)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
     batch_guard.install(enforce=tsp_batch.active_size() is not None)

@@ -6,10 +6,13 @@
 #   MEGATRON_LM_PATH=/path/to/Megatron-LM CONFIG=paper-7b-128k NODES=1 GPUS_PER_NODE=8 \
 #       scripts/slurm/ab_submit.sh
 #
-# Knobs: scripts/megatron_common.sh, plus NODES, GPUS_PER_NODE, VARIANTS ("tsp tp"),
-# LAUNCH_MODE (srun | torchrun), PARTITION, ACCOUNT, TIME, SBATCH_EXTRA. Logs:
-# $LOG_DIR/<variant>.log. Afterwards: scripts/compare.sh tsp=$LOG_DIR/tsp.log tp=$LOG_DIR/tp.log
-# --png $LOG_DIR/loss.png
+# Knobs: scripts/megatron_common.sh (data, tokenizer, DIST_OPT, CKPT_DIR / LOAD_DIR / SAVE_INTERVAL,
+# TENSORBOARD_DIR, SRUN_ARGS for containers / GPU binding, TORCHRUN_ARGS), plus NODES,
+# GPUS_PER_NODE, VARIANTS ("tsp tp"), LAUNCH_MODE (srun | torchrun), PARTITION, ACCOUNT, TIME,
+# SBATCH_EXTRA (sbatch options, split on whitespace). The job inherits the environment
+# (--export=ALL). Logs: $LOG_DIR/<variant>.log. Afterwards: scripts/compare.sh
+# tsp=$LOG_DIR/tsp.log tp=$LOG_DIR/tp.log --png $LOG_DIR/loss.png (or the TensorBoard directories
+# $TENSORBOARD_DIR/<variant>)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export TSP_REPO="$(cd "${here}/../.." && pwd)"

@@ -1,7 +1,10 @@
 """The TSP argument group, its translation into Megatron's arguments, and the rejections."""
 
+import argparse
+
 import pytest
 
+from megatron_tsp import rejections
 from megatron_tsp.megatron_lm import arguments as A
 from tests.megatron_lm.common import megatron_parser
 
@@ -68,53 +71,42 @@ def test_tp_equal_to_d_is_accepted_and_sequence_parallel_redundant():
     assert args.tensor_model_parallel_size == 4 and args.sequence_parallel
 
 
-UNSUPPORTED = [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size=2"),
-    (["--context-parallel-size", "2"], "--context-parallel-size=2"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes"),
-    (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
-    (["--tp-comm-overlap"], "--tp-comm-overlap"),
-    (["--num-experts", "8"], "--num-experts=8"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size=2"),
-    (["--tensor-parallel-num-weight-shards", "2"], "--tensor-parallel-num-weight-shards=2"),
-    (["--sft"], "--sft"),
-    (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking"),
-    (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--reset-position-ids"], "--reset-position-ids"),
-    (["--multi-latent-attention"], "--multi-latent-attention"),
-    (["--qk-layernorm"], "--qk-layernorm"),
-    (["--use-legacy-models"], "--use-legacy-models"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers=1"),
-    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant=dsa"),
-    (["--heterogeneous-layers-config-path", "x.json"], "--heterogeneous-layers-config-path"),
-    (["--yaml-cfg", "x.yaml"], "--yaml-cfg=x.yaml"),
-    (["--fp8", "hybrid"], "--fp8=hybrid"),
-    (["--fp4", "nvfp4"], "--fp4=nvfp4"),
-    (["--attention-backend", "flash"], "--attention-backend=flash"),
-    (["--attention-backend", "local"], "--attention-backend=local"),
-    (["--transformer-impl", "inference_optimized"], "--transformer-impl=inference_optimized"),
-    (["--use-megatron-fsdp"], "--use-megatron-fsdp"),
-    (["--use-torch-fsdp2"], "--use-torch-fsdp2"),
-    (["--enable-cuda-graph"], "--enable-cuda-graph"),
-    (["--external-cuda-graph"], "--external-cuda-graph"),
-    (["--cuda-graph-impl", "local"], "--cuda-graph-impl=local"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage=1"),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank=2"),
-    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout=Et|tL"),
-    (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl=transformer_engine"),
-]
+ROWS = [r for r in rejections.rows(rejections.TSP)]
 
 
-@pytest.mark.parametrize("extra,named", UNSUPPORTED, ids=[u[1] for u in UNSUPPORTED])
-def test_unsupported_combinations_name_the_flags(extra, named):
-    args = parse("--tensor-sequence-parallel-size", "4", *extra)
+@pytest.mark.parametrize("row", ROWS, ids=[r.flag for r in ROWS])
+def test_every_table_row_is_refused_by_name(row):
+    args = parse("--tensor-sequence-parallel-size", "2", *row.argv())
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(args)
     message = str(err.value)
-    assert named in message and "--tensor-sequence-parallel-size" in message
+    shown = row.flag if not row.example else f"{row.flag}={' '.join(row.example)}"
+    assert message.startswith(shown + " cannot be combined with --tensor-sequence-parallel-size=2")
+    assert row.reason in message
     assert isinstance(err.value, ValueError)
     # nothing was translated: the user's arguments are untouched on error
     assert args.spec is None
+
+
+def test_defaults_are_accepted():
+    args = parse("--tensor-sequence-parallel-size", "2")
+    assert A.unsupported_combinations(args) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tensor-model-parallel-size", "4"],            # = D
+    ["--attention-backend", "auto"],
+    ["--cuda-graph-impl", "none"],
+    ["--softmax-type", "vanilla"],
+    ["--position-embedding-type", "rope"],
+    ["--transformer-impl", "local"],
+    ["--context-parallel-size", "1"],
+    ["--expert-model-parallel-size", "1"],
+    ["--tensor-parallel-num-weight-shards", "1"],
+])
+def test_allowed_values_pass(argv):
+    args = parse("--tensor-sequence-parallel-size", "4", *argv)
+    assert A.unsupported_combinations(args) == []
 
 
 def test_several_problems_are_listed_together():
@@ -172,3 +164,39 @@ def test_strip_tsp_flags():
     argv = ["--num-layers", "2", "--tensor-sequence-parallel-size", "8", "--tsp-dry-run",
             "--tsp-dry-run-world-size=16", "--tsp-dry-run-rank", "3", "--seq-length", "64"]
     assert A.strip_tsp_flags(argv) == ["--num-layers", "2", "--seq-length", "64"]
+
+
+def test_checkpoints_store_a_stock_runs_args():
+    from megatron_tsp.megatron_lm import checkpoint_args
+
+    args = parse("--tensor-sequence-parallel-size", "4", "--spec", "my.module", "my_spec")
+    A.translate_args(args)
+    args.tsp_dry_run_world_size = 8
+
+    def generate_state_dict(args_, model, optimizer, *rest, **kwargs):
+        return {"args": args_, "model": model, "checkpoint_version": 3.0}
+
+    wrapped = checkpoint_args.wrap_generate_state_dict(generate_state_dict)
+    state = wrapped(args, "MODEL", None)
+    stored = state["args"]
+    assert state["model"] == "MODEL" and stored is not args
+    assert stored.spec == ["my.module", "my_spec"]  # the user's own --spec
+    assert stored.tensor_model_parallel_size == 4 and stored.sequence_parallel
+    assert not [k for k in vars(stored) if checkpoint_args.is_tsp_only(k)]
+    # the live args are untouched
+    assert args.spec == [A.SPEC_MODULE, A.SPEC_ATTR] and args.tensor_sequence_parallel_size == 4
+    # no user spec: None; a stock run's args pass through as they are
+    plain = parse("--tensor-sequence-parallel-size", "2")
+    A.translate_args(plain)
+    assert wrapped(plain, None, None)["args"].spec is None
+    stock = parse("--tensor-model-parallel-size", "2")  # the launcher without the TSP flag
+    stored = wrapped(stock, None, None)["args"]
+    assert {k: v for k, v in vars(stock).items() if not checkpoint_args.is_tsp_only(k)} == vars(
+        stored)
+    bare = argparse.Namespace(spec=None, tensor_model_parallel_size=2)  # Megatron without it
+    assert wrapped(bare, None, None)["args"] is bare
+    # any TSP spec (e.g. the --tsp-mlp hybrid's) and any tsp_* attribute is a TSP run's
+    hybrid = parse("--tensor-model-parallel-size", "2")
+    hybrid.spec, hybrid.tsp_mlp = [A.SPEC_MODULE, "tsp_mlp_block_spec"], True
+    stored = wrapped(hybrid, None, None)["args"]
+    assert stored.spec is None and not hasattr(stored, "tsp_mlp")

@@ -86,7 +86,7 @@ def test_help_lists_the_tsp_group():
     assert hook == "batch hook wrapped once: True"
     ours, groups = (int(x) for x in counts.split())
     assert ours == 1 and groups > 20
-    assert flags.split() == ["--tensor-sequence-parallel-size", "--tsp-dry-run",
+    assert flags.split() == ["--tensor-sequence-parallel-size", "--tsp-mlp", "--tsp-dry-run",
                              "--tsp-dry-run-world-size", "--tsp-dry-run-rank"]
     assert parsed.split() == ["4", "1"]  # translation happens in validate_args, not at parse
     proc = run_launcher([_script(), "--help"])
@@ -158,7 +158,8 @@ def test_patched_checkout_runs_the_dry_run(tmp_path):
     proc = subprocess.run(apply, capture_output=True, text=True)
     assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
     _, args = _config_args("tiny-cpu")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, CHECKOUT]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in [REPO, CHECKOUT, os.environ.get("PYTHONPATH")] if p),
                CUDA_DEVICE_MAX_CONNECTIONS="1")
     env.pop("WORLD_SIZE", None)
     run = subprocess.run([sys.executable, str(tmp_path / "pretrain_gpt.py"), *args,

@@ -1,0 +1,380 @@
+"""Every Megatron setting TSP refuses, in one declarative table.
+
+A row names the flag as typed on Megatron-LM's command line, the argparse ``dest`` it sets, the
+``TransformerConfig`` field that carries the same setting into megatron-core (when there is one),
+the condition under which TSP refuses it, and why. The table is read by:
+
+* the launcher, before Megatron's ``validate_args`` (``megatron_lm.arguments.unsupported_combinations``
+  -> ``refusals_for_args``);
+* ``validation.check_parallel_layout`` / ``check_transformer_config`` and the spec getters in
+  ``specs.py`` (-> ``refusals_for_config`` / ``refusals_for_values``), for megatron-core users who
+  build TSP models without Megatron-LM's argument code;
+* the layers (``TSPSelfAttention`` / ``TSPMLP`` check the rows of their ``layer``), so a config that
+  reaches them around the specs still fails by name;
+* ``docs/megatron-lm.md`` (``markdown_table()``; a test keeps the page current).
+
+Messages name the flag, the value and the TSP size: ``--num-experts=8 cannot be combined with
+--tensor-sequence-parallel-size=4: ...``. Tests check that every flag exists in the argument
+parsers of the Megatron-LM trees listed in ``versions`` (and only there) and every config field
+in megatron-core's ``TransformerConfig``.
+
+Not in the table on purpose (they work under TSP): ``--recompute-activations`` and selective
+recompute of ``core_attn`` (mapped to TSP attention's recompute mode), full recompute, the
+distributed optimizer, ``--overlap-grad-reduce``, ``--gradient-accumulation-fusion``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+TSP_FLAG = "--tensor-sequence-parallel-size"
+
+# Modes the rows apply to. "tsp": full TSP (``--tensor-sequence-parallel-size D``). Helpers that add
+# another TSP mode (the hybrid TP+SP attention + TSP MLP, ``--tsp-mlp``) register its flag in
+# ``MODE_FLAGS`` and put its rows in ``TSP_MLP_ROWS`` below with ``modes=(TSP_MLP,)``; rows that
+# apply to both list both modes.
+TSP = "tsp"
+TSP_MLP = "tsp-mlp"
+MODE_FLAGS: Dict[str, str] = {TSP: TSP_FLAG, TSP_MLP: "--tsp-mlp"}
+
+# Megatron-LM trees whose argument parsers the tests read (tag -> label used in ``versions``).
+MEGATRON_LM_VERSIONS = ("0.16", "0.19")
+
+
+def value_name(value: Any) -> Any:
+    """Enum members by name (``AttnBackend.flash`` -> ``"flash"``), everything else as is."""
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) and not isinstance(value, str) else value
+
+
+def is_set(value: Any) -> bool:
+    """What "the flag was given" means for a store_true flag, an optional value or a list."""
+    value = value_name(value)
+    return value not in (None, False, 0, "", (), [])
+
+
+# ------------------------------------------------------------------------------------------------
+# conditions: when a row refuses a value (``d`` is the TSP size, for rows that depend on it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    text: str  # for the docs: "set", "> 1", "`flash`, `local`", ...
+    test: Callable[[Any, Optional[int]], bool]
+    values: Tuple[str, ...] = ()  # the choices it names (tests check Megatron-LM offers them)
+
+    def refuses(self, value: Any, d: Optional[int] = None) -> bool:
+        return self.test(value, d)
+
+
+SET = Condition("set", lambda v, d: is_set(v))
+
+
+def above(limit: int) -> Condition:
+    return Condition(f"> {limit}", lambda v, d: v is not None and v > limit)
+
+
+def one_of(*values: str) -> Condition:
+    shown = ", ".join(f"`{v}`" for v in values)
+    return Condition(shown, lambda v, d: value_name(v) in values, values)
+
+
+def other_than(*values: str) -> Condition:
+    shown = " or ".join(f"`{v}`" for v in values)
+    return Condition(f"other than {shown}",
+                     lambda v, d: v is not None and value_name(v) not in values, values)
+
+
+# ``--tensor-model-parallel-size`` may stay at its default 1 or repeat D (it *is* the TSP axis).
+ONE_OR_D = Condition("other than 1 or D", lambda v, d: v not in (None, 1, d))
+
+
+# ------------------------------------------------------------------------------------------------
+# rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    flag: str                       # on Megatron-LM's command line
+    dest: str                       # argparse dest (attribute of Megatron's args)
+    condition: Condition
+    reason: str
+    config_field: Optional[str] = None   # megatron-core TransformerConfig field, same setting
+    layer: Optional[str] = None          # "attention" | "mlp": that TSP layer checks it too
+    modes: Tuple[str, ...] = (TSP,)
+    versions: Tuple[str, ...] = MEGATRON_LM_VERSIONS  # Megatron-LM trees defining the flag
+    # A refused command-line value after the flag (tests parse ``flag *example`` with Megatron-LM's
+    # own parser and expect this row to refuse it); empty for switches.
+    example: Tuple[str, ...] = ()
+
+    def refuses(self, value: Any, d: Optional[int] = None) -> bool:
+        return self.condition.refuses(value, d)
+
+    def argv(self) -> List[str]:
+        """A command-line fragment this row refuses (see ``example``)."""
+        return [self.flag, *self.example]
+
+    def shown(self, value: Any) -> str:
+        """``--flag`` for a switch, ``--flag=value`` otherwise."""
+        value = value_name(value)
+        if value is True:
+            return self.flag
+        if isinstance(value, (list, tuple)):
+            value = " ".join(str(value_name(v)) for v in value)
+        return f"{self.flag}={value}"
+
+    def message(self, value: Any, d: Optional[int], mode: str = TSP,
+                config_value: bool = False) -> str:
+        against = MODE_FLAGS[mode] if d is None else f"{MODE_FLAGS[mode]}={d}"
+        where = self.shown(value)
+        if config_value and self.config_field:
+            where += f" (TransformerConfig.{self.config_field}={value_name(value)!r})"
+        return f"{where} cannot be combined with {against}: {self.reason}"
+
+
+_DENSE_ONLY = "TSP supports dense MLPs only (MoE layers have no TSP spec)"
+_TE_ONLY = "needs Transformer Engine layers; TSP layers are not TE modules"
+_CUDA_GRAPHS = (
+    "TSP layers have not been validated under CUDA graph capture: the captured layer would hold "
+    "TSP's ring send/recv and per-head-group all-gathers, which Megatron's capture does not "
+    "prepare; run without CUDA graphs"
+)
+_FSDP = (
+    "{name} gathers a module's sharded parameters in that module's forward pre-hook; TSP reads the "
+    "weights of linear_qkv / linear_proj / linear_fc1 / linear_fc2 without calling those modules, "
+    "so it would compute with parameter shards. Use --use-distributed-optimizer (sharded "
+    "optimizer state and gradients) instead"
+)
+
+_INTERLEAVED = (
+    "interleaved (virtual) pipeline stages are not supported with TSP yet: the real training loop "
+    "on CPU gives losses that differ from TP's from iteration 1 (plain "
+    "--pipeline-model-parallel-size works and is tested)"
+)
+
+ROWS: Tuple[Rejection, ...] = (
+    # --- parallel layout -------------------------------------------------------------------------
+    Rejection("--tensor-model-parallel-size", "tensor_model_parallel_size", ONE_OR_D,
+              "TSP already uses the tensor-parallel ranks as its folded axis; leave "
+              "--tensor-model-parallel-size at 1 (or equal to D)", example=("3",)),
+    Rejection("--context-parallel-size", "context_parallel_size", above(1),
+              "TSP already shards the sequence over its group; use one or the other",
+              config_field="context_parallel_size", example=("2",)),
+    Rejection("--hierarchical-context-parallel-sizes", "hierarchical_context_parallel_sizes", SET,
+              "TSP already shards the sequence over its group",
+              config_field="hierarchical_context_parallel_sizes", example=("2", "2")),
+    Rejection("--hybrid-context-parallel", "hybrid_context_parallel", SET,
+              "TSP already shards the sequence over its group",
+              config_field="hybrid_context_parallel"),
+    Rejection("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards", above(1),
+              "TSP already shards the weights over its group", versions=("0.19",),
+              example=("2",)),
+    Rejection("--tp-comm-overlap", "tp_comm_overlap", SET,
+              "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs, which TSP "
+              "layers do not issue", config_field="tp_comm_overlap"),
+    Rejection("--delay-wgrad-compute", "delay_wgrad_compute", SET,
+              "it defers Transformer Engine layers' weight-gradient GEMMs; TSP layers compute "
+              "their weight gradients inside the ring", config_field="delay_wgrad_compute"),
+    Rejection("--use-megatron-fsdp", "use_megatron_fsdp", SET, _FSDP.format(name="Megatron-FSDP")),
+    Rejection("--use-torch-fsdp2", "use_torch_fsdp2", SET, _FSDP.format(name="torch FSDP2")),
+    Rejection("--cuda-graph-impl", "cuda_graph_impl", other_than("none"), _CUDA_GRAPHS,
+              config_field="cuda_graph_impl", example=("local",)),
+    Rejection("--enable-cuda-graph", "enable_cuda_graph", SET, _CUDA_GRAPHS,
+              config_field="enable_cuda_graph"),
+    Rejection("--external-cuda-graph", "external_cuda_graph", SET, _CUDA_GRAPHS,
+              config_field="external_cuda_graph"),
+    Rejection("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage",
+              SET, _INTERLEAVED, example=("1",)),
+    Rejection("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank",
+              above(1), _INTERLEAVED, example=("2",)),
+    Rejection("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout", SET,
+              "a layout can define virtual (interleaved) stages; " + _INTERLEAVED,
+              example=("Et|tL",)),
+    # --- MoE -------------------------------------------------------------------------------------
+    Rejection("--num-experts", "num_experts", SET, _DENSE_ONLY,
+              config_field="num_moe_experts", layer="mlp", modes=(TSP, TSP_MLP), example=("8",)),
+    Rejection("--expert-model-parallel-size", "expert_model_parallel_size", above(1), _DENSE_ONLY,
+              config_field="expert_model_parallel_size", modes=(TSP, TSP_MLP), example=("2",)),
+    # --- attention -------------------------------------------------------------------------------
+    Rejection("--multi-latent-attention", "multi_latent_attention", SET,
+              "TSP supports standard self-attention only", config_field="multi_latent_attention",
+              layer="attention"),
+    Rejection("--qk-layernorm", "qk_layernorm", SET,
+              "TSP attention does not apply query/key norms (not implemented yet)",
+              config_field="qk_layernorm", layer="attention"),
+    Rejection("--qk-l2-norm", "qk_l2_norm", SET,
+              "TSP attention does not apply query/key norms (not implemented yet)",
+              config_field="qk_l2_norm", layer="attention"),
+    Rejection("--attention-output-gate", "attention_output_gate", SET,
+              "TSP attention has no output gate (not implemented yet)",
+              config_field="attention_output_gate", layer="attention"),
+    Rejection("--softmax-type", "softmax_type", other_than("vanilla"),
+              "TSP attention's online softmax is the standard one (no off-by-one or learnable "
+              "sink term)", config_field="softmax_type", layer="attention",
+              example=("learnable",)),
+    Rejection("--window-size", "window_size", SET,
+              "TSP attention is causal over the whole sequence (no sliding window)",
+              config_field="window_size", layer="attention", example=("128,0",)),
+    Rejection("--qk-clip", "qk_clip", SET,
+              "QK-clip reads the maximum attention logit that Transformer Engine's core attention "
+              "tracks; TSP attention replaces core attention and does not track it",
+              config_field="qk_clip", layer="attention"),
+    Rejection("--log-max-attention-logit", "log_max_attention_logit", SET,
+              "the maximum attention logit is tracked by Transformer Engine's core attention, "
+              "which TSP attention replaces", config_field="log_max_attention_logit",
+              layer="attention"),
+    Rejection("--experimental-attention-variant", "experimental_attention_variant", SET,
+              "TSP attention would be replaced", config_field="experimental_attention_variant",
+              layer="attention", example=("dsa",)),
+    Rejection("--position-embedding-type", "position_embedding_type", one_of("mrope"),
+              "TSP attention indexes the rotary table by the zigzag positions of its tokens; "
+              "multimodal RoPE tables are built per token from position ids", example=("mrope",)),
+    Rejection("--attention-backend", "attention_backend", other_than("auto"),
+              "TSP attention is its own module, so a backend choice would replace parts of it "
+              "(local) or select Transformer Engine kernels it does not use (flash, fused, "
+              "unfused); drop the flag (auto)", example=("flash",)),
+    Rejection("--transformer-impl", "transformer_impl", one_of("inference_optimized"),
+              "the inference-optimized layers have no TSP spec", example=("inference_optimized",)),
+    # --- model structure -------------------------------------------------------------------------
+    Rejection("--mtp-num-layers", "mtp_num_layers", SET,
+              "multi-token prediction layers have no TSP spec", config_field="mtp_num_layers",
+              example=("1",)),
+    Rejection("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", SET,
+              "heterogeneous layers have no TSP spec", example=("layers.json",)),
+    Rejection("--heterogeneous-layers-config-encoded-json",
+              "heterogeneous_layers_config_encoded_json", SET,
+              "heterogeneous layers have no TSP spec", example=("{}",)),
+    Rejection("--use-legacy-models", "use_legacy_models", SET, "TSP needs megatron-core models",
+              versions=("0.16",)),
+    Rejection("--yaml-cfg", "yaml_cfg", SET,
+              "the YAML path bypasses Megatron's validate_args, where TSP is translated",
+              example=("run.yaml",)),
+    # --- precision -------------------------------------------------------------------------------
+    Rejection("--fp8-format", "fp8", SET, "FP8 " + _TE_ONLY, config_field="fp8",
+              example=("hybrid",)),
+    Rejection("--fp4-format", "fp4", SET, "FP4 " + _TE_ONLY, config_field="fp4",
+              example=("e2m1",)),
+    # --- data ------------------------------------------------------------------------------------
+    Rejection("--sft", "sft", SET,
+              "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches"),
+    Rejection("--dataloader-inter-document-masking", "dataloader_inter_document_masking", SET,
+              "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
+              versions=("0.19",)),
+    Rejection("--reset-attention-mask", "reset_attention_mask", SET,
+              "TSP attention is causal over the whole sequence and does not read per-document "
+              "masks"),
+    Rejection("--reset-position-ids", "reset_position_ids", SET,
+              "TSP attention derives token positions from the zigzag layout, not per-document ids"),
+)
+
+# Restrictions of the hybrid mode (``--tsp-mlp``: TP+SP attention with the TSP MLP): rows with
+# ``modes=(TSP_MLP,)``. Rows above that list TSP_MLP in ``modes`` apply to it as well.
+TSP_MLP_ROWS: Tuple[Rejection, ...] = ()
+
+TABLE: Tuple[Rejection, ...] = ROWS + TSP_MLP_ROWS
+
+
+class TSPRejection(ValueError):
+    """A setting TSP refuses; the message names the flag, the value and the TSP size."""
+
+
+def rows(mode: str = TSP, layer: Optional[str] = None) -> List[Rejection]:
+    return [r for r in TABLE if mode in r.modes and (layer is None or r.layer == layer)]
+
+
+def row_for(dest: str) -> Rejection:
+    for r in TABLE:
+        if r.dest == dest or r.config_field == dest:
+            return r
+    raise KeyError(dest)
+
+
+def refusals_for_args(args, d: Optional[int], mode: str = TSP) -> List[str]:
+    """Messages for every row refused by Megatron-LM's parsed ``args`` (absent dests are skipped:
+    a flag the running Megatron-LM version does not have cannot be set)."""
+    out = []
+    for r in rows(mode):
+        value = getattr(args, r.dest, None)
+        if r.refuses(value, d):
+            out.append(r.message(value, d, mode))
+    return out
+
+
+def refusals_for_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
+                        config_value: bool = True) -> List[str]:
+    """Messages for the rows whose config field (or dest) is a key of ``values`` and refused."""
+    out = []
+    for r in rows(mode):
+        key = r.config_field if r.config_field in values else r.dest
+        if key in values and r.refuses(values[key], d):
+            out.append(r.message(values[key], d, mode,
+                                 config_value=config_value and key == r.config_field))
+    return out
+
+
+def refusals_for_config(config, d: Optional[int] = None, mode: str = TSP,
+                        layer: Optional[str] = None) -> List[str]:
+    """Messages for the rows refused by a megatron-core ``TransformerConfig`` (``d`` defaults to
+    its ``tensor_model_parallel_size``, the TSP size). ``layer`` restricts to that layer's rows."""
+    if d is None:
+        d = getattr(config, "tensor_model_parallel_size", None)
+    out = []
+    for r in rows(mode, layer):
+        if r.config_field is None or not hasattr(config, r.config_field):
+            continue
+        value = getattr(config, r.config_field)
+        if r.refuses(value, d):
+            out.append(r.message(value, d, mode, config_value=True))
+    return out
+
+
+def raise_if_any(problems: Sequence[str], error=TSPRejection) -> None:
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise error(problems[0])
+    raise error("the configuration cannot run with TSP:\n  - " + "\n  - ".join(problems))
+
+
+def check_config(config, d: Optional[int] = None, mode: str = TSP,
+                 layer: Optional[str] = None) -> None:
+    raise_if_any(refusals_for_config(config, d, mode, layer))
+
+
+def check_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
+                 config_value: bool = True) -> None:
+    raise_if_any(refusals_for_values(values, d, mode, config_value))
+
+
+# ------------------------------------------------------------------------------------------------
+# docs
+
+DOC_BEGIN = "<!-- rejections table: generated by megatron_tsp.rejections.markdown_table() -->"
+DOC_END = "<!-- end of rejections table -->"
+
+
+def _versions_text(r: Rejection) -> str:
+    if tuple(r.versions) == MEGATRON_LM_VERSIONS:
+        return ""
+    return " (Megatron-LM " + ", ".join(f"core_v{v}" for v in r.versions) + " only)"
+
+
+def markdown_table(mode: str = TSP) -> str:
+    """The rows of ``mode`` as a Markdown table (what ``docs/megatron-lm.md`` shows)."""
+    lines = ["| flag | refused when | config field | checked by layer | why |",
+             "|---|---|---|---|---|"]
+    for r in rows(mode):
+        reason = r.reason.replace("|", "\\|")
+        field = f"`{r.config_field}`" if r.config_field else "-"
+        lines.append(f"| `{r.flag}`{_versions_text(r)} | {r.condition.text} | {field} | "
+                     f"{r.layer or '-'} | {reason} |")
+    return "\n".join(lines)
+
+
+def doc_block(mode: str = TSP) -> str:
+    return f"{DOC_BEGIN}\n{markdown_table(mode)}\n{DOC_END}"
+
+
+def flags(mode: Optional[str] = None) -> List[str]:
+    return [r.flag for r in TABLE if mode is None or mode in r.modes]

@@ -1,0 +1,75 @@
+"""Rank-side script for test_long_sequence_mask.py: Megatron-LM's own data path for one
+micro-batch, measured.
+
+Run by ``cpu_runner.run_training`` (so through ``megatron_tsp.launch``, hooks installed) with
+pretrain_gpt.py's command line: Megatron's ``initialize_megatron`` parses and validates it (TSP
+translation included), then pretrain_gpt's own dataset provider builds the mock dataset on TP rank
+0 and pretrain_gpt's ``get_batch`` runs ``get_batch_on_this_tp_rank`` (broadcast) and the hooked
+``get_batch_on_this_cp_rank`` (zigzag). Prints one ``LONG_MASK_RESULT {json}`` line per rank:
+peak resident memory growth over the data path and the batch's shapes.
+
+The address space is capped at the current size + 3 GiB first, so a data path that builds an
+S x S mask at 128k (17-68 GB) fails with an allocation error instead of exhausting the machine.
+"""
+
+import json
+import os
+import resource
+import sys
+
+import torch
+
+
+def _vm_size_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main():
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron
+
+    initialize_megatron()
+    args = get_args()
+    checkout = os.environ["MEGATRON_LM_PATH"]
+    sys.path.insert(0, checkout)
+    import pretrain_gpt  # after the launcher's install(): it imports the hooked function by name
+
+    vm = _vm_size_bytes()
+    if vm is not None:
+        limit = vm + 3 * 2**30
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    before = _peak_rss_bytes()
+    from megatron.core import parallel_state as mpu
+
+    iterator = None
+    # every rank calls the provider (Megatron's dataset builder has a barrier); TP rank 0 builds
+    train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider([2, 0, 0])
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        samples = [train_ds[i] for i in range(args.micro_batch_size)]
+        iterator = iter([torch.utils.data.default_collate(samples)])
+    batch = pretrain_gpt.get_batch(iterator)
+    tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
+    growth = _peak_rss_bytes() - before
+    result = {
+        "rank": torch.distributed.get_rank(),
+        "seq_length": args.seq_length,
+        "create_attention_mask_in_dataloader": bool(args.create_attention_mask_in_dataloader),
+        "growth_bytes": growth,
+        "tokens_shape": list(tokens.shape),
+        "attention_mask_shape": None if attention_mask is None else list(attention_mask.shape),
+        "positions_head": position_ids[0, :4].tolist(),
+    }
+    print("LONG_MASK_RESULT " + json.dumps(result), flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The CPU runner's pieces that need no Megatron-LM checkout (its real use is in
+test_training_loop.py / test_long_sequence_mask.py)."""
+
+import torch
+
+from megatron_tsp.megatron_lm import cpu_runner
+
+
+def test_nothing_is_applied_on_import():
+    assert torch.cuda.is_available() is False or torch.cuda.device_count() > 0
+    assert "torch.cuda:is_available" not in cpu_runner._APPLIED
+    assert cpu_runner._MODE is None
+    assert "fused_weight_gradient_mlp_cuda" not in __import__("sys").modules or not getattr(
+        __import__("sys").modules["fused_weight_gradient_mlp_cuda"], "__tsp_cpu_stand_in__", False)
+
+
+def test_every_answer_is_documented():
+    targets = [a.target for a in cpu_runner.CUDA_ANSWERS]
+    assert len(targets) == len(set(targets))
+    for answer in cpu_runner.CUDA_ANSWERS:
+        module, attr = answer.target.split(":")
+        assert module and attr and len(answer.why) > 8, answer
+
+
+def test_gradient_accumulation_stand_in_accumulates_in_fp32(seed):
+    gen = torch.Generator().manual_seed(seed)
+    fused = cpu_runner._fused_weight_gradient_module()
+    x = torch.randn(96, 24, generator=gen).bfloat16()
+    dy = torch.randn(96, 40, generator=gen).bfloat16()
+    start = torch.randn(40, 24, generator=gen)
+    main_grad = start.clone()
+    fused.wgrad_gemm_accum_fp32(x, dy, main_grad)
+    exact = start.double() + dy.double().t() @ x.double()
+    assert main_grad.dtype == torch.float32
+    err = (main_grad.double() - exact).abs().max() / exact.abs().max()
+    assert err < 1e-6, err  # fp32 accumulation of exactly upcast bf16 operands
+    # a bf16 product would be off by ~1e-3
+    lossy = start.double() + (dy.t() @ x).double()
+    assert (lossy - exact).abs().max() / exact.abs().max() > 10 * err
+
+
+def test_cuda_to_cpu_mode_redirects_device_arguments():
+    mode = cpu_runner.CudaToCpuMode()
+    with mode:
+        t = torch.zeros(3, device="cuda")
+        u = torch.tensor([1.0], device=torch.device("cuda", 0)).cuda()
+        v = torch.ones(2).to("cuda")
+        assert t.device.type == u.device.type == v.device.type == "cpu"
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(1).type(torch.float64).dtype == torch.float64
+
+
+def test_spawned_children_import_the_runner_not_the_script():
+    # Megatron's checkpoint writer starts a 'spawn' Manager; its child must not re-run
+    # pretrain_gpt.py (as __mp_main__) without the CPU answers.
+    def preparation_data(name):
+        return {"init_main_from_path": "/x/pretrain_gpt.py", "sys_path": ["/x"], "name": name}
+
+    data = cpu_runner._spawn_children_import_the_runner(preparation_data)("SyncManager")
+    assert data == {"init_main_from_name": "megatron_tsp.megatron_lm.cpu_runner",
+                    "sys_path": ["/x"], "name": "SyncManager"}
+    import importlib.util
+
+    assert importlib.util.find_spec(data["init_main_from_name"]) is not None
