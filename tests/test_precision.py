@@ -4,7 +4,8 @@ Both run in bf16 on the same bf16-representable weights and batch at D=4; errors
 against an fp64 single-process model. TSP sums D partials (outputs, grad_x, weight gradients)
 where TP+SP reduce-scatters D bf16-rounded partials; with fp32 accumulators (layers/precision.py)
 TSP rounds once. Both sides' numbers are printed (pytest -s) whatever the outcome.
-Runtime: about 20 s on 4 gloo ranks.
+Runtime: about 2 min on 4 gloo ranks (2 shared CPU cores): ~20 s for the MLP tests, ~25 s per
+whole-model test (three seeds, an fp64 reference and two bf16 models each).
 """
 
 import statistics
@@ -33,16 +34,17 @@ def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
 
 
 # Tolerances of the whole-model test (TSP error / TP+SP error, each a mean over SEEDS seeds),
-# measured over 12-16 seeds per style: TSP's hidden-state error was below TP+SP's in 32/32 single
+# measured over 6-16 seeds per style: TSP's hidden-state error was below TP+SP's in 32/32 single
 # seeds (ratio <= 0.993), so it is asserted without tolerance. The per-token loss and the median
 # gradient error are dominated by rounding both sides do identically (bf16 logits, bf16
 # activations in backward): over sliding 3-seed windows their ratio spanned 0.90-1.08 and
-# 0.95-1.03. The mean over the linear weight matrices of the per-matrix ratio spanned 0.99-1.03
-# unplanted, and 1.04-1.08 with a bf16 accumulator planted in TSP's MLP or attention
-# (test_gpt_bf16_check_catches_planted_bf16_accumulation), so it is what catches a regression.
+# 0.95-1.03. The mean per-matrix ratio over the MLP's weight matrices spanned 0.98-1.01 (1.05-1.07
+# with a bf16 accumulator planted in TSP's MLP), over attention's 0.94-1.04 (1.10-1.18 planted in
+# attention; the QKV weight gradient is the noisiest, 0.88-1.23 per seed);
+# test_gpt_bf16_check_catches_planted_bf16_accumulation shows they catch it.
 TOKEN_LOSS_TOLERANCE = 1.15
 GRAD_MEDIAN_TOLERANCE = 1.05
-WEIGHT_GRAD_TOLERANCE = 1.03
+WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.07}
 SEEDS = 3
 
 
@@ -72,7 +74,8 @@ def test_gpt_bf16_check_catches_planted_bf16_accumulation(pool4, seed, plant):
     bf16 (the regression issue 12 section 3 fixed), the llama-style check must fail."""
     runs = [pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, "llama",
                       plant_bf16_accumulation=plant)[0] for i in range(SEEDS)]
-    with pytest.raises(AssertionError, match="weight gradients"):
+    family = {"mlp": "mlp.linear_", "attention": "self_attention.linear_"}[plant]
+    with pytest.raises(AssertionError, match=f"{family} weight gradients"):
         _report_and_check_gpt(runs, seed, f"llama, bf16 accumulation planted in TSP's {plant}")
 
 
@@ -102,16 +105,18 @@ def _report_and_check_gpt(runs, seed, style):
         print(f"  {metric:26s} {a:.3e} | {b:.3e}  {note}")
         if tolerance is not None and b > tolerance * a:
             failures.append(f"{metric}: TSP {b:.3e} > {tolerance} x TP+SP {a:.3e}")
-    weight_ratios = []
+    weight_ratios = {family: [] for family in WEIGHT_GRAD_TOLERANCE}
     for name in runs[0]["tsp"]["per_param"]:
         a, b = (_mean_of(runs, k, "per_param", name) for k in ("tp_sp", "tsp"))
         print(f"    {name:58s} {a:.3e} | {b:.3e}")
-        if ".linear_" in name and name.endswith(".weight"):
-            weight_ratios.append(b / a)
-    weight_ratio = statistics.mean(weight_ratios)
-    print(f"  linear weight gradients: mean TSP/TP+SP error ratio {weight_ratio:.3f} "
-          f"(<= {WEIGHT_GRAD_TOLERANCE})")
-    if weight_ratio > WEIGHT_GRAD_TOLERANCE:
-        failures.append(f"weight gradients: mean TSP/TP+SP error ratio {weight_ratio:.3f} > "
-                        f"{WEIGHT_GRAD_TOLERANCE}")
+        for family, ratios in weight_ratios.items():
+            if family in name and name.endswith(".weight"):
+                ratios.append(b / a)
+    for family, ratios in weight_ratios.items():
+        ratio, tolerance = statistics.mean(ratios), WEIGHT_GRAD_TOLERANCE[family]
+        print(f"  {family.strip('.')} weight gradients: mean TSP/TP+SP error ratio {ratio:.3f} "
+              f"(<= {tolerance})")
+        if ratio > tolerance:
+            failures.append(f"{family.strip('.')} weight gradients: mean TSP/TP+SP error ratio "
+                            f"{ratio:.3f} > {tolerance}")
     assert not failures, f"seed={seed} style={style}: " + "; ".join(failures)
