@@ -268,8 +268,8 @@ def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int
         t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap,
                        chunks=D, what="re-gather K,V"))
     t += [
-        _term("attn_bwd", "reduce_scatter", "activation", f * kv, accumulation_bytes(b), "tsp",
-              kv_overlap, chunks=D, what="reduce-scatter dK,dV (fp32 in bf16 runs) to owners"),
+        _term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "tsp", kv_overlap,
+              chunks=D, what="reduce-scatter dK,dV to token owners"),
         _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "pipelined", chunks=D,
               what="reduce weight-grad shard to owner (last one exposed)"),
         _term("mlp_bwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",

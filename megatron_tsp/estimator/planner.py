@@ -299,13 +299,12 @@ def _tsp_comm_workspace(shape: LayerShape, D: int):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated once): (in forward, in backward). Forward: two gathered and one
     natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers; backward
-    adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers, in the
-    accumulation dtype (fp32 in bf16 runs: dK/dV are reduce-scattered unrounded)."""
+    adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers."""
     b = shape.dtype_bytes
     kv_full = 2 * shape.tokens * shape.kv_hidden / D
     kv_local = kv_full / D
     fwd = (3 * kv_full + 2 * kv_local) * b
-    return fwd, fwd + (2 * kv_full + 2 * kv_local) * fm.accumulation_bytes(b)
+    return fwd, fwd + (2 * kv_full + 2 * kv_local) * b
 
 
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
@@ -320,10 +319,9 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
                "grad_accumulators": 4 * shape.w_mlp / D * gb,
                "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
                # one head group's dK/dV over the full sequence: the fp32 (accumulation dtype)
-               # accumulator, permuted straight into the (fp32) reduce-scatter send buffer; the
-               # gathered K/V and those buffers live in the persistent comm workspace
-               # (``_tsp_comm_workspace``)
-               "head_group_dkv": (2 * bs * hkv / D) * fm.accumulation_bytes(b)}
+               # accumulator and its cast for the reduce-scatter; the gathered K/V themselves
+               # live in the persistent comm workspace (``_tsp_comm_workspace``)
+               "head_group_dkv": (2 * bs * hkv / D) * (fm.accumulation_bytes(b) + b)}
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out

@@ -81,17 +81,16 @@ def _golden_tsp_memory(seq, D, recompute):
     transient = (2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
                  + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
                  + t * h * 4  # fp32 grad_x accumulator
-                 + (2 * seq * h / D) * 4  # one head group's fp32 dK/dV
+                 + (2 * seq * h / D) * (4 + b)  # one head group's fp32 dK/dV and its cast
                  + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
     # persistent K/V comm workspace: forward 3 gathered/natural [S, 2h/D] + 2 local send buffers;
-    # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers, fp32 (reduce-scattered
-    # unrounded)
+    # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers
     kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
     ws_fwd = (3 * kv_full + 2 * kv_local) * b
-    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * 4
+    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * b
     head += ws_fwd
     if recompute == "full":  # + the recomputed attention forward's fp32 output accumulator
         acts, bwd = L * t * h * b, transient + layer + t * h * 4 + ws_bwd
