@@ -26,8 +26,37 @@ def _norm_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / (scale if scale > 0 else 1.0)
 
 
+def _capture_activations(model):
+    """Forward hooks on the embedding, every transformer layer and the final norm: each module's
+    (local) output tensor, detached, by name."""
+    captured = {}
+
+    def hook(name):
+        def record(_module, _inputs, output):
+            captured[name] = (output[0] if isinstance(output, tuple) else output).detach()
+        return record
+
+    modules = {"embedding": model.embedding}
+    modules.update({f"layer{i}": layer for i, layer in enumerate(model.decoder.layers)})
+    modules["final_norm"] = model.decoder.final_layernorm
+    for name, module in modules.items():
+        module.register_forward_hook(hook(name))
+    return captured
+
+
+def _token_losses_and_step(model, batch):
+    """Like ``checks_gpt._step`` (Megatron path) but also returns the per-token losses [b, s]."""
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    mask = batch["loss_mask"].to(losses.dtype)
+    loss = (losses * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), losses.detach()
+
+
 def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
-    """One bf16 step of TSP-d or Megatron TP=d+SP from ``full_params``: loss and full grads."""
+    """One bf16 step of TSP-d or Megatron TP=d+SP from ``full_params``: loss, per-token losses
+    (natural order), local activations by module, the local-slice function and full grads."""
     if kind == "tsp":
         setup_tsp(d)
         group, size, _ = group_info()
@@ -41,14 +70,45 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     checkpoint.load_full_state(model, {n: t.to(torch.bfloat16) for n, t in full_params.items()},
                                group)
-    loss = _step(model, local, "megatron")
+    acts = _capture_activations(model)
+    loss, token_losses = _token_losses_and_step(model, local)
     checkpoint.allreduce_sequence_parallel_grads(model, group)
-    return loss.double(), checkpoint.gather_full_state(model, group, grads=True)
+    rank = torch.distributed.get_rank(group)
+    if kind == "tsp":
+        token_losses = zigzag.unpermute(token_losses, d, dim=1)
+        local_slice = lambda t: zigzag.split(t, d, rank, dim=0)  # noqa: E731
+    else:
+        local_slice = lambda t: t.chunk(d, dim=0)[rank]  # noqa: E731
+    return (loss.double(), token_losses, acts, local_slice, group,
+            checkpoint.gather_full_state(model, group, grads=True))
+
+
+def _planted_bf16_accumulation(where):
+    """Context manager that makes TSP's partial sums in ``where`` ('mlp', 'attention' or '')
+    accumulate in the compute dtype (bf16), i.e. the regression the precision tests must catch."""
+    import contextlib
+
+    from megatron_tsp.layers import attention, mlp
+
+    @contextlib.contextmanager
+    def planted():
+        modules = {"mlp": [mlp], "attention": [attention], "": []}[where]
+        saved = [m.accumulation_dtype for m in modules]
+        try:
+            for m in modules:
+                m.accumulation_dtype = lambda dtype: dtype
+            yield
+        finally:
+            for m, f in zip(modules, saved):
+                m.accumulation_dtype = f
+    return planted()
 
 
 def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, vocab=256,
-                        batch=2, seq=64):
-    """Loss and per-parameter gradient errors of TSP-d and TP=d+SP (bf16) against fp64."""
+                        batch=2, seq=64, plant_bf16_accumulation=""):
+    """Loss, per-token loss, per-layer activation and per-parameter gradient errors of TSP-d and
+    TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
+    breaks TSP's fp32 accumulation there, to show that the criteria can fail."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
@@ -60,15 +120,22 @@ def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, v
             p.copy_(p.to(torch.bfloat16).to(torch.float64))
     full = {n: p.detach().clone() for n, p in reference.named_parameters()}
     data = _batch(seed, batch, seq, vocab)
-    ref_loss = _step(reference, data, "megatron").double()
+    ref_acts = _capture_activations(reference)
+    ref_loss, ref_token_losses = _token_losses_and_step(reference, data)
+    ref_loss = ref_loss.double()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
 
     out = {}
     for kind in ("tp_sp", "tsp"):
-        loss, grads = _run_bf16(kind, d, style, full, data, dims, vocab, seq)
+        with _planted_bf16_accumulation(plant_bf16_accumulation if kind == "tsp" else ""):
+            loss, token_losses, acts, local_slice, group, grads = _run_bf16(
+                kind, d, style, full, data, dims, vocab, seq)
         per_param = {n: _norm_rel(grads[n], g) for n, g in ref_grads.items()}
         out[kind] = {
             "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "token_losses": _norm_rel(token_losses, ref_token_losses),
+            "activations": {n: _global_norm_rel(a, local_slice(ref_acts[n]), group)
+                            for n, a in acts.items()},
             "grad_median": statistics.median(per_param.values()),
             "grad_max": max(per_param.values()),
             "per_param": per_param,

@@ -4,7 +4,8 @@ Both run in bf16 on the same bf16-representable weights and batch at D=4; errors
 against an fp64 single-process model. TSP sums D partials (outputs, grad_x, weight gradients)
 where TP+SP reduce-scatters D bf16-rounded partials; with fp32 accumulators (layers/precision.py)
 TSP rounds once. Both sides' numbers are printed (pytest -s) whatever the outcome.
-Runtime: about 20 s on 4 gloo ranks.
+Runtime: about 2 min on 4 gloo ranks (2 shared CPU cores): ~20 s for the MLP tests, ~25 s per
+whole-model test (three seeds, an fp64 reference and two bf16 models each).
 """
 
 import statistics
@@ -32,26 +33,90 @@ def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
             assert r["tsp"][name] <= 1.01 * r["tp_sp"][name], (name, r)
 
 
-@pytest.mark.xfail(strict=False, reason="attention now accumulates in fp32 (attn12) and TSP's "
-                   "median gradient error is at or below TP+SP's, but its bf16 loss error is "
-                   "still 1.2-1.4x TP+SP's (cause not isolated yet)")
+# Tolerances of the whole-model test (TSP error / TP+SP error, each a mean over SEEDS seeds),
+# measured over 6-16 seeds per style: TSP's hidden-state error was below TP+SP's in 32/32 single
+# seeds (ratio <= 0.993), so it is asserted without tolerance. The per-token loss and the median
+# gradient error are dominated by rounding both sides do identically (bf16 logits, bf16
+# activations in backward): over sliding 3-seed windows their ratio spanned 0.90-1.08 and
+# 0.95-1.03. The mean per-matrix ratio over the MLP's weight matrices spanned 0.98-1.01 (1.05-1.07
+# with a bf16 accumulator planted in TSP's MLP), over attention's 0.94-1.04 (1.10-1.18 planted in
+# attention; the QKV weight gradient is the noisiest, 0.88-1.23 per seed);
+# test_gpt_bf16_check_catches_planted_bf16_accumulation shows they catch it.
+TOKEN_LOSS_TOLERANCE = 1.15
+GRAD_MEDIAN_TOLERANCE = 1.05
+WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.07}
+SEEDS = 3
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
     """Two-layer GPTModel (llama: GQA + RoPE + SwiGLU + RMSNorm; gpt2: MHA + learned positions +
-    GeLU + LayerNorm + biases), Megatron's vocab-parallel cross-entropy. Three batches/weight sets
-    (seeds ``seed .. seed+2``): the mean over them of the loss error and of the median (over
-    parameters) gradient error must not exceed TP+SP's."""
+    GeLU + LayerNorm + biases), Megatron's vocab-parallel cross-entropy, three batches/weight sets
+    (seeds ``seed .. seed+2``), errors against fp64 averaged over them.
+
+    Forward: each layer's output and the final norm's output (the tensors TSP computes
+    differently) must be no less accurate than TP+SP's, without tolerance. The scalar loss error
+    is printed but not asserted: it is a signed sum of ~1e-4 per-token errors that cancel to
+    ~1e-5, far below bf16 resolution, and over 16 seeds it fell on either side of TP+SP's (7/16
+    and 8/16 seeds below). The loss is judged as a tensor instead: the per-token loss error
+    (Frobenius, relative) within ``TOKEN_LOSS_TOLERANCE`` of TP+SP's, and the median (over
+    parameters) gradient error within ``GRAD_MEDIAN_TOLERANCE``. Weight gradients: the mean over
+    the linear layers' weight matrices of TSP's error / TP+SP's within ``WEIGHT_GRAD_TOLERANCE``
+    (each is one fp32 GEMM rounded once in TP+SP; TSP sums D per-rank partials in fp32)."""
     runs = [pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style)[0]
-            for i in range(3)]
-    summary = {kind: {"loss": statistics.mean(r[kind]["loss"] for r in runs),
-                      "grad_median": statistics.mean(r[kind]["grad_median"] for r in runs)}
-               for kind in ("tp_sp", "tsp")}
-    print(f"\n{style} bf16 D={D}, error vs fp64, mean of 3 seeds from {seed} (TP+SP | TSP)")
-    for metric in ("loss", "grad_median"):
-        print(f"  {metric:12s} {summary['tp_sp'][metric]:.3e} | {summary['tsp'][metric]:.3e}")
+            for i in range(SEEDS)]
+    _report_and_check_gpt(runs, seed, style)
+
+
+@pytest.mark.parametrize("plant", ["mlp", "attention"])
+def test_gpt_bf16_check_catches_planted_bf16_accumulation(pool4, seed, plant):
+    """The whole-model criteria can fail: with TSP's MLP or attention partial sums accumulated in
+    bf16 (the regression issue 12 section 3 fixed), the llama-style check must fail."""
+    runs = [pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, "llama",
+                      plant_bf16_accumulation=plant)[0] for i in range(SEEDS)]
+    family = {"mlp": "mlp.linear_", "attention": "self_attention.linear_"}[plant]
+    with pytest.raises(AssertionError, match=f"{family} weight gradients"):
+        _report_and_check_gpt(runs, seed, f"llama, bf16 accumulation planted in TSP's {plant}")
+
+
+def _mean_of(runs, kind, *keys):
+    values = []
+    for r in runs:
+        v = r[kind]
+        for k in keys:
+            v = v[k]
+        values.append(v)
+    return statistics.mean(values)
+
+
+def _report_and_check_gpt(runs, seed, style):
+    print(f"\n{style} bf16 D={D}, error vs fp64, mean of {len(runs)} seeds from {seed} "
+          "(TP+SP | TSP)")
+    failures = []
+    for name in runs[0]["tsp"]["activations"]:
+        a, b = (_mean_of(runs, k, "activations", name) for k in ("tp_sp", "tsp"))
+        print(f"  hidden:{name:19s} {a:.3e} | {b:.3e}")
+        if b > a:
+            failures.append(f"hidden state {name}: TSP {b:.3e} > TP+SP {a:.3e}")
+    for metric, tolerance in (("loss", None), ("token_losses", TOKEN_LOSS_TOLERANCE),
+                              ("grad_median", GRAD_MEDIAN_TOLERANCE)):
+        a, b = (_mean_of(runs, k, metric) for k in ("tp_sp", "tsp"))
+        note = "(printed only)" if tolerance is None else f"(TSP <= {tolerance} x TP+SP)"
+        print(f"  {metric:26s} {a:.3e} | {b:.3e}  {note}")
+        if tolerance is not None and b > tolerance * a:
+            failures.append(f"{metric}: TSP {b:.3e} > {tolerance} x TP+SP {a:.3e}")
+    weight_ratios = {family: [] for family in WEIGHT_GRAD_TOLERANCE}
     for name in runs[0]["tsp"]["per_param"]:
-        a = statistics.mean(r["tp_sp"]["per_param"][name] for r in runs)
-        b = statistics.mean(r["tsp"]["per_param"][name] for r in runs)
+        a, b = (_mean_of(runs, k, "per_param", name) for k in ("tp_sp", "tsp"))
         print(f"    {name:58s} {a:.3e} | {b:.3e}")
-    for metric in ("loss", "grad_median"):
-        assert summary["tsp"][metric] <= summary["tp_sp"][metric], (metric, summary)
+        for family, ratios in weight_ratios.items():
+            if family in name and name.endswith(".weight"):
+                ratios.append(b / a)
+    for family, ratios in weight_ratios.items():
+        ratio, tolerance = statistics.mean(ratios), WEIGHT_GRAD_TOLERANCE[family]
+        print(f"  {family.strip('.')} weight gradients: mean TSP/TP+SP error ratio {ratio:.3f} "
+              f"(<= {tolerance})")
+        if ratio > tolerance:
+            failures.append(f"{family.strip('.')} weight gradients: mean TSP/TP+SP error ratio "
+                            f"{ratio:.3f} > {tolerance}")
+    assert not failures, f"seed={seed} style={style}: " + "; ".join(failures)

@@ -157,12 +157,15 @@ def _post_kv_gather(k, v, group, size: int, slot: int) -> Pending:
 
 def _post_kv_grad_scatter(dkv_acc, dtype, group, size: int, slot: int) -> Pending:
     """Adjoint of ``_post_kv_gather``: the packed dK/dV accumulator (natural order, fp32 for
-    bf16/fp16 models) is cast once, put in rank order and reduce-scattered; ``wait()`` returns
-    this rank's [s/D, b, 2 * ng/D, hn] sum over the group."""
+    bf16/fp16 models) is put in rank order and reduce-scattered in its own dtype; ``wait()``
+    returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group (the caller casts it once).
+    Summing D bf16-rounded partials here instead made TSP's QKV weight gradient ~5% less accurate
+    than TP+SP's, which computes each dK/dV in one kernel (tests/test_precision.py); the price is
+    4 instead of 2 bytes per element for this one collective in bf16/fp16 runs."""
     if size == 1:
         return done(dkv_acc.to(dtype))
-    send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dtype, dkv_acc.device)
-    zigzag.permute_into(dkv_acc.to(dtype), size, 0, send)
+    send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device)
+    zigzag.permute_into(dkv_acc, size, 0, send)
     return post_reduce_scatter(send, group, slot=slot, purpose="kv_grad")
 
 
@@ -339,7 +342,7 @@ def _backward(ctx, grad_out):
 
     def finish(state):
         """Group r's dK/dV are back: dgrad and wgrad of its QKV projection, reduce to owner."""
-        d_kv = state["scatter"].wait()
+        d_kv = state["scatter"].wait().to(dtype)  # fp32 sum over ranks, rounded once
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
         (d_mixed,) = torch.autograd.grad([state["q"], state["k"], state["v"]], [state["m_leaf"]],

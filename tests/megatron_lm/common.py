@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -68,8 +69,25 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 
 def megatron_lm_path() -> Optional[str]:
+    """The Megatron-LM tree in ``MEGATRON_LM_PATH``, or None (the tests that need it skip).
+
+    In CI (``CI=true``, where ``.ci/run`` unpacks the trees) a missing tree is an error, never a
+    skip."""
     path = os.environ.get("MEGATRON_LM_PATH")
-    return path if path and os.path.isfile(os.path.join(path, "pretrain_gpt.py")) else None
+    if path and os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
+        return path
+    if os.environ.get("CI") == "true":
+        raise RuntimeError(f"CI=true but MEGATRON_LM_PATH={path!r} holds no pretrain_gpt.py: "
+                           "run scripts/megatron_lm_sources.sh (as .ci/run does)")
+    return None
+
+
+def relative_difference(actual: float, reference: float) -> float:
+    """|a - r| / |r|; infinite when either side is NaN or Inf, so ``max`` over iterations can
+    never skip a diverged run (Python's ``max`` ignores a NaN that is not first)."""
+    if not (math.isfinite(actual) and math.isfinite(reference)):
+        return math.inf
+    return abs(actual - reference) / max(abs(reference), 1e-12)
 
 
 def run_launcher(args: List[str], timeout: float = 300, env_extra: Optional[dict] = None):

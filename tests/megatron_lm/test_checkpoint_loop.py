@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from megatron_tsp.megatron_lm.cpu_runner import run_training
-from tests.megatron_lm.common import REPO, megatron_lm_path
+from tests.megatron_lm.common import REPO, megatron_lm_path, relative_difference
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def runs(tmp_path_factory):
 
 
 def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+    return relative_difference(a, b)
 
 
 def _same(run, ref, iterations, loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL):

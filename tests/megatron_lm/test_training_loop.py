@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 from megatron_tsp.megatron_lm.cpu_runner import run_training
-from tests.megatron_lm.common import megatron_lm_path
+from tests.megatron_lm.common import megatron_lm_path, relative_difference
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
@@ -59,7 +59,7 @@ def _run(nproc, seed, *args, script=None, check=True):
 
 
 def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+    return relative_difference(a, b)
 
 
 def _assert_same_curve(tsp, ref, loss_rtol, norm_rtol):
