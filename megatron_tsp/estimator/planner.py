@@ -302,13 +302,15 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
 def _tsp_comm_workspace(shape: LayerShape, D: int):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated once): (in forward, in backward). Forward: two gathered and one
-    natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers; backward
-    adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers."""
+    natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers (model
+    dtype); backward adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers
+    in the accumulation dtype (the dK/dV reduce-scatter sums fp32 in bf16/fp16 runs)."""
     b = shape.dtype_bytes
+    acc = fm.accumulation_bytes(b)
     kv_full = 2 * shape.tokens * shape.kv_hidden / D
     kv_local = kv_full / D
     fwd = (3 * kv_full + 2 * kv_local) * b
-    return fwd, fwd + (2 * kv_full + 2 * kv_local) * b
+    return fwd, fwd + (2 * kv_full + 2 * kv_local) * acc
 
 
 _TOP_LEFT_KERNELS = ("cudnn", "te_fused", "cpu_flash")
@@ -346,10 +348,10 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
                "grad_accumulators": 4 * shape.w_mlp / D * gb,
                "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
-               # one head group's dK/dV over the full sequence: the fp32 (accumulation dtype)
-               # accumulator and its cast for the reduce-scatter; the gathered K/V themselves
-               # live in the persistent comm workspace (``_tsp_comm_workspace``)
-               "head_group_dkv": (2 * bs * hkv / D) * (fm.accumulation_bytes(b) + b)}
+               # one head group's dK/dV over the full sequence in the accumulation dtype (sent as
+               # is by the reduce-scatter); the gathered K/V and the send/receive buffers live
+               # in the persistent comm workspace (``_tsp_comm_workspace``)
+               "head_group_dkv": (2 * bs * hkv / D) * fm.accumulation_bytes(b)}
         out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b

@@ -81,7 +81,7 @@ def _golden_tsp_memory(seq, D, recompute):
     transient = (2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
                  + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
                  + t * h * 4  # fp32 grad_x accumulator
-                 + (2 * seq * h / D) * (4 + b)  # one head group's fp32 dK/dV and its cast
+                 + (2 * seq * h / D) * 4  # one head group's fp32 dK/dV
                  # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
                  # call, native GQA), before it is added into the fp32 accumulator
                  + (2 * seq * h / D) * b
@@ -93,7 +93,7 @@ def _golden_tsp_memory(seq, D, recompute):
     # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers
     kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
     ws_fwd = (3 * kv_full + 2 * kv_local) * b
-    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * b
+    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * 4  # fp32 dK/dV reduce-scatter buffers
     head += ws_fwd
     if recompute == "full":  # + the recomputed attention forward's fp32 output accumulator
         acts, bwd = L * t * h * b, transient + layer + t * h * 4 + ws_bwd
