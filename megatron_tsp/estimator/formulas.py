@@ -20,7 +20,7 @@ TSP, group D (weights move, tokens stay)
     mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)         f * W_mlp    [weight]
     attn bwd   re-broadcast weights                                         f * W_attn   [weight]
                re-gather K, V (not kept from the forward)                   f * 2BSh_kv  [activation]
-               reduce-scatter dK, dV back to the token owners               f * 2BSh_kv  [activation]
+               reduce-scatter dK, dV back to the token owners               f * 2BSh_kv  [activation*]
                reduce each weight-grad shard to its owner                   f * W_attn   [grad]
     mlp bwd    ring again                                                   f * W_mlp    [weight]
                gradient accumulator riding the ring one hop behind          f * W_mlp    [grad]
@@ -28,6 +28,8 @@ TSP, group D (weights move, tokens stay)
     [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
     runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
     single wgrad GEMM (layers/precision.py); f * W bytes at 4 instead of 2 per element.
+    [activation*]: the dK/dV partials of the D ranks are summed in the same accumulation dtype
+    (fp32 in bf16 runs), then cast once by the token owner: f * 2BSh_kv at 4 bytes per element.
     The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
     by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
 
@@ -274,8 +276,8 @@ def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int
         t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap,
                        chunks=D, what="re-gather K,V"))
     t += [
-        _term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "tsp", kv_overlap,
-              chunks=D, what="reduce-scatter dK,dV to token owners"),
+        _term("attn_bwd", "reduce_scatter", "activation", f * kv, accumulation_bytes(b), "tsp",
+              kv_overlap, chunks=D, what="reduce-scatter dK,dV to token owners (fp32 sum)"),
         _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "pipelined", chunks=D,
               what="reduce weight-grad shard to owner (last one exposed)"),
         _term("mlp_bwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
