@@ -11,15 +11,7 @@ from tests.megatron_lm import checks_hooks
 
 
 @pytest.mark.parametrize("kind", ["mlp", "attention"])
-@pytest.mark.parametrize("d,bias", [
-    # Known open bug: this case passes alone and after test_distributed.py, but failed twice when
-    # it ran right after the whole estimator + megatron_lm suite in one session (order-dependent
-    # state in the shared rank pool, not yet found). The other three cases and the real loop
-    # with --overlap-param-gather (test_training_loop.py, bitwise) still guard the behaviour.
-    pytest.param(2, True, marks=pytest.mark.xfail(
-        reason="order-dependent failure in the full suite (open; see the comment above)",
-        strict=False)),
-    (4, False)])
+@pytest.mark.parametrize("d,bias", [(2, True), (4, False)])
 def test_pre_hooks_fire_before_weights_are_read(pool4, seed, kind, d, bias):
     results = pool4.run(checks_hooks.check_pre_hooks_gate_weight_reads, d, seed, kind, bias)
     for rank, r in enumerate(results):
