@@ -28,6 +28,16 @@ def _vm_size_bytes():
     return None
 
 
+def _rss_bytes():
+    """Resident memory now (VmRSS): unlike the peak, it grows with anything still alive even when
+    start-up already set a higher high-water mark."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -47,6 +57,7 @@ def main():
         limit = vm + 3 * 2**30
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     before = _peak_rss_bytes()
+    rss_before = _rss_bytes()
     from megatron.core import parallel_state as mpu
 
     iterator = None
@@ -58,11 +69,13 @@ def main():
     batch = pretrain_gpt.get_batch(iterator)
     tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     growth = _peak_rss_bytes() - before
+    rss_growth = _rss_bytes() - rss_before
     result = {
         "rank": torch.distributed.get_rank(),
         "seq_length": args.seq_length,
         "create_attention_mask_in_dataloader": bool(args.create_attention_mask_in_dataloader),
         "growth_bytes": growth,
+        "rss_growth_bytes": rss_growth,
         "tokens_shape": list(tokens.shape),
         "attention_mask_shape": None if attention_mask is None else list(attention_mask.shape),
         "positions_head": position_ids[0, :4].tolist(),
