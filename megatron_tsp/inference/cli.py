@@ -117,13 +117,22 @@ def _model_fields(args) -> dict:
 
         with open(args.config) as f:
             return json.load(f)["model"]
-    common = os.path.join(_checkpoint_dir(args.load), "common.pt")
-    if not os.path.exists(common):
-        raise SystemExit(f"--load {args.load}: no common.pt with Megatron-LM arguments; "
-                         f"pass --config")
-    saved = torch.load(common, map_location="cpu", weights_only=False).get("args")
+    # The non-sharded part of a torch_dist checkpoint (Megatron-LM's ``args``): common.pt in
+    # megatron-core 0.16, inside the checkpoint's own files in 0.19; read through megatron-core's
+    # own loader so both layouts work.
+    from megatron.core import dist_checkpointing
+
+    path = _checkpoint_dir(args.load)
+    try:
+        with _cpu_cuda_sync():
+            common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
+        raise SystemExit(f"--load {args.load}: cannot read the checkpoint's common state "
+                         f"({type(exc).__name__}: {exc}); pass --config") from exc
+    saved = (common or {}).get("args")
     if saved is None:
-        raise SystemExit(f"--load {args.load}: common.pt holds no 'args'; pass --config")
+        raise SystemExit(f"--load {args.load}: the checkpoint holds no Megatron-LM 'args'; "
+                         f"pass --config")
     return vars(saved)
 
 
