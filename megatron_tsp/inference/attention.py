@@ -35,7 +35,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -43,31 +42,8 @@ from megatron_tsp import zigzag
 from megatron_tsp.comm import FlatShard, broadcast_from, weight_bias_views
 from megatron_tsp.comm_counter import comm_scope
 
-try:  # megatron-core >= 0.14
-    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
-except ImportError:  # pragma: no cover
-    _yarn_get_concentration_factor_from_config = None
-
-
-class _NoCP:
-    """RoPE reads the CP group only for THD inputs; TSP inference has no CP axis."""
-
-    @staticmethod
-    def size() -> int:
-        return 1
-
-    @staticmethod
-    def rank() -> int:
-        return 0
-
-
-def _rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> torch.Tensor:
-    if freqs is None:
-        return t
-    mscale = 1.0
-    if _yarn_get_concentration_factor_from_config is not None:
-        mscale = _yarn_get_concentration_factor_from_config(config)
-    return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=_NoCP())
+# RoPE exactly as the training layer applies it (one definition of the CP-free call).
+from megatron_tsp.layers.attention import _rope  # noqa: E402
 
 
 def _lower_right_causal(q_len: int, kv_len: int):
