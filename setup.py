@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tsp", "megatron_tsp.*"]),
     package_data={
-        "megatron_tsp.estimator": ["models/*.json", "hardware/*.json"],
+        "megatron_tsp.tools.estimator": ["models/*.json", "hardware/*.json"],
     },
     include_package_data=True,
     # Tested: megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12) with torch 2.13.0.
@@ -27,8 +27,8 @@ setup(
         "test": ["pytest", "matplotlib", "psutil"],
     },
     entry_points={"console_scripts": [
-        "megatron-tsp=megatron_tsp.cli:main",
-        "megatron-tsp-launch=megatron_tsp.launch:main",
+        "megatron-tsp=megatron_tsp.tools.cli:main",
+        "megatron-tsp-launch=megatron_tsp.megatron_lm.launch:main",
         "megatron-tsp-compare=megatron_tsp.megatron_lm.compare:main",
         "megatron-tsp-config=megatron_tsp.megatron_lm.configs:main",
     ]},

@@ -7,7 +7,7 @@ real layer code on ONE GPU.
 
 (a) One rank's full transformer-layer step (forward + backward) for TSP (D=8) and Megatron
     TP=8 + SP at 7B / 128k shapes (h=4096, 32 heads, FFN 4h, RoPE, S=131072, micro-batch 1,
-    bf16), built from the same layer specs as training (``megatron_tsp.specs`` for TSP,
+    bf16), built from the same layer specs as training (``megatron_tsp.core.specs`` for TSP,
     megatron-core's local spec for TP+SP) in a world of D ranks made of torch's ``fake`` process
     group: every collective returns at once, so the timings are one rank's compute and memory
     copies with communication removed. TP+SP's core attention is one causal
@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -82,7 +82,7 @@ def _sdpa_core_attention_class():
 
 
 def _run_config(scheme, d, model, seq, dtype, init):
-    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.tools.estimator import fake_run as fr
 
     return fr.RunConfig(scheme=scheme, model=model, world_size=d, tp=d, seq=seq,
                         dtype="bf16" if dtype == torch.bfloat16 else "fp32", fake=not init)
@@ -91,7 +91,7 @@ def _run_config(scheme, d, model, seq, dtype, init):
 def setup_groups(scheme: str, d: int, model, seq: int) -> None:
     """A fake world of ``d`` ranks (this process is rank 0) and the scheme's Megatron groups.
     Outside FakeTensorMode: group creation checks its configuration with a real collective."""
-    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.tools.estimator import fake_run as fr
 
     cfg = _run_config(scheme, d, model, seq, torch.bfloat16, False)
     fr._ensure_fake_world(d)
@@ -105,7 +105,7 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.tools.estimator import fake_run as fr
 
     cfg = _run_config(scheme, d, model, seq, dtype, init)
     # D=1: Megatron refuses sequence parallelism without tensor parallelism (config only).
@@ -117,7 +117,7 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     if scheme == "tpsp":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from megatron_tsp.layers.norm import TSPNorm
+        from megatron_tsp.core.layers.norm import TSPNorm
 
         spec = get_gpt_layer_local_spec(normalization=model.normalization)
         spec.submodules.input_layernorm = TSPNorm
@@ -328,8 +328,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     args = parse_args(argv)
-    from megatron_tsp.cpu_support import enable_cpu_support
-    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.tools.estimator import fake_run as fr
 
     if args.cpu_smoke:
         device, model = "cpu", fr.ModelShape(hidden=64, layers=1, heads=4, vocab=128)

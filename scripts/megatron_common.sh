@@ -135,7 +135,7 @@ output_args() {
 # entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py.
 entry() {
     if [[ "$1" == "tsp" || "$1" == "tsp_mlp" ]]; then
-        ENTRY=(-m megatron_tsp.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py")
+        ENTRY=(-m megatron_tsp.megatron_lm.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py")
     else
         ENTRY=("${MEGATRON_LM_PATH}/pretrain_gpt.py")
     fi

@@ -10,7 +10,7 @@
 #   VARIANTS     subset of "tsp tp tsp_mlp cp"          (default "tsp tp")
 #   MASTER_PORT  torchrun rendezvous port               (default 29500)
 #   DRY_RUN=1    only validate through Megatron's argument code and build one rank on the meta
-#                device (python -m megatron_tsp.launch ... --tsp-dry-run; no GPU needed)
+#                device (python -m megatron_tsp.megatron_lm.launch ... --tsp-dry-run; no GPU needed)
 source "$(dirname "${BASH_SOURCE[0]}")/megatron_common.sh"
 
 NPROC="${NPROC:-$(_cfg --get parallel.gpus_per_node)}"
@@ -23,7 +23,7 @@ for variant in ${VARIANTS}; do
     variant_args "${variant}"
     log="${LOG_DIR}/${variant}.log"
     if [[ "${DRY_RUN:-0}" == "1" ]]; then
-        cmd=("${PYTHON}" -m megatron_tsp.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py"
+        cmd=("${PYTHON}" -m megatron_tsp.megatron_lm.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py"
              "${VARIANT_ARGS[@]}" --tsp-dry-run --tsp-dry-run-world-size "${NPROC}")
     else
         entry "${variant}"

@@ -11,10 +11,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_tsp.comm_counter import CommCounter
-from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.layers.mlp import TSPMLP
-from tests.common import DTYPES, group_info, make_config, setup_tsp
+from megatron_tsp.tools.comm_counter import CommCounter
+from megatron_tsp.core.layers.attention import TSPSelfAttention
+from megatron_tsp.core.layers.mlp import TSPMLP
+from tests.common import group_info, make_config, setup_tsp
 
 _MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megatron_tsp import checkpoint, zigzag
-from megatron_tsp.specs import get_gpt_block_tsp_spec
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 from tests.common import (DTYPES, TOL, assert_close, group_info, make_config,
                           reference_single_layer_spec, reference_tp_sp_block_spec,
                           setup_megatron_tp, setup_tsp)
@@ -109,11 +109,11 @@ def check_gpt_vs_single(d, seed, style, dtype_name="float64", layers=2, hidden=3
     config = _config(d, dtype, style, layers, hidden, heads, ffn)
     spec = (get_gpt_block_tsp_spec if baseline == "tsp" else reference_tp_sp_block_spec)(config)
     model = _model(config, spec, style, vocab, seq, parallel_output=loss_path == "megatron")
-    checkpoint.load_full_state(model, ref_params, group)
+    sharding.load_full_state(model, ref_params, group)
     local = zigzag.get_batch_on_this_tsp_rank(data, size) if baseline == "tsp" else data
     loss = _step(model, local, loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(model, group)
-    grads = checkpoint.gather_full_state(model, group, grads=True)
+    sharding.allreduce_sequence_parallel_grads(model, group)
+    grads = sharding.gather_full_state(model, group, grads=True)
     actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
     expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
     return assert_close(actual, expected, rtol=rtol if rtol is not None else TOL[dtype],
@@ -150,7 +150,7 @@ def check_tsp_vs_tp_sp(d, seed, style, dtype_name="float64", loss_path="exact", 
     tp_model = _model(config, reference_tp_sp_block_spec(config), style, vocab, seq, po)
     tp_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss = _step(tp_model, data, loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(tp_model, group)
+    sharding.allreduce_sequence_parallel_grads(tp_model, group)
     tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
 
     setup_tsp(d, seed)
@@ -158,7 +158,7 @@ def check_tsp_vs_tp_sp(d, seed, style, dtype_name="float64", loss_path="exact", 
     _assert_same_layout(tp_model, tsp_model)
     tsp_model.load_state_dict(tp_state, strict=True)
     tsp_loss = _step(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, size), loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(tsp_model, group)
+    sharding.allreduce_sequence_parallel_grads(tsp_model, group)
     actual = {"loss": tsp_loss}
     expected = {"loss": tp_loss}
     for name, param in tsp_model.named_parameters():

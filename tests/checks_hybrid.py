@@ -11,12 +11,12 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from megatron_tsp import checkpoint
-from megatron_tsp.comm_counter import CommCounter, label_modules
-from megatron_tsp.estimator import formulas as fm
-from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_mlp_spec
+from megatron_tsp.core import sharding
+from megatron_tsp.tools.comm_counter import CommCounter, label_modules
+from megatron_tsp.tools.estimator import formulas as fm
+from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_mlp_spec
 from tests.checks_comm import _Trace
-from tests.checks_gpt import (STYLES, _batch, _config, _model, _norms_to, _step,
+from tests.checks_gpt import (_batch, _config, _model, _norms_to, _step,
                               _tp_group_info, reference_run)
 from tests.common import (DTYPES, FUSIONS_OFF, make_config, reference_single_layer_spec, rel_err,
                           setup_megatron_tp)
@@ -55,10 +55,10 @@ def _run(kind, d, seed, style, dtype, fusion, full_params, data, loss_path="exac
                    parallel_output=loss_path == "megatron")
     if dtype == torch.bfloat16:  # like Megatron-LM's Float16Module (position embedding is fp32)
         model.bfloat16()
-    checkpoint.load_full_state(model, {k: v.to(dtype) for k, v in full_params.items()}, group)
+    sharding.load_full_state(model, {k: v.to(dtype) for k, v in full_params.items()}, group)
     loss = _step(model, data, loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(model, group)
-    return loss, checkpoint.gather_full_state(model, group, grads=True), model
+    sharding.allreduce_sequence_parallel_grads(model, group)
+    return loss, sharding.gather_full_state(model, group, grads=True), model
 
 
 def check_hybrid_vs_single(d, seed, style, dtype_name="float64", fusion=False):
@@ -101,14 +101,14 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False,
     tp_model = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss = _step(tp_model, data, loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(tp_model, group)
+    sharding.allreduce_sequence_parallel_grads(tp_model, group)
     tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
 
     setup_megatron_tp(d, seed)
     hybrid = _model(config, get_gpt_block_tsp_mlp_spec(config), style, 128, 32, po)
     hybrid.load_state_dict(state, strict=True)
     loss = _step(hybrid, data, loss_path)
-    checkpoint.allreduce_sequence_parallel_grads(hybrid, group)
+    sharding.allreduce_sequence_parallel_grads(hybrid, group)
     out = {"loss": abs(loss.item() - tp_loss.item()) / abs(tp_loss.item())}
     for name, param in hybrid.named_parameters():
         out[f"grad:{name}"] = rel_err(param.grad, tp_grads[name])

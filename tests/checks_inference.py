@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tsp import checkpoint
+from megatron_tsp.core import sharding
 from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
-from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
 from tests.checks_gpt import STYLES, _config
 from tests.common import DTYPES, group_info, rel_err, setup_megatron_tp, setup_tsp
 
@@ -55,7 +55,7 @@ def _engine(d, seed, style, dtype, params):
     config = _config(d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"],
                      SIZES["ffn"])
     model = _gpt(config, get_gpt_block_tsp_spec(config), style)
-    checkpoint.load_full_state(model, params, group)
+    sharding.load_full_state(model, params, group)
     return TSPInferenceEngine(model), group
 
 
@@ -92,7 +92,7 @@ def check_generation(d, seed, style, dtype_name="float64", new_tokens=4):
     assert tsp.prefill_mode == "tsp" and tp.prefill_mode == "tp"
     out["cache_tsp_vs_tp"] = _cache_err(tsp.context, tp.context, length + new_tokens - 1, 2)
     out["prefill_logits_tsp_vs_tp"] = rel_err(tsp.prefill_logits, tp.prefill_logits)
-    import megatron_tsp.inference.attention as prefill_attention
+    import megatron_tsp.core.layers.prefill_attention as prefill_attention
 
     saved_block, prefill_attention.ROPE_BLOCK = prefill_attention.ROPE_BLOCK, 5
     try:  # chunked prefill, and RoPE of the gathered keys in blocks of 5 rows

@@ -13,9 +13,9 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_tsp import checkpoint, zigzag
-from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.layers.mlp import TSPMLP
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.layers.attention import TSPSelfAttention
+from megatron_tsp.core.layers.mlp import TSPMLP
 from tests.common import (DTYPES, TOL, FUSIONS_OFF, assert_close, group_info, make_config,
                           setup_tsp, stock_mlp)
 
@@ -29,9 +29,9 @@ def _grad_pairs(module, full_grads, group, actual, expected):
         if param.grad is None:
             raise AssertionError(f"{name}: no gradient")
         grad = param.grad.clone()
-        sharded, dim, stride = checkpoint.sharding_of(param)
+        sharded, dim, stride = sharding.sharding_of(param)
         if sharded:
-            want = checkpoint.shard(full_grads[name], dim, stride, size, rank)
+            want = sharding.shard(full_grads[name], dim, stride, size, rank)
         else:  # replicated: each rank saw its own tokens; the group sum is the full gradient
             dist.all_reduce(grad, group=group)
             want = full_grads[name]
@@ -64,7 +64,7 @@ def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activat
     with torch.no_grad():
         for n, p in reference.named_parameters():
             p.copy_(full[n])
-    checkpoint.load_full_state(layer, full, group)
+    sharding.load_full_state(layer, full, group)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
 
@@ -130,12 +130,12 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
     torch.manual_seed(seed)
     full = {}
     for n, p in layer.named_parameters():
-        sharded, dim, stride = checkpoint.sharding_of(p)
+        sharded, dim, stride = sharding.sharding_of(p)
         shape = list(p.shape)
         if sharded:
             shape[dim] *= size
         full[n] = torch.randn(shape, dtype=dtype) * 0.3
-    checkpoint.load_full_state(layer, full, group)
+    sharding.load_full_state(layer, full, group)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
     freqs = None
@@ -327,12 +327,12 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
     torch.manual_seed(seed)
     full = {}
     for n, p in layer.named_parameters():
-        sharded, dim, _ = checkpoint.sharding_of(p)
+        sharded, dim, _ = sharding.sharding_of(p)
         shape = list(p.shape)
         if sharded:
             shape[dim] *= size
         full[n] = torch.randn(shape, dtype=torch.float64) * 0.3
-    checkpoint.load_full_state(layer, full, group)
+    sharding.load_full_state(layer, full, group)
     x_full = torch.randn(seq, batch, hidden, dtype=torch.float64)
     ref = reference_attention(x_full, full["linear_qkv.weight"], full["linear_qkv.bias"],
                               full["linear_proj.weight"], full["linear_proj.bias"], heads, groups,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_tsp import comm
+from megatron_tsp.core import comm
 from tests.checks_comm import _attention, _mlp
 from tests.common import group_info, setup_tsp
 

@@ -12,9 +12,9 @@ import statistics
 
 import torch
 
-from megatron_tsp import checkpoint, zigzag
-from megatron_tsp.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
-from tests.checks_gpt import _batch, _config, _model, _step, _tp_group_info
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from tests.checks_gpt import _batch, _config, _model, _tp_group_info
 from tests.common import group_info, setup_megatron_tp, setup_tsp
 
 
@@ -68,11 +68,11 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     config = _config(d, torch.bfloat16, style, **dims)
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
-    checkpoint.load_full_state(model, {n: t.to(torch.bfloat16) for n, t in full_params.items()},
+    sharding.load_full_state(model, {n: t.to(torch.bfloat16) for n, t in full_params.items()},
                                group)
     acts = _capture_activations(model)
     loss, token_losses = _token_losses_and_step(model, local)
-    checkpoint.allreduce_sequence_parallel_grads(model, group)
+    sharding.allreduce_sequence_parallel_grads(model, group)
     rank = torch.distributed.get_rank(group)
     if kind == "tsp":
         token_losses = zigzag.unpermute(token_losses, d, dim=1)
@@ -80,7 +80,7 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     else:
         local_slice = lambda t: t.chunk(d, dim=0)[rank]  # noqa: E731
     return (loss.double(), token_losses, acts, local_slice, group,
-            checkpoint.gather_full_state(model, group, grads=True))
+            sharding.gather_full_state(model, group, grads=True))
 
 
 def _planted_bf16_accumulation(where):
@@ -88,7 +88,7 @@ def _planted_bf16_accumulation(where):
     accumulate in the compute dtype (bf16), i.e. the regression the precision tests must catch."""
     import contextlib
 
-    from megatron_tsp.layers import attention, mlp
+    from megatron_tsp.core.layers import attention, mlp
 
     @contextlib.contextmanager
     def planted():
@@ -161,7 +161,7 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-    from megatron_tsp.layers.mlp import TSPMLP, make_activation
+    from megatron_tsp.core.layers.mlp import TSPMLP, make_activation
     from tests.common import make_config
 
     act = F.silu if gated else F.gelu
@@ -178,7 +178,7 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
             gen.manual_seed(seed)
             full = {}
             for n, p in layer.named_parameters():
-                sharded, dim, _ = checkpoint.sharding_of(p)
+                sharded, dim, _ = sharding.sharding_of(p)
                 shape = list(p.shape)
                 if sharded:
                     shape[dim] *= size
@@ -192,7 +192,7 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
                 pre = pre + ref["linear_fc1.bias"]
             yr = make_activation(config)(pre) @ ref["linear_fc2.weight"].t()
             yr.backward(dy_full)  # fc2 bias is added outside both layers
-        checkpoint.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()},
+        sharding.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()},
                                    group)
         if kind == "tsp":
             split = lambda t: zigzag.split(t, size, rank, dim=0)  # noqa: E731
@@ -201,7 +201,7 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
         x = split(x_full).to(torch.bfloat16).requires_grad_(True)
         y, _ = layer(x)
         y.backward(split(dy_full).to(torch.bfloat16))
-        grads = checkpoint.gather_full_state(layer, group, grads=True)
+        grads = sharding.gather_full_state(layer, group, grads=True)
         out[kind] = {"output": _global_norm_rel(y, split(yr.detach()), group),
                      "grad:input": _global_norm_rel(x.grad, split(xr.grad), group)}
         for n, g in grads.items():

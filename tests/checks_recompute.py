@@ -8,9 +8,9 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_tsp import checkpoint, zigzag
-from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.specs import get_gpt_block_tsp_spec
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.layers.attention import TSPSelfAttention
+from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 from tests import checks_gpt
 from tests.common import DTYPES, group_info, make_config, rel_err, setup_tsp
 
@@ -49,11 +49,11 @@ def recompute_equals_saved(d, seed, dtype_name, heads=8, groups=4, hidden=64, se
     for mode in ("saved", "recompute"):
         layer = _attention(config, mode)
         if full is None:
-            full = checkpoint.gather_full_state(layer, group)
+            full = sharding.gather_full_state(layer, group)
             full = {n: torch.randn(t.shape, dtype=dtype,
                                    generator=torch.Generator().manual_seed(seed + 1)) * 0.3
                     for n, t in full.items()}
-        checkpoint.load_full_state(layer, full, group)
+        sharding.load_full_state(layer, full, group)
         x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
         out, _ = layer(x)
         out.backward(zigzag.split(dy_full, size, rank, dim=0))
@@ -84,10 +84,10 @@ def gpt_recompute_vs_single(d, seed, style, recompute, layers=2, hidden=32, head
                               parallel_output=False)
     modes = sorted({m.tsp_layout.backward for m in model.modules()
                     if isinstance(m, TSPSelfAttention)})
-    checkpoint.load_full_state(model, ref_params, group)
+    sharding.load_full_state(model, ref_params, group)
     loss = checks_gpt._step(model, zigzag.get_batch_on_this_tsp_rank(data, size), "exact")
-    checkpoint.allreduce_sequence_parallel_grads(model, group)
-    grads = checkpoint.gather_full_state(model, group, grads=True)
+    sharding.allreduce_sequence_parallel_grads(model, group)
+    grads = sharding.gather_full_state(model, group, grads=True)
     errors = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
     for name, g in ref_grads.items():
         errors[f"grad:{name}"] = rel_err(grads[name], g)

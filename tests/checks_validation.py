@@ -10,7 +10,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 
-from megatron_tsp import parallel_state
+from megatron_tsp.core import parallel_state
 from tests.common import make_config, reset_groups, setup_tsp
 
 
@@ -39,8 +39,8 @@ def layer_errors(d):
     attn_sub = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
                                        core_attention=DotProductAttention,
                                        linear_proj=RowParallelLinear)
-    from megatron_tsp.layers.attention import TSPSelfAttention
-    from megatron_tsp.layers.mlp import TSPMLP
+    from megatron_tsp.core.layers.attention import TSPSelfAttention
+    from megatron_tsp.core.layers.mlp import TSPMLP
 
     # Configs built for one device, used on a group of d: the layers check against the group.
     cfg = make_config(1, torch.float32, hidden_size=48, num_attention_heads=6, num_query_groups=6)
@@ -64,7 +64,7 @@ def layer_errors(d):
                           add_bias_linear=False)
     errors["moe"] = _error_of(TSPMLP, refused, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                              linear_fc2=RowParallelLinear))
-    from megatron_tsp.model import build_tsp_gpt_model
+    from megatron_tsp.core.model import build_tsp_gpt_model
 
     errors["vocab"] = _error_of(build_tsp_gpt_model, cfg, vocab_size=130, max_sequence_length=32)
     errors["seq"] = _error_of(build_tsp_gpt_model, cfg, vocab_size=128, max_sequence_length=36)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tsp import parallel_state as tsp_state
+from megatron_tsp.core import parallel_state as tsp_state
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -315,7 +315,7 @@ def stock_mlp(config):
 
 def expected_zigzag_batch(batch: dict, group_size: int) -> dict:
     """The TSP-permuted batch, built from the chunk definition alone (independent of
-    ``megatron_tsp.zigzag``): the sequence is cut into 2D chunks of S/(2D) tokens and rank r
+    ``megatron_tsp.core.zigzag``): the sequence is cut into 2D chunks of S/(2D) tokens and rank r
     holds chunks r and 2D-1-r, so the permuted sequence is chunks ``0, 2D-1, 1, 2D-2, ...``.
     ``[b, s]`` tensors are reordered along s, the ``[b, 1, s, s]`` attention mask along both
     sequence axes; anything else (None, scalars) is passed through."""

@@ -38,7 +38,7 @@ def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float = 90) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
-    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     enable_cpu_support()
 

@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark (``megatron_tsp.bench``).
+"""Smoke tests of the benchmark (``megatron_tsp.tools.bench``).
 
 It runs as a subprocess with tiny shapes. Structure and counted bytes are checked; timings are
 only checked to be present and positive (timing ratios are reported, never asserted).
@@ -29,7 +29,7 @@ def _run(cmd, timeout):
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     js, md = tmp / "bench.json", tmp / "bench.md"
-    cmd = [sys.executable, "-m", "megatron_tsp.bench", "--world-sizes", "2",
+    cmd = [sys.executable, "-m", "megatron_tsp.tools.bench", "--world-sizes", "2",
            "--seq-lengths", ",".join(map(str, SEQS)), "--steps", "2", "--warmup", "0",
            "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
            "--num-attention-heads", str(HEADS), "--num-query-groups", str(GROUPS),
@@ -41,7 +41,7 @@ def bench(tmp_path_factory):
 
 def _layer_bytes(kind, seq, d):
     """Received bytes per rank of one layer, fwd+bwd, from the closed forms (fp32)."""
-    from megatron_tsp.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import formulas as fm
 
     shape = fm.LayerShape(batch=1, seq=seq, hidden=HIDDEN, heads=HEADS, query_groups=GROUPS,
                           ffn=FFN, gated=False, bias=True, dtype_bytes=4,
@@ -77,7 +77,7 @@ def test_bench_report_structure(bench):
 
 def test_bench_bytes_match_formulas(bench):
     report, _, _ = bench
-    from megatron_tsp.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import formulas as fm
 
     [group] = report["groups"]
     d = group["world_size"]
@@ -106,7 +106,7 @@ def test_bench_bytes_match_formulas(bench):
 
 
 def test_bench_rejects_bad_sequence_length():
-    from megatron_tsp import bench
+    from megatron_tsp.tools import bench
 
     with pytest.raises(SystemExit):
         bench.parse_args(["--world-sizes", "4", "--seq-lengths", "36"])

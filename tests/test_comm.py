@@ -55,7 +55,7 @@ def test_mlp_comm_matches_formula(pool4, d, gated, bias):
 def test_mlp_bf16_grad_accumulator_travels_in_fp32(pool4, d):
     """bf16 model: weights hop in bf16 (2 bytes), the gradient accumulator in fp32 (4 bytes), and
     the counted bytes still equal the closed form of estimator/formulas.py."""
-    from megatron_tsp.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import formulas as fm
 
     results = pool4.run(checks_comm.measure_layer, "mlp", d, "bfloat16", seq=S, batch=B,
                         hidden=H, ffn=64, gated=True, bias=False)

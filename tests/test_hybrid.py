@@ -118,7 +118,7 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
 def test_check_tsp_mlp_config_names_the_flag(overrides, named):
     import torch
 
-    from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec
+    from megatron_tsp.core.specs import get_gpt_block_tsp_mlp_spec
     from tests.common import make_config
 
     config = make_config(4, torch.float32)

@@ -48,7 +48,7 @@ def _run_cli(*args, timeout=600):
     from tests.harness import REPO
 
     env = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_tsp.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megatron_tsp.tools.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
 
 

@@ -1,4 +1,4 @@
-"""The attention-kernel contract (``megatron_tsp/layers/kernels.py``), single process, ~10 s.
+"""The attention-kernel contract (``megatron_tsp/core/layers/kernels.py``), single process, ~10 s.
 
 * CPU kernels: ``(out, lse)`` and the backward from the saved ``(out, lse)`` against a float64
   dense reference, every causal alignment, MHA and GQA, sq < sk and sq == sk;
@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_tsp.layers import kernels
+from megatron_tsp.core.layers import kernels
 
 ALIGNMENTS = kernels.ALIGNMENTS
 
@@ -89,7 +89,7 @@ def test_merge_is_exact(seed):
 def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     """Local chunks (r, 2D-1-r) against natural-order K/V equal the causal attention of the full
     sequence at those rows; dK/dV come back summed over the chunks in the accumulation dtype."""
-    from megatron_tsp import zigzag
+    from megatron_tsp.core import zigzag
 
     gen = torch.Generator().manual_seed(seed)
     c_len, b, d = 3, 2, 8
@@ -169,7 +169,7 @@ class _OpLog(TorchDispatchMode):
 
 def _fake_cuda_chunks(kernel, size, rank, heads, groups):
     """Run the layers' zigzag helpers on CUDA-device fake tensors; return the attention ops."""
-    from megatron_tsp import zigzag
+    from megatron_tsp.core import zigzag
 
     c_len, b, d = 16, 1, 64
     s = 2 * size * c_len

@@ -53,7 +53,7 @@ def test_mlp_fused_gelu_is_megatrons_tanh_approximation():
     parity tests above can tell them apart)."""
     from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
-    from megatron_tsp.layers.mlp import make_activation
+    from megatron_tsp.core.layers.mlp import make_activation
 
     x = torch.randn(8, 2, 16, dtype=torch.float64)
     fused = make_activation(make_config(1, torch.float64))(x)
@@ -87,7 +87,7 @@ def test_mlp_fused_gelu_is_megatrons_tanh_approximation():
 def test_mlp_refuses_activation_without_fused_kernel(fields, message):
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    from megatron_tsp.layers.mlp import make_activation
+    from megatron_tsp.core.layers.mlp import make_activation
 
     if fields["activation_func"] == "quick_gelu":
         fields = dict(fields, activation_func=quick_gelu)

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from megatron_tsp import rejections as R
-from megatron_tsp import validation
+from megatron_tsp.core import rejections as R
+from megatron_tsp.core import validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def test_transformer_config_check_uses_the_table():
 
 
 def test_spec_getter_uses_the_table():
-    from megatron_tsp.specs import get_gpt_layer_tsp_spec
+    from megatron_tsp.core.specs import get_gpt_layer_tsp_spec
 
     with pytest.raises(ValueError, match=r"^--multi-latent-attention \(TransformerConfig"):
         get_gpt_layer_tsp_spec(multi_latent_attention=True)
@@ -129,6 +129,6 @@ def test_docs_show_the_current_table():
     text = open(os.path.join(REPO, "docs", "megatron-lm.md")).read()
     assert R.doc_block() in text, (
         "docs/megatron-lm.md is out of date: replace the block between the rejections-table "
-        "markers with megatron_tsp.rejections.doc_block()")
+        "markers with megatron_tsp.core.rejections.doc_block()")
     for r in R.rows():
         assert f"`{r.flag}`" in R.markdown_table()

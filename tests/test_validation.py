@@ -4,7 +4,7 @@ a bad configuration on one rank does not hang the others."""
 import pytest
 import torch
 
-from megatron_tsp import rejections, validation, zigzag
+from megatron_tsp.core import rejections, validation, zigzag
 from tests import checks_validation
 
 

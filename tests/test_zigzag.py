@@ -4,7 +4,7 @@ definition (``tests.common.expected_zigzag_batch``), every key permuted (loss_ma
 import pytest
 import torch
 
-from megatron_tsp import zigzag
+from megatron_tsp.core import zigzag
 from tests.common import expected_zigzag_batch
 
 

@@ -137,11 +137,11 @@ def _model_fields(args) -> dict:
 
 
 def _build(args, device):
-    from megatron_tsp.model import build_tsp_gpt_model
+    from megatron_tsp.core.model import build_tsp_gpt_model
 
     dtype = DTYPES[args.dtype]
     if args.load is None:
-        from megatron_tsp.data import VOCAB_SIZE
+        from megatron_tsp.tools.data import VOCAB_SIZE
 
         config = _tiny_config(args.d, dtype)
         kwargs = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
@@ -217,9 +217,9 @@ def _load_torch_dist(model, path: str) -> None:
 
 def _train_tiny(model, args, group) -> float:
     """A few TSP training steps on the embedded corpus (so generations are readable)."""
-    from megatron_tsp import zigzag
-    from megatron_tsp.checkpoint import allreduce_sequence_parallel_grads
-    from megatron_tsp.data import batches
+    from megatron_tsp.core import zigzag
+    from megatron_tsp.core.sharding import allreduce_sequence_parallel_grads
+    from megatron_tsp.tools.data import batches
 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -254,13 +254,13 @@ def _prompts(args, vocab: int):
 def run(rank: int, args) -> int:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tsp import parallel_state
+    from megatron_tsp.core import parallel_state
     from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
-        from megatron_tsp.cpu_support import enable_cpu_support
+        from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
         enable_cpu_support()
     parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=args.d,
@@ -320,7 +320,7 @@ def _spawned(rank: int, args, port: int) -> None:
     try:
         rc = run(rank, args)
     finally:
-        from megatron_tsp import parallel_state
+        from megatron_tsp.core import parallel_state
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

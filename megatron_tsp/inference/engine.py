@@ -29,9 +29,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_tsp import zigzag
+from megatron_tsp.core import zigzag
 from megatron_tsp.inference.sampling import SamplingParams, select_next
-from megatron_tsp.parallel_state import get_tensor_sequence_parallel_group
+from megatron_tsp.core.parallel_state import get_tensor_sequence_parallel_group
 
 PREFILL_MODES = ("auto", "tsp", "tp")
 SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
@@ -67,7 +67,7 @@ def build_decode_model(tsp_model, **gpt_kwargs):
     """
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     config = dataclasses.replace(tsp_model.config, sequence_parallel=False)
     kwargs = dict(gpt_kwargs)

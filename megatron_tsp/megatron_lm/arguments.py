@@ -10,7 +10,7 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 * ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
   TSP attention never reads the S x S mask.
 
-Every combination TSP does not support (the rows of ``megatron_tsp.rejections``) is rejected here
+Every combination TSP does not support (the rows of ``megatron_tsp.core.rejections``) is rejected here
 with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
 
 ``--tsp-mlp`` is the hybrid for an existing TP+SP run: ``--tensor-model-parallel-size D
@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 from typing import Iterable, List, Optional, Sequence
 
-from megatron_tsp import rejections
-from megatron_tsp.validation import TSP_FLAG, check_model_shape, check_parallel_layout
+from megatron_tsp.core import rejections
+from megatron_tsp.core.validation import TSP_FLAG, check_model_shape, check_parallel_layout
 
 GROUP_TITLE = "tensor-sequence parallel"
 
@@ -108,7 +108,7 @@ def tsp_size(args) -> Optional[int]:
 def unsupported_combinations(args) -> List[str]:
     """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``.
 
-    The reasons are the rows of ``megatron_tsp.rejections`` (one table shared with the specs and
+    The reasons are the rows of ``megatron_tsp.core.rejections`` (one table shared with the specs and
     the layers) refused by the parsed arguments.
     """
     return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP)
@@ -210,7 +210,7 @@ TSP_MLP_REJECTIONS = (
     ("fp8", _truthy, "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module"),
     ("fp4", _truthy, "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module"),
     # The TSP MLP reads linear_fc1 / linear_fc2's weights without calling those modules (see
-    # megatron_tsp.layers.module_hooks): wrappers acting in hooks around module calls miss them.
+    # megatron_tsp.core.layers.module_hooks): wrappers acting in hooks around module calls miss them.
     ("use_megatron_fsdp", _truthy,
      "Megatron-FSDP gathers each module's weights in hooks around its call; the TSP MLP reads "
      "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),

@@ -12,7 +12,7 @@ zigzag chunks.
 The attention mask is left alone: TSP attention never reads it (causality comes from the zigzag
 positions), and the launcher turns Megatron's dataloader mask off
 (``--no-create-attention-mask-in-dataloader``), so at long sequence lengths no S x S mask is built,
-broadcast or permuted. The permuted tensors are marked; under TSP, ``megatron_tsp.batch_guard``
+broadcast or permuted. The permuted tensors are marked; under TSP, ``megatron_tsp.core.batch_guard``
 makes TSP attention refuse a micro-batch that did not pass through this hook.
 
 Loss normalization is untouched: labels and ``loss_mask`` are permuted like the tokens, the
@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from megatron_tsp.validation import TSP_FLAG
-from megatron_tsp.zigzag import get_batch_on_this_tsp_rank
+from megatron_tsp.core.validation import TSP_FLAG
+from megatron_tsp.core.zigzag import get_batch_on_this_tsp_rank
 
 _ACTIVE_SIZE: Optional[int] = None
 _WRAPPED: dict = {}
@@ -39,7 +39,7 @@ def activate(tsp_size: Optional[int]) -> None:
     """Permute batches for a TSP group of ``tsp_size`` ranks (None: pass batches through)."""
     global _ACTIVE_SIZE
     _ACTIVE_SIZE = tsp_size
-    from megatron_tsp import batch_guard
+    from megatron_tsp.core import batch_guard
 
     batch_guard.enforce(tsp_size is not None)
 

@@ -103,7 +103,7 @@ def validate_config(cfg: dict, source: str = "config") -> None:
     d = cfg["parallel"].get("tensor_sequence_parallel_size")
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"{source}: parallel.tensor_sequence_parallel_size must be a positive int")
-    from megatron_tsp.validation import check_model_shape
+    from megatron_tsp.core.validation import check_model_shape
 
     try:
         check_model_shape(

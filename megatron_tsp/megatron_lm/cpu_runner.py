@@ -7,7 +7,7 @@ A test tool, also useful to users who want to see a TSP run next to a stock one 
 
 (``megatron-tsp cpu-run ...`` is the same command.) It starts ``--nproc`` local processes with
 torchrun's environment variables and ``--distributed-backend gloo`` appended; each runs the script
-through ``megatron_tsp.launch`` (``--stock``: plain ``runpy``, no TSP hooks) after
+through ``megatron_tsp.megatron_lm.launch`` (``--stock``: plain ``runpy``, no TSP hooks) after
 ``apply_cuda_answers()``. Nothing else is changed: the script, Megatron's arguments, its data
 path, model builder, optimizer, DDP, schedules and logging are the checkout's own.
 
@@ -246,7 +246,7 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {}), "memory report"),
     Answer("torch.cuda:device_memory_used", _value(_zero), "memory report", optional=True),
     Answer("torch.cuda:mem_get_info", _const((0, 0)), "memory report"),
-    # RNG: the CUDA generator is the CPU one. megatron_tsp.cpu_support (applied with these
+    # RNG: the CUDA generator is the CPU one. megatron_tsp.megatron_lm.cpu_support (applied with these
     # answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
     Answer("torch.cuda:set_rng_state",
@@ -382,7 +382,7 @@ def apply_cuda_answers() -> List[str]:
         _APPLIED[answer.target] = original
         setattr(module, attr, answer.make(original))
         replaced.append(answer.target)
-    from megatron_tsp import cpu_support
+    from megatron_tsp.megatron_lm import cpu_support
 
     cpu_support.enable_cpu_support(force=True)
     if _MODE is None:
@@ -449,7 +449,7 @@ def _worker(argv: List[str]) -> int:
         sys.argv = [script] + argv[1:]
         runpy.run_path(script, run_name="__main__")
         return 0
-    from megatron_tsp import launch
+    from megatron_tsp.megatron_lm import launch
 
     return launch.main([script] + argv[1:])
 

@@ -211,7 +211,7 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
 
 
 def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
-    from megatron_tsp.zigzag import check_sequence_length, chunk_ids
+    from megatron_tsp.core.zigzag import check_sequence_length, chunk_ids
 
     check_sequence_length(seq_length, d)
     c = seq_length // (2 * d)
@@ -267,7 +267,7 @@ def run(args, build: Callable) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     rank = getattr(args, "tsp_dry_run_rank", 0)
     enable_cpu_support(force=torch.cuda.is_available())  # the shims never call into CUDA

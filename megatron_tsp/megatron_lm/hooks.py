@@ -11,7 +11,7 @@ What is wrapped (each looked up where the scripts look it up, at install time; i
 * ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
 * ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
 * ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
-  TSP attention can refuse a micro-batch that did not (``megatron_tsp/batch_guard.py``);
+  TSP attention can refuse a micro-batch that did not (``megatron_tsp/core/batch_guard.py``);
 * ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``;
 * ``generate_state_dict`` (``megatron.training.checkpointing``) -> checkpoints store the args of a
   stock TP=D + SP run (no TSP spec, no TSP-only flags; see ``checkpoint_args.py``).
@@ -27,7 +27,7 @@ import importlib
 import sys
 from typing import Callable, Dict, Tuple
 
-from megatron_tsp import batch_guard
+from megatron_tsp.core import batch_guard
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
 from megatron_tsp.megatron_lm import checkpoint_args

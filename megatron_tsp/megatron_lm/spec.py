@@ -32,7 +32,7 @@ def _transformer_config(config):
 
 
 def _mark_tsp_groups(config) -> None:
-    """Record in ``megatron_tsp.parallel_state`` that Megatron's TP group is the TSP group.
+    """Record in ``megatron_tsp.core.parallel_state`` that Megatron's TP group is the TSP group.
 
     Under Megatron-LM the groups are made by ``megatron.training.initialize`` (Megatron's own
     ``initialize_model_parallel`` with ``tensor_model_parallel_size = D``), not by
@@ -40,7 +40,7 @@ def _mark_tsp_groups(config) -> None:
     """
     from megatron.core import parallel_state as mpu
 
-    from megatron_tsp import parallel_state as tsp_ps
+    from megatron_tsp.core import parallel_state as tsp_ps
 
     if tsp_ps.is_tensor_sequence_parallel():
         return
@@ -51,7 +51,7 @@ def _mark_tsp_groups(config) -> None:
 
 def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
     """TSP ``TransformerBlockSubmodules`` for this pipeline stage (see the module docstring)."""
-    from megatron_tsp.specs import get_gpt_block_tsp_spec
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
     cfg = _transformer_config(config)
     _mark_tsp_groups(cfg)
@@ -68,7 +68,7 @@ def tsp_mlp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional
 
     Resolved like ``tsp_block_spec``. Megatron's groups are not marked as TSP groups: the
     hybrid's MLP finds the tensor-parallel group itself, and no batch is permuted."""
-    from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec
+    from megatron_tsp.core.specs import get_gpt_block_tsp_mlp_spec
 
     cfg = _transformer_config(config)
     return get_gpt_block_tsp_mlp_spec(
@@ -139,7 +139,7 @@ def tp_sp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
     apex / Transformer Engine, where Megatron's torch norms refuse ``--sequence-parallel``:
     ``--spec megatron_tsp.megatron_lm.spec tp_sp_block_spec`` through the launcher (no TSP flag)
     gives the TP+SP baseline a TSP or ``--tsp-mlp`` run is compared with on CPU."""
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     cfg = _transformer_config(config)
     return get_gpt_block_local_sp_spec(cfg, normalization=cfg.normalization, vp_stage=vp_stage,

@@ -7,8 +7,8 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
-from megatron_tsp.estimator import fake_run as fr  # noqa: E402
-from megatron_tsp.estimator import planner as pl  # noqa: E402
+from megatron_tsp.tools.estimator import fake_run as fr  # noqa: E402
+from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
 
 def layouts(d):
     """(name, scheme for the fake tool, kind for the planner, TP, CP, recompute, TSP attention

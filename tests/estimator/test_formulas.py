@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from megatron_tsp.estimator import formulas as fm
-from megatron_tsp.estimator.formulas import LayerShape
+from megatron_tsp.tools.estimator import formulas as fm
+from megatron_tsp.tools.estimator.formulas import LayerShape
 
 
 def _shape(**kw):

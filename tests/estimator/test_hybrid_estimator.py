@@ -3,14 +3,13 @@ Counted bytes of a real hybrid layer == these formulas: ``tests/test_hybrid.py``
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
 
-from megatron_tsp.estimator import formulas as fm
-from megatron_tsp.estimator import planner as pl
-from megatron_tsp.estimator.formulas import LayerShape
+from megatron_tsp.tools.estimator import formulas as fm
+from megatron_tsp.tools.estimator import planner as pl
+from megatron_tsp.tools.estimator.formulas import LayerShape
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
@@ -94,8 +93,8 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     """``--scheme hybrid`` at small scale: fake-tensor peak within 10% of the real allocator's
     (fresh process); GEMM FLOPs = TP+SP's + the per-shard fc1 recompute; counted bytes of the
     step below TP+SP's at this S."""
-    from megatron_tsp.estimator import fake_run
-    from megatron_tsp.estimator.fake_run import PRESETS, RunConfig, run_step
+    from megatron_tsp.tools.estimator import fake_run
+    from megatron_tsp.tools.estimator.fake_run import PRESETS, RunConfig, run_step
 
     base = dict(model=PRESETS["small"], world_size=4, tp=4, seq=2048)
     fake = run_step(RunConfig(scheme="hybrid", **base))
@@ -110,6 +109,6 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     assert fake.flops["attention"] == tpsp.flops["attention"]
     assert fake.peak_bytes < tpsp.peak_bytes
     assert fake.label == "TP=4+SP+TSP-MLP"
-    from megatron_tsp.estimator.memory import _teardown
+    from megatron_tsp.tools.estimator.memory import _teardown
 
     _teardown()

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
-from megatron_tsp import zigzag  # noqa: E402
-from megatron_tsp.estimator import fake_run  # noqa: E402
-from megatron_tsp.estimator.fake_run import PRESETS, RunConfig, run_step  # noqa: E402
-from megatron_tsp.estimator.memory import main as memory_main  # noqa: E402
+from megatron_tsp.core import zigzag  # noqa: E402
+from megatron_tsp.tools.estimator import fake_run  # noqa: E402
+from megatron_tsp.tools.estimator.fake_run import PRESETS, RunConfig, run_step  # noqa: E402
+from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
 
 # h=128, 2 layers, 8 heads, vocab 512: every scheme runs in seconds.
 TINY = dataclasses.replace(PRESETS["tiny"])
@@ -35,11 +35,11 @@ VALIDATE = dict(model=PRESETS["small"], seq=2048)
 
 @pytest.fixture(scope="module", autouse=True)
 def _fake_world_teardown():
-    from megatron_tsp import cpu_support
+    from megatron_tsp.megatron_lm import cpu_support
 
     was_enabled = cpu_support.is_enabled()
     yield
-    from megatron_tsp.estimator.memory import _teardown
+    from megatron_tsp.tools.estimator.memory import _teardown
 
     _teardown()
     if not was_enabled:

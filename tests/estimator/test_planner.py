@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron_tsp.estimator import formulas as fm
-from megatron_tsp.estimator import planner as pl
+from megatron_tsp.tools.estimator import formulas as fm
+from megatron_tsp.tools.estimator import planner as pl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GB = 1e9
@@ -201,7 +201,7 @@ def test_planner_bytes_crossover_marks_the_switch():
 
 
 def test_cli_dispatch_missing_module(monkeypatch, capsys):
-    from megatron_tsp import cli
+    from megatron_tsp.tools import cli
 
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("megatron_tsp.no_such_module_xyz", "test"))
     assert cli.main(["ghost"]) == 2
@@ -213,7 +213,7 @@ def test_cli_dispatch_missing_module(monkeypatch, capsys):
 def test_cli_plan_smoke(tmp_path):
     png, js = tmp_path / "plan.png", tmp_path / "plan.json"
     r = subprocess.run(
-        [sys.executable, "-m", "megatron_tsp.cli", "plan", "--model", "7b", "--seq-length",
+        [sys.executable, "-m", "megatron_tsp.tools.cli", "plan", "--model", "7b", "--seq-length",
          "131072", "--gpus", "1024", "--hardware", "mi300x", "--plot", str(png), "--json", str(js),
          "--sweep", "16384,65536,131072"],
         cwd=REPO, capture_output=True, text=True, timeout=120)

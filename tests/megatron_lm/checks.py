@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_tsp import parallel_state as tsp_state
-from megatron_tsp import zigzag
+from megatron_tsp.core import parallel_state as tsp_state
+from megatron_tsp.core import zigzag
 
 STYLES = {
     # GPT-2-like: LayerNorm, GELU, biases, learned absolute positions, MHA.
@@ -107,7 +107,7 @@ def check_batch_hook(seed: int) -> dict:
                     f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)")
         # the S x S mask is left alone (TSP attention never reads it), not permuted twice
         assert out["attention_mask"] is batch["attention_mask"]
-        from megatron_tsp import batch_guard
+        from megatron_tsp.core import batch_guard
 
         assert batch_guard.zigzag_mark(out["tokens"]) == d
         assert batch_guard.zigzag_mark(batch["tokens"]) is None
@@ -148,8 +148,8 @@ def check_spec_hook_and_loss(seed: int, style: str) -> dict:
     """``GPTModel(transformer_layer_spec=tsp_block_spec)`` (what ``--spec`` hands Megatron) builds
     the TSP model; on the zigzagged batch its Megatron loss sum and token count equal the stock
     TP=D+SP model's on the natural batch (same weights)."""
-    from megatron_tsp.layers.attention import TSPSelfAttention
-    from megatron_tsp.layers.mlp import TSPMLP
+    from megatron_tsp.core.layers.attention import TSPSelfAttention
+    from megatron_tsp.core.layers.mlp import TSPMLP
     from megatron_tsp.megatron_lm import spec as spec_hook
     from tests.common import assert_close, reference_tp_sp_block_spec
 

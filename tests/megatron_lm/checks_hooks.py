@@ -9,8 +9,8 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLPSubmodules
 
-from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.layers.mlp import TSPMLP
+from megatron_tsp.core.layers.attention import TSPSelfAttention
+from megatron_tsp.core.layers.mlp import TSPMLP
 from tests.common import group_info, make_config, rel_err, setup_tsp
 
 READ_BY_TSP = {"mlp": ("linear_fc1", "linear_fc2"), "attention": ("linear_qkv", "linear_proj")}

@@ -34,7 +34,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     """A real argparse parser holding the TSP group, the flags of the rejection table (their real
     Megatron-LM names and dests: tests/megatron_lm/test_rejection_flags.py checks them against
     the Megatron-LM trees) and the other Megatron flags the hooks read."""
-    from megatron_tsp import rejections
+    from megatron_tsp.core import rejections
     from megatron_tsp.megatron_lm.arguments import add_tsp_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -91,12 +91,12 @@ def relative_difference(actual: float, reference: float) -> float:
 
 
 def run_launcher(args: List[str], timeout: float = 300, env_extra: Optional[dict] = None):
-    """``python -m megatron_tsp.launch <args>`` in a subprocess (CPU, no CUDA)."""
+    """``python -m megatron_tsp.megatron_lm.launch <args>`` in a subprocess (CPU, no CUDA)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megatron_tsp.launch", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "megatron_tsp.megatron_lm.launch", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)

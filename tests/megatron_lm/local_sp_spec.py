@@ -5,8 +5,8 @@ stage (core_v0.16 takes ``--spec`` objects as they are)."""
 
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_tsp.layers.norm import TSPNorm
-from megatron_tsp.specs import get_gpt_layer_local_sp_spec
+from megatron_tsp.core.layers.norm import TSPNorm
+from megatron_tsp.core.specs import get_gpt_layer_local_sp_spec
 
 NUM_LAYERS = 2
 

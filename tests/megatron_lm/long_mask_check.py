@@ -1,7 +1,7 @@
 """Rank-side script for test_long_sequence_mask.py: Megatron-LM's own data path for one
 micro-batch, measured.
 
-Run by ``cpu_runner.run_training`` (so through ``megatron_tsp.launch``, hooks installed) with
+Run by ``cpu_runner.run_training`` (so through ``megatron_tsp.megatron_lm.launch``, hooks installed) with
 pretrain_gpt.py's command line: Megatron's ``initialize_megatron`` parses and validates it (TSP
 translation included), then pretrain_gpt's own dataset provider builds the mock dataset on TP rank
 0 and pretrain_gpt's ``get_batch`` runs ``get_batch_on_this_tp_rank`` (broadcast) and the hooked

@@ -60,7 +60,7 @@ def _build(args, seed):
     global_vars.unset_global_variables() if hasattr(global_vars, "unset_global_variables") else None
     global_vars.set_global_variables(args)
     mpu.destroy_model_parallel()
-    from megatron_tsp import parallel_state as tsp_ps
+    from megatron_tsp.core import parallel_state as tsp_ps
 
     tsp_ps.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -82,7 +82,7 @@ def _worker(rank, port, checkout, out, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=180))
-    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.megatron_lm import install
 
     enable_cpu_support()
@@ -97,7 +97,7 @@ def _worker(rank, port, checkout, out, seed):
     import inspect
 
     needs_cp_group = "is_hybrid_cp" in inspect.signature(cp_batch).parameters
-    from megatron_tsp.layers.attention import TSPSelfAttention
+    from megatron_tsp.core.layers.attention import TSPSelfAttention
     from megatron_tsp.megatron_lm import dry_run
 
     arguments.get_device_arch_version = dry_run.dry_run_arch  # CPU: no device to ask

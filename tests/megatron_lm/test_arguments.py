@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from megatron_tsp import rejections
+from megatron_tsp.core import rejections
 from megatron_tsp.megatron_lm import arguments as A
 from tests.megatron_lm.common import megatron_parser
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_tsp import launch
+from megatron_tsp.megatron_lm import launch
 from megatron_tsp.megatron_lm import compare, configs
 from tests.megatron_lm.common import REPO, megatron_parser
 

@@ -30,7 +30,7 @@ def _run(variant, log_path):
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1",
         "--log-throughput", "--eval-iters", "0", "--eval-interval", "1000"]
     script = os.path.join(CHECKOUT, "pretrain_gpt.py")
-    entry = ["-m", "megatron_tsp.launch", script] if variant == "tsp" else [script]
+    entry = ["-m", "megatron_tsp.megatron_lm.launch", script] if variant == "tsp" else [script]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), *entry, *args]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),

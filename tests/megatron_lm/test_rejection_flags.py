@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from megatron_tsp import rejections as R
+from megatron_tsp.core import rejections as R
 from tests.megatron_lm.common import REPO
 
 _PROBE = r"""
@@ -39,7 +39,7 @@ if importlib.util.find_spec("triton") is None:
     sys.modules[name] = stub
 from megatron.core import package_info
 from megatron.training import arguments
-from megatron_tsp import rejections
+from megatron_tsp.core import rejections
 from megatron_tsp.megatron_lm.arguments import add_tsp_arguments, unsupported_combinations
 
 def parser():

@@ -109,7 +109,7 @@ def test_local_ab_with_data_tokenizer_checkpoints_tensorboard(stubs):
     recorded = calls()
     assert [c["cmd"] for c in recorded] == ["torchrun"] * 3
     for call, variant in zip(recorded, ("tsp", "tp", "cp")):
-        entry = (["-m", "megatron_tsp.launch"] if variant == "tsp" else []) + [
+        entry = (["-m", "megatron_tsp.megatron_lm.launch"] if variant == "tsp" else []) + [
             f"{checkout}/pretrain_gpt.py"]
         outputs = ["--save", f"{ckpt}/{variant}", "--save-interval", "50",
                    "--load", f"{ckpt}/{variant}",
@@ -180,7 +180,7 @@ def test_slurm_submit_and_job_steps(stubs):
     cfg = configs.load_config("tiny-cpu")
     common = _common(cfg, ["--mock-data"], ["--tokenizer-type", "NullTokenizer",
                                             "--vocab-size", "1024"])
-    tail = (["-m", "megatron_tsp.launch", f"{checkout}/pretrain_gpt.py"] + common
+    tail = (["-m", "megatron_tsp.megatron_lm.launch", f"{checkout}/pretrain_gpt.py"] + common
             + ["--save", "/ckpt/tsp", "--save-interval", "100", "--load", "/ckpt/tsp"]
             + PARALLEL["tsp"])
     _run("scripts/slurm/train.sbatch", job, LAUNCH_MODE="srun")

@@ -69,7 +69,7 @@ def check_attention_input() -> None:
 def _has_tsp_layers(model) -> bool:
     cached = getattr(model, "_tsp_has_tsp_layers", None)
     if cached is None:
-        from megatron_tsp.layers.attention import TSPSelfAttention
+        from megatron_tsp.core.layers.attention import TSPSelfAttention
 
         cached = any(isinstance(m, TSPSelfAttention) for m in model.modules())
         model._tsp_has_tsp_layers = cached

@@ -1,6 +1,6 @@
 """Benchmark TSP against Megatron TP+SP and plain TP: step time and bytes communicated.
 
-``megatron-tsp bench`` (or ``python -m megatron_tsp.bench``) spawns one gloo group per world size
+``megatron-tsp bench`` (or ``python -m megatron_tsp.tools.bench``) spawns one gloo group per world size
 D (default 2 and 4 ranks on this machine's CPUs) and, inside it, builds the same transformer
 layer stack (a Megatron ``TransformerBlock``, same initial weights) three times:
 
@@ -14,7 +14,7 @@ Megatron's ``finalize_model_grads`` does under sequence parallelism), interleavi
 step by step with a rotating order, after warm-up steps. The step time of a variant is the
 slowest rank's; the table reports medians. Every step runs under a ``CommCounter``: received
 bytes per rank, by operation kind and by (block, phase), are compared with the closed forms of
-:mod:`megatron_tsp.estimator.formulas`. The three variants compute the same function, so their
+:mod:`megatron_tsp.tools.estimator.formulas`. The three variants compute the same function, so their
 losses must agree (exit status 1 otherwise).
 
 gloo over loopback on a few CPU cores measures CPU compute plus Python overhead, not GPU
@@ -162,7 +162,7 @@ def load_average() -> Optional[List[float]]:
 # analytic bytes
 # ---------------------------------------------------------------------------------------------
 def layer_shape(args, seq: int):
-    from megatron_tsp.estimator.formulas import LayerShape
+    from megatron_tsp.tools.estimator.formulas import LayerShape
 
     llama = args.style == "llama"
     return LayerShape(batch=args.micro_batch_size, seq=seq, hidden=args.hidden_size,
@@ -175,7 +175,7 @@ def layer_shape(args, seq: int):
 def analytic_bytes(args, d: int, seq: int) -> Dict[str, Dict[str, float]]:
     """Received bytes per rank per step, by phase, for the whole stack (layers x formula + the
     replicated-gradient all-reduce of the SP variants)."""
-    from megatron_tsp.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import formulas as fm
 
     shape = layer_shape(args, seq)
     final_norm = args.hidden_size * (1 if args.style == "llama" else 2)
@@ -194,7 +194,7 @@ def analytic_bytes(args, d: int, seq: int) -> Dict[str, Dict[str, float]]:
 
 def crossovers(args, d: int) -> Dict[str, float]:
     """Sequence lengths (B as configured) above which TSP receives fewer bytes than TP+SP / TP."""
-    from megatron_tsp.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import formulas as fm
 
     shape = layer_shape(args, 1024)
     out = {}
@@ -250,7 +250,7 @@ def _sdpa_core_attention():
 def _baseline_spec(args, config):
     import copy
 
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     spec = get_gpt_block_local_sp_spec(config)
     if args.baseline_attention == "sdpa":
@@ -267,8 +267,8 @@ def _build_blocks(args, d: int) -> Dict[str, torch.nn.Module]:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_tsp.comm_counter import label_modules
-    from megatron_tsp.specs import get_gpt_block_tsp_spec
+    from megatron_tsp.tools.comm_counter import label_modules
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
     blocks = {}
     cfg_sp = _config(args, d, True)
@@ -309,8 +309,8 @@ def _summarise(records) -> Dict[str, object]:
 
 
 def _run_step(block, x, rope, sync_grads: bool, group):
-    from megatron_tsp.checkpoint import allreduce_sequence_parallel_grads
-    from megatron_tsp.comm_counter import comm_scope
+    from megatron_tsp.core.sharding import allreduce_sequence_parallel_grads
+    from megatron_tsp.tools.comm_counter import comm_scope
 
     out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
     loss = out.float().pow(2).sum()
@@ -324,8 +324,8 @@ def _run_step(block, x, rope, sync_grads: bool, group):
 def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, object]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_tsp import zigzag
-    from megatron_tsp.comm_counter import CommCounter
+    from megatron_tsp.core import zigzag
+    from megatron_tsp.tools.comm_counter import CommCounter
 
     dtype = DTYPES[args.dtype]
     h, b = args.hidden_size, args.micro_batch_size
@@ -402,8 +402,8 @@ def _worker(rank: int, d: int, args: argparse.Namespace, port: int, path: str) -
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tsp import parallel_state
-    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.core import parallel_state
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     enable_cpu_support()
     parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
@@ -437,7 +437,7 @@ def _free_port() -> int:
 def _run_group(args, d: int) -> Dict[str, object]:
     import torch.multiprocessing as mp
 
-    from megatron_tsp import bench as this  # picklable by module name even under ``-m``
+    from megatron_tsp.tools import bench as this  # picklable by module name even under ``-m``
 
     fd, path = tempfile.mkstemp(prefix=f"tsp-bench-d{d}-", suffix=".json")
     os.close(fd)

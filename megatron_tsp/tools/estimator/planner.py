@@ -10,7 +10,7 @@ Strategies over one group of size D (the rest of the GPUs are data parallel):
     cp      Megatron CP = D (distributed optimizer shards over CP x DP)
     tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
 
-Models and hardware are JSON files (``megatron_tsp/estimator/{models,hardware}/``); ``--model`` and
+Models and hardware are JSON files (``megatron_tsp/tools/estimator/{models,hardware}/``); ``--model`` and
 ``--hardware`` take a shipped name or a path to your own file with the same keys.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path

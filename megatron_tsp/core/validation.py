@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_tsp import rejections
-from megatron_tsp.rejections import TSP_FLAG
+from megatron_tsp.core import rejections
+from megatron_tsp.core.rejections import TSP_FLAG
 
 
 def _divides(value: int, flag: str, group_size: int, what: str) -> None:

@@ -1,7 +1,7 @@
 """Closed-form communication and FLOP counts for one transformer layer.
 
 Everything here is per rank and per micro-batch. Communication is counted as the bytes a rank
-RECEIVES, with the conventions of :mod:`megatron_tsp.comm_counter` (n = payload bytes of the call,
+RECEIVES, with the conventions of :mod:`megatron_tsp.tools.comm_counter` (n = payload bytes of the call,
 D = group size, f = (D-1)/D):
 
     all_gather  f * n_out       reduce_scatter  f * n_in       all_reduce  2 f * n
@@ -60,7 +60,7 @@ step, not per layer: see ``dp_step_comm``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 PHASES = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")

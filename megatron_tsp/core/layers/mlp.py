@@ -32,13 +32,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 
-from megatron_tsp import rejections
-from megatron_tsp.comm import FlatShard, ring_exchange, wait_all, weight_bias_views
-from megatron_tsp.comm_counter import comm_scope
-from megatron_tsp.layers.grads import weight_grad_output
-from megatron_tsp.layers.precision import accumulation_dtype, matmul_acc, matmul_into
-from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.parallel_state import resolve_group
+from megatron_tsp.core import rejections
+from megatron_tsp.core.comm import FlatShard, labelled, ring_exchange, wait_all, weight_bias_views
+from megatron_tsp.core.layers.grads import weight_grad_output
+from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
+from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
+from megatron_tsp.core.parallel_state import resolve_group
 
 
 def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -148,7 +147,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         has_bias = fc1_b is not None
         saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
         acc_dtype = accumulation_dtype(x.dtype)
-        with comm_scope("tsp_mlp"):
+        with labelled("tsp_mlp"):
             out = None  # [tokens, h] partial-output accumulator (fp32 for bf16/fp16)
             current = FlatShard.pack(params) if size > 1 else None
             spare = [FlatShard.like(current), FlatShard.like(current)] if size > 2 else (
@@ -213,7 +212,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         def grad_shard() -> FlatShard:
             return FlatShard(current.shapes, grad_dtype, current.buffer.device)
 
-        with comm_scope("tsp_mlp"):
+        with labelled("tsp_mlp"):
             current = FlatShard.pack(params)
             own = grad_shard()  # this rank's shard: its own contribution, then the sum
             if size > 1:  # the next shard is posted before this step's matmuls

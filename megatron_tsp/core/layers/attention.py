@@ -40,17 +40,16 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_tsp import rejections, zigzag
-from megatron_tsp.batch_guard import check_attention_input
-from megatron_tsp.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done,
+from megatron_tsp.core import rejections, zigzag
+from megatron_tsp.core.batch_guard import check_attention_input
+from megatron_tsp.core.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done, labelled,
                                post_all_gather, post_reduce_scatter, reduce_to, weight_bias_views)
-from megatron_tsp.comm_counter import comm_scope
-from megatron_tsp.layers import kernels
-from megatron_tsp.layers.grads import weight_grad_output
-from megatron_tsp.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.layers.precision import accumulation_dtype, matmul_acc
-from megatron_tsp.parallel_state import resolve_group
-from megatron_tsp.validation import check_model_shape
+from megatron_tsp.core.layers import kernels
+from megatron_tsp.core.layers.grads import weight_grad_output
+from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
+from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
+from megatron_tsp.core.parallel_state import resolve_group
+from megatron_tsp.core.validation import check_model_shape
 
 try:  # megatron-core >= 0.14
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
@@ -247,7 +246,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
             return mixed, q, pw, _post_kv_gather(k, v, group, size, slot=r % 2)
 
-        with comm_scope("tsp_attention"):
+        with labelled("tsp_attention"):
             stream = _ShardStream(own, group, hold=2)
             current = prepare(0)
             for r in range(size):
@@ -363,7 +362,7 @@ def _backward(ctx, grad_out):
 
     rng_ctx = (_replay_rng(ctx.rng, x.device) if ctx.rng is not None
                else contextlib.nullcontext())
-    with comm_scope("tsp_attention"), rng_ctx:
+    with labelled("tsp_attention"), rng_ctx:
         stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
         current, finishing = prepare(0), None
         for r in range(size):
@@ -555,7 +554,7 @@ class TSPSelfAttention(SelfAttention):
         if inference_context is not None or inference_params is not None:
             # Inference hook: TSP prefill into megatron-core's KV cache (decode runs Megatron's
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
-            from megatron_tsp.inference.attention import prefill_attention
+            from megatron_tsp.core.layers.prefill_attention import prefill_attention
 
             return prefill_attention(self, hidden_states, inference_context or inference_params,
                                      rotary_pos_emb)

@@ -1,6 +1,6 @@
 """Main job on the embedded default: train a small GPT under TSP and under Megatron TP+SP.
 
-``python -m megatron_tsp.demo`` spawns 4 gloo ranks on this machine (CPU), builds the same GPT
+``python -m megatron_tsp.tools.demo`` spawns 4 gloo ranks on this machine (CPU), builds the same GPT
 twice from the same initial weights — once with Megatron's stock layers at TP=D +
 sequence-parallel, once with the TSP layers at D — and trains both side by side on a generated
 corpus. Every step prints both losses (they must agree), tokens/s and bytes communicated; the end
@@ -69,7 +69,7 @@ def _config(args):
 def _build(args, config, spec):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_tsp.data import VOCAB_SIZE
+    from megatron_tsp.tools.data import VOCAB_SIZE
 
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
                     max_sequence_length=args.seq_length,
@@ -78,7 +78,7 @@ def _build(args, config, spec):
 
 
 def _train_step(model, optimizer, batch, tp_group, dp_group):
-    from megatron_tsp.checkpoint import allreduce_sequence_parallel_grads
+    from megatron_tsp.core.sharding import allreduce_sequence_parallel_grads
 
     optimizer.zero_grad(set_to_none=True)
     losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
@@ -106,12 +106,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tsp import parallel_state, zigzag
-    from megatron_tsp.comm_counter import CommCounter
-    from megatron_tsp.cpu_support import enable_cpu_support
-    from megatron_tsp.data import batches
-    from megatron_tsp.model import build_tsp_gpt_model
-    from megatron_tsp.specs import get_gpt_block_local_sp_spec
+    from megatron_tsp.core import parallel_state, zigzag
+    from megatron_tsp.tools.comm_counter import CommCounter
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.tools.data import batches
+    from megatron_tsp.core.model import build_tsp_gpt_model
+    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     enable_cpu_support()
     try:
@@ -128,7 +128,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     # Same initial weights: Megatron initialises the TP=D + SP model; TSP loads its state_dict.
     tp_model = _build(args, config, get_gpt_block_local_sp_spec(config))
-    from megatron_tsp.data import VOCAB_SIZE
+    from megatron_tsp.tools.data import VOCAB_SIZE
 
     tsp_model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE,
                                     max_sequence_length=args.seq_length,
@@ -222,7 +222,7 @@ def _summary(args, history, comm, tokens_per_step) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_tsp.validation import check_parallel_layout
+    from megatron_tsp.core.validation import check_parallel_layout
 
     try:
         check_parallel_layout(args.world_size, args.d)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_tsp.validation import check_transformer_config
+from megatron_tsp.core.validation import check_transformer_config
 
 
 def build_tsp_gpt_model(config, vocab_size: int, max_sequence_length: int,
@@ -18,7 +18,7 @@ def build_tsp_gpt_model(config, vocab_size: int, max_sequence_length: int,
     """
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_tsp.specs import get_gpt_block_tsp_spec
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
     check_transformer_config(config, vocab_size=vocab_size,
                              seq_length=seq_length or max_sequence_length)

@@ -1,10 +1,10 @@
 """Run an unmodified Megatron-LM training script with TSP available by flag.
 
-    python -m megatron_tsp.launch path/to/pretrain_gpt.py <megatron args> \\
+    python -m megatron_tsp.megatron_lm.launch path/to/pretrain_gpt.py <megatron args> \\
         --tensor-sequence-parallel-size D
 
 works wherever ``python path/to/pretrain_gpt.py ...`` works: as the command of ``torchrun``
-(``torchrun --nproc-per-node 8 -m megatron_tsp.launch pretrain_gpt.py ...``) and of ``srun`` with
+(``torchrun --nproc-per-node 8 -m megatron_tsp.megatron_lm.launch pretrain_gpt.py ...``) and of ``srun`` with
 one task per GPU (the SLURM rank variables are mapped to RANK / WORLD_SIZE / LOCAL_RANK when
 torchrun's are absent; MASTER_ADDR / MASTER_PORT must be exported by the batch script).
 
@@ -23,7 +23,7 @@ import sys
 from typing import List, Optional
 
 USAGE = (
-    "usage: python -m megatron_tsp.launch path/to/pretrain_gpt.py [megatron args] "
+    "usage: python -m megatron_tsp.megatron_lm.launch path/to/pretrain_gpt.py [megatron args] "
     "[--tensor-sequence-parallel-size D] [--tsp-dry-run]"
 )
 
@@ -52,7 +52,7 @@ def map_slurm_env(environ=os.environ) -> List[str]:
         set_names.append("LOCAL_WORLD_SIZE")
     if int(environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in environ:
         raise SystemExit(
-            "megatron_tsp.launch: running under srun without MASTER_ADDR; export MASTER_ADDR "
+            "megatron_tsp.megatron_lm.launch: running under srun without MASTER_ADDR; export MASTER_ADDR "
             "(e.g. the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`) and "
             "MASTER_PORT in the batch script"
         )
@@ -68,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     script = argv[0]
     if not script.endswith(".py") or not os.path.isfile(script):
-        print(f"megatron_tsp.launch: error: {script!r} is not a Python script\n{USAGE}",
+        print(f"megatron_tsp.megatron_lm.launch: error: {script!r} is not a Python script\n{USAGE}",
               file=sys.stderr)
         return 2
     script = os.path.abspath(script)
@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     preloaded = sys.modules.get("megatron.core")
     if preloaded is not None and not os.path.abspath(preloaded.__file__).startswith(script_dir):
         print(
-            f"megatron_tsp.launch: warning: megatron.core was imported from {preloaded.__file__} "
+            f"megatron_tsp.megatron_lm.launch: warning: megatron.core was imported from {preloaded.__file__} "
             f"before the checkout {script_dir} was put on sys.path",
             file=sys.stderr,
         )

@@ -18,7 +18,7 @@ of the fake-tensor number.
 Attention. Megatron's local ``DotProductAttention`` materialises the ``[b, np, s, s]`` score
 matrix (137 GB per layer at 128k) and rejects context parallelism; GPU runs use TE's flash
 attention. Every scheme here therefore runs the TSP layers' own attention-kernel interface
-(``megatron_tsp/layers/kernels.py``; on CPU and fake CPU tensors its ``cpu_flash`` backend, which
+(``megatron_tsp/core/layers/kernels.py``; on CPU and fake CPU tensors its ``cpu_flash`` backend, which
 saves only the output and the fp32 log-sum-exp and recomputes the probabilities in backward):
 
 * TSP: the layers themselves, unmodified (no stand-in).
@@ -45,7 +45,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.estimator import flops_count
+from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
 GB = 1e9
@@ -185,8 +185,8 @@ class RunResult:
 def _gather_kv(k, v, group, size):
     """The packed K/V all-gather of the TSP layers with per-call buffers (TE's CP allocates per
     call; the persistent ``comm.WORKSPACE`` is TSP's own): natural-order views (K, V)."""
-    from megatron_tsp import zigzag
-    from megatron_tsp.comm import all_gather_seq
+    from megatron_tsp.core import zigzag
+    from megatron_tsp.core.comm import all_gather_seq
 
     groups = k.shape[2]
     kv = zigzag.unpermute(all_gather_seq(torch.cat([k, v], dim=2), group), size, dim=0)
@@ -195,7 +195,7 @@ def _gather_kv(k, v, group, size):
 
 class BaselineCoreAttention(torch.autograd.Function):
     """Core attention of the TP / TP+SP / TP x CP baselines, built from the TSP layers' own code:
-    the attention-kernel interface (``megatron_tsp.layers.kernels``, the backend the layers would
+    the attention-kernel interface (``megatron_tsp.core.layers.kernels``, the backend the layers would
     select for these tensors) and, for CP, the layers' packed K/V all-gather and dK/dV
     reduce-scatter (TE's ``cp_comm_type="all_gather"``).
 
@@ -206,7 +206,7 @@ class BaselineCoreAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, chunks, group):
-        from megatron_tsp.layers import kernels
+        from megatron_tsp.core.layers import kernels
 
         kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
         size = dist.get_world_size(group) if group is not None else 1
@@ -221,7 +221,7 @@ class BaselineCoreAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from megatron_tsp.layers import kernels
+        from megatron_tsp.core.layers import kernels
 
         q, k, v, out, *lses = ctx.saved_tensors
         group, chunks = ctx.group, ctx.chunks
@@ -233,8 +233,8 @@ class BaselineCoreAttention(torch.autograd.Function):
                                           ctx.scale, outs, lses)
         del k_nat, v_nat
         if group is not None:
-            from megatron_tsp import zigzag
-            from megatron_tsp.comm import reduce_scatter_seq
+            from megatron_tsp.core import zigzag
+            from megatron_tsp.core.comm import reduce_scatter_seq
 
             # per-call buffers, like TE's CP (TSP's persistent workspace is TSP's own)
             dkv = reduce_scatter_seq(zigzag.permute(dkv.to(q.dtype), size, dim=0), group)
@@ -274,7 +274,7 @@ class FlashCoreAttention(_Base):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        from megatron_tsp import zigzag
+        from megatron_tsp.core import zigzag
 
         sq, b = query.shape[0], query.shape[1]
         if self.cp_group is None:  # TP / TP+SP: the whole sequence, square causal
@@ -305,7 +305,7 @@ def _ensure_fake_world(world_size: int) -> None:
 def _init_parallel(cfg: RunConfig) -> None:
     from megatron.core import parallel_state as mpu
 
-    from megatron_tsp import parallel_state as tsp_ps
+    from megatron_tsp.core import parallel_state as tsp_ps
 
     if mpu.model_parallel_is_initialized():
         tsp_ps.destroy_model_parallel()
@@ -349,10 +349,10 @@ def _layer_spec(cfg: RunConfig, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_tsp.layers.norm import TSPNorm
+    from megatron_tsp.core.layers.norm import TSPNorm
 
     if cfg.scheme == "tsp":
-        from megatron_tsp.specs import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
+        from megatron_tsp.core.specs import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
 
         block = get_gpt_block_tsp_spec(config)
         opts = {}
@@ -366,7 +366,7 @@ def _layer_spec(cfg: RunConfig, config):
                                                layer_norm=block.layer_norm)
         return block
     if cfg.scheme == "hybrid":
-        from megatron_tsp.specs import get_gpt_block_tsp_mlp_spec, get_gpt_layer_tsp_mlp_spec
+        from megatron_tsp.core.specs import get_gpt_block_tsp_mlp_spec, get_gpt_layer_tsp_mlp_spec
 
         get_gpt_block_tsp_mlp_spec(config)  # the configuration checks
         opts = {}
@@ -447,7 +447,7 @@ def _comm_counter(enabled: bool):
     if not enabled:
         yield None
         return
-    from megatron_tsp.comm_counter import CommCounter
+    from megatron_tsp.tools.comm_counter import CommCounter
 
     c10d = dist.distributed_c10d
     with CommCounter() as counter:
@@ -671,9 +671,9 @@ def run_step(cfg: RunConfig) -> RunResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
 
-    from megatron_tsp.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
-    from megatron_tsp.comm import WORKSPACE
+    from megatron_tsp.core.comm import WORKSPACE
 
     t0 = time.time()
     WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
@@ -688,7 +688,6 @@ def run_step(cfg: RunConfig) -> RunResult:
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg.fake else contextlib.nullcontext()
     profiler = None
-    trace_dir = None
     if not cfg.fake:
         from torch.profiler import ProfilerActivity, profile
 
@@ -710,7 +709,7 @@ def run_step(cfg: RunConfig) -> RunResult:
             tokens, labels = gen_tokens(), gen_tokens()
             if cfg.scheme == "cp":
                 # Megatron's get_batch_on_this_cp_rank: zigzag chunks r and 2CP-1-r
-                from megatron_tsp import zigzag
+                from megatron_tsp.core import zigzag
 
                 cp_rank = mpu.get_context_parallel_rank()
                 pos = zigzag.local_positions(cfg.seq, cfg.cp, cp_rank).unsqueeze(0).expand(b, -1)
@@ -822,7 +821,7 @@ def run_step_isolated(cfg: RunConfig, timeout: float = 1800, threads: int = 1) -
 
     payload = json.dumps(dataclasses.asdict(cfg))
     code = ("import json, sys, dataclasses, warnings; warnings.filterwarnings('ignore'); "
-            "from megatron_tsp.estimator import fake_run as f; "
+            "from megatron_tsp.tools.estimator import fake_run as f; "
             "r = f.run_step(f._config_from_dict(json.loads(sys.stdin.read()))); "
             "print('@@RESULT@@' + json.dumps(dataclasses.asdict(r), default=str))")
     env = dict(os.environ)

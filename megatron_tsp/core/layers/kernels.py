@@ -49,7 +49,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tsp.layers.precision import accumulation_dtype
+from megatron_tsp.core.layers.precision import accumulation_dtype
 
 NO_MASK, TOP_LEFT, BOTTOM_RIGHT = "none", "top_left", "bottom_right"
 ALIGNMENTS = (NO_MASK, TOP_LEFT, BOTTOM_RIGHT)

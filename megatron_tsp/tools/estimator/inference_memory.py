@@ -2,7 +2,7 @@
 
 Runs one rank of the real prefill code under ``FakeTensorMode`` and torch's ``fake`` process group
 (shapes only, no storage; collectives return at once), with the estimator's MemTracker
-(``megatron_tsp.estimator.fake_run``), for three ways to prefill S prompt tokens on D GPUs:
+(``megatron_tsp.tools.estimator.fake_run``), for three ways to prefill S prompt tokens on D GPUs:
 
 * ``tsp``: TSP prefill (``megatron_tsp.inference``): weights 1/D, activations 1/D, one head
   group's full K/V alive at a time; the KV cache of this rank's head groups for all S tokens.
@@ -34,7 +34,7 @@ SCHEMES = ("tsp", "tp", "cp")
 
 
 def _run_config(scheme: str, size: int, seq: int, model, batch: int, dtype: str, fake: bool):
-    from megatron_tsp.estimator.fake_run import RunConfig
+    from megatron_tsp.tools.estimator.fake_run import RunConfig
 
     if scheme not in SCHEMES:
         raise ValueError(f"--scheme {scheme!r}: must be one of {SCHEMES}")
@@ -50,8 +50,8 @@ def _flash_prefill_attention(enabled: bool):
     if not enabled:
         yield
         return
-    import megatron_tsp.inference.attention as inf_attn
-    from megatron_tsp.layers import kernels
+    import megatron_tsp.core.layers.prefill_attention as inf_attn
+    from megatron_tsp.core.layers import kernels
 
     def flash(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
         """Each chunk's queries against the cached prefix plus keys up to the chunk's end,
@@ -89,9 +89,9 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_tsp import zigzag
-    from megatron_tsp.cpu_support import enable_cpu_support
-    from megatron_tsp.estimator import fake_run as fr
+    from megatron_tsp.core import zigzag
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.tools.estimator import fake_run as fr
     from megatron_tsp.inference.engine import prefill_slice
 
     cfg = _run_config(scheme, size, seq, model or fr.PRESETS["7b"], batch, dtype, True)
@@ -129,6 +129,7 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
                 params_dtype = config.params_dtype
                 cache = [torch.empty(cache_tokens, batch, cache_groups, head_dim,
                                      dtype=params_dtype) for _ in range(2 * shape.layers)]
+                assert len(cache) == 2 * shape.layers  # held (measured) through the decoder
                 hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
                 hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
                                      rotary_pos_emb=table)
@@ -152,12 +153,12 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
 def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: int = 1,
                           dtype: str = "bf16", timeout: float = 3600) -> dict:
     """``prefill_peak`` in a fresh process (no module caches shared between measurements)."""
-    from megatron_tsp.estimator.fake_run import PRESETS
+    from megatron_tsp.tools.estimator.fake_run import PRESETS
 
     payload = json.dumps(dict(scheme=scheme, size=size, seq=seq, batch=batch, dtype=dtype,
                               model=dataclasses.asdict(model or PRESETS["7b"])))
     code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
-            "from megatron_tsp.estimator.fake_run import ModelShape; "
+            "from megatron_tsp.tools.estimator.fake_run import ModelShape; "
             "from megatron_tsp.inference import memory as m; a = json.loads(sys.stdin.read()); "
             "a['model'] = ModelShape(**a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
@@ -204,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    from megatron_tsp.estimator.fake_run import PRESETS
+    from megatron_tsp.tools.estimator.fake_run import PRESETS
 
     if args.model not in PRESETS:
         p.error(f"--model {args.model!r}: presets are {', '.join(PRESETS)}")

@@ -26,10 +26,10 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_tsp import rejections
-from megatron_tsp.layers.attention import TSPSelfAttention
-from megatron_tsp.layers.mlp import TSPMLP
-from megatron_tsp.layers.norm import TSPNorm
+from megatron_tsp.core import rejections
+from megatron_tsp.core.layers.attention import TSPSelfAttention
+from megatron_tsp.core.layers.mlp import TSPMLP
+from megatron_tsp.core.layers.norm import TSPNorm
 
 
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
@@ -86,7 +86,7 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
                            vp_stage: Optional[int] = None,
                            pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: TSP layers plus the TSP final norm."""
-    from megatron_tsp.validation import check_transformer_config
+    from megatron_tsp.core.validation import check_transformer_config
 
     check_transformer_config(config)
     layer = get_gpt_layer_tsp_spec(normalization=normalization or config.normalization,
@@ -100,7 +100,7 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
 
 
-# Module attributes for Megatron-LM's ``--spec megatron_tsp.specs <name>``.
+# Module attributes for Megatron-LM's ``--spec megatron_tsp.core.specs <name>``.
 gpt_tsp_layer_spec = get_gpt_layer_tsp_spec()
 
 
@@ -165,7 +165,7 @@ def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
                                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: hybrid layers (``get_gpt_layer_tsp_mlp_spec``) plus
     the sequence-parallel-tagged final norm."""
-    from megatron_tsp.validation import check_tsp_mlp_config
+    from megatron_tsp.core.validation import check_tsp_mlp_config
 
     check_tsp_mlp_config(config)
     layer = get_gpt_layer_tsp_mlp_spec(normalization=normalization or config.normalization,

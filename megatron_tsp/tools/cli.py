@@ -8,12 +8,12 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = {
-    "demo": ("megatron_tsp.demo", "train a small GPT under TSP and TP+SP side by side (gloo)"),
-    "plan": ("megatron_tsp.estimator.planner", "analytic memory / comm / throughput planner"),
-    "memory": ("megatron_tsp.estimator.memory", "measured peak memory of one rank (fake tensors)"),
-    "bench": ("megatron_tsp.bench", "benchmark TSP vs TP+SP layers"),
+    "demo": ("megatron_tsp.tools.demo", "train a small GPT under TSP and TP+SP side by side (gloo)"),
+    "plan": ("megatron_tsp.tools.estimator.planner", "analytic memory / comm / throughput planner"),
+    "memory": ("megatron_tsp.tools.estimator.memory", "measured peak memory of one rank (fake tensors)"),
+    "bench": ("megatron_tsp.tools.bench", "benchmark TSP vs TP+SP layers"),
     "generate": ("megatron_tsp.inference.cli", "TSP prefill + Megatron TP decode (generation)"),
-    "prefill-memory": ("megatron_tsp.inference.memory",
+    "prefill-memory": ("megatron_tsp.tools.estimator.inference_memory",
                        "one rank's peak memory of a long-prompt prefill: TSP / TP / CP"),
     "cpu-run": ("megatron_tsp.megatron_lm.cpu_runner",
                 "run Megatron-LM's pretrain_gpt.py on CPU ranks (gloo), TSP or stock"),

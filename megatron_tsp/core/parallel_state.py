@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_tsp.validation import check_parallel_layout
+from megatron_tsp.core.validation import check_parallel_layout
 
 _TSP_SIZE: Optional[int] = None
 _CREATED_GROUPS: list = []  # process groups made by our initialize, destroyed by our destroy

@@ -15,11 +15,9 @@ Received bytes per rank (n = payload bytes, D = group size, f = (D-1)/D):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
-import contextvars
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -28,22 +26,14 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-_scope: contextvars.ContextVar[tuple] = contextvars.ContextVar("tsp_comm_scope", default=())
+from megatron_tsp.core import comm
+
+# The scope label lives in the core (``comm.labelled``): layers label their own traffic and the
+# counter reads it, so the core never imports this module.
+comm_scope = comm.labelled
+current_scope = comm.current_label
+_scope = comm._labels
 _suppress = threading.local()
-
-
-@contextlib.contextmanager
-def comm_scope(name: str):
-    """Label the collectives issued inside (nested labels are joined with '/')."""
-    token = _scope.set(_scope.get() + (name,))
-    try:
-        yield
-    finally:
-        _scope.reset(token)
-
-
-def current_scope() -> str:
-    return "/".join(_scope.get())
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from megatron_tsp.validation import check_sequence_length  # noqa: F401 (re-exported)
+from megatron_tsp.core.validation import check_sequence_length  # noqa: F401 (re-exported)
 
 
 def chunk_ids(group_size: int, rank: int) -> tuple[int, int]:
@@ -144,13 +144,13 @@ def get_batch_on_this_tsp_rank(
     ``permute_attention_mask=False`` passes ``attention_mask`` through untouched (TSP attention
     never reads it: causality comes from the zigzag positions; the Megatron-LM hook uses this so
     that no S x S tensor is permuted). The returned tensors are marked for
-    ``megatron_tsp.batch_guard`` (TSP attention refuses unmarked micro-batches under the
+    ``megatron_tsp.core.batch_guard`` (TSP attention refuses unmarked micro-batches under the
     launcher).
     """
-    from megatron_tsp.batch_guard import mark_zigzagged
+    from megatron_tsp.core.batch_guard import mark_zigzagged
 
     if group_size is None:
-        from megatron_tsp import parallel_state
+        from megatron_tsp.core import parallel_state
 
         group_size = parallel_state.get_tensor_sequence_parallel_world_size()
     out: Dict[str, Optional[torch.Tensor]] = {}

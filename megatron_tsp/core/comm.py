@@ -15,6 +15,8 @@ allocated per call.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -65,6 +67,28 @@ def ring_neighbours(group) -> tuple[int, int]:
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
     return nxt, prv
+
+
+# --------------------------------------------------------------------------------------------
+# labels: which layer issued a transfer (read by diagnostics from outside, e.g. the counter)
+
+_labels: contextvars.ContextVar[tuple] = contextvars.ContextVar("tsp_comm_labels", default=())
+
+
+@contextlib.contextmanager
+def labelled(name: str):
+    """Label the collectives issued inside (nested labels are joined with '/'). The layers label
+    their own traffic; ``megatron_tsp.tools.comm_counter`` reads the label, the core never imports
+    the counter."""
+    token = _labels.set(_labels.get() + (name,))
+    try:
+        yield
+    finally:
+        _labels.reset(token)
+
+
+def current_label() -> str:
+    return "/".join(_labels.get())
 
 
 # --------------------------------------------------------------------------------------------

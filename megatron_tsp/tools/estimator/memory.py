@@ -2,7 +2,7 @@
 
 Runs one rank of the real model code for a full training step (forward, backward, gradient
 finalisation, optimizer step) under ``FakeTensorMode`` with torch's ``fake`` process group, and
-reports torch ``MemTracker``'s peak by category. See ``megatron_tsp/estimator/fake_run.py`` for
+reports torch ``MemTracker``'s peak by category. See ``megatron_tsp/tools/estimator/fake_run.py`` for
 what is allocated and ``docs/memory.md`` for the assumptions and the 7B table.
 
 Examples::
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(args):
-    from megatron_tsp.estimator.fake_run import PRESETS
+    from megatron_tsp.tools.estimator.fake_run import PRESETS
 
     if args.model not in PRESETS:
         raise SystemExit(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
@@ -113,7 +113,7 @@ def _model(args):
 
 
 def _config(args, scheme, tp, cp, seq, fake=True):
-    from megatron_tsp.estimator.fake_run import RunConfig
+    from megatron_tsp.tools.estimator.fake_run import RunConfig
 
     return RunConfig(scheme=scheme, model=_model(args), world_size=args.world_size, tp=tp, cp=cp,
                      seq=seq, micro_batch=args.micro_batch, dtype=args.dtype,
@@ -155,7 +155,7 @@ def _teardown() -> None:
     """Destroy the fake groups explicitly: interpreter shutdown with them alive can be slow."""
     import torch.distributed as dist
 
-    from megatron_tsp import parallel_state as tsp_ps
+    from megatron_tsp.core import parallel_state as tsp_ps
 
     try:
         tsp_ps.destroy_model_parallel()
@@ -169,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
-    from megatron_tsp.estimator.fake_run import run_step, run_step_isolated
+    from megatron_tsp.tools.estimator.fake_run import run_step, run_step_isolated
 
     results = []
     status = 0

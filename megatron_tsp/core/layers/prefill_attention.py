@@ -30,7 +30,6 @@ megatron-core's RoPE.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,12 +37,11 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from megatron_tsp import zigzag
-from megatron_tsp.comm import FlatShard, broadcast_from, weight_bias_views
-from megatron_tsp.comm_counter import comm_scope
+from megatron_tsp.core import zigzag
+from megatron_tsp.core.comm import FlatShard, broadcast_from, labelled, weight_bias_views
 
 # RoPE exactly as the training layer applies it (one definition of the CP-free call).
-from megatron_tsp.layers.attention import _rope  # noqa: E402
+from megatron_tsp.core.layers.attention import _rope  # noqa: E402
 
 
 def _lower_right_causal(q_len: int, kv_len: int):
@@ -122,7 +120,7 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
     chunk_len = local_len // 2
     groups, head_dim = layout.groups, layout.head_dim
     out = None
-    with torch.no_grad(), comm_scope("tsp_prefill_attention"):
+    with torch.no_grad(), labelled("tsp_prefill_attention"):
         for r, shard in _broadcast_shards(own, group, size, rank):
             w, b, proj_w = weight_bias_views(shard.views(), has_bias)
             mixed = torch.matmul(hidden_states, w.t())

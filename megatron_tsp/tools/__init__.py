@@ -1,0 +1,1 @@
+"""Tools around the core: estimator, planner, bench, demo, CLI, communication counter."""
