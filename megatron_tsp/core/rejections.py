@@ -13,6 +13,11 @@ the condition under which TSP refuses it, and why. The table is read by:
   reaches them around the specs still fails by name;
 * ``docs/megatron-lm.md`` (``markdown_table()``; a test keeps the page current).
 
+Rows belong to modes: full TSP, the hybrid ``--tsp-mlp`` (TP+SP attention with the TSP MLP ring)
+and, for the shape rows only (heads / query groups / FFN / vocabulary divisible by D), plain TP (the
+estimator's baselines). Shape rows are ``VALIDATED``: they read values Megatron derives in
+``validate_args`` and are checked by ``validation.check_model_shape``, the configs and the layers.
+
 Messages name the flag, the value and the TSP size: ``--num-experts=8 cannot be combined with
 --tensor-sequence-parallel-size=4: ...``. Tests check that every flag exists in the argument
 parsers of the Megatron-LM trees listed in ``versions`` (and only there) and every config field
@@ -36,7 +41,22 @@ TSP_FLAG = "--tensor-sequence-parallel-size"
 # apply to both list both modes.
 TSP = "tsp"
 TSP_MLP = "tsp-mlp"
-MODE_FLAGS: Dict[str, str] = {TSP: TSP_FLAG, TSP_MLP: "--tsp-mlp"}
+# Plain Megatron tensor parallelism (the estimator's TP / TP+SP / TPxCP baselines): only the
+# divisibility rows apply (TSP holds exactly TP=D's shards, so the arithmetic is the same).
+TP = "tp"
+TP_FLAG = "--tensor-model-parallel-size"
+MODE_FLAGS: Dict[str, str] = {TSP: TSP_FLAG, TSP_MLP: "--tsp-mlp", TP: TP_FLAG}
+# The flag that carries the group size D of each mode (divisibility messages name it).
+SIZE_FLAGS: Dict[str, str] = {TSP: TSP_FLAG, TSP_MLP: TP_FLAG, TP: TP_FLAG}
+# Who shards a dimension over the group, in divisibility messages.
+SHARDED_BY: Dict[str, str] = {TSP: "TSP", TSP_MLP: "--tsp-mlp (TP=D)", TP: "tensor parallelism"}
+ALL_MODES = (TSP, TSP_MLP, TP)
+
+# When a row can be checked on Megatron-LM's arguments: "parsed" rows on the command line as
+# typed (before ``validate_args``); "validated" rows need values Megatron derives in
+# ``validate_args`` (``--ffn-hidden-size`` defaults to 4h, the padded vocabulary).
+PARSED = "parsed"
+VALIDATED = "validated"
 
 # Megatron-LM trees whose argument parsers the tests read (tag -> label used in ``versions``).
 MEGATRON_LM_VERSIONS = ("0.16", "0.19")
@@ -63,12 +83,16 @@ class Condition:
     text: str  # for the docs: "set", "> 1", "`flash`, `local`", ...
     test: Callable[[Any, Optional[int]], bool]
     values: Tuple[str, ...] = ()  # the choices it names (tests check Megatron-LM offers them)
+    # "combine": the setting cannot be combined with the mode; "divide": the value must be a
+    # multiple of the group size D (the message says so with the numbers).
+    kind: str = "combine"
 
     def refuses(self, value: Any, d: Optional[int] = None) -> bool:
         return self.test(value, d)
 
 
 SET = Condition("set", lambda v, d: is_set(v))
+GIVEN = Condition("given", lambda v, d: v is not None)
 
 
 def above(limit: int) -> Condition:
@@ -89,6 +113,11 @@ def other_than(*values: str) -> Condition:
 # ``--tensor-model-parallel-size`` may stay at its default 1 or repeat D (it *is* the TSP axis).
 ONE_OR_D = Condition("other than 1 or D", lambda v, d: v not in (None, 1, d))
 
+# A dimension every rank holds 1/D of (heads, query groups, FFN, vocabulary).
+NOT_DIVISIBLE_BY_D = Condition("not divisible by D",
+                               lambda v, d: v is not None and d is not None and v % d != 0,
+                               kind="divide")
+
 
 # ------------------------------------------------------------------------------------------------
 # rows
@@ -107,6 +136,8 @@ class Rejection:
     # A refused command-line value after the flag (tests parse ``flag *example`` with Megatron-LM's
     # own parser and expect this row to refuse it); empty for switches.
     example: Tuple[str, ...] = ()
+    stage: str = PARSED
+    label: Optional[str] = None  # how messages name the flag, when not ``flag`` itself
 
     def refuses(self, value: Any, d: Optional[int] = None) -> bool:
         return self.condition.refuses(value, d)
@@ -115,18 +146,27 @@ class Rejection:
         """A command-line fragment this row refuses (see ``example``)."""
         return [self.flag, *self.example]
 
+    @property
+    def name(self) -> str:
+        return self.label or self.flag
+
     def shown(self, value: Any) -> str:
         """``--flag`` for a switch, ``--flag=value`` otherwise."""
         value = value_name(value)
         if value is True:
-            return self.flag
+            return self.name
         if isinstance(value, (list, tuple)):
             value = " ".join(str(value_name(v)) for v in value)
-        return f"{self.flag}={value}"
+        return f"{self.name}={value}"
 
     def message(self, value: Any, d: Optional[int], mode: str = TSP,
                 config_value: bool = False) -> str:
-        against = MODE_FLAGS[mode] if d is None else f"{MODE_FLAGS[mode]}={d}"
+        if self.condition.kind == "divide":
+            return (f"{self.shown(value)} is not divisible by {SIZE_FLAGS[mode]}={d}: "
+                    f"{SHARDED_BY[mode]} shards {self.reason} over the group, so {self.name} % "
+                    f"{d} must be 0")
+        # the hybrid's flag is a switch: its size is --tensor-model-parallel-size, not its own
+        against = MODE_FLAGS[mode] if d is None or mode != TSP else f"{MODE_FLAGS[mode]}={d}"
         where = self.shown(value)
         if config_value and self.config_field:
             where += f" (TransformerConfig.{self.config_field}={value_name(value)!r})"
@@ -268,33 +308,128 @@ ROWS: Tuple[Rejection, ...] = (
               "TSP attention derives token positions from the zigzag layout, not per-document ids"),
 )
 
-# Restrictions of the hybrid mode (``--tsp-mlp``: TP+SP attention with the TSP MLP): rows with
-# ``modes=(TSP_MLP,)``. Rows above that list TSP_MLP in ``modes`` apply to it as well.
-TSP_MLP_ROWS: Tuple[Rejection, ...] = ()
+# --- shapes: dimensions each rank holds 1/D of (TSP, the hybrid and plain TP alike) ----------
+# Checked once Megatron has derived them (``VALIDATED``), on a ``TransformerConfig`` and by the
+# layers; ``reason`` names what is sharded.
+SHAPE_ROWS: Tuple[Rejection, ...] = (
+    Rejection("--num-attention-heads", "num_attention_heads", NOT_DIVISIBLE_BY_D,
+              "attention heads", config_field="num_attention_heads", layer="attention",
+              modes=ALL_MODES, stage=VALIDATED, example=("6",)),
+    Rejection("--num-query-groups", "num_query_groups", NOT_DIVISIBLE_BY_D,
+              "key/value head groups", config_field="num_query_groups", layer="attention",
+              modes=ALL_MODES, stage=VALIDATED, example=("3",)),
+    Rejection("--ffn-hidden-size", "ffn_hidden_size", NOT_DIVISIBLE_BY_D,
+              "the MLP's intermediate dimension", config_field="ffn_hidden_size", layer="mlp",
+              modes=ALL_MODES, stage=VALIDATED, example=("66",)),
+    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; only a
+    # padded size given by hand (megatron-core users) can miss it.
+    Rejection("--vocab-size", "padded_vocab_size", NOT_DIVISIBLE_BY_D,
+              "the vocabulary (embedding and output layer)", label="--vocab-size (padded)",
+              stage=VALIDATED, example=("50257",)),
+)
 
-TABLE: Tuple[Rejection, ...] = ROWS + TSP_MLP_ROWS
+_NO_CONTEXT_PARALLEL = ("the hybrid builds Megatron's local attention, which has no context "
+                        "parallelism")
+_HYBRID_CUDA_GRAPHS = ("CUDA graphs capture module calls with static buffers; the MLP's weight "
+                       "ring is not graph-captured")
+_HYBRID_FSDP = ("{name} gathers each module's weights in hooks around its call; the TSP MLP reads "
+                "linear_fc1/linear_fc2's weights without calling them (use "
+                "--use-distributed-optimizer)")
+
+# What the hybrid (``--tsp-mlp``: TP+SP attention with the TSP MLP ring) refuses. It changes only
+# the MLP (and selects Megatron's local layer spec), so only settings that touch the MLP, replace
+# the spec or need Transformer Engine modules are here; the MoE rows above list both modes.
+TSP_MLP_ROWS: Tuple[Rejection, ...] = (
+    Rejection(TSP_FLAG, "tensor_sequence_parallel_size", GIVEN,
+              f"{TSP_FLAG} already runs the MLP (and attention) under TSP; use one or the other",
+              modes=(TSP_MLP,), example=("4",)),
+    Rejection("--context-parallel-size", "context_parallel_size", above(1), _NO_CONTEXT_PARALLEL,
+              config_field="context_parallel_size", modes=(TSP_MLP,), example=("2",)),
+    Rejection("--hierarchical-context-parallel-sizes", "hierarchical_context_parallel_sizes", SET,
+              _NO_CONTEXT_PARALLEL, config_field="hierarchical_context_parallel_sizes",
+              modes=(TSP_MLP,), example=("2", "2")),
+    Rejection("--hybrid-context-parallel", "hybrid_context_parallel", SET, _NO_CONTEXT_PARALLEL,
+              config_field="hybrid_context_parallel", modes=(TSP_MLP,)),
+    Rejection("--tp-comm-overlap", "tp_comm_overlap", SET,
+              "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's "
+              "layers are Megatron's local modules and its MLP issues no such collectives",
+              config_field="tp_comm_overlap", modes=(TSP_MLP,)),
+    Rejection("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards",
+              Condition("other than 1", lambda v, d: v not in (None, 1)),
+              "the TSP MLP ring circulates exactly the D tensor-parallel shards", modes=(TSP_MLP,),
+              versions=("0.19",), example=("2",)),
+    Rejection("--multi-latent-attention", "multi_latent_attention", SET,
+              "the hybrid spec builds standard self-attention",
+              config_field="multi_latent_attention", modes=(TSP_MLP,)),
+    Rejection("--qk-layernorm", "qk_layernorm", SET,
+              "the hybrid spec's norms are sequence-parallel-tagged torch norms",
+              config_field="qk_layernorm", modes=(TSP_MLP,)),
+    Rejection("--use-legacy-models", "use_legacy_models", SET,
+              "the hybrid needs megatron-core models", modes=(TSP_MLP,), versions=("0.16",)),
+    Rejection("--mtp-num-layers", "mtp_num_layers", SET,
+              "multi-token prediction layers have no hybrid spec", config_field="mtp_num_layers",
+              modes=(TSP_MLP,), example=("1",)),
+    Rejection("--experimental-attention-variant", "experimental_attention_variant", SET,
+              "the hybrid spec would replace it", config_field="experimental_attention_variant",
+              modes=(TSP_MLP,), example=("dsa",)),
+    Rejection("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", SET,
+              "heterogeneous layers have no hybrid spec", modes=(TSP_MLP,),
+              example=("layers.json",)),
+    Rejection("--yaml-cfg", "yaml_cfg", SET,
+              "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated",
+              modes=(TSP_MLP,), example=("run.yaml",)),
+    Rejection("--fp8-format", "fp8", SET,
+              "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module",
+              config_field="fp8", modes=(TSP_MLP,), example=("hybrid",)),
+    Rejection("--fp4-format", "fp4", SET,
+              "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module",
+              config_field="fp4", modes=(TSP_MLP,), example=("e2m1",)),
+    Rejection("--use-megatron-fsdp", "use_megatron_fsdp", SET,
+              _HYBRID_FSDP.format(name="Megatron-FSDP"), modes=(TSP_MLP,)),
+    Rejection("--use-torch-fsdp2", "use_torch_fsdp2", SET,
+              _HYBRID_FSDP.format(name="torch FSDP2"), modes=(TSP_MLP,)),
+    Rejection("--enable-cuda-graph", "enable_cuda_graph", SET, _HYBRID_CUDA_GRAPHS,
+              config_field="enable_cuda_graph", modes=(TSP_MLP,)),
+    Rejection("--external-cuda-graph", "external_cuda_graph", SET, _HYBRID_CUDA_GRAPHS,
+              config_field="external_cuda_graph", modes=(TSP_MLP,)),
+    Rejection("--cuda-graph-impl", "cuda_graph_impl", other_than("none"), _HYBRID_CUDA_GRAPHS,
+              config_field="cuda_graph_impl", modes=(TSP_MLP,), example=("local",)),
+    Rejection("--attention-backend", "attention_backend", other_than("auto", "local"),
+              "the hybrid builds Megatron's local attention, so another backend would be "
+              "silently ignored; drop the flag (auto) or use local", modes=(TSP_MLP,),
+              example=("flash",)),
+    Rejection("--transformer-impl", "transformer_impl", one_of("inference_optimized"),
+              "the hybrid spec is the training layer spec", modes=(TSP_MLP,),
+              example=("inference_optimized",)),
+)
+
+TABLE: Tuple[Rejection, ...] = ROWS + SHAPE_ROWS + TSP_MLP_ROWS
 
 
 class TSPRejection(ValueError):
     """A setting TSP refuses; the message names the flag, the value and the TSP size."""
 
 
-def rows(mode: str = TSP, layer: Optional[str] = None) -> List[Rejection]:
-    return [r for r in TABLE if mode in r.modes and (layer is None or r.layer == layer)]
+def rows(mode: str = TSP, layer: Optional[str] = None,
+         stage: Optional[str] = None) -> List[Rejection]:
+    return [r for r in TABLE if mode in r.modes and (layer is None or r.layer == layer)
+            and (stage is None or r.stage == stage)]
 
 
-def row_for(dest: str) -> Rejection:
-    for r in TABLE:
+def row_for(dest: str, mode: str = TSP) -> Rejection:
+    """The row of ``mode`` for an argparse dest or a ``TransformerConfig`` field."""
+    for r in rows(mode):
         if r.dest == dest or r.config_field == dest:
             return r
     raise KeyError(dest)
 
 
-def refusals_for_args(args, d: Optional[int], mode: str = TSP) -> List[str]:
-    """Messages for every row refused by Megatron-LM's parsed ``args`` (absent dests are skipped:
-    a flag the running Megatron-LM version does not have cannot be set)."""
+def refusals_for_args(args, d: Optional[int], mode: str = TSP, stage: str = PARSED) -> List[str]:
+    """Messages for every row of ``mode`` and ``stage`` refused by Megatron-LM's parsed ``args``
+    (absent dests are skipped: a flag the running Megatron-LM version does not have cannot be
+    set)."""
     out = []
-    for r in rows(mode):
+    for r in rows(mode, stage=stage):
         value = getattr(args, r.dest, None)
         if r.refuses(value, d):
             out.append(r.message(value, d, mode))
@@ -314,37 +449,59 @@ def refusals_for_values(values: Mapping[str, Any], d: Optional[int], mode: str =
 
 
 def refusals_for_config(config, d: Optional[int] = None, mode: str = TSP,
-                        layer: Optional[str] = None) -> List[str]:
+                        layer: Optional[str] = None,
+                        overrides: Optional[Mapping[str, Any]] = None) -> List[str]:
     """Messages for the rows refused by a megatron-core ``TransformerConfig`` (``d`` defaults to
-    its ``tensor_model_parallel_size``, the TSP size). ``layer`` restricts to that layer's rows."""
+    its ``tensor_model_parallel_size``, the TSP size). ``layer`` restricts to that layer's rows;
+    ``overrides`` replaces config fields by the values a module was actually given (e.g. the
+    ``ffn_hidden_size`` argument of an MLP)."""
     if d is None:
         d = getattr(config, "tensor_model_parallel_size", None)
+    overrides = overrides or {}
     out = []
     for r in rows(mode, layer):
-        if r.config_field is None or not hasattr(config, r.config_field):
+        if r.config_field is None:
             continue
-        value = getattr(config, r.config_field)
+        if r.config_field in overrides:
+            value = overrides[r.config_field]
+        elif hasattr(config, r.config_field):
+            value = getattr(config, r.config_field)
+        else:
+            continue
         if r.refuses(value, d):
             out.append(r.message(value, d, mode, config_value=True))
     return out
 
 
-def raise_if_any(problems: Sequence[str], error=TSPRejection) -> None:
+def raise_if_any(problems: Sequence[str], error=TSPRejection,
+                 what: str = "the configuration", mode: str = TSP) -> None:
+    """Raise ``error`` with the one problem, or all of them listed under one line."""
     if not problems:
         return
     if len(problems) == 1:
         raise error(problems[0])
-    raise error("the configuration cannot run with TSP:\n  - " + "\n  - ".join(problems))
+    name = "TSP" if mode == TSP else MODE_FLAGS[mode]
+    raise error(f"{what} cannot run with {name}:\n  - " + "\n  - ".join(problems))
 
 
 def check_config(config, d: Optional[int] = None, mode: str = TSP,
-                 layer: Optional[str] = None) -> None:
-    raise_if_any(refusals_for_config(config, d, mode, layer))
+                 layer: Optional[str] = None,
+                 overrides: Optional[Mapping[str, Any]] = None) -> None:
+    raise_if_any(refusals_for_config(config, d, mode, layer, overrides), mode=mode)
 
 
 def check_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
                  config_value: bool = True) -> None:
-    raise_if_any(refusals_for_values(values, d, mode, config_value))
+    raise_if_any(refusals_for_values(values, d, mode, config_value), mode=mode)
+
+
+def check_divisible(d: int, mode: str = TSP, **values: Optional[int]) -> None:
+    """Raise for the first of ``values`` (dest -> size, in the order given) that is not a multiple
+    of the group size ``d``; ``None`` values are skipped."""
+    for dest, value in values.items():
+        row = row_for(dest, mode)
+        if row.refuses(value, d):
+            raise TSPRejection(row.message(value, d, mode))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,10 +511,23 @@ DOC_BEGIN = "<!-- rejections table: generated by megatron_tsp.core.rejections.ma
 DOC_END = "<!-- end of rejections table -->"
 
 
+def _doc_markers(mode: str) -> Tuple[str, str]:
+    if mode == TSP:
+        return DOC_BEGIN, DOC_END
+    return (DOC_BEGIN.replace("markdown_table()", f"markdown_table({mode!r})"),
+            DOC_END.replace("table", f"table ({mode})"))
+
+
 def _versions_text(r: Rejection) -> str:
     if tuple(r.versions) == MEGATRON_LM_VERSIONS:
         return ""
     return " (Megatron-LM " + ", ".join(f"core_v{v}" for v in r.versions) + " only)"
+
+
+def _why(r: Rejection, mode: str) -> str:
+    if r.condition.kind == "divide":
+        return f"{SHARDED_BY[mode]} shards {r.reason} over the group"
+    return r.reason
 
 
 def markdown_table(mode: str = TSP) -> str:
@@ -365,15 +535,17 @@ def markdown_table(mode: str = TSP) -> str:
     lines = ["| flag | refused when | config field | checked by layer | why |",
              "|---|---|---|---|---|"]
     for r in rows(mode):
-        reason = r.reason.replace("|", "\\|")
+        reason = _why(r, mode).replace("|", "\\|")
         field = f"`{r.config_field}`" if r.config_field else "-"
-        lines.append(f"| `{r.flag}`{_versions_text(r)} | {r.condition.text} | {field} | "
+        stage = " (after Megatron's validation)" if r.stage == VALIDATED else ""
+        lines.append(f"| `{r.name}`{_versions_text(r)} | {r.condition.text}{stage} | {field} | "
                      f"{r.layer or '-'} | {reason} |")
     return "\n".join(lines)
 
 
 def doc_block(mode: str = TSP) -> str:
-    return f"{DOC_BEGIN}\n{markdown_table(mode)}\n{DOC_END}"
+    begin, end = _doc_markers(mode)
+    return f"{begin}\n{markdown_table(mode)}\n{end}"
 
 
 def flags(mode: Optional[str] = None) -> List[str]:

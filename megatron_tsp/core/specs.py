@@ -145,9 +145,7 @@ def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
     outside the MLP) is ``get_gpt_layer_local_spec``'s, the MLP parameters are the same
     Column/RowParallelLinear TP=D shards, so state dicts and checkpoints are TP=D+SP's.
     """
-    if num_experts:
-        raise ValueError("--tsp-mlp replaces dense MLPs only: --num-experts (MoE) is not "
-                         "supported")
+    rejections.check_values({"num_moe_experts": num_experts}, d=None, mode=rejections.TSP_MLP)
     if normalization not in (None, "LayerNorm", "RMSNorm"):
         raise ValueError(f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and "
                          "RMSNorm")

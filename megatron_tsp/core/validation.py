@@ -1,7 +1,8 @@
 """Configuration checks for TSP, raised as ``ValueError`` naming the flag and the numbers.
 
-Settings TSP refuses outright (MoE, CP, qk-layernorm, ...) are the rows of ``rejections``; this
-module adds the arithmetic (divisibility of heads, groups, FFN, vocabulary, sequence, world size).
+Every rule on a single setting (MoE, CP, qk-layernorm, heads / groups / FFN / vocabulary divisible
+by D, ...) is a row of ``rejections``; this module applies them and adds the arithmetic between
+settings (sequence into 2D chunks, world size, hidden size over heads).
 
 Everything here is pure (no collectives), so it can run before any process group exists.
 """
@@ -12,14 +13,6 @@ from typing import Optional
 
 from megatron_tsp.core import rejections
 from megatron_tsp.core.rejections import TSP_FLAG
-
-
-def _divides(value: int, flag: str, group_size: int, what: str) -> None:
-    if value % group_size != 0:
-        raise ValueError(
-            f"{flag}={value} is not divisible by {TSP_FLAG}={group_size}: TSP shards {what} "
-            f"over the group, so {flag} % {group_size} must be 0"
-        )
 
 
 def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
@@ -67,18 +60,14 @@ def check_model_shape(
     hidden_size: Optional[int] = None,
 ) -> None:
     d = tensor_sequence_parallel_size
-    _divides(num_attention_heads, "--num-attention-heads", d, "attention heads")
-    if num_query_groups is not None:
-        _divides(num_query_groups, "--num-query-groups", d, "key/value head groups")
-        if num_attention_heads % num_query_groups != 0:
-            raise ValueError(
-                f"--num-attention-heads={num_attention_heads} is not divisible by "
-                f"--num-query-groups={num_query_groups}"
-            )
-    if ffn_hidden_size is not None:
-        _divides(ffn_hidden_size, "--ffn-hidden-size", d, "the MLP's intermediate dimension")
-    if vocab_size is not None:
-        _divides(vocab_size, "--vocab-size (padded)", d, "the vocabulary (embedding and output layer)")
+    rejections.check_divisible(d, num_attention_heads=num_attention_heads,
+                               num_query_groups=num_query_groups)
+    if num_query_groups is not None and num_attention_heads % num_query_groups != 0:
+        raise ValueError(
+            f"--num-attention-heads={num_attention_heads} is not divisible by "
+            f"--num-query-groups={num_query_groups}"
+        )
+    rejections.check_divisible(d, ffn_hidden_size=ffn_hidden_size, padded_vocab_size=vocab_size)
     if hidden_size is not None and hidden_size % num_attention_heads != 0:
         raise ValueError(
             f"--hidden-size={hidden_size} is not divisible by "
@@ -110,44 +99,19 @@ def check_transformer_config(config, vocab_size: Optional[int] = None,
     )
 
 
-TSP_MLP_FLAG = "--tsp-mlp"
+TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
 
 
 def check_tsp_mlp_config(config) -> None:
     """Check a ``TransformerConfig`` for the hybrid (TP+SP attention + TSP MLP, ``--tsp-mlp``).
 
     The TSP MLP ring runs over the tensor-parallel group on the sequence-parallel activations
-    TP+SP already has; everything outside the MLP is Megatron's, so only what the MLP needs is
-    checked here (Megatron checks the rest)."""
+    TP+SP already has; everything outside the MLP is Megatron's, so only the hybrid's rows of the
+    rejection table are checked here (Megatron checks the rest)."""
     d = config.tensor_model_parallel_size
     if d > 1 and not config.sequence_parallel:
         raise ValueError(
             f"{TSP_MLP_FLAG} with --tensor-model-parallel-size={d} needs --sequence-parallel "
             "(sequence_parallel=True): the TSP MLP ring works on sequence-sharded activations"
         )
-    if config.ffn_hidden_size % d != 0:
-        raise ValueError(
-            f"--ffn-hidden-size={config.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size={d}: {TSP_MLP_FLAG} circulates D shards of the "
-            "MLP's intermediate dimension"
-        )
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError(
-            f"--num-experts={config.num_moe_experts} (MoE) cannot be combined with "
-            f"{TSP_MLP_FLAG}: the TSP MLP ring replaces dense MLPs only"
-        )
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError(f"--multi-latent-attention cannot be combined with {TSP_MLP_FLAG}: "
-                         "the hybrid spec builds standard self-attention")
-    if getattr(config, "qk_layernorm", False):
-        raise ValueError(f"--qk-layernorm cannot be combined with {TSP_MLP_FLAG}: the hybrid "
-                         "spec's norms are sequence-parallel-tagged torch norms")
-    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        raise ValueError(f"--fp8 / --fp4 cannot be combined with {TSP_MLP_FLAG}: they need "
-                         "Transformer Engine layers; the TSP MLP is not a TE module")
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            f"--context-parallel-size={config.context_parallel_size} cannot be combined with "
-            f"{TSP_MLP_FLAG}: the hybrid uses Megatron's local attention, which has no context "
-            "parallelism"
-        )
+    rejections.check_config(config, d, mode=rejections.TSP_MLP)

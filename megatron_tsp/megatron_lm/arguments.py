@@ -18,7 +18,7 @@ with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numb
 all-gather / reduce-scatter by the TSP weight ring. Its translation leaves the parallel layout
 alone and only selects ``spec = (megatron_tsp.megatron_lm.spec, tsp_mlp_block_spec)``; no batch
 permutation (the MLP input is Megatron's contiguous sequence shard), parameters and checkpoints
-are TP=D's. What it refuses is the one table ``TSP_MLP_REJECTIONS``.
+are TP=D's. What it refuses are the ``TSP_MLP`` rows of the same table.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ GROUP_TITLE = "tensor-sequence parallel"
 SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
 TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
-TSP_MLP_FLAG = "--tsp-mlp"
+TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
 
 class TSPArgumentError(ValueError):
     """A command line that TSP cannot run. The message names the flags."""
@@ -115,13 +115,7 @@ def unsupported_combinations(args) -> List[str]:
 
 
 def check_supported(args) -> None:
-    problems = unsupported_combinations(args)
-    if problems:
-        if len(problems) == 1:
-            raise TSPArgumentError(problems[0])
-        raise TSPArgumentError(
-            "the command line cannot run with TSP:\n  - " + "\n  - ".join(problems)
-        )
+    rejections.raise_if_any(unsupported_combinations(args), TSPArgumentError, "the command line")
 
 
 def translate_args(args) -> None:
@@ -155,97 +149,14 @@ def translate_args(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # --tsp-mlp (TP+SP attention + TSP MLP)
 # ---------------------------------------------------------------------------------------------
-def _flag(dest: str) -> str:
-    """The Megatron-LM flag of ``dest`` (the rejection table knows the flags whose names differ,
-    e.g. ``fp8`` -> ``--fp8-format``)."""
-    try:
-        return rejections.row_for(dest).flag
-    except KeyError:
-        return "--" + dest.replace("_", "-")
-
-
-def _enum_name(value) -> str:
-    return getattr(value, "name", str(value))
-
-
-def _truthy(value) -> bool:
-    return bool(value)
-
-
-def _above_one(value) -> bool:
-    return (value or 1) > 1
-
-
-def _not_one(value) -> bool:
-    return value not in (None, 1)
-
-
-_NO_CONTEXT_PARALLEL = ("the hybrid builds Megatron's local attention, which has no context "
-                        "parallelism")
-
-# Everything --tsp-mlp refuses, one row per Megatron argument: (dest, refused(value), why).
-# The hybrid changes only the MLP (and selects Megatron's local layer spec), so only flags that
-# would touch the MLP, replace the spec or need Transformer Engine modules are here.
-TSP_MLP_REJECTIONS = (
-    ("tensor_sequence_parallel_size", lambda v: v is not None,
-     f"{TSP_FLAG} already runs the MLP (and attention) under TSP; use one or the other"),
-    ("num_experts", _truthy, "the TSP MLP ring replaces dense MLPs only (no MoE)"),
-    ("expert_model_parallel_size", _above_one, "the TSP MLP ring replaces dense MLPs only"),
-    ("context_parallel_size", _above_one, _NO_CONTEXT_PARALLEL),
-    ("hierarchical_context_parallel_sizes", _truthy, _NO_CONTEXT_PARALLEL),
-    ("hybrid_context_parallel", _truthy, _NO_CONTEXT_PARALLEL),
-    ("tp_comm_overlap", _truthy,
-     "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's layers "
-     "are Megatron's local modules and its MLP issues no such collectives"),
-    ("tensor_parallel_num_weight_shards", _not_one,
-     "the TSP MLP ring circulates exactly the D tensor-parallel shards"),
-    ("multi_latent_attention", _truthy, "the hybrid spec builds standard self-attention"),
-    ("qk_layernorm", _truthy, "the hybrid spec's norms are sequence-parallel-tagged torch norms"),
-    ("use_legacy_models", _truthy, "the hybrid needs megatron-core models"),
-    ("mtp_num_layers", _truthy, "multi-token prediction layers have no hybrid spec"),
-    ("experimental_attention_variant", _truthy, "the hybrid spec would replace it"),
-    ("heterogeneous_layers_config_path", _truthy, "heterogeneous layers have no hybrid spec"),
-    ("yaml_cfg", _truthy,
-     "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated"),
-    ("fp8", _truthy, "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module"),
-    ("fp4", _truthy, "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module"),
-    # The TSP MLP reads linear_fc1 / linear_fc2's weights without calling those modules (see
-    # megatron_tsp.core.layers.module_hooks): wrappers acting in hooks around module calls miss them.
-    ("use_megatron_fsdp", _truthy,
-     "Megatron-FSDP gathers each module's weights in hooks around its call; the TSP MLP reads "
-     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
-    ("use_torch_fsdp2", _truthy,
-     "FSDP2 unshards parameters in hooks around each module's call; the TSP MLP reads "
-     "linear_fc1/linear_fc2's weights without calling them (use --use-distributed-optimizer)"),
-    ("enable_cuda_graph", _truthy,
-     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
-     "graph-captured"),
-    ("external_cuda_graph", _truthy,
-     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
-     "graph-captured"),
-    ("cuda_graph_impl", lambda v: v not in (None, "none"),
-     "CUDA graphs capture module calls with static buffers; the MLP's weight ring is not "
-     "graph-captured"),
-    ("attention_backend", lambda v: v is not None and _enum_name(v) not in ("auto", "local"),
-     "the hybrid builds Megatron's local attention, so another backend would be silently "
-     "ignored; drop the flag (auto) or use local"),
-    ("transformer_impl", lambda v: v == "inference_optimized",
-     "the hybrid spec is the training layer spec"),
-)
-
-
 def tsp_mlp_requested(args) -> bool:
     return bool(getattr(args, "tsp_mlp", False))
 
 
 def tsp_mlp_unsupported_combinations(args) -> List[str]:
-    """Every reason the command line cannot run with ``--tsp-mlp`` (empty: none)."""
-    problems: List[str] = []
-    for dest, refused, why in TSP_MLP_REJECTIONS:
-        value = getattr(args, dest, None)
-        if refused(value):
-            shown = _flag(dest) if value is True else f"{_flag(dest)}={_enum_name(value)}"
-            problems.append(f"{shown} cannot be combined with {TSP_MLP_FLAG}: {why}")
+    """Every reason the command line cannot run with ``--tsp-mlp`` (empty: none): the hybrid's
+    rows of ``megatron_tsp.core.rejections``, and TP > 1 needs --sequence-parallel."""
+    problems = rejections.refusals_for_args(args, None, rejections.TSP_MLP)
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp > 1 and not getattr(args, "sequence_parallel", False):
         problems.append(
@@ -256,11 +167,8 @@ def tsp_mlp_unsupported_combinations(args) -> List[str]:
 
 
 def _translate_tsp_mlp_args(args) -> None:
-    problems = tsp_mlp_unsupported_combinations(args)
-    if problems:
-        raise TSPArgumentError(problems[0] if len(problems) == 1 else
-                               f"the command line cannot run with {TSP_MLP_FLAG}:\n  - "
-                               + "\n  - ".join(problems))
+    rejections.raise_if_any(tsp_mlp_unsupported_combinations(args), TSPArgumentError,
+                            "the command line", rejections.TSP_MLP)
     user_spec = getattr(args, "spec", None)
     if user_spec and list(user_spec) != [SPEC_MODULE, TSP_MLP_SPEC_ATTR]:
         args.tsp_replaced_spec = list(user_spec)
@@ -274,12 +182,14 @@ def _check_validated_tsp_mlp_args(args) -> None:
             f"Megatron turned --sequence-parallel off during validation; {TSP_MLP_FLAG} with "
             f"--tensor-model-parallel-size={tp} needs sequence-parallel activations"
         )
-    ffn = getattr(args, "ffn_hidden_size", None)
-    if ffn is not None and ffn % tp:
-        raise TSPArgumentError(
-            f"--ffn-hidden-size={ffn} is not divisible by --tensor-model-parallel-size={tp}: "
-            f"{TSP_MLP_FLAG} circulates D shards of the MLP's intermediate dimension"
-        )
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+    try:
+        rejections.check_divisible(tp, rejections.TSP_MLP,
+                                   num_attention_heads=getattr(args, "num_attention_heads", None),
+                                   num_query_groups=groups,
+                                   ffn_hidden_size=getattr(args, "ffn_hidden_size", None))
+    except rejections.TSPRejection as exc:
+        raise TSPArgumentError(str(exc)) from exc
 
 
 def check_validated_args(args) -> None:

@@ -38,6 +38,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tsp.core import rejections
+
 VARIANTS = ("tsp", "tp_sp", "tp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "tp": "TP"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -103,11 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for d in args.world_sizes:
         if d < 2:
             p.error("--world-sizes: every D must be >= 2 (D=1 has no communication)")
-        for name, n in (("--num-attention-heads", args.num_attention_heads),
-                        ("--num-query-groups", args.num_query_groups),
-                        ("--ffn-hidden-size", args.ffn_hidden_size)):
-            if n % d:
-                p.error(f"{name}={n} is not divisible by D={d}")
+        try:
+            rejections.check_divisible(d, num_attention_heads=args.num_attention_heads,
+                                       num_query_groups=args.num_query_groups,
+                                       ffn_hidden_size=args.ffn_hidden_size)
+        except rejections.TSPRejection as exc:
+            p.error(f"--world-sizes D={d}: {exc}")
         for s in args.seq_lengths:
             if s % (2 * d):
                 p.error(f"--seq-lengths: S={s} is not divisible by 2*D={2 * d} (zigzag chunks)")

@@ -50,7 +50,9 @@ def megatron_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=int, default=default)
     seen = {a.dest for a in parser._actions}
     for row in rejections.TABLE:
-        if row.dest in seen:
+        # the TSP group's own flags come from add_tsp_arguments; a labelled row reads a value
+        # Megatron derives (the padded vocabulary), not a flag of its own
+        if row.dest in seen or row.flag == rejections.TSP_FLAG or row.label:
             continue
         seen.add(row.dest)
         if row.dest == "attention_backend":

@@ -4,8 +4,10 @@ For each tree (``MEGATRON_LM_PATH`` on this interpreter; ``MEGATRON_LM_PATH_0_19
 ``$VENV312/bin/python`` when that venv exists; scripts/test_core_0_19.sh also runs this file in the
 venv with ``MEGATRON_LM_PATH`` = the core_v0.19.0 tree), a subprocess builds Megatron-LM's own parser
 (``add_megatron_arguments`` with the TSP group, as the launcher does) and reports, per row: whether
-the flag exists, its dest and choices, and what ``unsupported_combinations`` says when the row's
-example is parsed. A row must name a flag that exists exactly in the trees its ``versions`` list,
+the flag exists, its dest and choices, and what the launcher's check of the row's mode
+(``unsupported_combinations`` / ``tsp_mlp_unsupported_combinations``) says when the row's example
+is parsed (rows checked after Megatron's validation: existence and dest only). A row must
+name a flag that exists exactly in the trees its ``versions`` list,
 with the row's dest, offering the values its condition names; its example must be refused by that
 row; and Megatron-LM's defaults must pass.
 """
@@ -40,26 +42,33 @@ if importlib.util.find_spec("triton") is None:
 from megatron.core import package_info
 from megatron.training import arguments
 from megatron_tsp.core import rejections
-from megatron_tsp.megatron_lm.arguments import add_tsp_arguments, unsupported_combinations
+from megatron_tsp.megatron_lm.arguments import (add_tsp_arguments, tsp_mlp_unsupported_combinations,
+                                                 unsupported_combinations)
 
 def parser():
     return add_tsp_arguments(arguments.add_megatron_arguments(
         argparse.ArgumentParser(allow_abbrev=False)))
 
+# each mode's own flags, and what the launcher checks them with
+modes = {rejections.TSP: (["--tensor-sequence-parallel-size", "2"], unsupported_combinations),
+         rejections.TSP_MLP: (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--tsp-mlp"], tsp_mlp_unsupported_combinations)}
 options = {o: a for a in parser()._actions for o in a.option_strings}
 out = {"version": f"{package_info.MAJOR}.{package_info.MINOR}", "rows": {},
-       "defaults": unsupported_combinations(parser().parse_args(
-           ["--tensor-sequence-parallel-size", "2"]))}
-for row in rejections.TABLE:
-    action = options.get(row.flag)
-    entry = {"exists": action is not None}
-    if action is not None:
-        entry["dest"] = action.dest
-        entry["nargs"] = action.nargs
-        entry["choices"] = [getattr(c, "name", str(c)) for c in (action.choices or [])]
-        args = parser().parse_args(["--tensor-sequence-parallel-size", "2", *row.argv()])
-        entry["refusals"] = unsupported_combinations(args)
-    out["rows"][row.flag] = entry
+       "defaults": {mode: check(parser().parse_args(base))
+                    for mode, (base, check) in modes.items()}}
+for mode, (base, check) in modes.items():
+    for row in rejections.rows(mode):
+        action = options.get(row.flag)
+        entry = {"exists": action is not None}
+        if action is not None:
+            entry["dest"] = action.dest
+            entry["nargs"] = action.nargs
+            entry["choices"] = [getattr(c, "name", str(c)) for c in (action.choices or [])]
+            # rows checked after Megatron's validation need its derived values
+            if row.stage == rejections.PARSED:
+                entry["refusals"] = check(parser().parse_args([*base, *row.argv()]))
+        out["rows"][mode + " " + row.flag] = entry
 print("PROBE " + json.dumps(out))
 """
 
@@ -93,24 +102,25 @@ def test_table_flags_match_megatron_lm_parser(label, tree, python):
     probe = _probe(tree, python)
     version = probe["version"]
     assert version in R.MEGATRON_LM_VERSIONS, version
-    assert probe["defaults"] == [], "Megatron-LM's defaults are refused: " + str(probe["defaults"])
+    for mode, refusals in probe["defaults"].items():
+        assert refusals == [], f"Megatron-LM's defaults are refused ({mode}): {refusals}"
     problems = []
-    for row in R.TABLE:
-        entry = probe["rows"][row.flag]
+    for mode, row in [(mode, row) for mode in (R.TSP, R.TSP_MLP) for row in R.rows(mode)]:
+        entry = probe["rows"][mode + " " + row.flag]
         if entry["exists"] != (version in row.versions):
             problems.append(f"{row.flag}: exists in core_v{version}: {entry['exists']}, "
                             f"table says versions={row.versions}")
             continue
         if not entry["exists"]:
             continue
-        if entry["dest"] != row.dest:
+        if entry["dest"] != row.dest and row.label is None:  # a label: a derived value
             problems.append(f"{row.flag}: dest {entry['dest']!r}, table says {row.dest!r}")
         missing = set(row.condition.values) - set(entry["choices"])
         if missing:
             problems.append(f"{row.flag}: choices {entry['choices']} lack {sorted(missing)}")
         if not row.example and entry["nargs"] != 0:
             problems.append(f"{row.flag} takes a value (nargs={entry['nargs']}): give an example")
-        if not any(p.startswith(row.flag) for p in entry["refusals"]):
-            problems.append(f"{row.flag} {' '.join(row.example)} parsed by core_v{version} is "
-                            f"not refused: {entry['refusals']}")
+        if "refusals" in entry and not any(p.startswith(row.flag) for p in entry["refusals"]):
+            problems.append(f"{mode}: {row.flag} {' '.join(row.example)} parsed by "
+                            f"core_v{version} is not refused: {entry['refusals']}")
     assert not problems, "\n".join(problems)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_tsp.core import rejections
 from megatron_tsp.megatron_lm import arguments as A
 from tests.megatron_lm.common import megatron_parser
 
@@ -93,7 +94,7 @@ def test_refused_flags_are_named(extra, named):
 
 def test_every_rejection_row_is_tested():
     tested = {named.split("=")[0] for _, named in REFUSED}
-    rows = {A._flag(dest) for dest, _, _ in A.TSP_MLP_REJECTIONS}
+    rows = {r.flag for r in rejections.rows(rejections.TSP_MLP, stage=rejections.PARSED)}
     assert rows == tested
 
 

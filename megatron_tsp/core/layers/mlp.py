@@ -285,16 +285,10 @@ class TSPMLP(MLP):
             reason = rejections.row_for("num_experts").reason
             raise rejections.TSPRejection(f"TSPMLP built as an expert (is_expert=True): {reason}")
         group = resolve_group(pg_collection, tp_group)
-        rejections.check_config(config, dist.get_world_size(group), layer="mlp")
         if ffn_hidden_size is None:
             ffn_hidden_size = config.ffn_hidden_size
-        size = dist.get_world_size(group)
-        if ffn_hidden_size % size != 0:
-            raise ValueError(
-                f"--ffn-hidden-size={ffn_hidden_size} is not divisible by "
-                f"--tensor-sequence-parallel-size={size}: TSP shards the MLP's intermediate "
-                f"dimension over the group"
-            )
+        rejections.check_config(config, dist.get_world_size(group), layer="mlp",
+                                overrides={"ffn_hidden_size": ffn_hidden_size})
         # Newer cores pass extra keywords (name, is_mtp_layer, ...): forward those MLP accepts.
         extra = {k: v for k, v in kwargs.items() if k in _MLP_INIT_PARAMS}
         super().__init__(config, submodules, is_expert=False, input_size=input_size,

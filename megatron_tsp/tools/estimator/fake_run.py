@@ -45,6 +45,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tsp.core import rejections
 from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
@@ -140,9 +141,11 @@ class RunConfig:
             raise ValueError(f"world size {self.world_size} is not divisible by "
                              f"TP*CP={self.tp * self.cp}")
         m = self.model
-        for what, n in (("heads", m.heads), ("query groups", m.groups), ("ffn", m.ffn_size)):
-            if n % self.tp:
-                raise ValueError(f"{what} ({n}) not divisible by TP/D={self.tp}")
+        # the rejection table's shape rows (TSP, the hybrid and plain TP shard alike)
+        mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme,
+                                                                         rejections.TP)
+        rejections.check_divisible(self.tp, mode, num_attention_heads=m.heads,
+                                   num_query_groups=m.groups, ffn_hidden_size=m.ffn_size)
         split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
                  "hybrid": self.tp, "tp": 1}[self.scheme]
         if self.seq % split:
