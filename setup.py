@@ -9,7 +9,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tsp", "megatron_tsp.*"]),
     package_data={
-        "megatron_tsp.tools.estimator": ["models/*.json", "hardware/*.json"],
+        "megatron_tsp": ["models/*.json"],
+        "megatron_tsp.tools.estimator": ["hardware/*.json"],
     },
     include_package_data=True,
     # Tested: megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12) with torch 2.13.0.

@@ -329,19 +329,19 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     args = parse_args(argv)
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
-    from megatron_tsp.tools.estimator import fake_run as fr
+    from megatron_tsp.core.model_shape import ModelShape, load_model
 
     if args.cpu_smoke:
-        device, model = "cpu", fr.ModelShape(hidden=64, layers=1, heads=4, vocab=128)
+        device, model = "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
         seq, d, iters = args.seq or 64, min(args.d, 2), args.iters or 2
         enable_cpu_support()
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --cpu-smoke on a CPU machine", file=sys.stderr)
             return 2
-        device, model = "cuda", fr.PRESETS["7b"]
+        device, model = "cuda", load_model("7b")
         seq, d, iters = args.seq or 131072, args.d, args.iters or 3
-    model = dataclasses.replace(model, layers=1)
+    model = dataclasses.replace(model, num_layers=1)
     dtype = torch.bfloat16
     t0 = time.time()
     timing = {}
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
                   "device_name": (torch.cuda.get_device_name() if device == "cuda"
                                   else platform.processor() or "cpu"),
                   "torch": torch.__version__, "megatron_core": core_version,
-                  "hidden": model.hidden, "heads": model.heads, "ffn": model.ffn_size,
+                  "hidden": model.hidden, "heads": model.heads, "ffn": model.ffn_hidden,
                   "seq": seq, "d": d, "dtype": "bf16", "iters": iters,
                   "wall_s": None},
         "timing": timing, "precision": precision,

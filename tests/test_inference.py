@@ -85,7 +85,8 @@ def test_prefill_memory_tool(tmp_path):
                     "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {r["scheme"]: r for r in json.loads(path.read_text())}
-    layers, hidden, heads, seq, d, bf16 = 2, 128, 8, 2048, 2, 2
+    # megatron_tsp/models/tiny.json
+    layers, hidden, heads, seq, d, bf16 = 2, 64, 4, 2048, 2, 2
     head_dim = hidden // heads
     assert rows["tsp"]["kv_cache"] == 2 * layers * seq * (heads // d) * head_dim * bf16
     assert rows["cp"]["kv_cache"] == 2 * layers * (seq // d) * heads * head_dim * bf16

@@ -197,9 +197,10 @@ def test_each_shape_row_is_refused_after_validation(mode, row):
 @pytest.mark.parametrize("scheme,mode", [("tsp", R.TSP), ("hybrid", R.TSP_MLP), ("tp", R.TP),
                                          ("tpsp", R.TP)])
 def test_estimator_run_config_uses_the_shape_rows(scheme, mode):
-    from megatron_tsp.tools.estimator.fake_run import ModelShape, RunConfig
+    from megatron_tsp.core.model_shape import ModelShape
+    from megatron_tsp.tools.estimator.fake_run import RunConfig
 
-    model = ModelShape(hidden=64, layers=1, heads=8, query_groups=4, ffn=64, vocab=128)
+    model = ModelShape(hidden=64, num_layers=1, heads=8, query_groups=4, ffn=64, vocab=128)
     RunConfig(scheme=scheme, model=model, world_size=D, tp=D, seq=64).validate()
     bad = dataclasses.replace(model, ffn=66)
     with pytest.raises(ValueError) as err:

@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=2)
     p.add_argument("--load", default=None, help="torch_dist checkpoint directory (iteration "
                    "directory or a root with latest_checkpointed_iteration.txt)")
-    p.add_argument("--config", default=None, help="model JSON (configs/*.json) for --load")
+    p.add_argument("--config", default=None, help="run config (configs/*.json: name or path) for --load")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (byte tokens; repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=None,
@@ -113,10 +113,9 @@ def _checkpoint_dir(path: str) -> str:
 
 def _model_fields(args) -> dict:
     if args.config:
-        import json
+        from megatron_tsp.megatron_lm.configs import load_config
 
-        with open(args.config) as f:
-            return json.load(f)["model"]
+        return load_config(args.config)["model"]
     # The non-sharded part of a torch_dist checkpoint (Megatron-LM's ``args``): common.pt in
     # megatron-core 0.16, inside the checkpoint's own files in 0.19; read through megatron-core's
     # own loader so both layouts work.

@@ -1,19 +1,30 @@
-"""Model / parallel / training configs (``configs/*.json``) and the Megatron arguments they mean.
+"""Run configs (``configs/*.json``): a model, a sequence length, parallel and training settings,
+and the Megatron-LM arguments they mean.
 
-One JSON file per config, three sections, field names = Megatron's argument names (dest form):
+A run config names its model instead of describing it: the architecture lives in the one model
+description format shared with the planner, the formulas and the memory tool
+(``megatron_tsp/models/<name>.json``, ``megatron_tsp.core.model_shape.ModelShape``)::
 
-* ``model``: ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
-  ``ffn_hidden_size``, ``vocab_size``, ``seq_length``, ``max_position_embeddings``, ``swiglu``,
-  ``normalization``, ``position_embedding_type`` (+ optional ``rotary_base``, ``norm_epsilon``,
-  ``disable_bias_linear``, ``untie_embeddings_and_output_weights``);
-* ``parallel``: ``tensor_sequence_parallel_size`` (D), ``pipeline_model_parallel_size``,
-  ``nodes``, ``gpus_per_node``;
-* ``training``: any Megatron training flag in dest form (``micro_batch_size``, ``bf16``,
-  ``recompute_granularity``, ``lr``, ...); ``true`` emits a bare flag, ``false``/``null`` nothing.
+    {"name": "paper-7b-128k", "description": "...", "assumptions": [...],
+     "model": "7b",                       # a shipped model, a model .json path (relative to this
+                                          # file), or {"name": "tiny", "rope": false} to change
+                                          # fields of one
+     "seq_length": 131072,
+     "parallel": {"tensor_sequence_parallel_size": 8, "pipeline_model_parallel_size": 1,
+                  "nodes": 1, "gpus_per_node": 8},
+     "training": {"micro_batch_size": 1, "bf16": true, ...}}
+
+``load_config`` resolves the model into a ``model`` section of Megatron argument names (dest form:
+``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
+``ffn_hidden_size``, ``vocab_size``, ``seq_length``, ``max_position_embeddings``, ``swiglu``,
+``normalization``, ``position_embedding_type`` + ``rotary_base``, ``norm_epsilon``,
+``disable_bias_linear``, ``untie_embeddings_and_output_weights``), which ``--set`` overrides and
+``model_args`` print. ``training``: any Megatron training flag in dest form; ``true`` emits a bare
+flag, ``false``/``null`` nothing.
 
 The same file feeds the launcher / scripts (``to_megatron_args``, or ``python -m
-megatron_tsp.megatron_lm.configs NAME --variant tsp``) and the estimator (the ``model`` and
-``parallel`` sections). The A/B variants differ only in the parallel arguments:
+megatron_tsp.megatron_lm.configs NAME --variant tsp``). The A/B variants differ only in the
+parallel arguments:
 
 * ``tsp``: ``--tensor-sequence-parallel-size D``
 * ``tp``:  ``--tensor-model-parallel-size D --sequence-parallel``
@@ -28,7 +39,9 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_tsp.core.model_shape import ModelShape, available_models, load_model
 
 REQUIRED_MODEL_FIELDS = (
     "num_layers",
@@ -75,6 +88,41 @@ def _resolve(name_or_path: str) -> Path:
         f"unknown config {name_or_path!r}: not a JSON file and not one of {available()} "
         f"in {configs_dir()}"
     )
+
+
+def megatron_model_fields(shape: ModelShape, seq_length: int) -> Dict[str, Any]:
+    """``shape`` at ``seq_length`` as Megatron-LM model arguments (dest form)."""
+    out: Dict[str, Any] = {
+        "num_layers": shape.num_layers, "hidden_size": shape.hidden,
+        "num_attention_heads": shape.heads, "num_query_groups": shape.groups,
+        "ffn_hidden_size": shape.ffn_hidden, "vocab_size": shape.vocab,
+        "seq_length": seq_length, "max_position_embeddings": seq_length,
+        "swiglu": shape.gated, "normalization": shape.normalization,
+    }
+    if shape.norm_epsilon is not None:
+        out["norm_epsilon"] = shape.norm_epsilon
+    out["position_embedding_type"] = "rope" if shape.rope else "learned_absolute"
+    if shape.rope and shape.rotary_base is not None:
+        out["rotary_base"] = shape.rotary_base
+    out["disable_bias_linear"] = not shape.bias
+    out["untie_embeddings_and_output_weights"] = not shape.tied_embeddings
+    return out
+
+
+def _model_shape(model, config_path: Path) -> ModelShape:
+    """A run config's ``model``: a name or path, or an object {"name": ..., field: value}."""
+    changes = {}
+    if isinstance(model, dict):
+        changes = {k: v for k, v in model.items() if k != "name"}
+        model = model.get("name")
+    if not isinstance(model, str):
+        raise ValueError(f"{config_path}: 'model' must name a model (one of {available_models()}) "
+                         f"or a model .json path, got {model!r}")
+    relative = config_path.parent / model
+    if model.endswith(".json") and relative.is_file():
+        model = str(relative)
+    return ModelShape.from_json({**load_model(model).to_json(), **changes},
+                                source=f"{config_path}: model")
 
 
 def validate_config(cfg: dict, source: str = "config") -> None:
@@ -126,6 +174,11 @@ def load_config(name_or_path: str, overrides: Optional[Dict[str, object]] = None
         cfg = json.load(f)
     cfg.setdefault("name", path.stem)
     cfg["source"] = str(path)
+    if "seq_length" not in cfg:
+        raise ValueError(f"{path}: missing 'seq_length'")
+    shape = _model_shape(cfg.get("model"), path)
+    cfg["model_name"] = shape.name
+    cfg["model"] = megatron_model_fields(shape, cfg.pop("seq_length"))
     for key, value in (overrides or {}).items():
         set_field(cfg, key, value)
     validate_config(cfg, source=str(path))

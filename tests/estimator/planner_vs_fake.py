@@ -7,6 +7,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+from megatron_tsp.core.model_shape import ModelShape  # noqa: E402
 from megatron_tsp.tools.estimator import fake_run as fr  # noqa: E402
 from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
 
@@ -24,9 +25,7 @@ def layouts(d):
 
 
 def main(hidden, layers, heads, vocab, seq, d, which):
-    shape = fr.ModelShape(hidden=hidden, layers=layers, heads=heads, vocab=vocab)
-    spec = pl.ModelSpec(name="check", hidden=hidden, num_layers=layers, heads=heads,
-                        query_groups=heads, ffn=4 * hidden, vocab=vocab)
+    shape = ModelShape(name="check", hidden=hidden, num_layers=layers, heads=heads, vocab=vocab)
     out = []
     for name, scheme, kind, tp, cp, recompute, attn in layouts(d):
         if which and name not in which:
@@ -36,7 +35,7 @@ def main(hidden, layers, heads, vocab, seq, d, which):
             recompute=recompute, count_flops=False, count_comm=False,
             tsp_attention_backward=attn))
         planned = pl.analytic_memory(
-            spec, pl.Strategy(kind, tp=tp, cp=cp), seq, recompute=recompute,
+            shape, pl.Strategy(kind, tp=tp, cp=cp), seq, recompute=recompute,
             distributed_optimizer=False,
             options=pl.Options(tsp_recompute_attn=attn == "recompute",
                                attn_kernel="cpu_flash"))  # the tool runs the CPU backend

@@ -47,7 +47,7 @@ def test_hybrid_crossover_is_w_mlp_over_2h():
     fwd+bwd in bf16 bytes, the gradient ring sending fp32 partials (4 B):
     f*(2*5BSh + (2 + 2 + 4) W_mlp) <= f*2*10BSh  <=>  BS >= 4 W_mlp / 5h."""
     m = pl.load_model("7b")
-    shape = m.layer_shape(1, 1)
+    shape = LayerShape.of(m, 1, 1)
     h = m.hidden
     fwd = fm.crossover_seq_length(shape, 8, "fwd", candidate="hybrid")
     total = fm.crossover_seq_length(shape, 8, "total", candidate="hybrid")
@@ -69,7 +69,7 @@ def test_planner_hybrid_row_7b_128k_d8():
     assert hyb["strategy"] == "TP8+SP+TSP-MLP"
     assert hyb["memory_bytes"]["none"]["params"] == tpsp["memory_bytes"]["none"]["params"]
     assert hyb["memory_total_bytes"]["none"] < tpsp["memory_total_bytes"]["none"]
-    shape = pl.load_model("7b").layer_shape(1, 131072)
+    shape = LayerShape.of(pl.load_model("7b"), 1, 131072)
     mid = 131072 * (shape.fc1_rows + shape.ffn_hidden) / 8 * 2 * 32
     saved = tpsp["memory_bytes"]["none"]["activations"] - hyb["memory_bytes"]["none"]["activations"]
     assert saved == pytest.approx(mid)
@@ -94,9 +94,10 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     (fresh process); GEMM FLOPs = TP+SP's + the per-shard fc1 recompute; counted bytes of the
     step below TP+SP's at this S."""
     from megatron_tsp.tools.estimator import fake_run
-    from megatron_tsp.tools.estimator.fake_run import PRESETS, RunConfig, run_step
+    from megatron_tsp.core.model_shape import load_model
+    from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step
 
-    base = dict(model=PRESETS["small"], world_size=4, tp=4, seq=2048)
+    base = dict(model=load_model("small"), world_size=4, tp=4, seq=2048)
     fake = run_step(RunConfig(scheme="hybrid", **base))
     real = fake_run.run_step_isolated(RunConfig(scheme="hybrid", fake=False, count_flops=False,
                                                 count_comm=False, **base))
@@ -104,7 +105,7 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     assert err < 0.10, (fake.peak_bytes, real.real_peak_bytes)
     tpsp = run_step(RunConfig(scheme="tpsp", **base))
     m = base["model"]
-    fc1 = 2 * base["seq"] // 4 * m.hidden * m.ffn_size * m.layers
+    fc1 = 2 * base["seq"] // 4 * m.hidden * m.ffn_hidden * m.num_layers
     assert fake.flops["matmul"] - tpsp.flops["matmul"] == pytest.approx(fc1, rel=1e-9)
     assert fake.flops["attention"] == tpsp.flops["attention"]
     assert fake.peak_bytes < tpsp.peak_bytes

@@ -9,7 +9,6 @@ one full-scale rank (7B, S=128k, D=8, ~2.5 min) and still runs in CI; deselect i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 
@@ -22,15 +21,16 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 from megatron_tsp.core import zigzag  # noqa: E402
 from megatron_tsp.tools.estimator import fake_run  # noqa: E402
-from megatron_tsp.tools.estimator.fake_run import PRESETS, RunConfig, run_step  # noqa: E402
+from megatron_tsp.core.model_shape import ModelShape, load_model  # noqa: E402
+from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
 
 # h=128, 2 layers, 8 heads, vocab 512: every scheme runs in seconds.
-TINY = dataclasses.replace(PRESETS["tiny"])
+TINY = ModelShape(name="tiny-h128", hidden=128, num_layers=2, heads=8, vocab=512)
 SMALL_SEQ = 1024
 # h=256, 4 layers, vocab 2048, S=2048 on 4 ranks: peaks of 28-65 MB, where the CPU flash kernel's
 # per-thread scratch (invisible to any dispatch-level tracker, ~1.5 MB/thread) is noise.
-VALIDATE = dict(model=PRESETS["small"], seq=2048)
+VALIDATE = dict(model=load_model("small"), seq=2048)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,12 +142,12 @@ def _per_layer_gemm(cfg):
     m = cfg.model
     tok = cfg.seq * cfg.micro_batch // cfg.tp  # local tokens
     kv = m.hidden * m.groups // m.heads
-    fc1_width = m.ffn_size * (2 if m.gated else 1)
+    fc1_width = m.ffn_hidden * (2 if m.gated else 1)
     return {
         "qkv_fwd": 2 * tok * m.hidden * (m.hidden + 2 * kv),
         "proj_fwd": 2 * tok * m.hidden * m.hidden,
         "fc1_fwd": 2 * tok * m.hidden * fc1_width,
-        "fc2_fwd": 2 * tok * m.ffn_size * m.hidden,
+        "fc2_fwd": 2 * tok * m.ffn_hidden * m.hidden,
     }
 
 
@@ -160,7 +160,7 @@ def test_tsp_flops_within_documented_recompute():
     g = _per_layer_gemm(_cfg("tsp"))
     extra_gemm = tsp.flops["matmul"] - tpsp.flops["matmul"]
     extra_attn = tsp.flops["attention"] - tpsp.flops["attention"]
-    assert 0 <= extra_gemm <= TINY.layers * g["fc1_fwd"], (extra_gemm, g)
+    assert 0 <= extra_gemm <= TINY.num_layers * g["fc1_fwd"], (extra_gemm, g)
     assert 0 <= extra_attn <= tpsp.flops["attention"] / 3.5 * (1 + 1e-9)  # one core forward
     assert tsp.flops["other"] == tpsp.flops["other"] == 0
 
@@ -207,7 +207,7 @@ def test_full_scale_7b_128k_d8():
     the paper's 38.8 GB (we measure 38.1); the default saved-attention TSP (55.3 GB, issue 12:
     below the 58.7 GB it measured before the output was saved once) needs far less than Megatron
     TP=8 + SP (101.4 GB)."""
-    full = dict(model=PRESETS["7b"], world_size=8, tp=8, seq=131072, count_flops=False,
+    full = dict(model=load_model("7b"), world_size=8, tp=8, seq=131072, count_flops=False,
                 count_comm=False)
     tsp = run_step(RunConfig(scheme="tsp", **full))
     n = tsp.params_local

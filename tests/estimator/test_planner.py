@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from megatron_tsp.core.model_shape import ModelShape
 from megatron_tsp.tools.estimator import formulas as fm
 from megatron_tsp.tools.estimator import planner as pl
+from megatron_tsp.tools.estimator.formulas import LayerShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GB = 1e9
@@ -19,7 +21,7 @@ def test_shipped_profiles_load():
     assert {"mi300x", "h100", "h200"} <= set(pl.available("hardware"))
     for name in pl.available("models"):
         m = pl.load_model(name)
-        m.layer_shape(1, 64)  # validates divisibility
+        LayerShape.of(m, 1, 64)  # validates divisibility
     for name in pl.available("hardware"):
         hw = pl.load_hardware(name)
         assert hw.peak_bf16_tflops > 0 and 0 < hw.compute_efficiency <= 1
@@ -238,10 +240,10 @@ def test_kernel_dkv_workspace_by_backend():
     whole sequence for aten_flash (one bottom-right call, native GQA); twice that for top-left
     kernels (prefix + diagonal blocks, then their concatenation); kernels without native GQA
     also hold K/V repeated to the query heads and dK/dV per query head before the fold."""
-    m = pl.ModelSpec(name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096,
-                     vocab=1000)
+    m = ModelShape(name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096,
+                   vocab=1000)
     S, D = 8192, 4
-    shape = m.layer_shape(1, S)
+    shape = LayerShape.of(m, 1, S)
     unit = 2 * S / D * 2  # K+V of one hidden unit over S tokens, bf16
     assert pl._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
     assert pl._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
@@ -252,7 +254,7 @@ def test_kernel_dkv_workspace_by_backend():
 
 
 def test_tsp_backward_broadcast_fill_only_with_attention_recompute():
-    shape = pl.load_model("7b").layer_shape(1, 131072)
+    shape = LayerShape.of(pl.load_model("7b"), 1, 131072)
     saved = {t.what: t.overlap for t in fm.tsp_layer_terms(shape, 8)}
     rec = {t.what: t.overlap for t in fm.tsp_layer_terms(shape, 8, recompute_attn=True)}
     assert saved["re-broadcast attention weight shards"] == "prefetch"

@@ -93,11 +93,39 @@ def test_overrides_and_validation(tmp_path):
     with pytest.raises(ValueError, match="unknown config"):
         configs.load_config("no-such-config")
     bad = json.load(open(os.path.join(REPO, "configs", "tiny-cpu.json")))
-    del bad["model"]["ffn_hidden_size"]
+    bad["model"] = {"name": "tiny", "ffn_hidden_size": 256}  # a Megatron name, not a model field
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="ffn_hidden_size"):
+    with pytest.raises(ValueError, match=r"unknown model fields \['ffn_hidden_size'\]"):
         configs.load_config(str(path))
+    bad["model"] = "no-such-model"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        configs.load_config(str(path))
+
+
+def test_run_configs_name_the_shared_model_files(tmp_path):
+    """A run config's model is a model file of megatron_tsp/models (the planner's and the memory
+    tool's): its Megatron arguments are that shape's, at the config's sequence length."""
+    from megatron_tsp.core.model_shape import load_model
+
+    cfg = configs.load_config("llama3-8b-128k")
+    shape = load_model(cfg["model_name"])
+    m = cfg["model"]
+    assert (m["hidden_size"], m["num_layers"], m["num_attention_heads"], m["num_query_groups"],
+            m["ffn_hidden_size"], m["vocab_size"]) == (shape.hidden, shape.num_layers,
+                                                        shape.heads, shape.groups,
+                                                        shape.ffn_hidden, shape.vocab)
+    tiny = configs.load_config("tiny-cpu")["model"]
+    assert tiny["position_embedding_type"] == "learned_absolute"  # {"name": "tiny", "rope": false}
+    assert load_model("tiny").rope
+    # a model file next to the config, by relative path
+    (tmp_path / "mine.json").write_text(json.dumps(dict(load_model("tiny").to_json(), hidden=128,
+                                                        name="mine")))
+    own = json.load(open(os.path.join(REPO, "configs", "tiny-cpu.json")))
+    own["model"] = "mine.json"
+    (tmp_path / "run.json").write_text(json.dumps(own))
+    assert configs.load_config(str(tmp_path / "run.json"))["model"]["hidden_size"] == 128
 
 
 def test_configs_cli(capsys):

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import rejections
+from megatron_tsp.core.model_shape import ModelShape, load_model
 from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
@@ -57,40 +58,10 @@ GIB = 2 ** 30
 # configuration
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    query_groups: Optional[int] = None  # None: MHA
-    ffn: Optional[int] = None  # None: 4 * hidden
-    vocab: int = 32000
-    gated: bool = False  # SwiGLU-style fc1 (gate and up)
-    normalization: str = "LayerNorm"
-    tie_embeddings: bool = False
-
-    @property
-    def groups(self) -> int:
-        return self.query_groups or self.heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-
-PRESETS = {
-    # The paper's 7B-class model: h=4096, 32 layers, 32 Q/KV heads, FFN 4h (GELU), untied
-    # embedding/output with a 32k vocabulary (padded by Megatron to 32768 for TP=8).
-    "7b": ModelShape(hidden=4096, layers=32, heads=32, vocab=32000),
-    "tiny": ModelShape(hidden=128, layers=2, heads=8, vocab=512),
-    "small": ModelShape(hidden=256, layers=4, heads=8, vocab=2048),
-}
-
-
 @dataclass
 class RunConfig:
     scheme: str = "tsp"  # tsp | tp | tpsp | hybrid (TP+SP attention + TSP MLP) | cp
-    model: ModelShape = PRESETS["7b"]
+    model: ModelShape = field(default_factory=lambda: load_model("7b"))
     world_size: int = 8
     tp: int = 8  # the TSP group size D for scheme "tsp"
     cp: int = 1
@@ -145,7 +116,7 @@ class RunConfig:
         mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme,
                                                                          rejections.TP)
         rejections.check_divisible(self.tp, mode, num_attention_heads=m.heads,
-                                   num_query_groups=m.groups, ffn_hidden_size=m.ffn_size)
+                                   num_query_groups=m.groups, ffn_hidden_size=m.ffn_hidden)
         split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
                  "hybrid": self.tp, "tp": 1}[self.scheme]
         if self.seq % split:
@@ -330,8 +301,8 @@ def _transformer_config(cfg: RunConfig):
         extra = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1)
     return TransformerConfig(
-        num_layers=m.layers, hidden_size=m.hidden, num_attention_heads=m.heads,
-        num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size,
+        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads,
+        num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_hidden,
         gated_linear_unit=m.gated,
         activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
         normalization=m.normalization,
@@ -343,7 +314,8 @@ def _transformer_config(cfg: RunConfig):
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
-        add_bias_linear=False,
+        add_bias_linear=m.bias,
+        **({"layernorm_epsilon": m.norm_epsilon} if m.norm_epsilon else {}),
         **extra,
     )
 
@@ -377,7 +349,7 @@ def _layer_spec(cfg: RunConfig, config):
             opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
         layer = get_gpt_layer_tsp_mlp_spec(normalization=cfg.model.normalization, **opts)
         layer.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-        return TransformerBlockSubmodules(layer_specs=[layer] * cfg.model.layers,
+        return TransformerBlockSubmodules(layer_specs=[layer] * cfg.model.num_layers,
                                           layer_norm=TSPNorm)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; TSPNorm is the same
@@ -385,7 +357,7 @@ def _layer_spec(cfg: RunConfig, config):
     spec.submodules.input_layernorm = TSPNorm
     spec.submodules.pre_mlp_layernorm = TSPNorm
     spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.num_layers, layer_norm=TSPNorm)
 
 
 def _build_model(cfg: RunConfig, config):
@@ -395,8 +367,9 @@ def _build_model(cfg: RunConfig, config):
         config=config, transformer_layer_spec=_layer_spec(cfg, config),
         vocab_size=cfg.padded_vocab(), max_sequence_length=cfg.seq,
         pre_process=True, post_process=True, parallel_output=True,
-        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
-        position_embedding_type="rope",
+        share_embeddings_and_output_weights=cfg.model.tied_embeddings,
+        position_embedding_type="rope" if cfg.model.rope else "learned_absolute",
+        **({"rotary_base": cfg.model.rotary_base} if cfg.model.rotary_base else {}),
     )
 
 
@@ -806,7 +779,7 @@ def _config_dict(cfg: RunConfig) -> dict:
 def _config_from_dict(d: dict) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     kw = {k: v for k, v in d.items() if k in fields}
-    kw["model"] = ModelShape(**d["model"])
+    kw["model"] = ModelShape.from_json(d["model"])
     return RunConfig(**kw)
 
 

@@ -59,9 +59,12 @@ step, not per layer: see ``dp_step_comm``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
+
+from megatron_tsp.core.model_shape import ModelShape
 
 PHASES = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")
 
@@ -69,49 +72,19 @@ PHASES = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd")
 # ---------------------------------------------------------------------------------------------
 # shape
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerShape:
-    """One transformer layer as Megatron builds it, plus the micro-batch it processes."""
+@dataclass(frozen=True, kw_only=True)
+class LayerShape(ModelShape):
+    """One transformer layer of a ``ModelShape`` and the micro-batch it processes (B x S tokens);
+    dimensions and parameter counts are the model's."""
 
     batch: int
     seq: int
-    hidden: int
-    heads: int
-    query_groups: Optional[int] = None  # None -> heads (multi-head attention)
-    ffn: Optional[int] = None  # None -> 4 * hidden
-    gated: bool = False  # SwiGLU / GeGLU: fc1 is [2F, h]
-    bias: bool = False  # add_bias_linear
-    dtype_bytes: int = 2  # activations and weights (bf16)
-    normalization: str = "LayerNorm"  # or "RMSNorm" (no bias parameter)
+    num_layers: int = 1  # the formulas are per layer
 
-    def __post_init__(self):
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden {self.hidden} not divisible by heads {self.heads}")
-        if self.heads % self.groups:
-            raise ValueError(f"heads {self.heads} not divisible by query groups {self.groups}")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"unknown normalization {self.normalization!r}")
-
-    # dimensions -----------------------------------------------------------------------------
-    @property
-    def groups(self) -> int:
-        return self.query_groups or self.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_hidden(self) -> int:
-        return self.groups * self.head_dim
-
-    @property
-    def ffn_hidden(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-    @property
-    def fc1_rows(self) -> int:
-        return (2 if self.gated else 1) * self.ffn_hidden
+    @classmethod
+    def of(cls, model: ModelShape, batch: int, seq: int) -> "LayerShape":
+        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelShape)}
+        return cls(**fields, batch=batch, seq=seq)
 
     @property
     def tokens(self) -> int:
@@ -122,67 +95,6 @@ class LayerShape:
 
     def with_batch(self, batch: int) -> "LayerShape":
         return _replace(self, batch=batch)
-
-    # parameters (elements) ------------------------------------------------------------------
-    @property
-    def w_qkv(self) -> int:
-        return (self.hidden + 2 * self.kv_hidden) * self.hidden
-
-    @property
-    def b_qkv(self) -> int:
-        return (self.hidden + 2 * self.kv_hidden) if self.bias else 0
-
-    @property
-    def w_proj(self) -> int:
-        return self.hidden * self.hidden
-
-    @property
-    def b_proj(self) -> int:
-        return self.hidden if self.bias else 0
-
-    @property
-    def w_fc1(self) -> int:
-        return self.fc1_rows * self.hidden
-
-    @property
-    def b_fc1(self) -> int:
-        return self.fc1_rows if self.bias else 0
-
-    @property
-    def w_fc2(self) -> int:
-        return self.hidden * self.ffn_hidden
-
-    @property
-    def b_fc2(self) -> int:
-        return self.hidden if self.bias else 0
-
-    @property
-    def norm_params(self) -> int:
-        """Both norms of the layer (LayerNorm: weight + bias; RMSNorm: weight)."""
-        return 2 * self.hidden * (2 if self.normalization == "LayerNorm" else 1)
-
-    @property
-    def w_attn(self) -> int:
-        """Attention parameters TSP moves: qkv weight + qkv bias + proj weight."""
-        return self.w_qkv + self.b_qkv + self.w_proj
-
-    @property
-    def w_mlp(self) -> int:
-        """MLP parameters TSP moves: fc1 weight + fc1 bias + fc2 weight."""
-        return self.w_fc1 + self.b_fc1 + self.w_fc2
-
-    @property
-    def w_layer(self) -> int:
-        return self.w_attn + self.w_mlp
-
-    @property
-    def replicated_params(self) -> int:
-        """Parameters every TSP / TP rank holds in full: norms, proj bias, fc2 bias."""
-        return self.norm_params + self.b_proj + self.b_fc2
-
-    @property
-    def layer_params(self) -> int:
-        return self.w_layer + self.replicated_params
 
 
 def _replace(shape: LayerShape, **kw) -> LayerShape:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -29,6 +28,8 @@ import warnings
 from typing import Optional, Sequence
 
 import torch
+
+from megatron_tsp.core.model_shape import load_model
 
 SCHEMES = ("tsp", "tp", "cp")
 
@@ -94,7 +95,7 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
     from megatron_tsp.tools.estimator import fake_run as fr
     from megatron_tsp.inference.engine import prefill_slice
 
-    cfg = _run_config(scheme, size, seq, model or fr.PRESETS["7b"], batch, dtype, True)
+    cfg = _run_config(scheme, size, seq, model or load_model("7b"), batch, dtype, True)
     cfg.validate()
     enable_cpu_support()
     fr._ensure_fake_world(cfg.world_size)
@@ -106,7 +107,7 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
     cache_groups = shape.groups if scheme == "cp" else shape.groups // size
     cache_tokens = seq // size if scheme == "cp" else seq
     element = 2 if dtype == "bf16" else 4
-    kv_bytes = 2 * shape.layers * cache_tokens * batch * cache_groups * head_dim * element
+    kv_bytes = 2 * shape.num_layers * cache_tokens * batch * cache_groups * head_dim * element
     with FakeTensorMode(allow_non_fake_inputs=True):
         gpt = fr._build_model(cfg, config).eval()
         params = sum(p.numel() for p in gpt.parameters()) * element
@@ -128,8 +129,8 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
                 # a CP rank caches K/V of all heads for its own S/D tokens, allocated up front
                 params_dtype = config.params_dtype
                 cache = [torch.empty(cache_tokens, batch, cache_groups, head_dim,
-                                     dtype=params_dtype) for _ in range(2 * shape.layers)]
-                assert len(cache) == 2 * shape.layers  # held (measured) through the decoder
+                                     dtype=params_dtype) for _ in range(2 * shape.num_layers)]
+                assert len(cache) == 2 * shape.num_layers  # held (measured) through the decoder
                 hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
                 hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
                                      rotary_pos_emb=table)
@@ -153,14 +154,12 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
 def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: int = 1,
                           dtype: str = "bf16", timeout: float = 3600) -> dict:
     """``prefill_peak`` in a fresh process (no module caches shared between measurements)."""
-    from megatron_tsp.tools.estimator.fake_run import PRESETS
-
     payload = json.dumps(dict(scheme=scheme, size=size, seq=seq, batch=batch, dtype=dtype,
-                              model=dataclasses.asdict(model or PRESETS["7b"])))
+                              model=(model or load_model("7b")).to_json()))
     code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
-            "from megatron_tsp.tools.estimator.fake_run import ModelShape; "
+            "from megatron_tsp.core.model_shape import ModelShape; "
             "from megatron_tsp.inference import memory as m; a = json.loads(sys.stdin.read()); "
-            "a['model'] = ModelShape(**a['model']); "
+            "a['model'] = ModelShape.from_json(a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -195,7 +194,8 @@ def format_rows(rows, units: str = "GiB") -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-tsp prefill-memory",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="7b", help="estimator preset (7b, small, tiny)")
+    p.add_argument("--model", default="7b",
+                   help="model name (megatron_tsp/models: 7b, small, tiny, ...) or a .json")
     p.add_argument("--size", type=int, default=8, help="GPUs: D for TSP, TP size, CP size")
     p.add_argument("--seqs", default="131072,524288,1048576", help="prompt lengths")
     p.add_argument("--schemes", default="tsp,tp,cp")
@@ -205,16 +205,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    from megatron_tsp.tools.estimator.fake_run import PRESETS
-
-    if args.model not in PRESETS:
-        p.error(f"--model {args.model!r}: presets are {', '.join(PRESETS)}")
+    try:
+        model = load_model(args.model)
+    except ValueError as exc:
+        p.error(f"--model: {exc}")
     rows = []
     for seq in [int(s) for s in args.seqs.split(",") if s]:
         for scheme in [s for s in args.schemes.split(",") if s]:
             if scheme not in SCHEMES:
                 p.error(f"--schemes: {scheme!r} is not one of {SCHEMES}")
-            rows.append(prefill_peak_isolated(scheme, args.size, seq, PRESETS[args.model],
+            rows.append(prefill_peak_isolated(scheme, args.size, seq, model,
                                               args.batch, args.dtype))
             print(format_rows(rows[-1:], args.units).splitlines()[-1], flush=True)
     print(format_rows(rows, args.units))

@@ -43,13 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure one rank's peak memory, FLOPs and communication for a full training "
                     "step with fake tensors (no GPU needed).")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="7b", help="preset: 7b (default), small, tiny")
+    m.add_argument("--model", default="7b",
+                   help="model name (megatron_tsp/models: 7b, llama3-8b, small, tiny, ...) or a "
+                        "model .json; the flags below change single fields")
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--num-layers", type=int)
     m.add_argument("--num-attention-heads", type=int)
     m.add_argument("--num-query-groups", type=int)
     m.add_argument("--ffn-hidden-size", type=int)
-    m.add_argument("--vocab-size", type=int, help="before Megatron's padding (7b preset: 32000)")
+    m.add_argument("--vocab-size", type=int, help="before Megatron's padding (7b: 32000)")
     m.add_argument("--swiglu", action="store_true", help="gated fc1 (SwiGLU) instead of GELU")
     m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     m.add_argument("--tie-embeddings", action="store_true",
@@ -96,20 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(args):
-    from megatron_tsp.tools.estimator.fake_run import PRESETS
+    from megatron_tsp.core.model_shape import load_model
 
-    if args.model not in PRESETS:
-        raise SystemExit(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
-    base = PRESETS[args.model]
     changes = {k: v for k, v in dict(
-        hidden=args.hidden_size, layers=args.num_layers, heads=args.num_attention_heads,
+        hidden=args.hidden_size, num_layers=args.num_layers, heads=args.num_attention_heads,
         query_groups=args.num_query_groups, ffn=args.ffn_hidden_size, vocab=args.vocab_size,
         normalization=args.normalization).items() if v is not None}
     if args.swiglu:
         changes["gated"] = True
     if args.tie_embeddings:
-        changes["tie_embeddings"] = True
-    return dataclasses.replace(base, **changes)
+        changes["tied_embeddings"] = True
+    try:
+        return load_model(args.model, **changes)
+    except ValueError as exc:
+        raise SystemExit(f"--model: {exc}") from exc
 
 
 def _config(args, scheme, tp, cp, seq, fake=True):

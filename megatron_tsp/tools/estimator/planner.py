@@ -10,8 +10,9 @@ Strategies over one group of size D (the rest of the GPUs are data parallel):
     cp      Megatron CP = D (distributed optimizer shards over CP x DP)
     tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
 
-Models and hardware are JSON files (``megatron_tsp/tools/estimator/{models,hardware}/``); ``--model`` and
-``--hardware`` take a shipped name or a path to your own file with the same keys.
+Models are the package's model files (``megatron_tsp/models/``, ``core.model_shape``), hardware
+profiles JSON files in ``megatron_tsp/tools/estimator/hardware/``; ``--model`` and ``--hardware``
+take a shipped name or a path to your own file with the same keys.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
+from megatron_tsp.core import model_shape
+from megatron_tsp.core.model_shape import ModelShape, available_models
+
 from . import formulas as fm
 from .formulas import LayerShape
 
@@ -34,45 +38,6 @@ GB = 1e9
 # ---------------------------------------------------------------------------------------------
 # data files
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class ModelSpec:
-    name: str
-    hidden: int
-    num_layers: int
-    heads: int
-    query_groups: Optional[int] = None
-    ffn: Optional[int] = None
-    gated: bool = False
-    bias: bool = False
-    normalization: str = "LayerNorm"
-    vocab: int = 32000
-    tied_embeddings: bool = False
-    dtype_bytes: int = 2
-    rope: bool = True  # rotary position embeddings (the fake-tensor tool's models use RoPE)
-    description: str = ""
-    assumptions: List[str] = field(default_factory=list)
-    published: dict = field(default_factory=dict)
-
-    def layer_shape(self, batch: int, seq: int) -> LayerShape:
-        return LayerShape(batch=batch, seq=seq, hidden=self.hidden, heads=self.heads,
-                          query_groups=self.query_groups, ffn=self.ffn, gated=self.gated,
-                          bias=self.bias, dtype_bytes=self.dtype_bytes,
-                          normalization=self.normalization)
-
-    def padded_vocab(self, tp: int, divisible_by: int = 128) -> int:
-        """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by x TP."""
-        m = divisible_by * tp
-        return -(-self.vocab // m) * m
-
-    def final_norm_params(self) -> int:
-        return self.hidden * (2 if self.normalization == "LayerNorm" else 1)
-
-    def num_params(self, tp: int = 1) -> int:
-        s = self.layer_shape(1, 1)
-        emb = self.padded_vocab(tp) * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.num_layers * s.layer_params + emb + self.final_norm_params()
-
-
 @dataclass
 class HardwareSpec:
     name: str
@@ -119,6 +84,7 @@ class HardwareSpec:
 
 
 def _resolve(kind: str, name_or_path: str) -> Path:
+    """A hardware profile (``hardware/<name>.json``) by name, or a ``.json`` path."""
     p = Path(name_or_path)
     if p.suffix == ".json" and p.exists():
         return p
@@ -130,15 +96,18 @@ def _resolve(kind: str, name_or_path: str) -> Path:
 
 
 def available(kind: str) -> List[str]:
+    """Shipped names: ``models`` (``megatron_tsp/models``, shared with configs and the memory
+    tool) or ``hardware``."""
+    if kind == "models":
+        return available_models()
     return sorted(x.stem for x in (HERE / kind).glob("*.json"))
 
 
-def load_model(name_or_path: Union[str, ModelSpec]) -> ModelSpec:
-    if isinstance(name_or_path, ModelSpec):
-        return name_or_path
-    d = json.loads(_resolve("models", name_or_path).read_text())
-    keys = ModelSpec.__dataclass_fields__
-    return ModelSpec(**{k: v for k, v in d.items() if k in keys})
+def load_model(name_or_path: Union[str, ModelShape]) -> ModelShape:
+    try:
+        return model_shape.load_model(name_or_path)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
@@ -379,7 +348,7 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
     return out
 
 
-def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy], seq: int,
+def analytic_memory(model: Union[str, ModelShape], strategy: Union[str, Strategy], seq: int,
                     micro_batch: int = 1, *, degree: Optional[int] = None, dp: int = 1,
                     recompute: str = "none", distributed_optimizer: bool = True,
                     options: Optional[Options] = None) -> Dict[str, float]:
@@ -407,7 +376,7 @@ def analytic_memory(model: Union[str, ModelSpec], strategy: Union[str, Strategy]
     m = load_model(model)
     o = options or Options()
     s = _as_strategy(strategy, degree)
-    shape = m.layer_shape(micro_batch, seq)
+    shape = LayerShape.of(m, micro_batch, seq)
     b = m.dtype_bytes
     T = s.weight_shards
     vpad = m.padded_vocab(T)
@@ -515,7 +484,7 @@ def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
                 full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
 
 
-def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Strategy, seq: int,
+def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Strategy, seq: int,
              gpus: int, o: Optional[Options] = None) -> dict:
     """All numbers for one strategy at one sequence length."""
     m, hw, o = load_model(model), load_hardware(hw), o or Options()
@@ -524,7 +493,7 @@ def evaluate(model: Union[str, ModelSpec], hw: Union[str, HardwareSpec], s: Stra
         raise ValueError(f"{gpus} GPUs not divisible by group size {D}")
     dp = gpus // D
     nmb = num_microbatches(o, dp, seq)
-    shape = m.layer_shape(o.micro_batch, seq)
+    shape = LayerShape.of(m, o.micro_batch, seq)
     mem = {r: analytic_memory(m, s, seq, o.micro_batch, dp=dp, recompute=r,
                               distributed_optimizer=o.distributed_optimizer, options=o)
            for r in ("none", "full")}
@@ -660,9 +629,9 @@ def throughput_crossover(model, hw, a: Strategy, b: Strategy, gpus: int, o: Opti
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def assumptions(m: ModelSpec, hw: HardwareSpec, o: Options, degree: int, gpus: int,
+def assumptions(m: ModelShape, hw: HardwareSpec, o: Options, degree: int, gpus: int,
                 seq: int) -> List[str]:
-    s = m.layer_shape(o.micro_batch, 1)
+    s = LayerShape.of(m, o.micro_batch, 1)
     a = [
         f"model {m.name}: h={m.hidden} layers={m.num_layers} heads={m.heads} "
         f"query_groups={s.groups} ffn={s.ffn_hidden} gated={m.gated} bias={m.bias} "
@@ -752,8 +721,8 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
-def crossover_report(m: ModelSpec, degree: int, o: Options) -> List[str]:
-    shape = m.layer_shape(o.micro_batch, 1)
+def crossover_report(m: ModelShape, degree: int, o: Options) -> List[str]:
+    shape = LayerShape.of(m, o.micro_batch, 1)
     h = m.hidden
     ca = fm.crossover_analysis(shape, degree)
     lines = []
@@ -783,7 +752,7 @@ def crossover_report(m: ModelSpec, degree: int, o: Options) -> List[str]:
     return lines
 
 
-def paper_check(m: ModelSpec, o: Options) -> List[str]:
+def paper_check(m: ModelShape, o: Options) -> List[str]:
     pub = (m.published or {})
     mem = pub.get("memory_gb")
     if not mem:
@@ -821,7 +790,7 @@ def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
     m, hw, o = load_model(model), load_hardware(hardware), options or Options()
     strategies = strategies or default_strategies(degree)
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
-    shape = m.layer_shape(o.micro_batch, seq)
+    shape = LayerShape.of(m, o.micro_batch, seq)
     cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp") for d in ("fwd", "total")}
     hybrid_cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
                     for d in ("fwd", "total")}
@@ -863,7 +832,7 @@ def cheapest_fitting_layer_time(model, hw, kind: str, seq: int, gpus: int, degre
     return {"strategy": s.label, "best": best, "candidates": candidates}
 
 
-def layer_time_report(m: ModelSpec, hw: HardwareSpec, seq: int, gpus: int, degree: int,
+def layer_time_report(m: ModelShape, hw: HardwareSpec, seq: int, gpus: int, degree: int,
                       o: Options) -> List[str]:
     """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
     res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o)
@@ -1006,7 +975,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = plan(m, hw, args.seq_length, args.gpus, args.degree, strategies, o)
     print(render(p))
     if args.verbose:
-        shape = m.layer_shape(o.micro_batch, args.seq_length)
+        shape = LayerShape.of(m, o.micro_batch, args.seq_length)
         for s in strategies:
             print(f"\n{s.label} per-layer terms (received MB per rank):")
             for t in layer_terms(shape, s, o):
