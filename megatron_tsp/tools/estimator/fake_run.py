@@ -413,30 +413,16 @@ def _cpu_cp_rope():
 
 @contextlib.contextmanager
 def _comm_counter(enabled: bool):
-    """``CommCounter``, with ``dist.isend``/``dist.irecv`` kept identical to the functions
-    ``P2POp`` validates against (``distributed_c10d``'s globals).
-
-    A counter that wraps only ``torch.distributed.isend`` makes ``P2POp(dist.isend, ...)`` raise
-    "Invalid ``op``" on torch 2.13; the counter still records P2P ops through its
-    ``batch_isend_irecv`` wrapper. Counters that patch both names need nothing from here.
-    """
+    """``CommCounter`` when ``enabled``, else None. The counter patches both
+    ``torch.distributed``'s and ``distributed_c10d``'s ``isend`` / ``irecv`` (the globals
+    ``P2POp`` validates its op against), so ``P2POp(dist.isend, ...)`` stays valid inside it."""
     if not enabled:
         yield None
         return
     from megatron_tsp.tools.comm_counter import CommCounter
 
-    c10d = dist.distributed_c10d
     with CommCounter() as counter:
-        saved = {}
-        for name in ("isend", "irecv"):
-            if getattr(dist, name) is not getattr(c10d, name):
-                saved[name] = getattr(dist, name)
-                setattr(dist, name, getattr(c10d, name))
-        try:
-            yield counter
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
+        yield counter
 
 
 class _Done:
@@ -638,30 +624,127 @@ def _step_start_ts(trace_path: str) -> float:
     raise RuntimeError("profiler trace has no measured-step marker")
 
 
-def run_step(cfg: RunConfig) -> RunResult:
-    """Build one rank of ``cfg`` and run one full training step; see the module docstring."""
-    cfg.validate()
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+def _prepare(cfg: RunConfig):
+    """Fresh process-wide state for one run: the fake world, the parallel groups, the seeds.
+    Returns the ``TransformerConfig``."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tsp.core.comm import WORKSPACE
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
-    t0 = time.time()
     WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
     enable_cpu_support()
     _ensure_fake_world(cfg.world_size)
     _init_parallel(cfg)
     config = _transformer_config(cfg)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
     torch.manual_seed(1234)
+    return config
 
+
+def _build_training_state(cfg: RunConfig, config):
+    """The model of this rank, Megatron's DDP wrapper (fp32 ``main_grad`` buffers) and the
+    mixed-precision Adam."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = _build_model(cfg, config)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.distributed_optimizer, bucket_size=None)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = MasterAdam(ddp, mpu.get_data_parallel_group(with_context_parallel=True),
+                           cfg.distributed_optimizer)
+    return model, ddp, optimizer
+
+
+def _local_batch(cfg: RunConfig):
+    """Random tokens and labels of this rank's sequence slice, and their positions (TP x CP:
+    Megatron's get_batch_on_this_cp_rank zigzag, chunks r and 2CP-1-r)."""
+    from megatron.core import parallel_state as mpu
+
+    local_seq, b = cfg.seq // cfg.cp, cfg.micro_batch
+    tokens = torch.randint(0, cfg.model.vocab, (b, local_seq))
+    labels = torch.randint(0, cfg.model.vocab, (b, local_seq))
+    if cfg.scheme == "cp":
+        from megatron_tsp.core import zigzag
+
+        cp_rank = mpu.get_context_parallel_rank()
+        pos = zigzag.local_positions(cfg.seq, cfg.cp, cp_rank).unsqueeze(0).expand(b, -1)
+    else:
+        pos = torch.arange(local_seq).unsqueeze(0).expand(b, -1)
+    return tokens, labels, pos
+
+
+def _categories(snapshot) -> Dict[str, int]:
+    return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snapshot.items()}
+
+
+def _track_static(model, ddp, optimizer):
+    """A ``MemTracker`` that knows the parameters, gradient buffers and optimizer state allocated
+    so far; returns it with their sizes by category."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    tracker = _lean_mem_tracker()
+    tracker.track_external(model, optimizer.optimizer)
+    for buffer in ddp.buffers:
+        _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
+        if buffer.param_data is not None:
+            _tag(tracker, buffer.param_data, _MemRefType.PARAM)
+    for t in optimizer.tensors():
+        _tag(tracker, t, _MemRefType.OPT)
+    current = next(iter(tracker.get_tracker_snapshot("current").values()), {})
+    return tracker, _categories(current)
+
+
+def _training_step(model, ddp, optimizer, tracker, batch, comm) -> List[int]:
+    """Forward, backward, gradient finalisation and the optimizer step; returns the counter's
+    record counts at the end of forward and of backward (0 without a counter)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    tokens, labels, pos = batch
+    with torch.autograd.profiler.record_function("tsp_measured_step"):
+        ddp.zero_grad_buffer()
+        # DDP's forward only forwards to the module (and DDP's ``buffers`` attribute, a list,
+        # shadows nn.Module.buffers()); its grad hooks stay.
+        loss_per_token = model(tokens, pos, None, labels=labels)
+        loss = loss_per_token.float().sum() / loss_per_token.numel()
+        marks = [len(comm.records) if comm is not None else 0]
+        loss.backward()
+        marks.append(len(comm.records) if comm is not None else 0)
+        del loss, loss_per_token
+        tracker._phase = "grad_sync"
+        finalize_model_grads([ddp])
+        tracker._phase = "optimizer"
+        optimizer.step()
+    return marks
+
+
+def _comm_by_phase(records, marks: List[int]) -> Dict[str, float]:
+    parts = {"forward": records[:marks[0]], "backward": records[marks[0]:marks[1]],
+             "grad_sync_and_step": records[marks[1]:]}
+    out = {f"recv_bytes_{k}": float(sum(r.recv_bytes for r in v)) for k, v in parts.items()}
+    out.update({f"calls_{k}": len(v) for k, v in parts.items()})
+    return out
+
+
+def _allocator_peak(profiler) -> int:
+    """Real runs: the CPU allocator's peak during the measured step (profiler memory events)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        profiler.export_chrome_trace(path)
+        return _profile_peak(path, _step_start_ts(path))
+
+
+def run_step(cfg: RunConfig) -> RunResult:
+    """Build one rank of ``cfg`` and run one full training step; see the module docstring."""
+    cfg.validate()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_tsp.core.comm import WORKSPACE
+
+    t0 = time.time()
+    config = _prepare(cfg)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg.fake else contextlib.nullcontext()
     profiler = None
     if not cfg.fake:
@@ -669,69 +752,24 @@ def run_step(cfg: RunConfig) -> RunResult:
 
         profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         profiler.__enter__()
-
     try:
         with fake_mode:
-            model = _build_model(cfg, config)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.distributed_optimizer, bucket_size=None)
-            ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-            optimizer = MasterAdam(ddp, mpu.get_data_parallel_group(with_context_parallel=True),
-                                   cfg.distributed_optimizer)
-            local_seq = cfg.seq // cfg.cp
-            b = cfg.micro_batch
-            gen_tokens = (lambda: torch.randint(0, cfg.model.vocab, (b, local_seq)))
-            tokens, labels = gen_tokens(), gen_tokens()
-            if cfg.scheme == "cp":
-                # Megatron's get_batch_on_this_cp_rank: zigzag chunks r and 2CP-1-r
-                from megatron_tsp.core import zigzag
-
-                cp_rank = mpu.get_context_parallel_rank()
-                pos = zigzag.local_positions(cfg.seq, cfg.cp, cp_rank).unsqueeze(0).expand(b, -1)
-            else:
-                pos = torch.arange(local_seq).unsqueeze(0).expand(b, -1)
+            model, ddp, optimizer = _build_training_state(cfg, config)
+            batch = _local_batch(cfg)
             params_local = sum(p.numel() for p in ddp.parameters())
-
-            tracker = _lean_mem_tracker()
-            tracker.track_external(model, optimizer.optimizer)
-            for buffer in ddp.buffers:
-                _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
-                if buffer.param_data is not None:
-                    _tag(tracker, buffer.param_data, _MemRefType.PARAM)
-            for t in optimizer.tensors():
-                _tag(tracker, t, _MemRefType.OPT)
-            current = next(iter(tracker.get_tracker_snapshot("current").values()), {})
-            static = {str(k.value if hasattr(k, "value") else k): int(v)
-                      for k, v in current.items()}
-
+            tracker, static = _track_static(model, ddp, optimizer)
             flop_counter = (flops_count.make_flop_counter() if cfg.count_flops
                             else contextlib.nullcontext())
             mem_tracker = tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()
-            with _no_rng_fork(cfg.fake), \
-                    _uncoalesced_grad_sync(), _cpu_cp_rope(), \
-                    _comm_counter(cfg.count_comm) as comm, \
-                    mem_tracker, flop_counter:
-                with torch.autograd.profiler.record_function("tsp_measured_step"):
-                    ddp.zero_grad_buffer()
-                    # DDP's forward only forwards to the module (and DDP's ``buffers``
-                    # attribute, a list, shadows nn.Module.buffers()); its grad hooks stay.
-                    loss_per_token = model(tokens, pos, None, labels=labels)
-                    loss = loss_per_token.float().sum() / loss_per_token.numel()
-                    marks = [len(comm.records) if cfg.count_comm else 0]
-                    loss.backward()
-                    marks.append(len(comm.records) if cfg.count_comm else 0)
-                    del loss, loss_per_token
-                    tracker._phase = "grad_sync"
-                    finalize_model_grads([ddp])
-                    tracker._phase = "optimizer"
-                    optimizer.step()
+            with _no_rng_fork(cfg.fake), _uncoalesced_grad_sync(), _cpu_cp_rope(), \
+                    _comm_counter(cfg.count_comm) as comm, mem_tracker, flop_counter:
+                marks = _training_step(model, ddp, optimizer, tracker, batch, comm)
             peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     finally:
         if profiler is not None:
             profiler.__exit__(None, None, None)
 
-    breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak_snap.items()}
+    breakdown = _categories(peak_snap)
     peak = breakdown.pop("Total", sum(breakdown.values()))
     if not cfg.fake and not cfg.track_real:
         # Real runs are measured by the CPU allocator alone: MemTracker's module hooks stay out,
@@ -744,19 +782,11 @@ def run_step(cfg: RunConfig) -> RunResult:
     if cfg.count_flops:
         result.flops = flops_count.summarize(flop_counter)
     if cfg.count_comm:
-        recs = comm.records
-        parts = {"forward": recs[:marks[0]], "backward": recs[marks[0]:marks[1]],
-                 "grad_sync_and_step": recs[marks[1]:]}
-        result.comm = {f"recv_bytes_{k}": float(sum(r.recv_bytes for r in v))
-                       for k, v in parts.items()}
-        result.comm.update({f"calls_{k}": len(v) for k, v in parts.items()})
+        result.comm = _comm_by_phase(comm.records, marks)
     if profiler is not None:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "trace.json")
-            profiler.export_chrome_trace(path)
-            result.real_peak_bytes = _profile_peak(path, _step_start_ts(path))
-            if not cfg.track_real:
-                result.peak_bytes = result.real_peak_bytes
+        result.real_peak_bytes = _allocator_peak(profiler)
+        if not cfg.track_real:
+            result.peak_bytes = result.real_peak_bytes
     result.wall_s = time.time() - t0
     WORKSPACE.clear()
     del ddp, model, optimizer, tracker

@@ -484,6 +484,67 @@ def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
                 full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
 
 
+def _layer_time(shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
+                full: bool) -> dict:
+    """One layer on one rank: compute (every strategy splits a layer's work evenly over its D
+    ranks), communication, and what of it the compute cannot hide."""
+    D = s.degree
+    fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
+    compute = {"fwd": fl["fwd"] / D / hw.flops,
+               "bwd": (fl["bwd"] + fl["recompute"]) / D / hw.flops}
+    attn_core = {"fwd": fl["fwd_attn_core"] / D / hw.flops,
+                 "bwd": (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops}
+    terms = layer_terms(shape, s, o)
+    times = {"fwd": [], "bwd": []}
+    comm_time = {"fwd": 0.0, "bwd": 0.0}
+    for t in terms:
+        d = "fwd" if t.phase.endswith("fwd") else "bwd"
+        sec = _term_time(t, s, hw)
+        times[d].append((sec, t.overlap, t.chunks))
+        comm_time[d] += sec
+    exposed = {d: exposed_comm(times[d], compute[d], attn_core[d]) for d in ("fwd", "bwd")}
+    return {"terms": terms, "compute": compute, "comm_time": comm_time, "exposed": exposed,
+            "fwd": compute["fwd"] + exposed["fwd"], "bwd": compute["bwd"] + exposed["bwd"]}
+
+
+def _head_time(m: ModelShape, shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
+               seq: int, full: bool):
+    """The output layer's GEMM over the group and its (critical) collectives; returns its FLOPs
+    and seconds per micro-batch."""
+    hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
+    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "hybrid": "tp_sp", "tp": "tp", "cp": "cp",
+                 "tp_cp": "tp_sp"}[s.kind]
+    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
+    hc = fm.head_comm(head_shape, s.tp, head_kind)
+    head_bw = hw.bandwidth(s.tp, 1)
+    seconds = (hf["total"] / s.degree / hw.flops + (hc["fwd"] + hc["bwd"]) / head_bw
+               + (hf["fwd"] / s.degree / hw.flops if full else 0.0))
+    return hf, seconds
+
+
+def _step_comm(m: ModelShape, shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
+               local_params: float, dp: int, layer: dict) -> dict:
+    """Once per step: the replicated-grad all-reduce (SP-tagged params) and the data-parallel
+    gradient reduce / parameter gather, with what the layers' compute does not hide."""
+    repl = 0.0
+    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
+        repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
+                                            o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
+    dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
+    dp_stride = s.tp if s.kind in ("cp", "tp_cp") else s.degree
+    dpc = fm.dp_step_comm(local_params, dp_group, distributed_optimizer=o.distributed_optimizer,
+                          grad_dtype_bytes=o.grad_reduce_bytes, param_dtype_bytes=m.dtype_bytes)
+    dp_bw = hw.bandwidth(dp_group, dp_stride)
+    t_rs, t_ag = dpc["grad_reduce"] / dp_bw, dpc["param_gather"] / dp_bw
+    if o.overlap_dp:
+        dp_exposed = (max(0.0, t_rs - m.num_layers * layer["bwd"])
+                      + max(0.0, t_ag - m.num_layers * layer["fwd"]))
+    else:
+        dp_exposed = t_rs + t_ag
+    return {"replicated_allreduce_s": repl, "dp_comm_bytes": dpc,
+            "dp_comm_s": {"grad_reduce": t_rs, "param_gather": t_ag}, "dp_exposed_s": dp_exposed}
+
+
 def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Strategy, seq: int,
              gpus: int, o: Optional[Options] = None) -> dict:
     """All numbers for one strategy at one sequence length."""
@@ -503,74 +564,27 @@ def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Str
         recompute = "none" if tot["none"] <= hw.hbm_gb * GB else "full"
     full = recompute == "full"
 
-    # per-layer compute (per rank: every strategy splits a layer's work evenly over its D ranks)
-    fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
-    t_fwd = fl["fwd"] / D / hw.flops
-    t_bwd = (fl["bwd"] + fl["recompute"]) / D / hw.flops
-    t_attn_fwd = fl["fwd_attn_core"] / D / hw.flops
-    t_attn_bwd = (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops
-
-    terms = layer_terms(shape, s, o)
-    comm = fm.sum_terms(terms)
-    times = {"fwd": [], "bwd": []}
-    comm_time = {"fwd": 0.0, "bwd": 0.0}
-    for t in terms:
-        d = "fwd" if t.phase.endswith("fwd") else "bwd"
-        sec = _term_time(t, s, hw)
-        times[d].append((sec, t.overlap, t.chunks))
-        comm_time[d] += sec
-    exp_fwd = exposed_comm(times["fwd"], t_fwd, t_attn_fwd)
-    exp_bwd = exposed_comm(times["bwd"], t_bwd, t_attn_bwd)
-    layer_fwd = t_fwd + exp_fwd
-    layer_bwd = t_bwd + exp_bwd
-
-    # head: output layer GEMM over the group + its (critical) collectives
-    hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
-    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "hybrid": "tp_sp", "tp": "tp", "cp": "cp",
-                 "tp_cp": "tp_sp"}[s.kind]
-    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
-    hc = fm.head_comm(head_shape, s.tp, head_kind)
-    head_bw = hw.bandwidth(s.tp, 1)
-    head_time = (hf["total"] / D / hw.flops + (hc["fwd"] + hc["bwd"]) / head_bw
-                 + (hf["fwd"] / D / hw.flops if full else 0.0))
-
-    micro = m.num_layers * (layer_fwd + layer_bwd) + head_time
-
-    # per step: replicated-grad all-reduce (SP-tagged params) and data-parallel traffic
-    local_params = mem["none"]["params"] / m.dtype_bytes
-    repl = 0.0
-    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
-        repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
-                                            o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
-    dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
-    dp_stride = s.tp if s.kind in ("cp", "tp_cp") else D
-    dpc = fm.dp_step_comm(local_params, dp_group, distributed_optimizer=o.distributed_optimizer,
-                          grad_dtype_bytes=o.grad_reduce_bytes, param_dtype_bytes=m.dtype_bytes)
-    dp_bw = hw.bandwidth(dp_group, dp_stride)
-    t_rs, t_ag = dpc["grad_reduce"] / dp_bw, dpc["param_gather"] / dp_bw
-    if o.overlap_dp:
-        dp_exposed = (max(0.0, t_rs - m.num_layers * layer_bwd)
-                      + max(0.0, t_ag - m.num_layers * layer_fwd))
-    else:
-        dp_exposed = t_rs + t_ag
-    step = nmb * micro + repl + dp_exposed
+    layer = _layer_time(shape, s, hw, o, full)
+    hf, head_time = _head_time(m, shape, s, hw, o, seq, full)
+    micro = m.num_layers * (layer["fwd"] + layer["bwd"]) + head_time
+    per_step = _step_comm(m, shape, s, hw, o, mem["none"]["params"] / m.dtype_bytes, dp, layer)
+    step = nmb * micro + per_step["replicated_allreduce_s"] + per_step["dp_exposed_s"]
     tokens = dp * nmb * o.micro_batch * seq
     model_flops = (m.num_layers * fm.layer_flops(shape, causal_fraction=o.causal_fraction,
                                                  bwd_factor=o.bwd_factor)["total"]
                    + hf["total"]) * nmb * dp
+    comm = fm.sum_terms(layer["terms"])
     return {
         "strategy": s.label, "kind": s.kind, "tp": s.tp, "cp": s.cp, "dp": dp, "seq": seq,
         "num_microbatches": nmb,
         "memory_bytes": mem, "memory_total_bytes": tot, "recompute": recompute,
         "fits": tot[recompute] <= hw.hbm_gb * GB,
         "layer_comm_bytes": comm, "layer_comm_fwd": fm.fwd(comm), "layer_comm_bwd": fm.bwd(comm),
-        "layer_comm_split": fm.split_terms(terms),
-        "layer_compute_s": {"fwd": t_fwd, "bwd": t_bwd},
-        "layer_comm_s": comm_time, "layer_exposed_s": {"fwd": exp_fwd, "bwd": exp_bwd},
-        "head_s": head_time, "replicated_allreduce_s": repl,
-        "dp_comm_bytes": dpc, "dp_comm_s": {"grad_reduce": t_rs, "param_gather": t_ag},
-        "dp_exposed_s": dp_exposed, "step_s": step, "tokens_per_s": tokens / step,
-        "layer_fwd_tokens_per_s": dp * o.micro_batch * seq / layer_fwd,
+        "layer_comm_split": fm.split_terms(layer["terms"]),
+        "layer_compute_s": layer["compute"],
+        "layer_comm_s": layer["comm_time"], "layer_exposed_s": layer["exposed"],
+        "head_s": head_time, **per_step, "step_s": step, "tokens_per_s": tokens / step,
+        "layer_fwd_tokens_per_s": dp * o.micro_batch * seq / layer["fwd"],
         "mfu": model_flops / step / (gpus * hw.peak_bf16_tflops * 1e12),
     }
 
