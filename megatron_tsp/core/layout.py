@@ -79,8 +79,9 @@ class TSPLayout:
             raise ValueError(f"tensor-sequence-parallel size must be a positive integer, got {d!r}")
         if not _is_int(s) or s <= 0 or s % (2 * d) != 0:
             raise ValueError(
-                f"sequence length {s!r} must be a positive multiple of 2 x tensor-sequence-parallel "
-                f"size = {2 * d} (zigzag partition into {2 * d} chunks of equal length)")
+                f"sequence length {s!r} must be a positive multiple of 2 x "
+                f"tensor-sequence-parallel size = {2 * d} (zigzag partition into {2 * d} chunks "
+                "of equal length)")
         if self.rank is not None and (not _is_int(self.rank) or not 0 <= self.rank < d):
             raise ValueError(f"rank {self.rank!r} is outside a tensor-sequence-parallel group of "
                              f"{d} ranks")

@@ -201,7 +201,8 @@ class BaselineCoreAttention(torch.autograd.Function):
 
     q: [sq, b, np, hn]; k, v: [sk, b, ng, hn], natural order, or with ``group`` this rank's
     zigzag slice. ``blocks``: the causal blocks of the local queries (``TSPLayout.causal_blocks``
-    of the CP layout, or ``layout.whole_sequence_blocks(sq)`` for plain causal attention). Saves q, k, v (local), the output and the fp32 log-sum-exps.
+    of the CP layout, or ``layout.whole_sequence_blocks(sq)`` for plain causal attention). Saves
+    q, k, v (local), the output and the fp32 log-sum-exps.
     """
 
     @staticmethod
