@@ -75,7 +75,8 @@ def get_batch_on_this_tsp_rank(
     sequence shards, so TSP rank r works on chunks r and 2D-1-r. ``position_ids`` keep the tokens'
     true positions (see below). The per-token losses the model returns (``[b, s]``) are in the
     same permuted order; ``loss_mask`` is permuted identically, so
-    ``sum(loss * mask) / sum(mask)`` equals the unpermuted objective. ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
+    ``sum(loss * mask) / sum(mask)`` equals the unpermuted objective.
+    ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
 
     ``permute_attention_mask=False`` passes ``attention_mask`` through untouched (TSP attention
     never reads it: causality comes from the zigzag positions; the Megatron-LM hook uses this so
