@@ -130,8 +130,6 @@ def _replay_rng(state, device: torch.device):
         yield
 
 
-class _ShardStream:
-    """Broadcasts the D weight shards in order, one shard ahead of the consumer."""
 def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
     """Post one all-gather of a head group's K and V (packed [s/D, b, 2 * ng/D, hn]); ``wait()``
     returns natural-order views (K, V) [S, b, ng/D, hn] of one ``WORKSPACE`` buffer."""
@@ -448,6 +446,9 @@ def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout,
                                        layout.heads != layout.groups, layout.dropout_p)
     if seq_layout is None:
         seq_layout = TSPLayout.of_group(group, x.shape[0] * dist.get_world_size(group))
+    elif seq_layout.local_len != x.shape[0]:
+        raise ValueError(f"TSP attention got {x.shape[0]} local tokens but its layout holds "
+                         f"{seq_layout.local_len} per rank ({seq_layout})")
     return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
                                        layout, seq_layout, group, fuse_into_main_grad, kernel)
 

@@ -166,7 +166,8 @@ def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: i
             "a['model'] = ModelShape(**a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
     env = dict(os.environ)
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the checkout
+    # the checkout: <root>/megatron_tsp/tools/estimator/inference_memory.py
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
