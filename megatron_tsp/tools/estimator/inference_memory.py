@@ -144,7 +144,10 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
                     hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
                     hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
                                          inference_context=context, rotary_pos_emb=table)
-            logits, _ = gpt.output_layer(hidden[-1:])
+            # tied embeddings: the output layer holds no weight of its own
+            weight = (gpt.shared_embedding_or_output_weight()
+                      if gpt.share_embeddings_and_output_weights else None)
+            logits, _ = gpt.output_layer(hidden[-1:], weight=weight)
             del hidden, logits
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()}
