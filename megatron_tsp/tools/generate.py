@@ -32,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=2)
     p.add_argument("--load", default=None, help="torch_dist checkpoint directory (iteration "
                    "directory or a root with latest_checkpointed_iteration.txt)")
-    p.add_argument("--config", default=None, help="run config (configs/*.json: name or path) for --load")
+    p.add_argument("--config", default=None,
+                   help="run config (configs/*.json: name or path) for --load")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text (byte tokens; repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=None,
