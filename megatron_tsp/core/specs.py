@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_tsp.core import rejections
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
-from megatron_tsp.core.layers.norm import TSPNorm
+from megatron_tsp.core.layers.norm import SequenceParallelNorm
 
 
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
@@ -54,7 +54,7 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=TSPNorm,
+            input_layernorm=SequenceParallelNorm,
             self_attention=ModuleSpec(
                 module=TSPSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal,
@@ -66,7 +66,7 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=TSPNorm,
+            pre_mlp_layernorm=SequenceParallelNorm,
             mlp=ModuleSpec(
                 module=TSPMLP,
                 params={"recompute_activation": mlp_recompute_activation},
@@ -97,7 +97,8 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:  # older signature without pp_rank
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 # Module attributes for Megatron-LM's ``--spec megatron_tsp.core.specs <name>``.
@@ -113,8 +114,8 @@ def get_gpt_layer_local_sp_spec(normalization: Optional[str] = None) -> ModuleSp
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.submodules.input_layernorm = TSPNorm
-    spec.submodules.pre_mlp_layernorm = TSPNorm
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec
 
 
@@ -127,7 +128,8 @@ def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,4 +176,5 @@ def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)

@@ -431,7 +431,7 @@ class _OwnerReduce:
 
 
 def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
-                       freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False,
+                       freqs_q=None, freqs_k=None, accumulate_into_main_grad: bool = False,
                        kernel: Optional[kernels.AttentionKernel] = None):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
     its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions.
@@ -440,7 +440,7 @@ def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout,
         kernel = kernels.select_kernel(x.device, x.dtype, layout.head_dim,
                                        layout.heads != layout.groups, layout.dropout_p)
     return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
-                                       layout, group, fuse_into_main_grad, kernel)
+                                       layout, group, accumulate_into_main_grad, kernel)
 
 
 def attention_backward_from_config(config, requested: Optional[str] = None) -> str:
