@@ -13,8 +13,9 @@ def weight_grad_output(param: Optional[torch.Tensor], grad: Optional[torch.Tenso
 
     ``accumulate_into_main_grad`` is Megatron's ``gradient_accumulation_fusion`` (named for
     the fused wgrad kernel it selects; here nothing is fused): when the param has a ``main_grad``
-    (Megatron DDP's fp32 buffer), the gradient is added to it here and autograd receives a dummy, flagged through
-    ``grad_added_to_main_grad`` so DDP does not add it twice; otherwise autograd gets the gradient.
+    (Megatron DDP's fp32 buffer), the gradient is added to it here and autograd receives a
+    dummy, flagged through ``grad_added_to_main_grad`` so DDP does not add it twice; otherwise
+    autograd gets the gradient.
     """
     if param is None or grad is None:
         return None
