@@ -325,6 +325,7 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_tsp.core import zigzag
+    from megatron_tsp.core.comm import all_gather_single
     from megatron_tsp.tools.comm_counter import CommCounter
 
     dtype = DTYPES[args.dtype]
@@ -361,7 +362,7 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
             # slowest rank's time; global loss (SP variants hold 1/D of the tokens each)
             vec = torch.tensor([elapsed, float(loss) * scale], dtype=torch.float64)
             gathered = torch.empty(2 * d, dtype=torch.float64)
-            dist.all_gather_into_tensor(gathered, vec, group=group)
+            all_gather_single(gathered, vec, group)
             gathered = gathered.view(d, 2)
             if step < args.warmup:
                 continue
