@@ -13,6 +13,7 @@ MLP ring; no zigzag, no batch permutation.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -30,6 +31,42 @@ from megatron_tsp.core import rejections
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
 from megatron_tsp.core.layers.norm import SequenceParallelNorm
+
+
+class TSPMLPSpec(ModuleSpec):
+    """``ModuleSpec`` of ``TSPMLP``; its own type names it in megatron-core's log.
+
+    megatron-core 0.16's ``TransformerLayer`` passes ``tp_group`` only to an MLP spec whose module
+    is exactly ``MLP`` (or an MoE / TE class) and logs, once per layer, "Unknown MLP type ...
+    Using default kwargs" for any other. For ``TSPMLP`` the default is right (it finds its group
+    with ``resolve_group``), so ``_drop_tsp_mlp_notice`` filters out exactly those records: the
+    message names this class, so a user's own unknown MLP still gets its warning. (0.19 has
+    neither the branch nor the log.)
+    """
+
+
+_TRANSFORMER_LAYER_LOGGER = "megatron.core.transformer.transformer_layer"
+
+
+def _drop_tsp_mlp_notice(record: logging.LogRecord) -> bool:
+    """Logging filter: False (drop) for megatron-core's "Unknown MLP type" notice about a
+    ``TSPMLPSpec``, True for everything else."""
+    message = record.getMessage()
+    return not (message.startswith("Unknown MLP type:") and
+                f"{TSPMLPSpec.__module__}.{TSPMLPSpec.__qualname__}" in message)
+
+
+if _drop_tsp_mlp_notice not in logging.getLogger(_TRANSFORMER_LAYER_LOGGER).filters:
+    logging.getLogger(_TRANSFORMER_LAYER_LOGGER).addFilter(_drop_tsp_mlp_notice)
+
+
+def _tsp_mlp_spec(recompute_activation: bool) -> TSPMLPSpec:
+    """The TSP MLP over Megatron's own Column/RowParallelLinear (TP=D parameter names)."""
+    return TSPMLPSpec(
+        module=TSPMLP,
+        params={"recompute_activation": recompute_activation},
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
 
 
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
@@ -67,12 +104,7 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=SequenceParallelNorm,
-            mlp=ModuleSpec(
-                module=TSPMLP,
-                params={"recompute_activation": mlp_recompute_activation},
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=RowParallelLinear),
-            ),
+            mlp=_tsp_mlp_spec(mlp_recompute_activation),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -154,11 +186,7 @@ def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
         raise ValueError(f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and "
                          "RMSNorm")
     spec = get_gpt_layer_local_sp_spec(normalization)
-    spec.submodules.mlp = ModuleSpec(
-        module=TSPMLP,
-        params={"recompute_activation": mlp_recompute_activation},
-        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-    )
+    spec.submodules.mlp = _tsp_mlp_spec(mlp_recompute_activation)
     return spec
 
 
