@@ -176,10 +176,6 @@ def group_info():
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def broadcast_seed(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
 def thread_count() -> int:
     import os
 
