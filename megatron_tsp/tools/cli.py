@@ -12,7 +12,7 @@ COMMANDS = {
     "plan": ("megatron_tsp.tools.estimator.planner", "analytic memory / comm / throughput planner"),
     "memory": ("megatron_tsp.tools.estimator.memory", "measured peak memory of one rank (fake tensors)"),
     "bench": ("megatron_tsp.tools.bench", "benchmark TSP vs TP+SP layers"),
-    "generate": ("megatron_tsp.inference.cli", "TSP prefill + Megatron TP decode (generation)"),
+    "generate": ("megatron_tsp.tools.generate", "TSP prefill + Megatron TP decode (generation)"),
     "prefill-memory": ("megatron_tsp.tools.estimator.inference_memory",
                        "one rank's peak memory of a long-prompt prefill: TSP / TP / CP"),
     "cpu-run": ("megatron_tsp.megatron_lm.cpu_runner",
