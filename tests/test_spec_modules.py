@@ -13,20 +13,19 @@ import pickle
 import pytest
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tsp.core.layers.mlp import TSPMLP
 from megatron_tsp.core.layers.norm import (SequenceParallelLayerNorm, SequenceParallelNorm,
                                            SequenceParallelRMSNorm)
 from megatron_tsp.core.specs import TSPMLPSpec, _drop_tsp_mlp_notice, get_gpt_layer_tsp_spec
+from tests.common import make_config
 
 HIDDEN = 16
 EPS = 1e-6
 
 
-def _config(normalization: str, sequence_parallel: bool = True, **kw) -> TransformerConfig:
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
-                               normalization=normalization, params_dtype=torch.float64, **kw)
+def _config(normalization: str, sequence_parallel: bool = True):
+    config = make_config(1, torch.float64, hidden_size=HIDDEN, normalization=normalization)
     config.sequence_parallel = sequence_parallel  # the config refuses SP without TP > 1
     return config
 
