@@ -159,11 +159,12 @@ def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: i
                               model=dataclasses.asdict(model or PRESETS["7b"])))
     code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
             "from megatron_tsp.tools.estimator.fake_run import ModelShape; "
-            "from megatron_tsp.inference import memory as m; a = json.loads(sys.stdin.read()); "
+            "from megatron_tsp.tools.estimator import inference_memory as m; "
+            "a = json.loads(sys.stdin.read()); "
             "a['model'] = ModelShape(**a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
