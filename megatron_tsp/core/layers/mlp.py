@@ -63,7 +63,7 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(
             "use_te_activation_func=True (--use-te-activation-func): TSP applies the MLP "
             "activation itself per weight shard and cannot use Transformer Engine's activation "
-            f"module; drop the flag (activation_func={_qualified_name(act)} is then applied directly)")
+            f"module; drop the flag (activation_func={_name(act)} is then applied directly)")
     if config.bias_activation_fusion:
         return _fused_activation(config, act)
     if not config.gated_linear_unit:
@@ -81,7 +81,7 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
     return glu
 
 
-def _qualified_name(fn) -> str:
+def _name(fn) -> str:
     module = getattr(fn, "__module__", None) or ""
     return f"{module}.{getattr(fn, '__qualname__', repr(fn))}".lstrip(".")
 
@@ -109,7 +109,7 @@ def _fused_activation(config, act) -> Callable[[torch.Tensor], torch.Tensor]:
         # offloading (Megatron passes it with TE CPU offloading); it changes no value.
         return lambda x: bias_swiglu_impl(x, None, fp8_store, False)
     raise ValueError(
-        f"activation_func={_qualified_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
+        f"activation_func={_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
         "fused bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): "
         "set bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to "
         "use it under TSP"
