@@ -1,8 +1,9 @@
 """Megatron ``ModuleSpec``s that put the TSP layers into a stock ``GPTModel``.
 
 ``get_gpt_layer_tsp_spec`` is the transformer-layer spec; ``get_gpt_block_tsp_spec`` wraps it into
-``TransformerBlockSubmodules`` whose final norm is ``SequenceParallelNorm`` too (with a bare layer
-spec Megatron would use its default final norm, which rejects sequence-parallel configs without apex/TE).
+``TransformerBlockSubmodules`` whose final norm is ``SequenceParallelNorm`` too (with a bare
+layer spec Megatron would use its default final norm, which rejects sequence-parallel configs
+without apex/TE).
 Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
 ``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
 
