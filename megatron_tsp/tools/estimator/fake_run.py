@@ -378,7 +378,7 @@ def _layer_spec(cfg: RunConfig, config):
                                           layer_norm=SequenceParallelNorm)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; SequenceParallelNorm
-    # is the same torch norm with its params tagged sequence_parallel (what TE/apex norms do under SP).
+    # is the same torch norm, its params tagged sequence_parallel (as TE/apex norms under SP).
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
