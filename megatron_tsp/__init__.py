@@ -26,7 +26,7 @@ _EXPORTS = {
     # layers, specs, model
     "TSPSelfAttention": "megatron_tsp.core.layers.attention",
     "TSPMLP": "megatron_tsp.core.layers.mlp",
-    "TSPNorm": "megatron_tsp.core.layers.norm",
+    "SequenceParallelNorm": "megatron_tsp.core.layers.norm",  # LayerNorm/RMSNorm, SP-tagged
     "get_gpt_layer_tsp_spec": "megatron_tsp.core.specs",
     "get_gpt_block_tsp_spec": "megatron_tsp.core.specs",
     "get_gpt_layer_tsp_mlp_spec": "megatron_tsp.core.specs",  # TP+SP attention + TSP MLP

@@ -117,11 +117,11 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     if scheme == "tpsp":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from megatron_tsp.core.layers.norm import TSPNorm
+        from megatron_tsp.core.layers.norm import SequenceParallelNorm
 
         spec = get_gpt_layer_local_spec(normalization=model.normalization)
-        spec.submodules.input_layernorm = TSPNorm
-        spec.submodules.pre_mlp_layernorm = TSPNorm
+        spec.submodules.input_layernorm = SequenceParallelNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
         spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
     else:
         spec = fr._layer_spec(cfg, config).layer_specs[0]

@@ -15,7 +15,8 @@ import torch
 from megatron_tsp.core import sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
 from tests.checks_gpt import _batch, _config, _model, _tp_group_info
-from tests.common import group_info, setup_megatron_tp, setup_tsp
+from tests.common import (group_info, reference_single_layer_spec, setup_megatron_tp,
+                          setup_tsp)
 
 
 def _norm_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -112,7 +113,8 @@ def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, v
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
-    reference = _model(config64, get_gpt_block_local_sp_spec(config64), style, vocab, seq,
+    # Megatron's stock TP=1 layer spec: no megatron_tsp code in the reference.
+    reference = _model(config64, reference_single_layer_spec(config64), style, vocab, seq,
                        parallel_output=True).to(torch.float64)
     torch.manual_seed(seed)
     with torch.no_grad():  # bf16-representable weights, Megatron's init scale

@@ -176,10 +176,6 @@ def group_info():
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def broadcast_seed(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
 def thread_count() -> int:
     import os
 
@@ -234,7 +230,7 @@ def reference_single_layer_spec(config):
 class FormulaNorm(torch.nn.Module):
     """LayerNorm / RMSNorm written from their definitions, for the TP+SP reference:
     megatron-core's CPU norm (``WrappedTorchNorm``) refuses sequence-parallel configs, and the
-    TSP norm is code under test.
+    package's ``SequenceParallelNorm`` is code under test.
 
     LayerNorm: ``(x - mean) / sqrt(var + eps) * weight + bias`` (biased variance);
     RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``. Parameters are named, initialised and tagged

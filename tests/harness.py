@@ -10,35 +10,27 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import traceback
-from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+from megatron_tsp.tools.cpu_ranks import free_port  # noqa: F401 (tests import it from here)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float = 90) -> None:
     """Start one CPU rank: repo on sys.path, one thread, gloo on loopback, megatron CPU shims."""
     sys.path.insert(0, REPO)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # see tests/conftest.py
     import torch
-    import torch.distributed as dist
+
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.tools.cpu_ranks import init_gloo_rank as start_gloo
 
     torch._dynamo.config.disable = True
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
-    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    start_gloo(rank, world, port, timeout_s)
 
     enable_cpu_support()
 

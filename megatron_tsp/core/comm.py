@@ -215,6 +215,22 @@ def reduce_to(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
     return Pending("reduce", [work]) if async_op else work
 
 
+def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, async_op: bool = False):
+    """``torch.distributed.all_gather_single`` (torch >= 2.13, where the old name
+    ``all_gather_into_tensor`` is deprecated and warns), or the old name on older torch. Looked up
+    per call, so a counter that wraps ``torch.distributed`` sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, local, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, full: torch.Tensor, group,
+                          async_op: bool = False):
+    """SUM ``torch.distributed.reduce_scatter_single`` (torch >= 2.13), or its deprecated old
+    name ``reduce_scatter_tensor`` on older torch (see ``all_gather_single``)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, full, group=group, async_op=async_op)
+
+
 def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
     """All-gather along dim 0 in rank order: ``[D * s, ...]`` from each rank's ``[s, ...]``."""
     size = dist.get_world_size(group)
@@ -223,7 +239,7 @@ def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
     local = local.contiguous()
     out = torch.empty((size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
                       device=local.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    all_gather_single(out, local, group)
     return out
 
 
@@ -237,7 +253,7 @@ def post_all_gather(local: torch.Tensor, group, slot: int = 0, purpose: str = "a
     local = local.contiguous()
     out = WORKSPACE.get(purpose, slot, (size * local.shape[0],) + tuple(local.shape[1:]),
                         local.dtype, local.device)
-    work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+    work = all_gather_single(out, local, group, async_op=True)
     return Pending("all_gather_into_tensor", [work],
                    (lambda: finish(out)) if finish is not None else (lambda: out))
 
@@ -252,7 +268,7 @@ def post_reduce_scatter(full: torch.Tensor, group, slot: int = 0,
     full = full.contiguous()
     out = WORKSPACE.get(purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]),
                         full.dtype, full.device)
-    work = dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+    work = reduce_scatter_single(out, full, group, async_op=True)
     return Pending("reduce_scatter_tensor", [work], lambda: out)
 
 
@@ -264,5 +280,5 @@ def reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:
     full = full.contiguous()
     out = torch.empty((full.shape[0] // size,) + tuple(full.shape[1:]), dtype=full.dtype,
                       device=full.device)
-    dist.reduce_scatter_tensor(out, full, group=group)
+    reduce_scatter_single(out, full, group)
     return out

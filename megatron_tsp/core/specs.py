@@ -1,8 +1,9 @@
 """Megatron ``ModuleSpec``s that put the TSP layers into a stock ``GPTModel``.
 
 ``get_gpt_layer_tsp_spec`` is the transformer-layer spec; ``get_gpt_block_tsp_spec`` wraps it into
-``TransformerBlockSubmodules`` whose final norm is the TSP norm too (with a bare layer spec Megatron
-would use its default final norm, which rejects sequence-parallel configs without apex/TE).
+``TransformerBlockSubmodules`` whose final norm is ``SequenceParallelNorm`` too (with a bare
+layer spec Megatron would use its default final norm, which rejects sequence-parallel configs
+without apex/TE).
 Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
 ``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
 
@@ -13,6 +14,7 @@ MLP ring; no zigzag, no batch permutation.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -29,7 +31,43 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron_tsp.core import rejections
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
-from megatron_tsp.core.layers.norm import TSPNorm
+from megatron_tsp.core.layers.norm import SequenceParallelNorm
+
+
+class TSPMLPSpec(ModuleSpec):
+    """``ModuleSpec`` of ``TSPMLP``; its own type names it in megatron-core's log.
+
+    megatron-core 0.16's ``TransformerLayer`` passes ``tp_group`` only to an MLP spec whose module
+    is exactly ``MLP`` (or an MoE / TE class) and logs, once per layer, "Unknown MLP type ...
+    Using default kwargs" for any other. For ``TSPMLP`` the default is right (it finds its group
+    with ``resolve_group``), so ``_drop_tsp_mlp_notice`` filters out exactly those records: the
+    message names this class, so a user's own unknown MLP still gets its warning. (0.19 has
+    neither the branch nor the log.)
+    """
+
+
+_TRANSFORMER_LAYER_LOGGER = "megatron.core.transformer.transformer_layer"
+
+
+def _drop_tsp_mlp_notice(record: logging.LogRecord) -> bool:
+    """Logging filter: False (drop) for megatron-core's "Unknown MLP type" notice about a
+    ``TSPMLPSpec``, True for everything else."""
+    message = record.getMessage()
+    return not (message.startswith("Unknown MLP type:") and
+                f"{TSPMLPSpec.__module__}.{TSPMLPSpec.__qualname__}" in message)
+
+
+if _drop_tsp_mlp_notice not in logging.getLogger(_TRANSFORMER_LAYER_LOGGER).filters:
+    logging.getLogger(_TRANSFORMER_LAYER_LOGGER).addFilter(_drop_tsp_mlp_notice)
+
+
+def _tsp_mlp_spec(recompute_activation: bool) -> TSPMLPSpec:
+    """The TSP MLP over Megatron's own Column/RowParallelLinear (TP=D parameter names)."""
+    return TSPMLPSpec(
+        module=TSPMLP,
+        params={"recompute_activation": recompute_activation},
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
 
 
 def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
@@ -54,7 +92,7 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=TSPNorm,
+            input_layernorm=SequenceParallelNorm,
             self_attention=ModuleSpec(
                 module=TSPSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal,
@@ -66,13 +104,8 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=TSPNorm,
-            mlp=ModuleSpec(
-                module=TSPMLP,
-                params={"recompute_activation": mlp_recompute_activation},
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=RowParallelLinear),
-            ),
+            pre_mlp_layernorm=SequenceParallelNorm,
+            mlp=_tsp_mlp_spec(mlp_recompute_activation),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -97,7 +130,8 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:  # older signature without pp_rank
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 # Module attributes for Megatron-LM's ``--spec megatron_tsp.core.specs <name>``.
@@ -113,8 +147,8 @@ def get_gpt_layer_local_sp_spec(normalization: Optional[str] = None) -> ModuleSp
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.submodules.input_layernorm = TSPNorm
-    spec.submodules.pre_mlp_layernorm = TSPNorm
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec
 
 
@@ -127,7 +161,8 @@ def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,11 +185,7 @@ def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
         raise ValueError(f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and "
                          "RMSNorm")
     spec = get_gpt_layer_local_sp_spec(normalization)
-    spec.submodules.mlp = ModuleSpec(
-        module=TSPMLP,
-        params={"recompute_activation": mlp_recompute_activation},
-        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-    )
+    spec.submodules.mlp = _tsp_mlp_spec(mlp_recompute_activation)
     return spec
 
 
@@ -172,4 +203,5 @@ def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     except TypeError:
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=SequenceParallelNorm)

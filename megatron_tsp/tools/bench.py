@@ -27,18 +27,17 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import rejections
+from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
 
 VARIANTS = ("tsp", "tp_sp", "tp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "tp": "TP"}
@@ -211,21 +210,11 @@ def crossovers(args, d: int) -> Dict[str, float]:
 # inside each rank
 # ---------------------------------------------------------------------------------------------
 def _config(args, d: int, sequence_parallel: bool):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    llama = args.style == "llama"
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm" if llama else "LayerNorm",
-        gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu,
-        add_bias_linear=not llama, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=d, sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True, params_dtype=DTYPES[args.dtype],
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
-    )
+    return unfused_config(
+        d, DTYPES[args.dtype], sequence_parallel, num_layers=args.num_layers,
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
+        **style_fields(args.style))
 
 
 def _sdpa_core_attention():
@@ -328,6 +317,7 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_tsp.core import zigzag
+    from megatron_tsp.core.comm import all_gather_single
     from megatron_tsp.tools.comm_counter import CommCounter
 
     dtype = DTYPES[args.dtype]
@@ -364,7 +354,7 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
             # slowest rank's time; global loss (SP variants hold 1/D of the tokens each)
             vec = torch.tensor([elapsed, float(loss) * scale], dtype=torch.float64)
             gathered = torch.empty(2 * d, dtype=torch.float64)
-            dist.all_gather_into_tensor(gathered, vec, group=group)
+            all_gather_single(gathered, vec, group)
             gathered = gathered.view(d, 2)
             if step < args.warmup:
                 continue
@@ -399,9 +389,7 @@ def _quiet() -> None:
 def _worker(rank: int, d: int, args: argparse.Namespace, port: int, path: str) -> None:
     _quiet()
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
-    torch.set_num_threads(args.threads_per_rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=d, timeout=timedelta(seconds=args.timeout))
+    init_gloo_rank(rank, d, port, args.timeout, threads=args.threads_per_rank)
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -431,12 +419,6 @@ def _worker(rank: int, d: int, args: argparse.Namespace, port: int, path: str) -
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(args, d: int) -> Dict[str, object]:
     import torch.multiprocessing as mp
 
@@ -445,7 +427,7 @@ def _run_group(args, d: int) -> Dict[str, object]:
     fd, path = tempfile.mkstemp(prefix=f"tsp-bench-d{d}-", suffix=".json")
     os.close(fd)
     try:
-        ctx = mp.start_processes(this._worker, args=(d, args, _free_port(), path), nprocs=d,
+        ctx = mp.start_processes(this._worker, args=(d, args, free_port(), path), nprocs=d,
                                  join=False, start_method="spawn")
         while not ctx.join():
             pass
@@ -473,10 +455,21 @@ def _fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 else "-"
 
 
-def render(report: Dict[str, object]) -> str:
+def _table(head: List[str], rows: List[List[str]], first_column: str = "---:") -> List[str]:
+    """Markdown table lines: header, separator (numbers right-aligned; the first column as
+    ``first_column`` says), rows, and a blank line."""
+    return (["| " + " | ".join(head) + " |", f"|{first_column}|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join(row) + " |" for row in rows] + [""])
+
+
+def _vs_tsp(variants) -> List[str]:
+    """The baselines TSP is compared with (none when TSP was not run)."""
+    return [n for n in variants if n != "tsp"] if "tsp" in variants else []
+
+
+def _render_preamble(report) -> List[str]:
     cfg, m = report["config"], report["machine"]
-    variants = cfg["variants"]
-    lines = [
+    return [
         "## TSP vs Megatron TP+SP vs TP: fwd+bwd step time and communication (gloo, CPU)",
         "",
         f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs ({m['logical_cpus']} logical), "
@@ -495,74 +488,89 @@ def render(report: Dict[str, object]) -> str:
         f"order; step time = slowest rank. Wall time of the run: {report['wall_s']:.0f} s.",
         "",
     ]
+
+
+def _render_times(group, variants) -> List[str]:
+    """Median step time per variant and S, TSP's time ratios, and the loss agreement."""
+    head = (["S"] + [f"{LABELS[v]} ms" for v in variants]
+            + [f"TSP/{LABELS[v]} time" for v in _vs_tsp(variants)] + ["loss rel. diff"])
+    rows = []
+    for res in group["results"]:
+        v = res["variants"]
+        rows.append([str(res["seq_length"])]
+                    + [f"{v[n]['step_s_median'] * 1e3:.1f}" for n in variants]
+                    + [_fmt_ratio(v["tsp"]["step_s_median"], v[n]["step_s_median"])
+                       for n in _vs_tsp(variants)]
+                    + [f"{res['loss_rel_diff']:.1e}"])
+    return _table(head, rows)
+
+
+def _render_bytes(group, variants) -> List[str]:
+    """Received MiB per rank and step, measured and as a ratio to the closed forms."""
+    head = (["S"] + [f"{LABELS[v]} MiB (meas/analytic)" for v in variants]
+            + [f"TSP/{LABELS[v]} bytes" for v in _vs_tsp(variants)])
+    rows = []
+    for res in group["results"]:
+        v = res["variants"]
+        row = [str(res["seq_length"])]
+        for n in variants:
+            meas, ana = v[n]["recv_bytes_per_step"], v[n]["analytic"]["total"]
+            row.append(f"{meas / MiB:.2f} ({_fmt_ratio(meas, ana)})")
+        rows.append(row + [_fmt_ratio(v["tsp"]["recv_bytes_per_step"], v[n]["recv_bytes_per_step"])
+                           for n in _vs_tsp(variants)])
+    return (["Received MiB per rank per step (measured by CommCounter, and measured / "
+             "analytic from `estimator.formulas`):", ""] + _table(head, rows))
+
+
+def _render_ops(last, variants) -> List[str]:
+    """Calls and received MiB per collective at the longest sequence."""
+    ops = sorted({op for n in variants for op in last["variants"][n]["by_op"]})
+    rows = []
+    for op in ops:
+        cells = [op]
+        for n in variants:
+            e = last["variants"][n]["by_op"].get(op, {"calls": 0, "recv": 0.0})
+            cells += [str(e["calls"]), f"{e['recv'] / MiB:.3f}"]
+        rows.append(cells)
+    head = ["op"] + [f"{LABELS[n]} {what}" for n in variants for what in ("calls", "MiB")]
+    return ([f"By operation at S = {last['seq_length']} (calls and received MiB per rank "
+             "per step):", ""] + _table(head, rows, first_column="---"))
+
+
+def _render_phases(last, variants) -> List[str]:
+    """Received MiB per block and phase at the longest sequence, measured / analytic ("other"
+    only when some variant has traffic there)."""
+    rows = []
+    for key in PHASE_KEYS:
+        by_phase = [last["variants"][n]["by_phase"].get(key, 0.0) for n in variants]
+        if key == "other" and all(meas == 0 for meas in by_phase):
+            continue
+        rows.append([key] + [f"{meas / MiB:.3f} / "
+                             f"{last['variants'][n]['analytic'].get(key, 0.0) / MiB:.3f}"
+                             for meas, n in zip(by_phase, variants)])
+    return ([f"By block and phase at S = {last['seq_length']} (received MiB per rank per "
+             "step, measured / analytic):", ""]
+            + _table(["phase"] + [LABELS[n] for n in variants], rows, first_column="---"))
+
+
+def _render_group(group, variants) -> List[str]:
+    d, cross = group["world_size"], group["crossover_seq_length"]
+    lines = [f"### D = {d} ({d} gloo ranks)", "",
+             "Analytic crossover (TSP receives fewer bytes per rank than the baseline for S "
+             f"above): forward vs TP+SP {cross['fwd_vs_tp_sp']:.0f}, fwd+bwd vs TP+SP "
+             f"{cross['total_vs_tp_sp']:.0f}, fwd+bwd vs TP {cross['total_vs_tp']:.0f}.", ""]
+    last = group["results"][-1]
+    return (lines + _render_times(group, variants) + _render_bytes(group, variants)
+            + _render_ops(last, variants) + _render_phases(last, variants))
+
+
+def render(report: Dict[str, object]) -> str:
+    """The Markdown report: machine and model, then per group size D the step times, the
+    received bytes, and (at the longest sequence) the bytes by operation and by phase."""
+    variants = report["config"]["variants"]
+    lines = _render_preamble(report)
     for group in report["groups"]:
-        d = group["world_size"]
-        lines += [f"### D = {d} ({d} gloo ranks)", ""]
-        cross = group["crossover_seq_length"]
-        lines.append(
-            "Analytic crossover (TSP receives fewer bytes per rank than the baseline for S above): "
-            f"forward vs TP+SP {cross['fwd_vs_tp_sp']:.0f}, fwd+bwd vs TP+SP "
-            f"{cross['total_vs_tp_sp']:.0f}, fwd+bwd vs TP {cross['total_vs_tp']:.0f}.")
-        lines.append("")
-        head = ["S"] + [f"{LABELS[v]} ms" for v in variants]
-        if "tsp" in variants:
-            head += [f"TSP/{LABELS[v]} time" for v in variants if v != "tsp"]
-        head += ["loss rel. diff"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-        for res in group["results"]:
-            v = res["variants"]
-            row = [str(res["seq_length"])] + [f"{v[n]['step_s_median'] * 1e3:.1f}" for n in variants]
-            if "tsp" in variants:
-                row += [_fmt_ratio(v["tsp"]["step_s_median"], v[n]["step_s_median"])
-                        for n in variants if n != "tsp"]
-            row.append(f"{res['loss_rel_diff']:.1e}")
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-        head = ["S"] + [f"{LABELS[v]} MiB (meas/analytic)" for v in variants]
-        if "tsp" in variants:
-            head += [f"TSP/{LABELS[v]} bytes" for v in variants if v != "tsp"]
-        lines += ["Received MiB per rank per step (measured by CommCounter, and measured / "
-                  "analytic from `estimator.formulas`):", "",
-                  "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-        for res in group["results"]:
-            v = res["variants"]
-            row = [str(res["seq_length"])]
-            for n in variants:
-                meas, ana = v[n]["recv_bytes_per_step"], v[n]["analytic"]["total"]
-                row.append(f"{meas / MiB:.2f} ({_fmt_ratio(meas, ana)})")
-            if "tsp" in variants:
-                row += [_fmt_ratio(v["tsp"]["recv_bytes_per_step"], v[n]["recv_bytes_per_step"])
-                        for n in variants if n != "tsp"]
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-        last = group["results"][-1]
-        ops = sorted({op for n in variants for op in last["variants"][n]["by_op"]})
-        lines += [f"By operation at S = {last['seq_length']} (calls and received MiB per rank "
-                  "per step):", "",
-                  "| op | " + " | ".join(f"{LABELS[n]} calls | {LABELS[n]} MiB" for n in variants)
-                  + " |", "|---|" + "---:|---:|" * len(variants)]
-        for op in ops:
-            cells = []
-            for n in variants:
-                e = last["variants"][n]["by_op"].get(op, {"calls": 0, "recv": 0.0})
-                cells += [str(e["calls"]), f"{e['recv'] / MiB:.3f}"]
-            lines.append(f"| {op} | " + " | ".join(cells) + " |")
-        lines.append("")
-        lines += [f"By block and phase at S = {last['seq_length']} (received MiB per rank per "
-                  "step, measured / analytic):", "",
-                  "| phase | " + " | ".join(LABELS[n] for n in variants) + " |",
-                  "|---|" + "---:|" * len(variants)]
-        for key in PHASE_KEYS:
-            cells = []
-            for n in variants:
-                meas = last["variants"][n]["by_phase"].get(key, 0.0)
-                ana = last["variants"][n]["analytic"].get(key, 0.0)
-                cells.append(f"{meas / MiB:.3f} / {ana / MiB:.3f}")
-            if key == "other" and all(last["variants"][n]["by_phase"].get(key, 0.0) == 0
-                                      for n in variants):
-                continue
-            lines.append(f"| {key} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += _render_group(group, variants)
     return "\n".join(lines)
 
 

@@ -86,11 +86,22 @@ _SPEC = {
     "all_to_all_single": ("input", _RING),
     "broadcast": ("tensor", _RING),
     "reduce": ("tensor", _RING),
+    "all_gather_single": ("output_tensor", _RING),
+    "reduce_scatter_single": ("input", _RING),
     "send": ("tensor", lambda d: 0.0),
     "isend": ("tensor", lambda d: 0.0),
     "recv": ("tensor", lambda d: 1.0),
     "irecv": ("tensor", lambda d: 1.0),
 }
+
+
+# torch 2.13 renamed two collectives; the old names still work but warn (FutureWarning). Calls
+# through either name are recorded under the old one (reports and tests keep one name per op),
+# and a wrapped old name forwards to the new function when torch has it (megatron-core binds the
+# old names at import: the counter's wrapper is the one place those calls pass through).
+_RENAMED = {"all_gather_into_tensor": "all_gather_single",
+            "reduce_scatter_tensor": "reduce_scatter_single"}
+_RECORDED_AS = {new: old for old, new in _RENAMED.items()}
 
 
 class CommCounter:
@@ -106,6 +117,7 @@ class CommCounter:
         if getattr(_suppress, "on", False):
             return
         name, factor = _SPEC[op]
+        op = _RECORDED_AS.get(op, op)
         bound = _signature(fn).bind_partial(*args, **kwargs).arguments
         tensor = bound[name]
         d = _group_size(bound.get("group"))
@@ -118,13 +130,21 @@ class CommCounter:
 
     def _wrap(self, op: str, fn):
         original = getattr(fn, "__wrapped__", fn)
+        call = self._undeprecated(op, fn)
 
         def wrapper(*args, **kwargs):
             self._record(op, original, args, kwargs)
-            return fn(*args, **kwargs)
+            return call(*args, **kwargs)
 
         wrapper.__wrapped__ = fn
         return wrapper
+
+    def _undeprecated(self, op: str, fn):
+        """``fn``, or torch's new function when ``fn`` is torch's deprecated ``op``. Compared
+        with the unpatched functions: ``c10d`` keeps the new names unwrapped (see ``__enter__``)."""
+        new = getattr(dist.distributed_c10d, _RENAMED.get(op, ""), None)
+        deprecated = self._originals.get((dist, op), getattr(dist, op, None))
+        return new if new is not None and fn is deprecated else fn
 
     def _wrap_batch(self, fn):
         def wrapper(p2p_op_list):
@@ -156,8 +176,10 @@ class CommCounter:
             if hasattr(dist, op):
                 wrapped = self._wrap(op, getattr(dist, op))
                 self._patch(dist, op, wrapped)
-                # P2POp validates its op against distributed_c10d's globals: patch those too.
-                if getattr(c10d, op, None) is self._originals[(dist, op)]:
+                # P2POp validates its op against distributed_c10d's globals: patch those too
+                # (not the new names: torch's deprecated old names call them through there).
+                same = getattr(c10d, op, None) is self._originals[(dist, op)]
+                if same and op not in _RECORDED_AS:
                     self._patch(c10d, op, wrapped)
         for module in self._megatron_modules():
             for name, op in (("dist_all_gather_func", "all_gather_into_tensor"),

@@ -10,14 +10,14 @@ prints communication per step by operation kind. Exit status 1 if the losses dis
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -48,22 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _config(args):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     llama = args.style == "llama"
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
+    return unfused_config(
+        args.d, DTYPES[args.dtype], num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if llama else args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm" if llama else "LayerNorm",
-        gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu,
-        add_bias_linear=not llama, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=args.d, sequence_parallel=args.d > 1,
-        use_cpu_initialization=True, params_dtype=DTYPES[args.dtype],
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
-    )
+        ffn_hidden_size=args.ffn_hidden_size, **style_fields(args.style))
 
 
 def _build(args, config, spec):
@@ -98,20 +88,17 @@ def _train_step(model, optimizer, batch, tp_group, dp_group):
     return loss.item() / dp
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=120))
+VARIANTS = ("tsp", "tp_sp")
+
+
+def _init_groups(rank: int, args):
+    """TSP groups of size D (Megatron's tensor-parallel groups) and the seeded RNG; a bad layout
+    is printed by rank 0 and ends the rank with exit code 2."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tsp.core import parallel_state, zigzag
-    from megatron_tsp.tools.comm_counter import CommCounter
+    from megatron_tsp.core import parallel_state
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
-    from megatron_tsp.tools.data import batches
-    from megatron_tsp.core.model import build_tsp_gpt_model
-    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     enable_cpu_support()
     try:
@@ -123,57 +110,86 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.destroy_process_group()
         sys.exit(2)
     model_parallel_cuda_manual_seed(args.seed)
-    tp_group, dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
-    config = _config(args)
+    return mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
 
-    # Same initial weights: Megatron initialises the TP=D + SP model; TSP loads its state_dict.
-    tp_model = _build(args, config, get_gpt_block_local_sp_spec(config))
+
+def _build_models(args) -> Dict[str, torch.nn.Module]:
+    """The TP=D + SP model and the TSP model with the same initial weights: Megatron initialises
+    the TP+SP one, the TSP one loads its state_dict (same names and shards)."""
+    from megatron_tsp.core.model import build_tsp_gpt_model
+    from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
     from megatron_tsp.tools.data import VOCAB_SIZE
 
+    config = _config(args)
+    tp_model = _build(args, config, get_gpt_block_local_sp_spec(config))
     tsp_model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE,
                                     max_sequence_length=args.seq_length,
                                     position_embedding_type="rope" if args.style == "llama"
                                     else "learned_absolute",
                                     share_embeddings_and_output_weights=False)
     tsp_model.load_state_dict(tp_model.state_dict(), strict=True)
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
-            for name, m in (("tsp", tsp_model), ("tp_sp", tp_model))}
-    models = {"tsp": tsp_model, "tp_sp": tp_model}
+    return {"tsp": tsp_model, "tp_sp": tp_model}
 
-    data = batches(args.micro_batch_size, args.seq_length, seed=args.seed + mpu.get_data_parallel_rank())
-    tokens_per_step = args.micro_batch_size * args.seq_length * mpu.get_data_parallel_world_size()
-    history: Dict[str, List] = {"tsp": [], "tp_sp": []}
-    comm = {"tsp": CommCounter(), "tp_sp": CommCounter()}
+
+def _print_header(args, models, dp_size: int) -> None:
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    print(f"megatron-tsp demo: {args.world_size} gloo ranks, D={args.d}, "
+          f"DP={dp_size}, {args.style}-style GPT "
+          f"(h={args.hidden_size}, layers={args.num_layers}, heads={args.num_attention_heads}"
+          f", seq={args.seq_length}, micro-batch={args.micro_batch_size}, {args.dtype}); "
+          f"params per rank: TSP {n_params['tsp']:,}, TP+SP {n_params['tp_sp']:,}",
+          flush=True)
+
+
+def _print_step(args, step: int, row, tokens_per_step: int) -> None:
+    (l1, t1, b1), (l2, t2, b2) = row["tsp"], row["tp_sp"]
+    print(f"step {step:3d}/{args.steps} | loss TSP {l1:.6f}  TP+SP {l2:.6f}  "
+          f"|diff| {abs(l1 - l2):.1e} | tok/s TSP {tokens_per_step / t1:8.0f}  "
+          f"TP+SP {tokens_per_step / t2:8.0f} | recv MB/rank TSP {b1 / 2**20:.2f}  "
+          f"TP+SP {b2 / 2**20:.2f}", flush=True)
+
+
+def _timed_step(name, models, opts, inputs, comm, tp_group, dp_group):
+    """One training step of variant ``name``: (loss, seconds, bytes this rank received)."""
+    before = len(comm[name].records)
+    dist.barrier(group=tp_group)
+    start = time.perf_counter()
+    with comm[name]:
+        loss = _train_step(models[name], opts[name], inputs[name], tp_group, dp_group)
+    elapsed = time.perf_counter() - start
+    return loss, elapsed, sum(r.recv_bytes for r in comm[name].records[before:])
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    init_gloo_rank(rank, args.world_size, port, timeout_s=120)
+    from megatron.core import parallel_state as mpu
+
+    from megatron_tsp.core import parallel_state, zigzag
+    from megatron_tsp.tools.comm_counter import CommCounter
+    from megatron_tsp.tools.data import batches
+
+    tp_group, dp_group = _init_groups(rank, args)
+    models = _build_models(args)
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+            for name, m in models.items()}
+    dp_size = mpu.get_data_parallel_world_size()
+    data = batches(args.micro_batch_size, args.seq_length,
+                   seed=args.seed + mpu.get_data_parallel_rank())
+    tokens_per_step = args.micro_batch_size * args.seq_length * dp_size
+    history: Dict[str, List] = {name: [] for name in VARIANTS}
+    comm = {name: CommCounter() for name in VARIANTS}
     if rank == 0:
-        print(f"megatron-tsp demo: {args.world_size} gloo ranks, D={args.d}, "
-              f"DP={mpu.get_data_parallel_world_size()}, {args.style}-style GPT "
-              f"(h={args.hidden_size}, layers={args.num_layers}, heads={args.num_attention_heads}"
-              f", seq={args.seq_length}, micro-batch={args.micro_batch_size}, {args.dtype}); "
-              f"params per rank: TSP {n_params['tsp']:,}, TP+SP {n_params['tp_sp']:,}",
-              flush=True)
+        _print_header(args, models, dp_size)
     for step in range(1, args.steps + 1):
         batch = next(data)
         inputs = {"tsp": zigzag.get_batch_on_this_tsp_rank(batch, args.d), "tp_sp": batch}
         # Alternate which variant runs first so neither always gets the warmer caches.
-        order = ["tsp", "tp_sp"] if step % 2 else ["tp_sp", "tsp"]
-        row = {}
-        for name in order:
-            before = len(comm[name].records)
-            dist.barrier(group=tp_group)
-            start = time.perf_counter()
-            with comm[name]:
-                loss = _train_step(models[name], opts[name], inputs[name], tp_group, dp_group)
-            elapsed = time.perf_counter() - start
-            step_bytes = sum(r.recv_bytes for r in comm[name].records[before:])
-            history[name].append((loss, elapsed, step_bytes))
-            row[name] = (loss, elapsed, step_bytes)
+        row = {name: _timed_step(name, models, opts, inputs, comm, tp_group, dp_group)
+               for name in (VARIANTS if step % 2 else VARIANTS[::-1])}
+        for name in VARIANTS:
+            history[name].append(row[name])
         if rank == 0:
-            (l1, t1, b1), (l2, t2, b2) = row["tsp"], row["tp_sp"]
-            print(f"step {step:3d}/{args.steps} | loss TSP {l1:.6f}  TP+SP {l2:.6f}  "
-                  f"|diff| {abs(l1 - l2):.1e} | tok/s TSP {tokens_per_step / t1:8.0f}  "
-                  f"TP+SP {tokens_per_step / t2:8.0f} | recv MB/rank TSP {b1 / 2**20:.2f}  "
-                  f"TP+SP {b2 / 2**20:.2f}", flush=True)
+            _print_step(args, step, row, tokens_per_step)
     if rank == 0:
         _summary(args, history, comm, tokens_per_step)
     ok = _agree(args, history)
@@ -229,14 +245,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(args, port), nprocs=args.world_size, join=False,
+    ctx = mp.start_processes(_worker, args=(args, free_port()), nprocs=args.world_size, join=False,
                              start_method="spawn")
     try:
         while not ctx.join():

@@ -19,10 +19,11 @@ import contextlib
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -68,28 +69,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ models
 def _tiny_config(d: int, dtype):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=d, sequence_parallel=d > 1, use_cpu_initialization=True,
-        params_dtype=dtype, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    return unfused_config(d, dtype, num_layers=2, hidden_size=64, num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=128, **style_fields("llama"))
 
 
 def _config_from_model_fields(m: dict, d: int, dtype):
     """TransformerConfig from Megatron-LM argument names (a configs/*.json "model" block or the
     args namespace stored in a checkpoint)."""
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     swiglu = bool(m.get("swiglu", False))
-    cuda = torch.cuda.is_available()
-    return TransformerConfig(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+    return unfused_config(
+        d, dtype, num_layers=m["num_layers"], hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
         num_query_groups=m.get("num_query_groups") or m["num_attention_heads"],
         ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"],
@@ -97,11 +88,7 @@ def _config_from_model_fields(m: dict, d: int, dtype):
         layernorm_epsilon=m.get("norm_epsilon", 1e-5), gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=not m.get("disable_bias_linear", False),
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
-        sequence_parallel=d > 1, use_cpu_initialization=not cuda, params_dtype=dtype,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        perform_initialization=False)
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False)
 
 
 def _checkpoint_dir(path: str) -> str:
@@ -313,10 +300,7 @@ def run(rank: int, args) -> int:
 
 
 def _spawned(rank: int, args, port: int) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.d, timeout=timedelta(seconds=300))
+    init_gloo_rank(rank, args.d, port, timeout_s=300)
     try:
         rc = run(rank, args)
     finally:
@@ -338,15 +322,10 @@ def main(argv=None) -> int:
         rc = run(dist.get_rank(), args)
         dist.destroy_process_group()
         return rc
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     try:
-        mp.spawn(_spawned, args=(args, port), nprocs=args.d, join=True)
+        mp.spawn(_spawned, args=(args, free_port()), nprocs=args.d, join=True)
     except mp.ProcessExitedException as exc:
         return exc.exit_code or 1
     return 0

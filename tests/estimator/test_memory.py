@@ -190,6 +190,23 @@ def test_cli_smoke(tmp_path, capsys):
     assert data[0]["comm"]["recv_bytes_forward"] > 0
 
 
+@pytest.mark.parametrize("scheme", ["tsp", "hybrid"])
+def test_cli_prints_no_megatron_notice_and_no_deprecated_collective(scheme, caplog):
+    """The layers' MLP is TSPMLP in both schemes: megatron-core 0.16 would log "Unknown MLP
+    type" per layer, and the collectives under torch 2.13 have deprecated old names."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = memory_main(["--model", "tiny", "--scheme", scheme, "--tp", "2", "--world-size",
+                          "2", "--seq", "256", "--no-flops"])
+    assert rc == 0
+    notices = [r.getMessage() for r in caplog.records if "Unknown MLP type" in r.getMessage()]
+    assert notices == []
+    deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                    if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    ours = [w for w in deprecations if "megatron_tsp" in w or "torch.distributed" in w]
+    assert ours == [], ours
+
+
 def test_cli_validate(capsys):
     rc = memory_main(["--model", "small", "--scheme", "tpsp", "--tp", "2", "--world-size", "2",
                       "--seq", "1024", "--validate", "--no-flops", "--no-comm"])

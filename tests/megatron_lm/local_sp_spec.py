@@ -5,10 +5,10 @@ stage (core_v0.16 takes ``--spec`` objects as they are)."""
 
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_tsp.core.layers.norm import TSPNorm
+from megatron_tsp.core.layers.norm import SequenceParallelNorm
 from megatron_tsp.core.specs import get_gpt_layer_local_sp_spec
 
 NUM_LAYERS = 2
 
 block_spec = TransformerBlockSubmodules(
-    layer_specs=[get_gpt_layer_local_sp_spec()] * NUM_LAYERS, layer_norm=TSPNorm)
+    layer_specs=[get_gpt_layer_local_sp_spec()] * NUM_LAYERS, layer_norm=SequenceParallelNorm)

@@ -17,7 +17,6 @@ must give the same loss sum and token count.
 import json
 import os
 import sys
-from datetime import timedelta
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STYLES = {
@@ -79,9 +78,9 @@ def _worker(rank, port, checkout, out, seed):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=180))
+    from megatron_tsp.tools.cpu_ranks import init_gloo_rank
+
+    init_gloo_rank(rank, 2, port, timeout_s=180)
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.megatron_lm import install
 

@@ -433,7 +433,7 @@ class _OwnerReduce:
 
 
 def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
-                       freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False,
+                       freqs_q=None, freqs_k=None, accumulate_into_main_grad: bool = False,
                        kernel: Optional[kernels.AttentionKernel] = None,
                        seq_layout: Optional[TSPLayout] = None):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
@@ -450,7 +450,8 @@ def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout,
         raise ValueError(f"TSP attention got {x.shape[0]} local tokens but its layout holds "
                          f"{seq_layout.local_len} per rank ({seq_layout})")
     return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
-                                       layout, seq_layout, group, fuse_into_main_grad, kernel)
+                                       layout, seq_layout, group, accumulate_into_main_grad,
+                                       kernel)
 
 
 def attention_backward_from_config(config, requested: Optional[str] = None) -> str:

@@ -8,16 +8,18 @@ import torch
 
 
 def weight_grad_output(param: Optional[torch.Tensor], grad: Optional[torch.Tensor],
-                       fuse_into_main_grad: bool) -> Optional[torch.Tensor]:
+                       accumulate_into_main_grad: bool) -> Optional[torch.Tensor]:
     """The value an autograd ``Function`` returns for ``param``'s gradient.
 
-    With gradient-accumulation fusion (Megatron DDP gives params an fp32 ``main_grad``), the
-    gradient is added to ``main_grad`` here and autograd receives a dummy, flagged through
-    ``grad_added_to_main_grad`` so DDP does not add it twice; otherwise autograd gets the gradient.
+    ``accumulate_into_main_grad`` is Megatron's ``gradient_accumulation_fusion`` (named for
+    the fused wgrad kernel it selects; here nothing is fused): when the param has a ``main_grad``
+    (Megatron DDP's fp32 buffer), the gradient is added to it here and autograd receives a
+    dummy, flagged through ``grad_added_to_main_grad`` so DDP does not add it twice; otherwise
+    autograd gets the gradient.
     """
     if param is None or grad is None:
         return None
-    if fuse_into_main_grad and getattr(param, "main_grad", None) is not None:
+    if accumulate_into_main_grad and getattr(param, "main_grad", None) is not None:
         param.main_grad.add_(grad.to(param.main_grad.dtype))
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = True

@@ -121,11 +121,11 @@ def _fc1(x, fc1_w, fc1_b):
     return pre + fc1_b if fc1_b is not None else pre
 
 
-def _grad_buffer_dtype(params, fuse_into_main_grad: bool) -> torch.dtype:
+def _grad_buffer_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
     """dtype of the gradient accumulator that rides the ring: ``main_grad``'s when the gradient is
-    fused into it (fp32 under Megatron DDP), else fp32 for bf16/fp16 params."""
+    accumulated into it (fp32 under Megatron DDP), else fp32 for bf16/fp16 params."""
     acc = accumulation_dtype(params[0].dtype)
-    main_grad = getattr(params[0], "main_grad", None) if fuse_into_main_grad else None
+    main_grad = getattr(params[0], "main_grad", None) if accumulate_into_main_grad else None
     if main_grad is not None and main_grad.dtype.itemsize > acc.itemsize:
         return main_grad.dtype
     return acc
@@ -140,7 +140,7 @@ class _TSPMLPFunction(torch.autograd.Function):
     collectives."""
 
     @staticmethod
-    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, fuse_into_main_grad,
+    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, accumulate_into_main_grad,
                 recompute_activation):
         size = dist.get_world_size(group)
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
@@ -170,7 +170,8 @@ class _TSPMLPFunction(torch.autograd.Function):
                     current = incoming
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
         ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
-        ctx.group, ctx.activation, ctx.fuse = group, activation, fuse_into_main_grad
+        ctx.group, ctx.activation = group, activation
+        ctx.accumulate_into_main_grad = accumulate_into_main_grad
         ctx.saved_pre = saved_pre if not recompute_activation else None
         return out
 
@@ -185,7 +186,7 @@ class _TSPMLPFunction(torch.autograd.Function):
 
         saved_pre = ctx.saved_pre
         acc_dtype = accumulation_dtype(x.dtype)
-        grad_dtype = _grad_buffer_dtype(params, ctx.fuse)
+        grad_dtype = _grad_buffer_dtype(params, ctx.accumulate_into_main_grad)
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
@@ -244,25 +245,26 @@ class _TSPMLPFunction(torch.autograd.Function):
                 own.buffer.add_(acc_recv.buffer)
         ctx.saved_pre = None
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
-        fuse = ctx.fuse
+        accumulate = ctx.accumulate_into_main_grad
         return (
             grad_x.to(x.dtype).view(x.shape),
-            weight_grad_output(fc1_w, g_w1, fuse),
-            weight_grad_output(fc1_b, g_b1, fuse),
-            weight_grad_output(fc2_w, g_w2, fuse),
+            weight_grad_output(fc1_w, g_w1, accumulate),
+            weight_grad_output(fc1_b, g_b1, accumulate),
+            weight_grad_output(fc2_w, g_w2, accumulate),
             None, None, None, None,
         )
 
 
 def tsp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
             fc2_weight: torch.Tensor, group, activation: Callable,
-            fuse_into_main_grad: bool = False, recompute_activation: bool = True) -> torch.Tensor:
+            accumulate_into_main_grad: bool = False,
+            recompute_activation: bool = True) -> torch.Tensor:
     """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over all D shards of the group, weights on a ring.
 
     ``recompute_activation``: recompute each shard's fc1 output in backward (saves only x), or
     keep the per-shard fc1 outputs from the forward (no extra GEMM, TP+SP-sized memory)."""
     return _TSPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, group, activation,
-                                 fuse_into_main_grad, recompute_activation)
+                                 accumulate_into_main_grad, recompute_activation)
 
 
 _MLP_INIT_PARAMS = set(inspect.signature(MLP.__init__).parameters)

@@ -325,7 +325,7 @@ def _layer_spec(cfg: RunConfig, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_tsp.core.layers.norm import TSPNorm
+    from megatron_tsp.core.layers.norm import SequenceParallelNorm
 
     if cfg.scheme == "tsp":
         from megatron_tsp.core.specs import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
@@ -351,14 +351,15 @@ def _layer_spec(cfg: RunConfig, config):
         layer = get_gpt_layer_tsp_mlp_spec(normalization=cfg.model.normalization, **opts)
         layer.submodules.self_attention.submodules.core_attention = FlashCoreAttention
         return TransformerBlockSubmodules(layer_specs=[layer] * cfg.model.num_layers,
-                                          layer_norm=TSPNorm)
+                                          layer_norm=SequenceParallelNorm)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
-    # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; TSPNorm is the same
-    # torch norm with its params tagged sequence_parallel (what TE/apex norms do under SP).
-    spec.submodules.input_layernorm = TSPNorm
-    spec.submodules.pre_mlp_layernorm = TSPNorm
+    # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; SequenceParallelNorm
+    # is the same torch norm, its params tagged sequence_parallel (as TE/apex norms under SP).
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.num_layers, layer_norm=TSPNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.num_layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 def _build_model(cfg: RunConfig, config):
