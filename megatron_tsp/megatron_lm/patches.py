@@ -333,10 +333,21 @@ def _expected_here(patch: Patch) -> bool:
     """Does the registry say this target exists in the running versions?"""
     if patch.optional:
         return False
+    if patch.owner_kind == "megatron-lm" and not _megatron_lm_importable():
+        return False  # megatron-core alone (no Megatron-LM checkout): nothing to patch there
     if patch.owner_kind in ("megatron-lm", "megatron-core"):
         version = megatron_version()
         return version is None or version in patch.versions
     return True
+
+
+def _megatron_lm_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def apply(mode: str, target: str, replacement=_MISSING, *, make: Optional[Callable] = None,
@@ -391,23 +402,14 @@ def _attr_name(target: str) -> str:
 
 
 def _apply_stand_in(patch: Patch, replacement, make):
-    import importlib.util
-
-    name = patch.attr_path and ".".join(patch.attr_path)
-    key = (patch.mode, patch.target)
+    """Register a stand-in module under its name unless a module of that name is imported."""
+    name = ".".join(patch.attr_path)
     if name in sys.modules:
         return None
-    try:
-        importable = importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        importable = False
-    if importable and not patch.optional:
-        return None  # the real module is there
     module = make(None) if make is not None else replacement
-    if module is None:
-        return None
     sys.modules[name] = module
-    _ACTIVE[key] = _Applied(patch, sys.modules, name, _MISSING, False, module)
+    _ACTIVE[(patch.mode, patch.target)] = _Applied(patch, sys.modules, name, _MISSING, False,
+                                                   module)
     _HISTORY.append(patch)
     return None
 

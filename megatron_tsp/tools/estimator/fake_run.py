@@ -406,12 +406,13 @@ def _no_rng_fork(enabled: bool):
         return
     from megatron.core import tensor_parallel
 
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()
-    try:
+    from megatron_tsp.megatron_lm import patches
+
+    with patches.applied(patches.FAKE_RUN,
+                         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+                         lambda *a, **k: contextlib.nullcontext(),
+                         owner=tensor_parallel.get_cuda_rng_tracker()):
         yield
-    finally:
-        del tracker.fork
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
@@ -425,42 +426,25 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 @contextlib.contextmanager
 def _cpu_cp_rope():
-    import megatron.core.models.common.embeddings.rotary_pos_embedding as rpe
+    from megatron_tsp.megatron_lm import patches
 
-    saved = rpe.get_pos_emb_on_this_cp_rank
-    rpe.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
-    try:
+    with patches.applied(patches.FAKE_RUN, "megatron.core.models.common.embeddings."
+                         "rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+                         _cpu_pos_emb_on_this_cp_rank):
         yield
-    finally:
-        rpe.get_pos_emb_on_this_cp_rank = saved
 
 
 @contextlib.contextmanager
 def _comm_counter(enabled: bool):
-    """``CommCounter``, with ``dist.isend``/``dist.irecv`` kept identical to the functions
-    ``P2POp`` validates against (``distributed_c10d``'s globals).
-
-    A counter that wraps only ``torch.distributed.isend`` makes ``P2POp(dist.isend, ...)`` raise
-    "Invalid ``op``" on torch 2.13; the counter still records P2P ops through its
-    ``batch_isend_irecv`` wrapper. Counters that patch both names need nothing from here.
-    """
+    """``CommCounter`` while ``enabled`` (it wraps ``distributed_c10d``'s P2P globals too, so
+    ``P2POp(dist.isend, ...)`` still validates)."""
     if not enabled:
         yield None
         return
     from megatron_tsp.tools.comm_counter import CommCounter
 
-    c10d = dist.distributed_c10d
     with CommCounter() as counter:
-        saved = {}
-        for name in ("isend", "irecv"):
-            if getattr(dist, name) is not getattr(c10d, name):
-                saved[name] = getattr(dist, name)
-                setattr(dist, name, getattr(c10d, name))
-        try:
-            yield counter
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
+        yield counter
 
 
 class _Done:
@@ -473,18 +457,16 @@ def _uncoalesced_grad_sync():
     """Megatron's grad sync wraps its per-bucket collectives (in place on the grad buffer) in
     ``torch.distributed._coalescing_manager``, which FakeTensorMode cannot dispatch; run them one
     by one instead (same buffers, same bytes)."""
-    import megatron.core.distributed.param_and_grad_buffer as pgb
+    from megatron_tsp.megatron_lm import patches
 
     @contextlib.contextmanager
     def plain(*args, **kwargs):
         yield _Done()
 
-    saved = pgb._coalescing_manager
-    pgb._coalescing_manager = plain
-    try:
+    with patches.applied(patches.FAKE_RUN,
+                         "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+                         plain):
         yield
-    finally:
-        pgb._coalescing_manager = saved
 
 
 # --------------------------------------------------------------------------------------------
