@@ -78,11 +78,12 @@ class Patch:
     @property
     def owner_kind(self) -> str:
         """What is patched: megatron-lm, megatron-core, torch or python."""
-        if self.module.startswith(("megatron.training", "megatron.legacy")):
+        name = ".".join(self.attr_path) if self.module == STAND_IN_MODULE else self.module
+        if name.startswith(("megatron.training", "megatron.legacy")):
             return "megatron-lm"
-        if self.module.startswith("megatron.core") or self.attr_path[0].startswith("megatron."):
+        if name.startswith("megatron.core"):
             return "megatron-core"
-        if self.module.startswith("torch"):
+        if name.startswith("torch"):
             return "torch"
         return "python"
 
@@ -114,7 +115,8 @@ _LAUNCH_PATCHES = [
        "zigzag permutation of each micro-batch after the TP broadcast (0.19 scripts import it "
        "from here)", ("batch",)),
     _p(LAUNCH, f"{_TRAINING}.utils:get_batch_on_this_cp_rank",
-       "zigzag permutation (core_v0.16 scripts import it from here)", ("batch",)),
+       "zigzag permutation (core_v0.16 scripts import it from here)", ("batch",),
+       versions=("0.16",)),
     _p(LAUNCH, f"{_GPT_MODEL}.__init__",
        "resolves the stage-dependent TSP block spec function (core_v0.16 passes --spec as is)",
        ("self", "config", "transformer_layer_spec", "pg_collection", "vp_stage")),
@@ -516,6 +518,153 @@ def check_installed(patches: Sequence[Patch] = REGISTRY) -> List[str]:
             problem = signature_problem(patch, parameter_names(target))
             if problem:
                 problems.append(problem)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# checking the declared targets against a Megatron-LM tree's source (no import: ``ast``)
+
+
+def _module_file(tree: str, module: str) -> Optional[str]:
+    import os
+
+    base = os.path.join(tree, *module.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _bindings(statements, found: dict) -> dict:
+    """Top-level names of a module (inside ``if`` / ``try`` / ``with`` blocks too): first
+    binding wins, a ``def`` or ``class`` over an assignment."""
+    import ast
+
+    for node in statements:
+        names = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [(node.name, node)]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [((a.asname or a.name).split(".")[0], (node, a)) for a in node.names]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [(t.id, node) for t in targets if isinstance(t, ast.Name)]
+        for name, value in names:
+            is_def = isinstance(value, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if name not in found or (is_def and not isinstance(
+                    found[name], (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))):
+                found[name] = value
+        for block in ("body", "orelse", "finalbody"):
+            if isinstance(node, (ast.If, ast.Try, ast.With)) and getattr(node, block, None):
+                _bindings(getattr(node, block), found)
+        for handler in getattr(node, "handlers", []) if isinstance(node, ast.Try) else []:
+            _bindings(handler.body, found)
+    return found
+
+
+def _source_definition(tree: str, module: str, path: Sequence[str], depth: int = 0):
+    """``("def", FunctionDef)``, ``("class", ClassDef)``, ``("value", None)`` or
+    ``("external", module)`` for ``module:path`` in the tree's source; None when absent."""
+    import ast
+
+    filename = _module_file(tree, module)
+    if filename is None or depth > 8:
+        return None
+    with open(filename) as f:
+        bound = _bindings(ast.parse(f.read()).body, {}).get(path[0])
+    if isinstance(bound, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return ("def", bound) if len(path) == 1 else None
+    if isinstance(bound, ast.ClassDef):
+        if len(path) == 1:
+            return ("class", bound)
+        members = _bindings(bound.body, {})
+        member = members.get(path[1])
+        if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return ("def", member)
+        return None if member is None else ("value", None)
+    if isinstance(bound, tuple):  # an import
+        node, alias = bound
+        if isinstance(node, ast.Import):
+            return ("external", alias.name)
+        source = node.module or ""
+        if node.level:
+            package = module if filename.endswith("__init__.py") else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            source = f"{package}.{source}" if source else package
+        if _module_file(tree, source) is None:
+            submodule = f"{source}.{alias.name}"
+            if _module_file(tree, submodule) is not None:
+                return ("value", None)  # a module
+            return ("external", source)
+        return _source_definition(tree, source, (alias.name, *path[1:]), depth + 1)
+    return None if bound is None else ("value", None)
+
+
+def _def_parameters(node) -> Tuple[str, ...]:
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args]
+    names += [a.vararg.arg] if a.vararg else []
+    names += [x.arg for x in a.kwonlyargs]
+    names += [a.kwarg.arg] if a.kwarg else []
+    return tuple(names)
+
+
+def tree_version(tree: str) -> Optional[str]:
+    """``"0.16"`` / ``"0.19"`` from a Megatron-LM tree's ``megatron/core/package_info.py``."""
+    import os
+    import re
+
+    try:
+        with open(os.path.join(tree, "megatron", "core", "package_info.py")) as f:
+            text = f.read()
+    except OSError:
+        return None
+    major = re.search(r"^MAJOR\s*=\s*(\d+)", text, re.M)
+    minor = re.search(r"^MINOR\s*=\s*(\d+)", text, re.M)
+    return f"{major.group(1)}.{minor.group(1)}" if major and minor else None
+
+
+def check_tree(tree: str, patches: Sequence[Patch] = REGISTRY) -> List[str]:
+    """Problems of the Megatron targets of ``patches`` against a Megatron-LM tree's source
+    (``megatron/training``, ``megatron/core``): each exists exactly in the versions its row lists,
+    with the parameters it relies on. Empty: all fine."""
+    version = tree_version(tree)
+    if version is None:
+        return [f"{tree}: no megatron/core/package_info.py (not a Megatron-LM tree)"]
+    problems = []
+    for patch in patches:
+        if patch.owner_kind not in ("megatron-lm", "megatron-core"):
+            continue
+        label = f"{patch.target} ({patch.mode}, core_v{version} tree)"
+        if patch.module == STAND_IN_MODULE:
+            name = ".".join(patch.attr_path)
+            found = ("module", None) if _module_file(tree, name) else None
+        else:
+            found = _source_definition(tree, patch.module, patch.attr_path)
+        expected = version in patch.versions
+        if found is None:
+            if expected and not patch.optional:
+                problems.append(f"{label}: missing")
+            continue
+        if not expected:
+            problems.append(f"{label}: present, the registry says only {patch.versions}")
+            continue
+        kind, node = found
+        if patch.params is None:
+            continue
+        if kind == "module":
+            missing = [n for n in patch.params
+                       if _source_definition(tree, name, (n,)) is None]
+            if missing:
+                problems.append(f"{label}: the module lacks {missing}")
+        elif kind == "def":
+            problem = signature_problem(patch, _def_parameters(node))
+            if problem:
+                problems.append(f"{problem} (core_v{version} tree)")
+        elif kind == "class":
+            problems.append(f"{label}: a class; expected a function with {patch.params}")
+        # "value" / "external": bound to an object defined elsewhere (torch): checked installed
     return problems
 
 
