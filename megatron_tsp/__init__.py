@@ -21,6 +21,7 @@ _EXPORTS = {
     "get_tensor_sequence_parallel_rank": "megatron_tsp.core.parallel_state",
     "is_tensor_sequence_parallel": "megatron_tsp.core.parallel_state",
     # zigzag sequence sharding
+    "TSPLayout": "megatron_tsp.core.layout",
     "get_batch_on_this_tsp_rank": "megatron_tsp.core.zigzag",
     # layers, specs, model
     "TSPSelfAttention": "megatron_tsp.core.layers.attention",

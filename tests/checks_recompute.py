@@ -39,7 +39,7 @@ def recompute_equals_saved(d, seed, dtype_name, heads=8, groups=4, hidden=64, se
                                                     recompute_modules=["mlp"]))):
         config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
                              num_query_groups=groups, add_bias_linear=True, **extra)
-        selected[name] = _attention(config).tsp_layout.backward
+        selected[name] = _attention(config).head_layout.backward
     config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
                          num_query_groups=groups, add_bias_linear=True)
     torch.manual_seed(seed)
@@ -82,7 +82,7 @@ def gpt_recompute_vs_single(d, seed, style, recompute, layers=2, hidden=32, head
         setattr(config, key, value)
     model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq,
                               parallel_output=False)
-    modes = sorted({m.tsp_layout.backward for m in model.modules()
+    modes = sorted({m.head_layout.backward for m in model.modules()
                     if isinstance(m, TSPSelfAttention)})
     sharding.load_full_state(model, ref_params, group)
     loss = checks_gpt._step(model, zigzag.get_batch_on_this_tsp_rank(data, size), "exact")

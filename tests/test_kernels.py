@@ -90,6 +90,7 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     """Local chunks (r, 2D-1-r) against natural-order K/V equal the causal attention of the full
     sequence at those rows; dK/dV come back summed over the chunks in the accumulation dtype."""
     from megatron_tsp.core import zigzag
+    from megatron_tsp.core.layout import TSPLayout
 
     gen = torch.Generator().manual_seed(seed)
     c_len, b, d = 3, 2, 8
@@ -97,14 +98,14 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     mk = lambda *sh: torch.randn(*sh, generator=gen, dtype=torch.float64)  # noqa: E731
     q_full, k_nat, v_nat = mk(s, b, heads, d), mk(s, b, groups, d), mk(s, b, groups, d)
     dy_full = mk(s, b, heads * d)
-    chunks = zigzag.chunk_ids(size, rank)
+    blocks = TSPLayout(size, s, rank).causal_blocks
     q_loc = zigzag.split(q_full, size, rank, dim=0)
     dy_loc = zigzag.split(dy_full, size, rank, dim=0)
     kernel = kernels.CpuFlashKernel()
     outs, lses = kernels.zigzag_forward(kernel, q_loc.to(dtype), k_nat.to(dtype),
-                                        v_nat.to(dtype), chunks, 0.4)
+                                        v_nat.to(dtype), blocks, 0.4)
     dq, dkv = kernels.zigzag_backward(kernel, dy_loc.to(dtype), q_loc.to(dtype), k_nat.to(dtype),
-                                      v_nat.to(dtype), chunks, 0.4, outs, lses)
+                                      v_nat.to(dtype), blocks, 0.4, outs, lses)
     assert dkv.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
     # reference: full causal attention, then keep the local rows
     qr, kr, vr = (t.clone().requires_grad_(True) for t in (q_full, k_nat, v_nat))
@@ -169,11 +170,11 @@ class _OpLog(TorchDispatchMode):
 
 def _fake_cuda_chunks(kernel, size, rank, heads, groups):
     """Run the layers' zigzag helpers on CUDA-device fake tensors; return the attention ops."""
-    from megatron_tsp.core import zigzag
+    from megatron_tsp.core.layout import TSPLayout
 
     c_len, b, d = 16, 1, 64
     s = 2 * size * c_len
-    chunks = zigzag.chunk_ids(size, rank)
+    blocks = TSPLayout(size, s, rank).causal_blocks
     with FakeTensorMode(allow_non_fake_inputs=True):
         dev = torch.device("cuda")
         q = torch.empty(2 * c_len, b, heads, d, dtype=torch.bfloat16, device=dev)
@@ -181,11 +182,11 @@ def _fake_cuda_chunks(kernel, size, rank, heads, groups):
         dy = torch.empty(2 * c_len, b, heads * d, dtype=torch.bfloat16, device=dev)
         log = _OpLog()
         with log:
-            outs, lses = kernels.zigzag_forward(kernel, q, k, k, chunks, 0.125)
-            dq, dkv = kernels.zigzag_backward(kernel, dy, q, k, k, chunks, 0.125, outs, lses)
+            outs, lses = kernels.zigzag_forward(kernel, q, k, k, blocks, 0.125)
+            dq, dkv = kernels.zigzag_backward(kernel, dy, q, k, k, blocks, 0.125, outs, lses)
         assert dq.device.type == "cuda" and dkv.dtype == torch.float32
         assert [tuple(o.shape) for o in outs] == [(c_len, b, heads * d)] * 2
-    return log.ops, chunks, c_len
+    return log.ops, (rank, 2 * size - 1 - rank), c_len  # the chunk ids, written out
 
 
 @pytest.mark.parametrize("heads,groups", [(8, 8), (8, 2)])

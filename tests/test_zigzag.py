@@ -39,9 +39,24 @@ def test_batch_permutation_matches_chunk_definition(seed, d):
 def test_split_is_the_contiguous_shard_of_the_permutation(seed, d):
     x = torch.randn(2, 48, 3, generator=torch.Generator().manual_seed(seed))
     permuted = expected_zigzag_batch({"x": x}, d)["x"]
-    parts = [zigzag.split(x, d, r, dim=1) for r in range(d)]
+    chunk = 48 // (2 * d)
     for r in range(d):
-        assert torch.equal(parts[r], permuted.chunk(d, dim=1)[r])
-        positions = zigzag.local_positions(48, d, r)
-        assert torch.equal(parts[r], x[:, positions])
-    assert torch.equal(zigzag.unsplit(parts, dim=1), x)
+        part = zigzag.split(x, d, r, dim=1)
+        assert torch.equal(part, permuted.chunk(d, dim=1)[r]), f"seed={seed}"
+        # chunks r and 2D-1-r, written out
+        positions = list(range(r * chunk, (r + 1) * chunk))
+        positions += list(range((2 * d - 1 - r) * chunk, (2 * d - r) * chunk))
+        assert torch.equal(part, x[:, positions]), f"seed={seed}"
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_unpermute_inverts_permute(seed, d):
+    x = torch.randn(3, 24, 2, generator=torch.Generator().manual_seed(seed))
+    permuted = zigzag.permute(x, d, dim=1)
+    assert torch.equal(permuted, expected_zigzag_batch({"x": x}, d)["x"]), f"seed={seed}"
+    assert torch.equal(zigzag.unpermute(permuted, d, dim=1), x), f"seed={seed}"
+    out = torch.empty_like(x)
+    zigzag.permute_into(x, d, 1, out)
+    assert torch.equal(out, permuted)
+    zigzag.unpermute_into(permuted, d, 1, out)
+    assert torch.equal(out, x)

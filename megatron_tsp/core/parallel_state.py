@@ -148,12 +148,6 @@ def get_tensor_sequence_parallel_src_rank() -> int:
     return mpu.get_tensor_model_parallel_src_rank()
 
 
-def group_size_and_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def resolve_group(pg_collection=None, tp_group=None):
     """The TSP group for a layer: explicit ``tp_group``, a ``pg_collection.tp``, or the global one."""
     if tp_group is not None:

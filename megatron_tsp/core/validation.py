@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_tsp.core import rejections
+from megatron_tsp.core.layout import check_sequence_length
 from megatron_tsp.core.rejections import TSP_FLAG
 
 
@@ -19,16 +20,6 @@ def _divides(value: int, flag: str, group_size: int, what: str) -> None:
         raise ValueError(
             f"{flag}={value} is not divisible by {TSP_FLAG}={group_size}: TSP shards {what} "
             f"over the group, so {flag} % {group_size} must be 0"
-        )
-
-
-def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
-    if group_size < 1:
-        raise ValueError(f"tensor-sequence-parallel size must be >= 1, got {group_size}")
-    if seq_length % (2 * group_size) != 0:
-        raise ValueError(
-            f"{flag}={seq_length} must be divisible by 2 x tensor-sequence-parallel size "
-            f"= {2 * group_size} (zigzag partition into 2D chunks)"
         )
 
 

@@ -1,123 +1,59 @@
-"""Zigzag sequence partition for causal load balance.
+"""Zigzag sequence partition for causal load balance: tensors and batches.
 
-The sequence of length S is cut into 2D chunks of C = S / (2D) tokens. Rank r of a group of size D
-holds chunks ``r`` and ``2D-1-r`` in that order, so every rank owns one "early" and one "late" chunk
-and does the same amount of causal-attention work.
+The layout itself (rank r holds chunks r and 2D-1-r of 2D equal chunks; the permutation between
+natural and gathered order) is ``megatron_tsp.core.layout.TSPLayout``. This module applies it to
+tensors:
 
-Two views of the same layout are used:
-
-* split / unsplit: a rank's local ``[2C]`` slice of a tensor, and the inverse;
-* permute / unpermute: the whole sequence reordered as ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]`` so that
-  Megatron's *contiguous* sequence-parallel shards are exactly the zigzag chunks. This is what
-  ``get_batch_on_this_tsp_rank`` applies to a batch.
+* ``split``: a rank's local ``[2C]`` slice of a full-sequence tensor;
+* ``permute`` / ``unpermute``: the whole sequence reordered as ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]``
+  (the gathered order) and back, so that Megatron's *contiguous* sequence-parallel shards are
+  exactly the zigzag chunks. ``get_batch_on_this_tsp_rank`` applies ``permute`` to a batch.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
-from megatron_tsp.core.validation import check_sequence_length  # noqa: F401 (re-exported)
+from megatron_tsp.core.layout import TSPLayout, check_sequence_length
 
 
-def chunk_ids(group_size: int, rank: int) -> tuple[int, int]:
-    """The two zigzag chunk indices held by ``rank``, in local order."""
-    return rank, 2 * group_size - 1 - rank
-
-
-@functools.lru_cache(maxsize=64)
-def _permutation(seq_length: int, group_size: int) -> torch.Tensor:
-    check_sequence_length(seq_length, group_size)
-    chunk = seq_length // (2 * group_size)
-    order = []
-    for rank in range(group_size):
-        for c in chunk_ids(group_size, rank):
-            order.append(torch.arange(c * chunk, (c + 1) * chunk))
-    return torch.cat(order)
-
-
-def permutation(seq_length: int, group_size: int) -> torch.Tensor:
-    """Index ``perm`` with ``permuted = full[perm]``: positions of the zigzag order."""
-    return _permutation(seq_length, group_size).clone()
-
-
-@functools.lru_cache(maxsize=64)
-def _inverse(seq_length: int, group_size: int) -> torch.Tensor:
-    perm = _permutation(seq_length, group_size)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(seq_length)
-    return inv
-
-
-def inverse_permutation(seq_length: int, group_size: int) -> torch.Tensor:
-    return _inverse(seq_length, group_size).clone()
-
-
-_device_index_cache: dict = {}
-
-
-def _index_on(kind: str, seq_length: int, group_size: int, device: torch.device) -> torch.Tensor:
-    """The (inverse) permutation as an index tensor on ``device``, built once per shape and device
-    (avoids a host-to-device copy per call on GPUs)."""
-    key = (kind, seq_length, group_size, device)
-    index = _device_index_cache.get(key)
-    if index is None:
-        table = _permutation if kind == "perm" else _inverse
-        index = _device_index_cache[key] = table(seq_length, group_size).to(device)
-    return index
-
-
-def local_positions(seq_length: int, group_size: int, rank: int,
-                    device: Optional[torch.device] = None) -> torch.Tensor:
-    """True sequence positions of the ``2C`` tokens held by ``rank``, in local order."""
-    local = seq_length // group_size
-    if device is not None:
-        return _index_on("perm", seq_length, group_size, device)[rank * local:(rank + 1) * local]
-    return _permutation(seq_length, group_size)[rank * local : (rank + 1) * local].clone()
+def _group_layout(group_size: int, seq_length: int) -> TSPLayout:
+    check_sequence_length(seq_length, group_size)  # the error names --seq-length
+    return TSPLayout(group_size, seq_length)
 
 
 def permute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
-    return x.index_select(dim, _index_on("perm", x.shape[dim], group_size, x.device))
+    """Natural order -> gathered order along ``dim``."""
+    layout = _group_layout(group_size, x.shape[dim])
+    return x.index_select(dim, layout.permutation(x.device))
 
 
 def unpermute(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
-    return x.index_select(dim, _index_on("inv", x.shape[dim], group_size, x.device))
+    """Gathered order (e.g. an all-gather over the group) -> natural order along ``dim``."""
+    layout = _group_layout(group_size, x.shape[dim])
+    return x.index_select(dim, layout.inverse(x.device))
 
 
 def permute_into(x: torch.Tensor, group_size: int, dim: int, out: torch.Tensor) -> torch.Tensor:
     """``permute`` written into a preallocated ``out`` (a persistent communication buffer)."""
-    return torch.index_select(x, dim, _index_on("perm", x.shape[dim], group_size, x.device),
-                              out=out)
+    layout = _group_layout(group_size, x.shape[dim])
+    return torch.index_select(x, dim, layout.permutation(x.device), out=out)
 
 
 def unpermute_into(x: torch.Tensor, group_size: int, dim: int, out: torch.Tensor) -> torch.Tensor:
     """``unpermute`` written into a preallocated ``out``."""
-    return torch.index_select(x, dim, _index_on("inv", x.shape[dim], group_size, x.device),
-                              out=out)
+    layout = _group_layout(group_size, x.shape[dim])
+    return torch.index_select(x, dim, layout.inverse(x.device), out=out)
 
 
 def split(x: torch.Tensor, group_size: int, rank: int, dim: int) -> torch.Tensor:
     """This rank's local slice (chunks r and 2D-1-r, concatenated) of a full-sequence tensor."""
     check_sequence_length(x.shape[dim], group_size)
-    chunks = x.chunk(2 * group_size, dim=dim)
-    a, b = chunk_ids(group_size, rank)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
-
-
-def unsplit(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """Inverse of ``split``: ``parts[r]`` is rank r's local slice."""
-    group_size = len(parts)
-    halves = [p.chunk(2, dim=dim) for p in parts]
-    ordered = [halves[c][0] for c in range(group_size)]
-    ordered += [halves[group_size - 1 - i][1] for i in range(group_size)]
-    return torch.cat(ordered, dim=dim)
-
-
-def natural_order_from_gathered(x: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
-    """Reorder a tensor all-gathered over the group (rank-major zigzag order) to natural order."""
-    return unpermute(x, group_size, dim)
+    layout = TSPLayout(group_size, x.shape[dim], rank)
+    return torch.cat([x.narrow(dim, start, end - start) for start, end in layout.spans_of(rank)],
+                     dim=dim)
 
 
 BATCH_SEQ_DIM = 1
@@ -137,15 +73,25 @@ def get_batch_on_this_tsp_rank(
     Out: the same keys, reordered along ``s`` to ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]``. Fed to a
     ``GPTModel`` running with sequence parallelism, Megatron's embedding scatters contiguous
     sequence shards, so TSP rank r works on chunks r and 2D-1-r. ``position_ids`` keep the tokens'
-    true positions. The per-token losses the model returns (``[b, s]``) are in the same permuted
-    order; ``loss_mask`` is permuted identically, so ``sum(loss * mask) / sum(mask)`` equals the
-    unpermuted objective. ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
+    true positions (see below). The per-token losses the model returns (``[b, s]``) are in the
+    same permuted order; ``loss_mask`` is permuted identically, so
+    ``sum(loss * mask) / sum(mask)`` equals the unpermuted objective.
+    ``zigzag.unpermute(losses, D, dim=1)`` restores natural order.
 
     ``permute_attention_mask=False`` passes ``attention_mask`` through untouched (TSP attention
     never reads it: causality comes from the zigzag positions; the Megatron-LM hook uses this so
     that no S x S tensor is permuted). The returned tensors are marked for
     ``megatron_tsp.core.batch_guard`` (TSP attention refuses unmarked micro-batches under the
     launcher).
+
+    Positions have one definition, the layout: TSP attention applies RoPE at
+    ``TSPLayout.positions()``, as Megatron's RoPE indexes its table by sequence index (and by the
+    CP layout under context parallelism), never by ``position_ids``; the embedding's learned
+    absolute positions read ``position_ids``, as under TP+SP. The two agree because Megatron's
+    GPT datasets give ``position_ids = arange(s)`` unless ``--reset-position-ids``, which TSP
+    refuses (``rejections``); ``tests/test_layout.py`` asserts that the permuted ids equal
+    ``TSPLayout.permutation()``. Checking every batch here would cost a device sync per
+    micro-batch, so it is not repeated at run time.
     """
     from megatron_tsp.core.batch_guard import mark_zigzagged
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import zigzag
+from megatron_tsp.core.layout import TSPLayout, padded_length
 from megatron_tsp.inference.sampling import SamplingParams, select_next
 from megatron_tsp.core.parallel_state import get_tensor_sequence_parallel_group
 
@@ -291,7 +292,7 @@ class TSPInferenceEngine:
         hidden = None
         for start in range(0, length, chunk):
             real = min(chunk, length - start)
-            padded = -(-real // (2 * size)) * 2 * size
+            padded = padded_length(real, size)
             ids = tokens[:, start:start + padded]
             positions = self._positions(start, padded, batch)
             context.sequence_len_offset = start
@@ -311,10 +312,7 @@ class TSPInferenceEngine:
         """Hidden state [b, h] of natural position ``index`` of a zigzag-split slice of ``seq``
         tokens, broadcast from the rank that holds it."""
         size = self.size
-        chunk_len = seq // (2 * size)
-        chunk = index // chunk_len
-        owner = chunk if chunk < size else 2 * size - 1 - chunk
-        row = (index % chunk_len) + (0 if chunk < size else chunk_len)
+        owner, row = TSPLayout(size, seq).owner(index)
         if self.rank == owner:
             hidden = local[row].contiguous()
         else:

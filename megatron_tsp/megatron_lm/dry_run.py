@@ -209,15 +209,13 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
 
 
 def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
-    from megatron_tsp.core.zigzag import check_sequence_length, chunk_ids
+    """Per TSP rank: its chunk ids and their natural token spans (from ``TSPLayout``)."""
+    from megatron_tsp.core.layout import TSPLayout, check_sequence_length
 
     check_sequence_length(seq_length, d)
-    c = seq_length // (2 * d)
-    rows = []
-    for r in range(d):
-        ids = chunk_ids(d, r)
-        rows.append({"rank": r, "chunks": ids, "tokens": [(i * c, (i + 1) * c) for i in ids]})
-    return rows
+    layout = TSPLayout(d, seq_length)
+    return [{"rank": r, "chunks": layout.chunks_of(r), "tokens": layout.spans_of(r)}
+            for r in range(d)]
 
 
 def _count(models) -> Dict[str, int]:
@@ -251,7 +249,7 @@ def _layer_classes(models) -> List[str]:
                 names.append(f"{sub}={type(mod).__module__}.{type(mod).__name__}")
             if getattr(mod, "attention_kernel_name", None):  # TSP attention: backend and mode
                 names.append(f"attention_kernel={mod.attention_kernel_name} "
-                             f"(attention_backward={mod.tsp_layout.backward})")
+                             f"(attention_backward={mod.head_layout.backward})")
         final = getattr(decoder, "final_layernorm", None)
         if final is not None:
             names.append(f"final_layernorm={type(final).__module__}.{type(final).__name__}")
@@ -354,7 +352,8 @@ def print_report(report: dict) -> None:
     )
     if tsp:
         s = report["seq_length"]
-        c = s // (2 * tsp)
+        first, end = report["zigzag"][0]["tokens"][0]  # rank 0's first chunk: [0, C)
+        c = end - first
         lines.append(
             f"  zigzag            : seq_length {s} = {2 * tsp} chunks of {c} tokens; "
             f"micro-batch {report['micro_batch_size']}, global batch {report['global_batch_size']}"

@@ -21,6 +21,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
 from megatron_tsp.core import zigzag  # noqa: E402
+from megatron_tsp.core.layout import TSPLayout, whole_sequence_blocks  # noqa: E402
 from megatron_tsp.tools.estimator import fake_run  # noqa: E402
 from megatron_tsp.tools.estimator.fake_run import PRESETS, RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
@@ -76,8 +77,8 @@ def test_baseline_attention_matches_dense_zigzag():
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     for rank in range(cp):
         q_loc = zigzag.split(q, cp, rank, dim=0)
-        out = fake_run.BaselineCoreAttention.apply(q_loc, k, v, d ** -0.5,
-                                                   zigzag.chunk_ids(cp, rank), None)
+        blocks = TSPLayout(cp, s, rank).causal_blocks
+        out = fake_run.BaselineCoreAttention.apply(q_loc, k, v, d ** -0.5, blocks, None)
         torch.testing.assert_close(out, zigzag.split(ref, cp, rank, dim=0))
         g = torch.autograd.grad(out, (q, k, v), zigzag.split(go, cp, rank, dim=0))
         grads = [a + bb for a, bb in zip(grads, g)]
@@ -92,7 +93,8 @@ def test_baseline_attention_gqa_square():
     k = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
-    out = fake_run.BaselineCoreAttention.apply(sbhd(q), sbhd(k), sbhd(v), 8 ** -0.5, (0,), None)
+    out = fake_run.BaselineCoreAttention.apply(sbhd(q), sbhd(k), sbhd(v), 8 ** -0.5,
+                                               whole_sequence_blocks(16), None)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, sbhd(ref).reshape(16, 1, -1))
     g1 = torch.autograd.grad(out.sum(), (q, k, v))

@@ -40,7 +40,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_tsp.core import rejections, zigzag
+from megatron_tsp.core import rejections
 from megatron_tsp.core.batch_guard import check_attention_input
 from megatron_tsp.core.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done, labelled,
                                post_all_gather, post_reduce_scatter, reduce_to, weight_bias_views)
@@ -48,6 +48,7 @@ from megatron_tsp.core.layers import kernels
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
+from megatron_tsp.core.layout import TSPLayout
 from megatron_tsp.core.parallel_state import resolve_group
 from megatron_tsp.core.validation import check_model_shape
 
@@ -111,10 +112,6 @@ def split_rope(mixed, layout: HeadLayout, freqs_q, freqs_k):
     return _rope(q, freqs_q, layout.config), _rope(k, freqs_k, layout.config), v
 
 
-def project_qkv(x, qkv_w, qkv_b, layout: HeadLayout, freqs_q, freqs_k):
-    return split_rope(qkv_linear(x, qkv_w, qkv_b, layout), layout, freqs_q, freqs_k)
-
-
 def _rng_state(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
@@ -133,13 +130,11 @@ def _replay_rng(state, device: torch.device):
         yield
 
 
-class _ShardStream:
-    """Broadcasts the D weight shards in order, one shard ahead of the consumer."""
-def _post_kv_gather(k, v, group, size: int, slot: int) -> Pending:
+def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
     """Post one all-gather of a head group's K and V (packed [s/D, b, 2 * ng/D, hn]); ``wait()``
     returns natural-order views (K, V) [S, b, ng/D, hn] of one ``WORKSPACE`` buffer."""
     groups = k.shape[2]
-    if size == 1:
+    if seq_layout.group_size == 1:
         return done((k, v))
     packed = WORKSPACE.get("kv_send", slot, k.shape[:2] + (2 * groups,) + k.shape[3:], k.dtype,
                            k.device)
@@ -148,23 +143,23 @@ def _post_kv_gather(k, v, group, size: int, slot: int) -> Pending:
     def natural(gathered):
         # one slot: group r+1's K/V is reordered only after group r's attention is done with it
         kv = WORKSPACE.get("kv_natural", 0, gathered.shape, gathered.dtype, gathered.device)
-        zigzag.unpermute_into(gathered, size, 0, kv)
+        torch.index_select(gathered, 0, seq_layout.inverse(gathered.device), out=kv)
         return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
 
     return post_all_gather(packed, group, slot=slot, purpose="kv_gathered", finish=natural)
 
 
-def _post_kv_grad_scatter(dkv_acc, dtype, group, size: int, slot: int) -> Pending:
+def _post_kv_grad_scatter(dkv_acc, dtype, group, seq_layout: TSPLayout, slot: int) -> Pending:
     """Adjoint of ``_post_kv_gather``: the packed dK/dV accumulator (natural order, fp32 for
     bf16/fp16 models) is put in rank order and reduce-scattered in its own dtype; ``wait()``
     returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group (the caller casts it once).
     Summing D bf16-rounded partials here instead made TSP's QKV weight gradient ~5% less accurate
     than TP+SP's, which computes each dK/dV in one kernel (tests/test_precision.py); the price is
     4 instead of 2 bytes per element for this one collective in bf16/fp16 runs."""
-    if size == 1:
+    if seq_layout.group_size == 1:
         return done(dkv_acc.to(dtype))
     send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device)
-    zigzag.permute_into(dkv_acc, size, 0, send)
+    torch.index_select(dkv_acc, 0, seq_layout.permutation(dkv_acc.device), out=send)
     return post_reduce_scatter(send, group, slot=slot, purpose="kv_grad")
 
 
@@ -203,10 +198,10 @@ class _ShardStream:
         return self.ready[r]
 
 
-def _save_layout(n_chunks: int) -> int:
-    """Tensors saved per head group in saved mode: local qkv, then per chunk its output rows and
-    log-sum-exp."""
-    return 1 + 2 * n_chunks
+def _save_layout(n_blocks: int) -> int:
+    """Tensors saved per head group in saved mode: local qkv, then per causal block its output
+    rows and log-sum-exp."""
+    return 1 + 2 * n_blocks
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -228,11 +223,11 @@ class _TSPAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, group, fuse, kernel):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, seq_layout, group, fuse,
+                kernel):
+        size = seq_layout.group_size
         has_bias = qkv_b is not None
-        chunks = zigzag.chunk_ids(size, rank)
-        c_len = x.shape[0] // len(chunks)
+        blocks = seq_layout.causal_blocks
         hidden = x.shape[-1]
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
@@ -244,7 +239,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             w, b, pw = weight_bias_views(stream.get(r).views(), has_bias)
             mixed = qkv_linear(x, w, b, layout)
             q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
-            return mixed, q, pw, _post_kv_gather(k, v, group, size, slot=r % 2)
+            return mixed, q, pw, _post_kv_gather(k, v, group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
             stream = _ShardStream(own, group, hold=2)
@@ -254,21 +249,22 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 mixed, q, pw, gather = current
                 k_nat, v_nat = gather.wait()
                 if kernel.has_lse:
-                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks,
+                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, blocks,
                                                         layout.softmax_scale)
                 else:
-                    rows = kernels.zigzag_attend(kernel, q, k_nat, v_nat, chunks,
+                    rows = kernels.zigzag_attend(kernel, q, k_nat, v_nat, blocks,
                                                  layout.softmax_scale, layout.dropout_p)
-                    outs, lses = [rows.narrow(0, i * c_len, c_len) for i in range(len(chunks))], []
+                    outs, lses = _block_rows(rows, blocks), []
                 del k_nat, v_nat
-                for i, rows in enumerate(outs):
-                    matmul_acc(rows.reshape(-1, rows.shape[-1]), pw.t(),
-                               acc=out_acc.narrow(0, i * c_len, c_len).view(-1, hidden))
+                for block, rows in zip(blocks, outs):
+                    acc = out_acc.narrow(0, block.query_start, block.query_len)
+                    matmul_acc(rows.reshape(-1, rows.shape[-1]), pw.t(), acc=acc.view(-1, hidden))
                 if save_outputs:
                     saved += [mixed, *outs, *lses]
                 current = upcoming
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *saved)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
+        ctx.seq_layout = seq_layout
         return out_acc.to(x.dtype)
 
     @staticmethod
@@ -282,8 +278,13 @@ class _TSPAttentionFunction(torch.autograd.Function):
             weight_grad_output(qkv_w, g_w, fuse),
             weight_grad_output(qkv_b, g_b, fuse),
             weight_grad_output(proj_w, g_pw, fuse),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
+
+
+def _block_rows(rows: torch.Tensor, blocks) -> list:
+    """Per causal block, its rows of a [local tokens, ...] tensor (views)."""
+    return [rows.narrow(0, block.query_start, block.query_len) for block in blocks]
 
 
 def _pack_own(qkv_w, qkv_b, proj_w) -> FlatShard:
@@ -304,27 +305,27 @@ def _backward(ctx, grad_out):
        into its fp32 partial, post its reduce onto the owner.
     """
     x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *flat = ctx.saved_tensors
-    layout, group, kernel = ctx.layout, ctx.group, ctx.kernel
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks = zigzag.chunk_ids(size, rank)
-    n_chunks, c_len, hidden = len(chunks), x.shape[0] // 2, x.shape[-1]
+    layout, seq_layout, group, kernel = ctx.layout, ctx.seq_layout, ctx.group, ctx.kernel
+    size = seq_layout.group_size
+    blocks = seq_layout.causal_blocks
+    n_blocks, hidden = len(blocks), x.shape[-1]
     has_bias, dtype = qkv_b is not None, x.dtype
     acc_dtype = accumulation_dtype(dtype)
-    per_group = _save_layout(n_chunks)
+    per_group = _save_layout(n_blocks)
     saved_mode = bool(flat)
     own = _pack_own(qkv_w, qkv_b, proj_w)
     reducer = _OwnerReduce(group)
     grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     tokens_x = x.reshape(-1, hidden)
-    dy_rows = [grad_out.narrow(0, i * c_len, c_len).reshape(-1, hidden) for i in range(n_chunks)]
+    dy_rows = [rows.reshape(-1, hidden) for rows in _block_rows(grad_out, blocks)]
 
     def prepare(r):
         state = {"r": r}
         if saved_mode:
             base = r * per_group
             mixed = flat[base]
-            state["outs"] = flat[base + 1:base + 1 + n_chunks]
-            state["lses"] = flat[base + 1 + n_chunks:base + per_group]
+            state["outs"] = flat[base + 1:base + 1 + n_blocks]
+            state["lses"] = flat[base + 1 + n_blocks:base + per_group]
         else:
             w, b, _ = weight_bias_views(stream.get(r).views(), has_bias)
             mixed = qkv_linear(x, w, b, layout)
@@ -332,7 +333,8 @@ def _backward(ctx, grad_out):
             m_leaf = mixed.detach().requires_grad_(True)
             q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
         state.update(m_leaf=m_leaf, q=q, k=k, v=v,
-                     gather=_post_kv_gather(k.detach(), v.detach(), group, size, slot=r % 2))
+                     gather=_post_kv_gather(k.detach(), v.detach(), group, seq_layout,
+                                            slot=r % 2))
         return state
 
     def proj_wgrad(state, g_pw):
@@ -379,27 +381,27 @@ def _backward(ctx, grad_out):
             q = current["q"].detach()
             if kernel.has_lse:
                 if not saved_mode:
-                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks,
+                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, blocks,
                                                         layout.softmax_scale)
                     current.update(outs=outs, lses=lses)
                     proj_wgrad(current, g_pw)
-                dq, dkv = kernels.zigzag_backward(kernel, d_ctx, q, k_nat, v_nat, chunks,
+                dq, dkv = kernels.zigzag_backward(kernel, d_ctx, q, k_nat, v_nat, blocks,
                                                   layout.softmax_scale, current["outs"],
                                                   current["lses"])
             else:
                 with torch.enable_grad():
                     inputs = [q.requires_grad_(True), k_nat.detach().requires_grad_(True),
                               v_nat.detach().requires_grad_(True)]
-                    rows = kernels.zigzag_attend(kernel, *inputs, chunks, layout.softmax_scale,
+                    rows = kernels.zigzag_attend(kernel, *inputs, blocks, layout.softmax_scale,
                                                  layout.dropout_p)
                     dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
-                current["outs"] = [rows.detach().narrow(0, i * c_len, c_len)
-                                   for i in range(n_chunks)]
+                current["outs"] = _block_rows(rows.detach(), blocks)
                 proj_wgrad(current, g_pw)
                 dkv = torch.cat([dk, dv], dim=2)
             del k_nat, v_nat
             current.update(dq=dq, partial=partial, outs=None, lses=None,
-                           scatter=_post_kv_grad_scatter(dkv, dtype, group, size, slot=r % 2))
+                           scatter=_post_kv_grad_scatter(dkv, dtype, group, seq_layout,
+                                                         slot=r % 2))
             del dkv
             if finishing is not None:
                 finish(finishing)
@@ -432,15 +434,23 @@ class _OwnerReduce:
 
 def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
                        freqs_q=None, freqs_k=None, fuse_into_main_grad: bool = False,
-                       kernel: Optional[kernels.AttentionKernel] = None):
+                       kernel: Optional[kernels.AttentionKernel] = None,
+                       seq_layout: Optional[TSPLayout] = None):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
-    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions.
-    ``kernel``: the attention backend (``kernels.select_kernel`` for ``x`` when None)."""
+    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions
+    (``seq_layout.positions()``). ``kernel``: the attention backend (``kernels.select_kernel`` for
+    ``x`` when None). ``seq_layout``: this rank's zigzag layout (built from ``group`` and the
+    local token count when None)."""
     if kernel is None:
         kernel = kernels.select_kernel(x.device, x.dtype, layout.head_dim,
                                        layout.heads != layout.groups, layout.dropout_p)
+    if seq_layout is None:
+        seq_layout = TSPLayout.of_group(group, x.shape[0] * dist.get_world_size(group))
+    elif seq_layout.local_len != x.shape[0]:
+        raise ValueError(f"TSP attention got {x.shape[0]} local tokens but its layout holds "
+                         f"{seq_layout.local_len} per rank ({seq_layout})")
     return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
-                                       layout, group, fuse_into_main_grad, kernel)
+                                       layout, seq_layout, group, fuse_into_main_grad, kernel)
 
 
 def attention_backward_from_config(config, requested: Optional[str] = None) -> str:
@@ -507,7 +517,7 @@ class TSPSelfAttention(SelfAttention):
         scale = config.softmax_scale
         if scale is None:
             scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
-        self.tsp_layout = HeadLayout(
+        self.head_layout = HeadLayout(
             heads=self.num_attention_heads_per_partition,
             groups=self.num_query_groups_per_partition,
             head_dim=self.hidden_size_per_attention_head,
@@ -522,7 +532,7 @@ class TSPSelfAttention(SelfAttention):
     def _select_kernel(self, device, dtype) -> None:
         """Choose the attention backend for this device/dtype (at construction, and again only if
         the module later runs on another device or dtype)."""
-        layout = self.tsp_layout
+        layout = self.head_layout
         self.attention_kernel = kernels.select_kernel(
             device, dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p,
             transformer_impl=getattr(self.config, "transformer_impl", "local"))
@@ -533,15 +543,17 @@ class TSPSelfAttention(SelfAttention):
         """The attention backend this layer runs (for the log and the dry run)."""
         return self.attention_kernel.name
 
-    def _local_freqs(self, emb: Optional[torch.Tensor], local_len: int):
+    @staticmethod
+    def _local_freqs(emb: Optional[torch.Tensor], seq_layout: TSPLayout):
+        """RoPE angles at this rank's token positions. Positions come from the layout, as
+        Megatron's RoPE indexes its table by sequence index, not ``position_ids`` (see
+        ``zigzag.get_batch_on_this_tsp_rank`` for why the two agree)."""
         if emb is None:
             return None
-        size, rank = dist.get_world_size(self.tsp_group), dist.get_rank(self.tsp_group)
-        seq = local_len * size
+        seq = seq_layout.seq_length
         if emb.shape[0] < seq:
             raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
-        positions = zigzag.local_positions(seq, size, rank, device=emb.device)
-        return emb.index_select(0, positions)
+        return emb.index_select(0, seq_layout.positions(emb.device))
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -576,9 +588,11 @@ class TSPSelfAttention(SelfAttention):
                 f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
                 f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
             )
-        freqs_q = self._local_freqs(q_emb, local_len)
-        freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, local_len)
-        layout = self.tsp_layout
+        seq_layout = TSPLayout.of_group(self.tsp_group,
+                                        local_len * dist.get_world_size(self.tsp_group))
+        freqs_q = self._local_freqs(q_emb, seq_layout)
+        freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, seq_layout)
+        layout = self.head_layout
         if not self.training and layout.dropout_p > 0:
             layout = dataclasses.replace(layout, dropout_p=0.0)
         if (hidden_states.device.type, hidden_states.dtype) != self._kernel_key:
@@ -589,6 +603,6 @@ class TSPSelfAttention(SelfAttention):
         out = tsp_self_attention(
             hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
             self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,
-            self.gradient_accumulation_fusion, self.attention_kernel,
+            self.gradient_accumulation_fusion, self.attention_kernel, seq_layout,
         )
         return out, self.linear_proj.bias

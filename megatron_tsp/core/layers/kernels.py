@@ -9,7 +9,8 @@ saved ``(out, lse)`` only: the attention forward is never recomputed for it. ``a
 * ``"none"``: every query sees every key;
 * ``"top_left"``: query i sees keys j <= i;
 * ``"bottom_right"``: query i sees keys j <= i + sk - sq (the queries are the LAST sq positions of
-  the keys). TSP's zigzag chunk c attends keys [0, (c+1)C) this way: one call per chunk.
+  the keys). TSP's zigzag chunk c attends keys [0, (c+1)C) this way: one call per chunk (the
+  blocks of ``TSPLayout.causal_blocks``).
 
 For sq == sk the two causal alignments coincide. A kernel whose causal mask is top-left only
 (cuDNN, CPU flash) runs a bottom-right block as two calls, the unmasked prefix [0, sk-sq) and the
@@ -50,6 +51,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_tsp.core.layers.precision import accumulation_dtype
+from megatron_tsp.core.layout import CausalBlock
 
 NO_MASK, TOP_LEFT, BOTTOM_RIGHT = "none", "top_left", "bottom_right"
 ALIGNMENTS = (NO_MASK, TOP_LEFT, BOTTOM_RIGHT)
@@ -350,7 +352,8 @@ def get_kernel(name: str) -> AttentionKernel:
 
 
 # --------------------------------------------------------------------------------------------
-# TSP's zigzag chunks: each local chunk c against natural-order keys [0, (c+1)C), bottom-right
+# Causal attention as a sequence of blocks (``layout.CausalBlock``): TSP's zigzag chunks are
+# ``TSPLayout.causal_blocks`` (local chunk c against natural-order keys [0, (c+1)C), bottom-right)
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -365,63 +368,63 @@ def chunk_rows(out_c: torch.Tensor) -> torch.Tensor:
     return out_c.permute(2, 0, 1, 3).reshape(c, b, h * d)
 
 
-def zigzag_forward(kernel: AttentionKernel, q, k_nat, v_nat, chunks: Sequence[int], scale: float):
-    """q [2C, b, np, d] (the local chunks, in order); k_nat, v_nat [S, b, ng, d] natural order.
+def _block_qkv(q, k_nat, v_nat, block: CausalBlock):
+    """The [b, n, s, d] views of one block's queries and keys/values."""
+    return (_heads_view(q.narrow(0, block.query_start, block.query_len)),
+            _heads_view(k_nat.narrow(0, 0, block.key_len)),
+            _heads_view(v_nat.narrow(0, 0, block.key_len)))
 
-    Returns ``(outs, lses)``: per chunk the output rows [C, b, np * d] (q's dtype) and the fp32
-    log-sum-exp [b, np, C]; the caller keeps them for ``zigzag_backward``."""
-    c_len = q.shape[0] // len(chunks)
+
+def zigzag_forward(kernel: AttentionKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock],
+                   scale: float):
+    """q [sq, b, np, d] (the local queries, e.g. this rank's chunks in order); k_nat, v_nat
+    [S, b, ng, d] natural order; ``blocks``: the causal blocks (``TSPLayout.causal_blocks``).
+
+    Returns ``(outs, lses)``: per block the output rows [query_len, b, np * d] (q's dtype) and the
+    fp32 log-sum-exp [b, np, query_len]; the caller keeps them for ``zigzag_backward``."""
     outs: List[torch.Tensor] = []
     lses: List[torch.Tensor] = []
-    for i, c in enumerate(chunks):
-        kv_len = (c + 1) * c_len
-        o, lse = kernel.forward(_heads_view(q.narrow(0, i * c_len, c_len)),
-                                _heads_view(k_nat.narrow(0, 0, kv_len)),
-                                _heads_view(v_nat.narrow(0, 0, kv_len)), BOTTOM_RIGHT, scale)
+    for block in blocks:
+        o, lse = kernel.forward(*_block_qkv(q, k_nat, v_nat, block), BOTTOM_RIGHT, scale)
         outs.append(chunk_rows(o))
         lses.append(lse)
     return outs, lses
 
 
-def zigzag_backward(kernel: AttentionKernel, d_ctx, q, k_nat, v_nat, chunks: Sequence[int],
-                    scale: float, outs, lses, dkv_acc: Optional[torch.Tensor] = None):
-    """Gradients from the saved ``(outs, lses)``: ``dq`` [2C, b, np, d] and dK/dV summed over the
-    chunks in an accumulator of ``accumulation_dtype`` (fp32 for bf16/fp16).
+def zigzag_backward(kernel: AttentionKernel, d_ctx, q, k_nat, v_nat,
+                    blocks: Sequence[CausalBlock], scale: float, outs, lses,
+                    dkv_acc: Optional[torch.Tensor] = None):
+    """Gradients from the saved ``(outs, lses)``: ``dq`` [sq, b, np, d] and dK/dV summed over the
+    blocks in an accumulator of ``accumulation_dtype`` (fp32 for bf16/fp16).
 
     ``dkv_acc``: optional zeroed [S, b, 2 * ng, d] accumulator (dK in the first ng heads, dV in
     the rest), the packed layout the reduce-scatter sends; allocated when None. Returns
     ``(dq, dkv_acc)``."""
-    c_len = q.shape[0] // len(chunks)
     s, b, groups, dim = k_nat.shape
     heads = q.shape[2]
     if dkv_acc is None:
         dkv_acc = torch.zeros((s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype),
                               device=q.device)
     dq_parts = []
-    for i, c in enumerate(chunks):
-        kv_len = (c + 1) * c_len
-        rows = d_ctx.narrow(0, i * c_len, c_len).reshape(c_len, b, heads, dim)
-        out = outs[i].view(c_len, b, heads, dim)
+    for i, block in enumerate(blocks):
+        rows_len = block.query_len
+        rows = d_ctx.narrow(0, block.query_start, rows_len).reshape(rows_len, b, heads, dim)
+        out = outs[i].view(rows_len, b, heads, dim)
         dq_c, dk_c, dv_c = kernel.backward(
-            _heads_view(rows), _heads_view(q.narrow(0, i * c_len, c_len)),
-            _heads_view(k_nat.narrow(0, 0, kv_len)), _heads_view(v_nat.narrow(0, 0, kv_len)),
-            _heads_view(out), lses[i], BOTTOM_RIGHT, scale)
+            _heads_view(rows), *_block_qkv(q, k_nat, v_nat, block), _heads_view(out), lses[i],
+            BOTTOM_RIGHT, scale)
         dq_parts.append(dq_c.permute(2, 0, 1, 3))
-        window = dkv_acc.narrow(0, 0, kv_len)
+        window = dkv_acc.narrow(0, 0, block.key_len)
         window.narrow(2, 0, groups).add_(dk_c.permute(2, 0, 1, 3))
         window.narrow(2, groups, groups).add_(dv_c.permute(2, 0, 1, 3))
     return torch.cat(dq_parts, dim=0), dkv_acc
 
 
-def zigzag_attend(kernel: SdpaRecomputeKernel, q, k_nat, v_nat, chunks: Sequence[int],
+def zigzag_attend(kernel: SdpaRecomputeKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock],
                   scale: float, dropout_p: float = 0.0) -> torch.Tensor:
-    """Differentiable zigzag attention through public SDPA: [2C, b, np * d]."""
-    c_len = q.shape[0] // len(chunks)
+    """Differentiable blockwise causal attention through public SDPA: [sq, b, np * d]."""
     outs = []
-    for i, c in enumerate(chunks):
-        kv_len = (c + 1) * c_len
-        o = kernel.attend(_heads_view(q.narrow(0, i * c_len, c_len)),
-                          _heads_view(k_nat.narrow(0, 0, kv_len)),
-                          _heads_view(v_nat.narrow(0, 0, kv_len)), BOTTOM_RIGHT, scale, dropout_p)
+    for block in blocks:
+        o = kernel.attend(*_block_qkv(q, k_nat, v_nat, block), BOTTOM_RIGHT, scale, dropout_p)
         outs.append(chunk_rows(o))
     return torch.cat(outs, dim=0)

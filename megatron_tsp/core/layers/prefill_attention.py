@@ -24,8 +24,8 @@ zigzag chunks, received straight into natural-order rows); for chunked prefill D
 ``[o, b, 2 ng/D, hn]`` cached K/V from their owners.
 
 The inference-only code deliberately does not reuse the training autograd Function's internals
-(attention.py is free to change them); it shares the public pieces: ``comm``, ``zigzag`` and
-megatron-core's RoPE.
+(attention.py is free to change them); it shares the public pieces: ``comm``, the layout and
+megatron-core's RoPE; chunk ids, positions and causal blocks come from ``layout.TSPLayout``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from megatron_tsp.core import zigzag
 from megatron_tsp.core.comm import FlatShard, broadcast_from, labelled, weight_bias_views
 
 # RoPE exactly as the training layer applies it (one definition of the CP-free call).
 from megatron_tsp.core.layers.attention import _rope  # noqa: E402
+from megatron_tsp.core.layout import TSPLayout
 
 
 def _lower_right_causal(q_len: int, kv_len: int):
@@ -92,7 +92,7 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
     check_context(module, context)
     group = module.tsp_group
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = module.tsp_layout
+    layout = module.head_layout
     local_len, batch = hidden_states.shape[0], hidden_states.shape[1]
     if local_len % 2 != 0:
         raise ValueError(f"TSP prefill got {local_len} local tokens: the prompt slice must split "
@@ -106,9 +106,10 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
         rotary_pos_emb = None
     q_table, k_table = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
                         else (rotary_pos_emb, rotary_pos_emb))
+    seq_layout = TSPLayout(size, seq, rank)
     freqs_q = freqs_k = None
     if q_table is not None:
-        positions = offset + zigzag.local_positions(seq, size, rank, device=q_table.device)
+        positions = offset + seq_layout.positions(q_table.device)
         freqs_q = q_table.index_select(0, positions)
         freqs_k = k_table[:offset + seq]
     key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
@@ -116,8 +117,6 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
     own = FlatShard.pack([module.linear_qkv.weight]
                          + ([module.linear_qkv.bias] if has_bias else [])
                          + [module.linear_proj.weight])
-    chunks = zigzag.chunk_ids(size, rank)
-    chunk_len = local_len // 2
     groups, head_dim = layout.groups, layout.head_dim
     out = None
     with torch.no_grad(), labelled("tsp_prefill_attention"):
@@ -129,14 +128,15 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
             mixed = mixed.view(local_len, batch, groups, -1)
             q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
             q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
-            kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, size, chunk_len)
+            kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, seq_layout)
             if offset > 0:
                 _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r, group, rank)
             if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
                 key_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, groups:]
             k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
-            ctx_r = chunk_attention(q, k_all, kv[:, :, groups:], chunks, chunk_len, offset, layout)
+            ctx_r = chunk_attention(q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset,
+                                    layout)
             del k_all, kv
             contrib = torch.matmul(ctx_r, proj_w.t())
             out = contrib if out is None else out.add_(contrib)
@@ -163,20 +163,21 @@ def _broadcast_shards(own: FlatShard, group, size: int, rank: int):
         pending = nxt
 
 
-def _natural_kv(local_kv, offset: int, group, size: int, chunk_len: int) -> torch.Tensor:
+def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Tensor:
     """``[offset + S, b, 2 ng/D, hn]`` buffer whose rows [offset, offset + S) receive every rank's
     local K/V in natural order: two all-gathers (first chunks, second chunks) straight into the
     natural-order row blocks, so no permuted copy of the full-sequence K/V is ever made. Rows
     [0, offset) are left for the cached prefix."""
-    seq = 2 * chunk_len * size
+    size, chunk_len, seq = seq_layout.group_size, seq_layout.chunk_len, seq_layout.seq_length
     kv = torch.empty((offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype,
                      device=local_kv.device)
     new = kv[offset:]
     if size == 1:
         new.copy_(local_kv)
         return kv
-    firsts = [new[r * chunk_len:(r + 1) * chunk_len] for r in range(size)]
-    seconds = [new[(2 * size - 1 - r) * chunk_len:(2 * size - r) * chunk_len] for r in range(size)]
+    spans = [seq_layout.spans_of(r) for r in range(size)]  # per rank: (first, second) chunk
+    firsts = [new[first[0]:first[1]] for first, _ in spans]
+    seconds = [new[second[0]:second[1]] for _, second in spans]
     dist.all_gather(firsts, local_kv[:chunk_len].contiguous(), group=group)
     dist.all_gather(seconds, local_kv[chunk_len:].contiguous(), group=group)
     return kv
@@ -209,18 +210,20 @@ def _rope_in_place(k, freqs, config) -> torch.Tensor:
     return k
 
 
-def chunk_attention(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
-    """Local chunk c's queries (natural positions offset + [cC, (c+1)C)) against keys
-    [0, offset + (c+1)C), bottom-right causal. Returns ``[2C, b, np * hn]``. (A module attribute:
-    the prefill memory tool swaps in a flash-equivalent kernel, as the training tool does.)"""
+def chunk_attention(q, k_nat, v_nat, blocks, offset, layout):
+    """Each causal block's queries (``TSPLayout.causal_blocks``: local chunk c, natural positions
+    offset + [cC, (c+1)C)) against keys [0, offset + (c+1)C), bottom-right causal. Returns
+    ``[2C, b, np * hn]``. (A module attribute: the prefill memory tool swaps in a flash-equivalent
+    kernel, as the training tool does.)"""
     outs = []
-    for i, c in enumerate(chunks):
-        q_c = q[i * chunk_len:(i + 1) * chunk_len].permute(1, 2, 0, 3)
-        kv_len = offset + (c + 1) * chunk_len
+    for block in blocks:
+        rows = block.query_len
+        q_c = q.narrow(0, block.query_start, rows).permute(1, 2, 0, 3)
+        kv_len = offset + block.key_len
         k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
         v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(
-            q_c, k_c, v_c, attn_mask=_lower_right_causal(chunk_len, kv_len),
+            q_c, k_c, v_c, attn_mask=_lower_right_causal(rows, kv_len),
             scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups)
-        outs.append(o.permute(2, 0, 1, 3).reshape(chunk_len, q.shape[1], -1))
+        outs.append(o.permute(2, 0, 1, 3).reshape(rows, q.shape[1], -1))
     return torch.cat(outs, dim=0)

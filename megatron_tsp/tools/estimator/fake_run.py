@@ -200,23 +200,24 @@ class BaselineCoreAttention(torch.autograd.Function):
     reduce-scatter (TE's ``cp_comm_type="all_gather"``).
 
     q: [sq, b, np, hn]; k, v: [sk, b, ng, hn], natural order, or with ``group`` this rank's
-    zigzag slice. ``chunks``: the zigzag chunk ids of the local queries ((0,): the whole
-    sequence, plain causal). Saves q, k, v (local), the output and the fp32 log-sum-exps.
+    zigzag slice. ``blocks``: the causal blocks of the local queries (``TSPLayout.causal_blocks``
+    of the CP layout, or ``layout.whole_sequence_blocks(sq)`` for plain causal attention). Saves
+    q, k, v (local), the output and the fp32 log-sum-exps.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, chunks, group):
+    def forward(ctx, q, k, v, scale, blocks, group):
         from megatron_tsp.core.layers import kernels
 
         kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
         size = dist.get_world_size(group) if group is not None else 1
         k_nat, v_nat = _gather_kv(k, v, group, size) if group is not None else (k, v)
-        outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, chunks, scale)
+        outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, blocks, scale)
         del k_nat, v_nat
         out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
         del outs
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.scale, ctx.chunks, ctx.group, ctx.kernel = scale, chunks, group, kernel
+        ctx.scale, ctx.blocks, ctx.group, ctx.kernel = scale, blocks, group, kernel
         return out
 
     @staticmethod
@@ -224,12 +225,11 @@ class BaselineCoreAttention(torch.autograd.Function):
         from megatron_tsp.core.layers import kernels
 
         q, k, v, out, *lses = ctx.saved_tensors
-        group, chunks = ctx.group, ctx.chunks
+        group, blocks = ctx.group, ctx.blocks
         size = dist.get_world_size(group) if group is not None else 1
         k_nat, v_nat = _gather_kv(k, v, group, size) if group is not None else (k, v)
-        c_len = q.shape[0] // len(chunks)
-        outs = [out.narrow(0, i * c_len, c_len) for i in range(len(chunks))]
-        dq, dkv = kernels.zigzag_backward(ctx.kernel, dout.contiguous(), q, k_nat, v_nat, chunks,
+        outs = [out.narrow(0, block.query_start, block.query_len) for block in blocks]
+        dq, dkv = kernels.zigzag_backward(ctx.kernel, dout.contiguous(), q, k_nat, v_nat, blocks,
                                           ctx.scale, outs, lses)
         del k_nat, v_nat
         if group is not None:
@@ -274,15 +274,16 @@ class FlashCoreAttention(_Base):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        from megatron_tsp.core import zigzag
+        from megatron_tsp.core.layout import TSPLayout, whole_sequence_blocks
 
         sq, b = query.shape[0], query.shape[1]
         if self.cp_group is None:  # TP / TP+SP: the whole sequence, square causal
-            chunks, group = (0,), None
+            blocks, group = whole_sequence_blocks(sq), None
         else:
-            size, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-            chunks, group = zigzag.chunk_ids(size, rank), self.cp_group
-        out = BaselineCoreAttention.apply(query, key, value, self.scale, chunks, group)
+            size = dist.get_world_size(self.cp_group)
+            blocks = TSPLayout.of_group(self.cp_group, sq * size).causal_blocks
+            group = self.cp_group
+        out = BaselineCoreAttention.apply(query, key, value, self.scale, blocks, group)
         return out.view(sq, b, -1)
 
 
@@ -417,8 +418,11 @@ def _no_rng_fork(enabled: bool):
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     """Megatron's ``get_pos_emb_on_this_cp_rank`` without its pinned-memory ``.cuda()`` index."""
+    from megatron_tsp.core.layout import TSPLayout
+
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    chunks = TSPLayout(cp_size, pos_emb.shape[seq_dim], cp_rank).chunk_ids  # CP's zigzag is TSP's
+    idx = torch.tensor(chunks, device=pos_emb.device)
     pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
     pos_emb = pos_emb.index_select(seq_dim, idx)
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
@@ -691,10 +695,10 @@ def run_step(cfg: RunConfig) -> RunResult:
             tokens, labels = gen_tokens(), gen_tokens()
             if cfg.scheme == "cp":
                 # Megatron's get_batch_on_this_cp_rank: zigzag chunks r and 2CP-1-r
-                from megatron_tsp.core import zigzag
+                from megatron_tsp.core.layout import TSPLayout
 
-                cp_rank = mpu.get_context_parallel_rank()
-                pos = zigzag.local_positions(cfg.seq, cfg.cp, cp_rank).unsqueeze(0).expand(b, -1)
+                cp_layout = TSPLayout(cfg.cp, cfg.seq, mpu.get_context_parallel_rank())
+                pos = cp_layout.positions().unsqueeze(0).expand(b, -1)
             else:
                 pos = torch.arange(local_seq).unsqueeze(0).expand(b, -1)
             params_local = sum(p.numel() for p in ddp.parameters())

@@ -53,21 +53,22 @@ def _flash_prefill_attention(enabled: bool):
     import megatron_tsp.core.layers.prefill_attention as inf_attn
     from megatron_tsp.core.layers import kernels
 
-    def flash(q, k_nat, v_nat, chunks, chunk_len, offset, layout):
-        """Each chunk's queries against the cached prefix plus keys up to the chunk's end,
-        bottom-right aligned, through the layers' kernel interface (forward only)."""
+    def flash(q, k_nat, v_nat, blocks, offset, layout):
+        """Each causal block's queries against the cached prefix plus keys up to the block's
+        end, bottom-right aligned, through the layers' kernel interface (forward only)."""
         kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1],
                                        q.shape[2] != k_nat.shape[2])
         out = torch.empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3], dtype=q.dtype,
                           device=q.device)
         heads = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
-        for i, c in enumerate(chunks):
-            kv_len = offset + (c + 1) * chunk_len
-            o, _ = kernel.forward(heads(q.narrow(0, i * chunk_len, chunk_len)),
+        for block in blocks:
+            kv_len = offset + block.key_len
+            rows = (block.query_start, block.query_len)
+            o, _ = kernel.forward(heads(q.narrow(0, *rows)),
                                   heads(k_nat.narrow(0, 0, kv_len)),
                                   heads(v_nat.narrow(0, 0, kv_len)), kernels.BOTTOM_RIGHT,
                                   layout.softmax_scale)
-            out.narrow(0, i * chunk_len, chunk_len).copy_(kernels.chunk_rows(o))
+            out.narrow(0, *rows).copy_(kernels.chunk_rows(o))
             del o
         return out
 
@@ -89,7 +90,7 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_tsp.core import zigzag
+    from megatron_tsp.core.layout import TSPLayout
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.tools.estimator import fake_run as fr
     from megatron_tsp.inference.engine import prefill_slice
@@ -117,7 +118,8 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
         if scheme == "cp":
             from megatron.core import parallel_state as mpu
 
-            positions = zigzag.local_positions(seq, size, mpu.get_context_parallel_rank())
+            cp_layout = TSPLayout(size, seq, mpu.get_context_parallel_rank())
+            positions = cp_layout.positions()
         else:
             positions = torch.arange(seq)
         positions = positions.unsqueeze(0).expand(batch, -1)
@@ -159,11 +161,13 @@ def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: i
                               model=dataclasses.asdict(model or PRESETS["7b"])))
     code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
             "from megatron_tsp.tools.estimator.fake_run import ModelShape; "
-            "from megatron_tsp.inference import memory as m; a = json.loads(sys.stdin.read()); "
+            "from megatron_tsp.tools.estimator import inference_memory as m; "
+            "a = json.loads(sys.stdin.read()); "
             "a['model'] = ModelShape(**a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # the checkout: <root>/megatron_tsp/tools/estimator/inference_memory.py
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,

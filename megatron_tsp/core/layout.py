@@ -1,0 +1,201 @@
+"""The zigzag sequence layout of a TSP group: the one place that knows which tokens a rank holds.
+
+A sequence of S tokens is cut into 2D chunks of C = S / (2D) tokens. Rank r of a group of D ranks
+holds chunks ``r`` and ``2D-1-r``, in that order, so every rank owns one early and one late chunk
+and does the same causal-attention work. Concatenating the ranks' local tokens in rank order (what
+an all-gather over the group returns, and what Megatron's contiguous sequence-parallel shards of a
+permuted batch are) gives the *gathered order* ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]``;
+``permutation`` maps it to natural positions and ``inverse`` back.
+
+Every module that needs chunk ids, token positions, the permutation or the causal block structure
+asks a ``TSPLayout``; nothing else does this arithmetic (``tests/test_layout.py`` scans the package
+for it). This module imports only torch, so anything (validation, the layers, the tools) can import
+it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
+    """Refuse a sequence that does not cut into 2D equal zigzag chunks, naming ``flag``."""
+    if group_size < 1:
+        raise ValueError(f"tensor-sequence-parallel size must be >= 1, got {group_size}")
+    if seq_length % (2 * group_size) != 0:
+        raise ValueError(
+            f"{flag}={seq_length} must be divisible by 2 x tensor-sequence-parallel size "
+            f"= {2 * group_size} (zigzag partition into 2D chunks)"
+        )
+
+
+@dataclass(frozen=True)
+class CausalBlock:
+    """One kernel call of causal attention: the local query rows ``[query_start, query_start +
+    query_len)`` against the natural-order keys ``[0, key_len)``, causal mask aligned
+    bottom-right (the queries are the LAST ``query_len`` of those ``key_len`` positions)."""
+
+    query_start: int
+    query_len: int
+    key_len: int
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def whole_sequence_blocks(seq_length: int) -> Tuple[CausalBlock]:
+    """Plain causal attention over an unpartitioned sequence: one square block."""
+    return (CausalBlock(0, seq_length, seq_length),)
+
+
+def padded_length(length: int, group_size: int) -> int:
+    """The shortest sequence length >= ``length`` that cuts into 2D equal chunks."""
+    step = 2 * group_size
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class TSPLayout:
+    """Zigzag layout of ``seq_length`` tokens over a group of ``group_size`` ranks.
+
+    ``rank``: the rank whose view the ``chunk_ids`` / ``positions`` / ``causal_blocks``
+    properties describe; ``None`` for a group-wide layout (permutation, every rank's chunks).
+    Validated at construction: ``seq_length`` must be a positive multiple of 2D and
+    ``0 <= rank < D``.
+    """
+
+    group_size: int
+    seq_length: int
+    rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        d, s = self.group_size, self.seq_length
+        if not _is_int(d) or d < 1:
+            raise ValueError(f"tensor-sequence-parallel size must be a positive integer, got {d!r}")
+        if not _is_int(s) or s <= 0 or s % (2 * d) != 0:
+            raise ValueError(
+                f"sequence length {s!r} must be a positive multiple of 2 x "
+                f"tensor-sequence-parallel size = {2 * d} (zigzag partition into {2 * d} chunks "
+                "of equal length)")
+        if self.rank is not None and (not _is_int(self.rank) or not 0 <= self.rank < d):
+            raise ValueError(f"rank {self.rank!r} is outside a tensor-sequence-parallel group of "
+                             f"{d} ranks")
+
+    @classmethod
+    def of_group(cls, group, seq_length: int) -> "TSPLayout":
+        """The layout of ``seq_length`` tokens seen by this process's rank in ``group``."""
+        import torch.distributed as dist
+
+        return cls(dist.get_world_size(group), seq_length, dist.get_rank(group))
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.group_size
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_length // self.num_chunks
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per rank (two chunks)."""
+        return 2 * self.chunk_len
+
+    # ---- every rank ----------------------------------------------------------------------------
+    def chunks_of(self, rank: int) -> Tuple[int, int]:
+        """The two chunk ids ``rank`` holds, in its local order (r, 2D-1-r)."""
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"rank {rank} is outside a group of {self.group_size} ranks")
+        return rank, self.num_chunks - 1 - rank
+
+    def chunk_span(self, chunk: int) -> Tuple[int, int]:
+        """Natural positions ``[start, end)`` of chunk ``chunk``."""
+        return chunk * self.chunk_len, (chunk + 1) * self.chunk_len
+
+    def spans_of(self, rank: int) -> List[Tuple[int, int]]:
+        """Natural position spans of ``rank``'s two chunks, in its local order."""
+        return [self.chunk_span(c) for c in self.chunks_of(rank)]
+
+    def owner(self, position: int) -> Tuple[int, int]:
+        """``(rank, local row)`` holding natural position ``position``."""
+        if not 0 <= position < self.seq_length:
+            raise ValueError(f"position {position} is outside a sequence of {self.seq_length}")
+        chunk, row = divmod(position, self.chunk_len)
+        if chunk < self.group_size:
+            return chunk, row
+        return self.num_chunks - 1 - chunk, self.chunk_len + row
+
+    def permutation(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Gathered order -> natural position: ``gathered = natural[permutation]`` (shared,
+        read-only: do not modify)."""
+        return _table("permutation", self.group_size, self.seq_length, device)
+
+    def inverse(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Natural position -> gathered index: ``natural = gathered[inverse]`` (shared,
+        read-only)."""
+        return _table("inverse", self.group_size, self.seq_length, device)
+
+    def positions_of(self, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Natural positions of ``rank``'s local tokens, in local order (a shared view)."""
+        self.chunks_of(rank)  # validates the rank
+        return self.permutation(device).narrow(0, rank * self.local_len, self.local_len)
+
+    # ---- this rank -----------------------------------------------------------------------------
+    def _own_rank(self) -> int:
+        if self.rank is None:
+            raise ValueError(f"TSPLayout(group_size={self.group_size}, seq_length="
+                             f"{self.seq_length}) has no rank: build it with rank=r")
+        return self.rank
+
+    @property
+    def chunk_ids(self) -> Tuple[int, int]:
+        return self.chunks_of(self._own_rank())
+
+    def positions(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """This rank's token positions (natural order index of each local row)."""
+        return self.positions_of(self._own_rank(), device)
+
+    @property
+    def causal_blocks(self) -> Tuple[CausalBlock, ...]:
+        """The kernel calls of this rank's causal attention against natural-order keys: local
+        chunk i (id c) is query rows [iC, (i+1)C) and sees keys [0, (c+1)C)."""
+        return tuple(CausalBlock(i * self.chunk_len, self.chunk_len, self.chunk_span(c)[1])
+                     for i, c in enumerate(self.chunk_ids))
+
+
+@functools.lru_cache(maxsize=64)
+def _host_permutation(group_size: int, seq_length: int) -> torch.Tensor:
+    layout = TSPLayout(group_size, seq_length)
+    spans = [span for r in range(group_size) for span in layout.spans_of(r)]
+    return torch.cat([torch.arange(start, end) for start, end in spans])
+
+
+@functools.lru_cache(maxsize=64)
+def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
+    perm = _host_permutation(group_size, seq_length)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(seq_length)
+    return inv
+
+
+_DEVICE_TABLES: Dict[tuple, torch.Tensor] = {}
+
+
+def _table(kind: str, group_size: int, seq_length: int,
+           device: Optional[torch.device]) -> torch.Tensor:
+    """The (inverse) permutation, built once per shape and copied once per device (no
+    host-to-device copy per call on GPUs)."""
+    host = (_host_permutation if kind == "permutation" else _host_inverse)(group_size, seq_length)
+    if device is None or torch.device(device) == host.device:
+        return host
+    key = (kind, group_size, seq_length, torch.device(device))
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        table = _DEVICE_TABLES[key] = host.to(device)
+    return table
