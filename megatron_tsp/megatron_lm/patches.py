@@ -39,7 +39,7 @@ COUNTER = "counter"
 GENERATE = "generate"
 
 MODES = {
-    LAUNCH: "megatron_tsp.megatron_lm.hooks.install(): the launcher and the patched pretrain_gpt.py",
+    LAUNCH: "megatron_tsp.megatron_lm.hooks.install(): the launcher, the patched pretrain_gpt.py",
     CPU_SUPPORT: "megatron_tsp.megatron_lm.cpu_support.enable_cpu_support(): every CPU run",
     CPU_RUNNER: "megatron_tsp.megatron_lm.cpu_runner.apply_cuda_answers(): pretrain_gpt.py on CPU",
     DRY_RUN: "megatron_tsp.megatron_lm.dry_run: --tsp-dry-run",
