@@ -192,7 +192,8 @@ def reinit_cycles(n: int) -> int:
 
 
 def accessors_after_init(d: int) -> dict:
-    """What the TSP accessors (and their copies on megatron.core.parallel_state) report."""
+    """What the TSP accessors report, next to Megatron's own tensor-parallel group (which is the
+    TSP group); megatron.core.parallel_state itself is left unpatched."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -201,8 +202,9 @@ def accessors_after_init(d: int) -> dict:
     return {
         "size": tsp_state.get_tensor_sequence_parallel_world_size(),
         "rank": tsp_state.get_tensor_sequence_parallel_rank(),
-        "mpu_size": mpu.get_tensor_sequence_parallel_world_size(),
-        "is_tsp": mpu.is_tensor_sequence_parallel(),
+        "mpu_size": mpu.get_tensor_model_parallel_world_size(),
+        "is_tsp": tsp_state.is_tensor_sequence_parallel(),
+        "mpu_unpatched": not hasattr(mpu, "get_tensor_sequence_parallel_world_size"),
         "group_ranks": dist.get_process_group_ranks(group),
         "dp_size": mpu.get_data_parallel_world_size(),
     }

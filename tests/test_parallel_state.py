@@ -8,6 +8,7 @@ def test_accessors_and_layout(pool4):
         results = pool4.run(common.accessors_after_init, d)
         for rank, r in enumerate(results):
             assert r["size"] == r["mpu_size"] == d and r["is_tsp"]
+            assert r["mpu_unpatched"], "megatron.core.parallel_state must stay unpatched"
             assert r["rank"] == rank % d
             # TSP is the stride-1 axis: consecutive global ranks, like Megatron's TP
             assert r["group_ranks"] == list(range(rank - rank % d, rank - rank % d + d))

@@ -28,7 +28,6 @@ _MARK = "_tsp_zigzag_group_size"
 HOOK_NAME = "get_batch_on_this_tsp_rank"
 
 _state = threading.local()
-_ORIGINAL_FORWARD = None
 _ENFORCED = False
 
 
@@ -94,28 +93,8 @@ def guard_model_forward(original):
     return forward
 
 
-def install(enforce: bool = True) -> None:
-    """Wrap ``GPTModel.forward`` (idempotent) and turn the check on or off."""
-    global _ORIGINAL_FORWARD, _ENFORCED
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    if _ORIGINAL_FORWARD is None:
-        _ORIGINAL_FORWARD = GPTModel.forward
-        GPTModel.forward = guard_model_forward(_ORIGINAL_FORWARD)
-    _ENFORCED = enforce
-
-
 def enforce(on: bool) -> None:
+    """Turn the check on or off (the launcher wraps ``GPTModel.forward`` with
+    ``guard_model_forward``: a ``launch`` row of ``megatron_tsp.megatron_lm.patches``)."""
     global _ENFORCED
     _ENFORCED = on
-
-
-def uninstall() -> None:
-    global _ORIGINAL_FORWARD, _ENFORCED
-    _ENFORCED = False
-    if _ORIGINAL_FORWARD is None:
-        return
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    GPTModel.forward = _ORIGINAL_FORWARD
-    _ORIGINAL_FORWARD = None

@@ -85,7 +85,6 @@ def initialize_model_parallel(
     )
     _CREATED_GROUPS.extend(g for g in _live_groups() - before if g is not dist.GroupMember.WORLD)
     _TSP_SIZE = tensor_sequence_parallel_size
-    register_accessors()
 
 
 def mark_initialized(tensor_sequence_parallel_size: int) -> None:
@@ -99,7 +98,6 @@ def mark_initialized(tensor_sequence_parallel_size: int) -> None:
             f"tensor-parallel group has {size} ranks"
         )
     _TSP_SIZE = tensor_sequence_parallel_size
-    register_accessors()
 
 
 def destroy_model_parallel() -> None:
@@ -148,21 +146,6 @@ def get_tensor_sequence_parallel_rank() -> int:
 def get_tensor_sequence_parallel_src_rank() -> int:
     _require()
     return mpu.get_tensor_model_parallel_src_rank()
-
-
-_ACCESSORS = (
-    get_tensor_sequence_parallel_group,
-    get_tensor_sequence_parallel_world_size,
-    get_tensor_sequence_parallel_rank,
-    get_tensor_sequence_parallel_src_rank,
-    is_tensor_sequence_parallel,
-)
-
-
-def register_accessors() -> None:
-    """Expose the accessors as ``megatron.core.parallel_state.<name>`` for code that uses mpu."""
-    for fn in _ACCESSORS:
-        setattr(mpu, fn.__name__, fn)
 
 
 def resolve_group(pg_collection=None, tp_group=None):

@@ -29,7 +29,6 @@ from megatron_tsp.core.validation import TSP_FLAG
 from megatron_tsp.core.zigzag import get_batch_on_this_tsp_rank
 
 _ACTIVE_SIZE: Optional[int] = None
-_WRAPPED: dict = {}
 
 # Modules from which pretrain scripts import ``get_batch_on_this_cp_rank`` by name.
 CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
@@ -82,25 +81,14 @@ def _wrap(original):
 
 def install_batch_hook() -> None:
     """Wrap ``get_batch_on_this_cp_rank`` where scripts import it from (idempotent)."""
-    import importlib
+    from megatron_tsp.megatron_lm import patches
 
     for name in CP_BATCH_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        current = getattr(module, "get_batch_on_this_cp_rank", None)
-        if current is None or hasattr(current, "__wrapped_by_tsp__"):
-            continue
-        _WRAPPED[name] = current
-        setattr(module, "get_batch_on_this_cp_rank", _wrap(current))
+        patches.apply(patches.LAUNCH, f"{name}:get_batch_on_this_cp_rank", make=_wrap)
 
 
 def uninstall_batch_hook() -> None:
-    import sys
+    from megatron_tsp.megatron_lm import patches
 
-    for name, original in list(_WRAPPED.items()):
-        module = sys.modules.get(name)
-        if module is not None:
-            setattr(module, "get_batch_on_this_cp_rank", original)
-        del _WRAPPED[name]
+    for name in CP_BATCH_MODULES:
+        patches.remove(patches.LAUNCH, f"{name}:get_batch_on_this_cp_rank")

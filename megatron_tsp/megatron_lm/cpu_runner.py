@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import types
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
 WORKER_FLAG = "--cpu-runner-worker"
@@ -185,12 +185,25 @@ def _spawn_children_import_the_runner(original):
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """One CUDA-only call and what the CPU run answers instead."""
+    """One CUDA-only call and what the CPU run answers instead (why, and whether the target may
+    be absent: its ``cpu-runner`` row in ``megatron_tsp.megatron_lm.patches``)."""
 
     target: str  # "module:attr" (attribute of an importable module)
     make: Callable  # original -> replacement
-    why: str
-    optional: bool = False  # absent in some versions
+
+    @property
+    def patch(self):
+        from megatron_tsp.megatron_lm import patches
+
+        return patches.find(patches.CPU_RUNNER, self.target)
+
+    @property
+    def why(self) -> str:
+        return self.patch.reason
+
+    @property
+    def optional(self) -> bool:
+        return self.patch.optional
 
 
 def _const(value):
@@ -215,64 +228,47 @@ def _value(value):
 
 CUDA_ANSWERS: Sequence[Answer] = (
     # device setup
-    Answer("torch.cuda:is_available", _const(True),
-           "initialize_megatron asserts CUDA before anything else"),
-    Answer("torch.cuda:device_count", _const(1),
-           "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed"),
-    Answer("torch.cuda:set_device", _value(_nothing), "one CPU 'device' per rank"),
-    Answer("torch.cuda:get_device_properties", _value(_device_properties),
-           "architecture checks read .major"),
-    Answer("torch.cuda:get_device_capability", _const((9, 0)), "architecture checks"),
-    Answer("torch.cuda:get_device_name", _const("cpu"), "printed in start-up reports"),
-    Answer("torch.accelerator:is_available", _const(False),
-           "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA "
-           "build of torch and no driver that initialises CUDA and fails", optional=True),
+    Answer("torch.cuda:is_available", _const(True)),
+    Answer("torch.cuda:device_count", _const(1)),
+    Answer("torch.cuda:set_device", _value(_nothing)),
+    Answer("torch.cuda:get_device_properties", _value(_device_properties)),
+    Answer("torch.cuda:get_device_capability", _const((9, 0))),
+    Answer("torch.cuda:get_device_name", _const("cpu")),
+    Answer("torch.accelerator:is_available", _const(False)),
     # streams and events (CPU work is ordered: waits are no-ops)
-    Answer("torch.cuda:Stream", _value(_CpuStream), "DDP / optimizer side streams"),
-    Answer("torch.cuda:Event", _value(_CpuEvent), "timers and overlap bookkeeping"),
-    Answer("torch.cuda:current_stream", _const(_CPU_STREAM), "stream ordering"),
-    Answer("torch.cuda:default_stream", _const(_CPU_STREAM), "stream ordering"),
-    Answer("torch.cuda:set_stream", _value(_nothing), "stream ordering"),
-    Answer("torch.cuda:stream", _value(lambda *a, **k: contextlib.nullcontext()),
-           "`with torch.cuda.stream(s):` blocks"),
-    Answer("torch.cuda:synchronize", _value(_nothing), "timers, barriers"),
+    Answer("torch.cuda:Stream", _value(_CpuStream)),
+    Answer("torch.cuda:Event", _value(_CpuEvent)),
+    Answer("torch.cuda:current_stream", _const(_CPU_STREAM)),
+    Answer("torch.cuda:default_stream", _const(_CPU_STREAM)),
+    Answer("torch.cuda:set_stream", _value(_nothing)),
+    Answer("torch.cuda:stream", _value(lambda *a, **k: contextlib.nullcontext())),
+    Answer("torch.cuda:synchronize", _value(_nothing)),
     # memory reports (no device memory on CPU: 0)
-    Answer("torch.cuda:empty_cache", _value(_nothing), "memory housekeeping"),
-    Answer("torch.cuda:memory_allocated", _value(_zero), "memory report"),
-    Answer("torch.cuda:max_memory_allocated", _value(_zero), "memory report"),
-    Answer("torch.cuda:memory_reserved", _value(_zero), "memory report"),
-    Answer("torch.cuda:max_memory_reserved", _value(_zero), "memory report"),
-    Answer("torch.cuda:reset_peak_memory_stats", _value(_nothing), "memory report"),
-    Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {}), "memory report"),
-    Answer("torch.cuda:device_memory_used", _value(_zero), "memory report", optional=True),
-    Answer("torch.cuda:mem_get_info", _const((0, 0)), "memory report"),
-    # RNG: the CUDA generator is the CPU one. megatron_tsp.megatron_lm.cpu_support (applied with these
-    # answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
+    Answer("torch.cuda:empty_cache", _value(_nothing)),
+    Answer("torch.cuda:memory_allocated", _value(_zero)),
+    Answer("torch.cuda:max_memory_allocated", _value(_zero)),
+    Answer("torch.cuda:memory_reserved", _value(_zero)),
+    Answer("torch.cuda:max_memory_reserved", _value(_zero)),
+    Answer("torch.cuda:reset_peak_memory_stats", _value(_nothing)),
+    Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {})),
+    Answer("torch.cuda:device_memory_used", _value(_zero)),
+    Answer("torch.cuda:mem_get_info", _const((0, 0))),
+    # RNG: the CUDA generator is the CPU one. megatron_tsp.megatron_lm.cpu_support (applied with
+    # these answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
     Answer("torch.cuda:set_rng_state",
-           _value(lambda state, *a, **k: __import__("torch").set_rng_state(state)),
-           "checkpoints save and restore the 'CUDA' RNG state"),
-    Answer("torch.cuda.nvtx:range_push", _value(_nothing), "profiling ranges", optional=True),
-    Answer("torch.cuda.nvtx:range_pop", _value(_nothing), "profiling ranges", optional=True),
+           _value(lambda state, *a, **k: __import__("torch").set_rng_state(state))),
+    Answer("torch.cuda.nvtx:range_push", _value(_nothing)),
+    Answer("torch.cuda.nvtx:range_pop", _value(_nothing)),
     # builds of CUDA code
-    Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers),
-           "rank 0 runs `make` for the dataset index helpers; the compiled .so is provided"),
+    Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers)),
     Answer("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
-           lambda original: (lambda self, *a, **k: False),
-           "the fused softmax CUDA kernels (scaled_masked_softmax_cuda) are imported when fp16/bf16 "
-           "shapes qualify; without them Megatron's own torch softmax path runs"),
-    Answer("megatron.legacy.fused_kernels:load", _value(_nothing),
-           "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
-           optional=True),
+           lambda original: (lambda self, *a, **k: False)),
+    Answer("megatron.legacy.fused_kernels:load", _value(_nothing)),
     # spawned helper processes
-    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner,
-           "the checkpoint writer starts a 'spawn' multiprocessing Manager, whose child re-runs "
-           "the main script (pretrain_gpt.py) as __mp_main__ without these answers (core_v0.16 "
-           "then fails importing triton); children import this module instead (they only run "
-           "pickled functions)"),
+    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner),
     # the jit warm-up's random draws
-    Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng,
-           "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
+    Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng),
 )
 
 
@@ -313,32 +309,17 @@ class CudaToCpuMode:
         return _Mode()
 
 
-_APPLIED: Dict[str, object] = {}
 _MODE = None
 
-
-def _resolve(target: str):
-    """``"module:attr"`` or ``"module:Class.attr"`` -> (owner object, attribute name)."""
-    module_name, path = target.split(":")
-    owner = importlib.import_module(module_name)
-    *parents, attr = path.split(".")
-    for name in parents:
-        owner = getattr(owner, name)
-    return owner, attr
-
-
 BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+FUSED_WEIGHT_GRADIENT = "fused_weight_gradient_mlp_cuda"
 
 
-def _stand_in_for_triton_kernels() -> None:
-    """Without triton (CPU torch), ``megatron.training.initialize`` (core_v0.16) still imports
-    Megatron's batch-invariant Triton kernels at import time; they run only with
-    ``--batch-invariant-mode``. Register a module with the same functions that refuses to enable
-    the mode, before Megatron imports the real one."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is not None or BATCH_INVARIANT_KERNELS in sys.modules:
-        return
+def _triton_kernels_stand_in(original=None) -> types.ModuleType:
+    """Without triton (CPU torch), ``megatron.training.initialize`` still imports Megatron's
+    batch-invariant Triton kernels at import time; they run only with ``--batch-invariant-mode``.
+    A module with the same functions that refuses to enable the mode, registered before Megatron
+    imports the real one."""
     module = types.ModuleType(BATCH_INVARIANT_KERNELS)
 
     def needs_triton(*args, **kwargs):
@@ -349,7 +330,7 @@ def _stand_in_for_triton_kernels() -> None:
     module.disable_batch_invariant_mode = lambda *a, **k: None
     module.is_batch_invariant_mode_enabled = lambda: False
     module.__tsp_cpu_stand_in__ = True
-    sys.modules[BATCH_INVARIANT_KERNELS] = module
+    return module
 
 
 def apply_cuda_answers() -> List[str]:
@@ -358,37 +339,26 @@ def apply_cuda_answers() -> List[str]:
     Needs the Megatron-LM checkout importable (the script's directory first on ``sys.path``).
     """
     global _MODE
-    import torch
+    import importlib.util
 
-    _stand_in_for_triton_kernels()
+    from megatron_tsp.megatron_lm import cpu_support, patches
 
-    if "fused_weight_gradient_mlp_cuda" not in sys.modules:
-        sys.modules["fused_weight_gradient_mlp_cuda"] = _fused_weight_gradient_module()
+    if importlib.util.find_spec("triton") is None:
+        patches.apply(patches.CPU_RUNNER, f"{patches.STAND_IN_MODULE}:{BATCH_INVARIANT_KERNELS}",
+                      make=_triton_kernels_stand_in)
+    patches.apply(patches.CPU_RUNNER, f"{patches.STAND_IN_MODULE}:{FUSED_WEIGHT_GRADIENT}",
+                  make=lambda original: _fused_weight_gradient_module())
     replaced = []
     for answer in CUDA_ANSWERS:
-        if answer.target in _APPLIED:
+        if patches.is_active(patches.CPU_RUNNER, answer.target):
             continue
-        try:
-            module, attr = _resolve(answer.target)
-        except (ImportError, AttributeError):
-            if answer.optional:
-                continue
-            raise
-        if not hasattr(module, attr):
-            if answer.optional:
-                continue
-            raise AttributeError(f"cpu_runner: {answer.target} not found ({answer.why})")
-        original = getattr(module, attr)
-        _APPLIED[answer.target] = original
-        setattr(module, attr, answer.make(original))
-        replaced.append(answer.target)
-    from megatron_tsp.megatron_lm import cpu_support
-
+        patches.apply(patches.CPU_RUNNER, answer.target, make=answer.make)
+        if patches.is_active(patches.CPU_RUNNER, answer.target):
+            replaced.append(answer.target)
     cpu_support.enable_cpu_support(force=True)
     if _MODE is None:
         _MODE = CudaToCpuMode()
         _MODE.__enter__()
-    del torch
     return replaced
 
 
@@ -398,12 +368,17 @@ def apply_cuda_answers() -> List[str]:
 
 
 def _install_iteration_record(path: str) -> None:
+    from megatron_tsp.megatron_lm import patches
+
+    patches.apply(patches.CPU_RUNNER, "megatron.training.training:training_log",
+                  make=lambda original: _recording_training_log(original, path))
+
+
+def _recording_training_log(original, path: str):
     import inspect
 
     import torch
 
-    training = importlib.import_module("megatron.training.training")
-    original = training.training_log
     signature = inspect.signature(original)
 
     def training_log(*args, **kwargs):
@@ -422,7 +397,7 @@ def _install_iteration_record(path: str) -> None:
                         + "\n")
         return original(*args, **kwargs)
 
-    training.training_log = training_log
+    return training_log
 
 
 # --------------------------------------------------------------------------------------------

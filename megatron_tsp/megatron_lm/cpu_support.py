@@ -20,9 +20,6 @@ import functools
 
 import torch
 
-_saved: dict = {}
-
-
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
@@ -46,19 +43,26 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_SHIMS = {
+    "torch.cuda:current_device": _cpu_current_device,
+    "torch.cuda:get_rng_state": _cpu_get_rng_state,
+    "torch.cuda:manual_seed": _cpu_manual_seed,
+    "megatron.core.transformer.utils:get_default_causal_mask": _cpu_causal_mask,
+    "megatron.core.fusions.fused_softmax:get_default_causal_mask": _cpu_causal_mask,
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _cpu_set_rng_state,
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _cpu_get_rng_state,
+}
+
+
 def is_enabled() -> bool:
-    return bool(_saved)
+    from megatron_tsp.megatron_lm import patches
 
-
-def _patch(owner, name: str, value) -> None:
-    key = (owner, name)
-    if key not in _saved:
-        _saved[key] = getattr(owner, name)
-    setattr(owner, name, value)
+    return any(patches.is_active(patches.CPU_SUPPORT, target) for target in _SHIMS)
 
 
 def enable_cpu_support(force: bool = False) -> None:
-    """Route megatron-core's CUDA-only helpers to the CPU.
+    """Route megatron-core's CUDA-only helpers to the CPU (the ``cpu-support`` rows of
+    ``megatron_tsp.megatron_lm.patches``).
 
     ``force=True`` applies the shims even if CUDA is present (for tests of this module only).
     """
@@ -66,24 +70,18 @@ def enable_cpu_support(force: bool = False) -> None:
         raise RuntimeError(
             "enable_cpu_support() called on a machine with CUDA; the shims are for CPU-only runs"
         )
-    if _saved:
-        return
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.tensor_parallel.random as tp_random
-    import megatron.core.transformer.utils as transformer_utils
+    import importlib
 
-    _patch(torch.cuda, "current_device", _cpu_current_device)
-    _patch(torch.cuda, "get_rng_state", _cpu_get_rng_state)
-    _patch(torch.cuda, "manual_seed", _cpu_manual_seed)
-    _patch(transformer_utils, "get_default_causal_mask", _cpu_causal_mask)
-    _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
-    _patch(tp_random, "_set_cuda_rng_state", _cpu_set_rng_state)
-    if hasattr(tp_random, "_get_cuda_rng_state"):
-        _patch(tp_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    from megatron_tsp.megatron_lm import patches
+
+    for target in _SHIMS:  # import all first: fused_softmax binds the unpatched mask function
+        importlib.import_module(target.split(":")[0])
+    for target, shim in _SHIMS.items():
+        patches.apply(patches.CPU_SUPPORT, target, shim)
 
 
 def disable_cpu_support() -> None:
     """Restore every function ``enable_cpu_support`` replaced."""
-    for (owner, name), value in _saved.items():
-        setattr(owner, name, value)
-    _saved.clear()
+    from megatron_tsp.megatron_lm import patches
+
+    patches.remove_mode(patches.CPU_SUPPORT)

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_tsp.megatron_lm import arguments as tsp_args
+from megatron_tsp.megatron_lm import patches
 
 _MAX_GROUPS_SHOWN = 8
 
@@ -57,7 +58,6 @@ def prepare_args(args) -> None:
     if not _have_transformer_engine():
         # Megatron's config refuses fused RoPE without TE; fusion does not change any parameter.
         args.apply_rope_fusion = False
-    _no_cuda_in_validation()
 
 
 def _have_transformer_engine() -> bool:
@@ -76,12 +76,12 @@ def dry_run_arch() -> int:
     return int(os.environ.get("TSP_DRY_RUN_ARCH", DEFAULT_DRY_RUN_ARCH))
 
 
-def _no_cuda_in_validation() -> None:
-    import sys
-
-    module = sys.modules.get("megatron.training.arguments")
-    if module is not None and hasattr(module, "get_device_arch_version"):
-        module.get_device_arch_version = dry_run_arch
+@contextlib.contextmanager
+def no_cuda_in_validation():
+    """During ``validate_args``: Megatron's architecture query answers ``dry_run_arch()``."""
+    with patches.applied(patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version",
+                         dry_run_arch):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,16 +156,14 @@ def _config_builder(model_config, model_provider) -> Callable:
 @contextlib.contextmanager
 def _meta_device():
     """Megatron allocates parameters on ``torch.cuda.current_device()``: make that ``meta``."""
-    saved = torch.cuda.current_device, torch.Tensor.cuda
-    torch.cuda.current_device = lambda: torch.device("meta")
     # Tied embeddings across pipeline stages call ``weight.data.cuda()`` before an all-reduce on
     # the embedding group; a meta tensor stays where it is.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        torch.cuda.current_device, torch.Tensor.cuda = saved
+    with patches.applied(patches.DRY_RUN, "torch.cuda:current_device",
+                         lambda: torch.device("meta")), \
+            patches.applied(patches.DRY_RUN, "torch:Tensor.cuda",
+                            lambda self, *args, **kwargs: self), \
+            torch.device("meta"):
+        yield
 
 
 def _init_fake_world(world_size: int, rank: int) -> None:
@@ -310,6 +308,7 @@ def run(args, build: Callable) -> dict:
         if d:
             report["zigzag"] = zigzag_chunks(args.seq_length, d)
         report["cuda_initialized"] = torch.cuda.is_initialized()
+        report["patches"] = patches.report_lines()
         return report
     finally:
         mpu.destroy_model_parallel()
@@ -366,5 +365,8 @@ def print_report(report: dict) -> None:
                 f"-> tokens {spans}"
             )
     lines.append(f"  CUDA initialized  : {'yes' if report['cuda_initialized'] else 'no'}")
+    lines.append(f"  patches           : {len(report.get('patches', []))} applied in this process "
+                 "(megatron_tsp/megatron_lm/patches.py)")
+    lines.extend(f"    {line}" for line in report.get("patches", []))
     lines.append("=" * 78)
     print("\n".join(lines), flush=True)

@@ -1,6 +1,7 @@
 """``install()``: hook TSP into an unmodified Megatron-LM checkout.
 
-What is wrapped (each looked up where the scripts look it up, at install time; idempotent):
+What is wrapped (each looked up where the scripts look it up, at install time; idempotent; every
+one is a ``launch`` row of ``patches.REGISTRY``, applied and removed through it):
 
 * ``megatron.training.arguments.add_megatron_arguments`` -> also adds the "tensor-sequence
   parallel" argument group (``parse_args`` calls it through the module global, in every version);
@@ -25,15 +26,13 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from typing import Callable, Dict, Tuple
 
 from megatron_tsp.core import batch_guard
 from megatron_tsp.megatron_lm import arguments as tsp_args
 from megatron_tsp.megatron_lm import batch as tsp_batch
-from megatron_tsp.megatron_lm import checkpoint_args
+from megatron_tsp.megatron_lm import checkpoint_args, patches
 from megatron_tsp.megatron_lm import spec as tsp_spec
 
-_ORIGINALS: Dict[Tuple[str, str], Callable] = {}
 _INSTALLED = False
 
 DRY_RUN_FLAG = "--tsp-dry-run"
@@ -46,23 +45,12 @@ def _log(message: str) -> None:
         print(f"[megatron_tsp] {message}", flush=True)
 
 
-def _replace(module_name: str, attr: str, make_wrapper) -> bool:
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return False
-    current = getattr(module, attr, None)
-    if current is None:
-        return False
-    if getattr(current, "__tsp_hook__", False):
-        return True
-    key = (module_name, attr)
-    original = _ORIGINALS.get(key, current)
-    wrapper = make_wrapper(original)
-    wrapper.__tsp_hook__ = True
-    _ORIGINALS[key] = original
-    setattr(module, attr, wrapper)
-    return True
+def _replace(target: str, make_wrapper) -> None:
+    """Wrap a declared ``patches.LAUNCH`` target (skipped where this Megatron-LM has none)."""
+    patches.apply(patches.LAUNCH, target, make=make_wrapper)
+
+
+GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
 
 
 def _wrap_add_megatron_arguments(original):
@@ -108,32 +96,39 @@ def _describe_tsp_mlp_translation(args) -> str:
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, *rest, **kwargs):
-        d = tsp_args.tsp_size(args)
-        if getattr(args, "tsp_dry_run", False):
-            from megatron_tsp.megatron_lm import dry_run
+        if not getattr(args, "tsp_dry_run", False):
+            return _validate(original, args, rest, kwargs)
+        from megatron_tsp.megatron_lm import dry_run
 
-            dry_run.prepare_args(args)
-        if tsp_args.tsp_mlp_requested(args):
-            # TP+SP attention + TSP MLP: Megatron's own layout and batches, only the spec changes.
-            tsp_args.translate_args(args)
-            result = original(args, *rest, **kwargs)
-            tsp_args.check_validated_args(args)
-            tsp_batch.activate(None)
-            tsp_spec.install_gpt_model_hook()
-            _log(_describe_tsp_mlp_translation(args))
-            return result
-        if d is None:
-            tsp_batch.activate(None)
-            return original(args, *rest, **kwargs)
+        dry_run.prepare_args(args)
+        with dry_run.no_cuda_in_validation():
+            return _validate(original, args, rest, kwargs)
+
+    return validate_args
+
+
+def _validate(original, args, rest, kwargs):
+    """Megatron's ``validate_args`` with the TSP translation before and the checks after."""
+    d = tsp_args.tsp_size(args)
+    if tsp_args.tsp_mlp_requested(args):
+        # TP+SP attention + TSP MLP: Megatron's own layout and batches, only the spec changes.
         tsp_args.translate_args(args)
         result = original(args, *rest, **kwargs)
         tsp_args.check_validated_args(args)
-        tsp_batch.activate(d)
+        tsp_batch.activate(None)
         tsp_spec.install_gpt_model_hook()
-        _log(_describe_translation(args))
+        _log(_describe_tsp_mlp_translation(args))
         return result
-
-    return validate_args
+    if d is None:
+        tsp_batch.activate(None)
+        return original(args, *rest, **kwargs)
+    tsp_args.translate_args(args)
+    result = original(args, *rest, **kwargs)
+    tsp_args.check_validated_args(args)
+    tsp_batch.activate(d)
+    tsp_spec.install_gpt_model_hook()
+    _log(_describe_translation(args))
+    return result
 
 
 def _wrap_pretrain(original):
@@ -163,31 +158,26 @@ def install() -> None:
             "checkout (not with the megatron-core wheel): put the checkout on PYTHONPATH or run "
             "from its root"
         ) from exc
-    _replace("megatron.training.arguments", "add_megatron_arguments", _wrap_add_megatron_arguments)
-    _replace("megatron.training.arguments", "validate_args", _wrap_validate_args)
-    _replace("megatron.training.initialize", "validate_args", _wrap_validate_args)
-    _replace("megatron.training.training", "pretrain", _wrap_pretrain)
-    _replace("megatron.training", "pretrain", _wrap_pretrain)
-    _replace("megatron.training.checkpointing", "generate_state_dict",
+    _replace("megatron.training.arguments:add_megatron_arguments", _wrap_add_megatron_arguments)
+    _replace("megatron.training.arguments:validate_args", _wrap_validate_args)
+    _replace("megatron.training.initialize:validate_args", _wrap_validate_args)
+    _replace("megatron.training.training:pretrain", _wrap_pretrain)
+    _replace("megatron.training:pretrain", _wrap_pretrain)
+    _replace("megatron.training.checkpointing:generate_state_dict",
              checkpoint_args.wrap_generate_state_dict)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
-    batch_guard.install(enforce=tsp_batch.active_size() is not None)
+    _replace(f"{GPT_MODEL}.forward", batch_guard.guard_model_forward)
+    batch_guard.enforce(tsp_batch.active_size() is not None)
     _INSTALLED = True
 
 
 def uninstall() -> None:
     """Undo ``install()`` (for tests and for processes that run several scripts)."""
     global _INSTALLED
-    for (module_name, attr), original in list(_ORIGINALS.items()):
-        module = sys.modules.get(module_name)
-        if module is not None:
-            setattr(module, attr, original)
-    _ORIGINALS.clear()
-    tsp_batch.uninstall_batch_hook()
     tsp_batch.activate(None)
-    tsp_spec.uninstall_gpt_model_hook()
-    batch_guard.uninstall()
+    batch_guard.enforce(False)
+    patches.remove_mode(patches.LAUNCH)
     _INSTALLED = False
 
 

@@ -22,9 +22,6 @@ import functools
 import inspect
 from typing import Optional
 
-_ORIGINAL_GPT_INIT = None
-
-
 def _transformer_config(config):
     """A ``TransformerConfig`` from either a TransformerConfig or 0.19's ``GPTModelConfig``."""
     inner = getattr(config, "transformer", None)
@@ -92,18 +89,10 @@ def _pp_rank_of(pg_collection) -> Optional[int]:
     return dist.get_rank(pp)
 
 
-def install_gpt_model_hook() -> None:
-    """Let ``GPTModel(transformer_layer_spec=tsp_block_spec)`` resolve the function (idempotent).
+GPT_MODEL_INIT = "megatron.core.models.gpt.gpt_model:GPTModel.__init__"
 
-    Any other spec goes through untouched, so stock models built in the same process (the TP+SP
-    reference in tests, a teacher model) are unaffected.
-    """
-    global _ORIGINAL_GPT_INIT
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
-    if _ORIGINAL_GPT_INIT is not None:
-        return
-    original = GPTModel.__init__
+def _resolve_tsp_spec(original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -120,18 +109,24 @@ def install_gpt_model_hook() -> None:
             return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 
-    GPTModel.__init__ = __init__
-    _ORIGINAL_GPT_INIT = original
+    return __init__
+
+
+def install_gpt_model_hook() -> None:
+    """Let ``GPTModel(transformer_layer_spec=tsp_block_spec)`` resolve the function (idempotent).
+
+    Any other spec goes through untouched, so stock models built in the same process (the TP+SP
+    reference in tests, a teacher model) are unaffected.
+    """
+    from megatron_tsp.megatron_lm import patches
+
+    patches.apply(patches.LAUNCH, GPT_MODEL_INIT, make=_resolve_tsp_spec)
 
 
 def uninstall_gpt_model_hook() -> None:
-    global _ORIGINAL_GPT_INIT
-    if _ORIGINAL_GPT_INIT is None:
-        return
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron_tsp.megatron_lm import patches
 
-    GPTModel.__init__ = _ORIGINAL_GPT_INIT
-    _ORIGINAL_GPT_INIT = None
+    patches.remove(patches.LAUNCH, GPT_MODEL_INIT)
 
 
 def tp_sp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):

@@ -182,12 +182,10 @@ def _cpu_cuda_sync():
     if torch.cuda.is_available():
         yield
         return
-    synchronize = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda *a, **k: None
-    try:
+    from megatron_tsp.megatron_lm import patches
+
+    with patches.applied(patches.GENERATE, "torch.cuda:synchronize", lambda *a, **k: None):
         yield
-    finally:
-        torch.cuda.synchronize = synchronize
 
 
 def _load_torch_dist(model, path: str) -> None:

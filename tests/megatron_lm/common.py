@@ -84,6 +84,24 @@ def megatron_lm_path() -> Optional[str]:
     return None
 
 
+def megatron_lm_tree(version: str) -> Optional[str]:
+    """The Megatron-LM tree of ``version`` ("0.16" / "0.19") among ``MEGATRON_LM_PATH`` and
+    ``MEGATRON_LM_PATH_0_19`` (read as source only: any interpreter), or None (the test skips).
+    In CI (``CI=true``) a missing tree is an error, never a skip."""
+    from megatron_tsp.megatron_lm.patches import tree_version
+
+    paths = [os.environ.get(name) for name in ("MEGATRON_LM_PATH", "MEGATRON_LM_PATH_0_19")]
+    for path in paths:
+        if path and os.path.isfile(os.path.join(path, "pretrain_gpt.py")) \
+                and tree_version(path) == version:
+            return path
+    if os.environ.get("CI") == "true":
+        raise RuntimeError(f"CI=true but neither MEGATRON_LM_PATH nor MEGATRON_LM_PATH_0_19 "
+                           f"({paths}) is a core_v{version} tree: run "
+                           "scripts/megatron_lm_sources.sh (as .ci/run does)")
+    return None
+
+
 def relative_difference(actual: float, reference: float) -> float:
     """|a - r| / |r|; infinite when either side is NaN or Inf, so ``max`` over iterations can
     never skip a diverged run (Python's ``max`` ignores a NaN that is not first)."""

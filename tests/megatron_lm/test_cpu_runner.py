@@ -8,7 +8,9 @@ from megatron_tsp.megatron_lm import cpu_runner
 
 def test_nothing_is_applied_on_import():
     assert torch.cuda.is_available() is False or torch.cuda.device_count() > 0
-    assert "torch.cuda:is_available" not in cpu_runner._APPLIED
+    from megatron_tsp.megatron_lm import patches
+
+    assert not patches.is_active(patches.CPU_RUNNER, "torch.cuda:is_available")
     assert cpu_runner._MODE is None
     assert "fused_weight_gradient_mlp_cuda" not in __import__("sys").modules or not getattr(
         __import__("sys").modules["fused_weight_gradient_mlp_cuda"], "__tsp_cpu_stand_in__", False)

@@ -129,6 +129,18 @@ def test_dry_run_end_to_end(name):
     c = s // 16
     assert f"TSP rank 1: chunks 1 and 14 -> tokens [{c}, {2 * c}), [{14 * c}, {15 * c})" in out
     assert "CUDA initialized  : no" in out
+    # the patch registry: what this run replaced, each line with its target and reason
+    from megatron_tsp.megatron_lm import patches
+
+    listed = re.search(r"patches\s+: (\d+) applied", out)
+    assert listed and int(listed.group(1)) >= 10, out[-3000:]
+    for state, mode, target in (
+            ("active ", patches.LAUNCH, "megatron.training.arguments:validate_args"),
+            ("active ", patches.CPU_SUPPORT, "torch.cuda:current_device"),
+            ("removed", patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version"),
+            ("removed", patches.DRY_RUN, "torch.cuda:current_device")):
+        line = f"{state} {mode:<11} {target}: {patches.find(mode, target).reason}"
+        assert line in out, (line, out[-3000:])
 
 
 def test_dry_run_rejects_unsupported_flags_by_name():

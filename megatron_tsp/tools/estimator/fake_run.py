@@ -384,12 +384,13 @@ def _no_rng_fork(enabled: bool):
         return
     from megatron.core import tensor_parallel
 
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()
-    try:
+    from megatron_tsp.megatron_lm import patches
+
+    with patches.applied(patches.FAKE_RUN,
+                         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+                         lambda *a, **k: contextlib.nullcontext(),
+                         owner=tensor_parallel.get_cuda_rng_tracker()):
         yield
-    finally:
-        del tracker.fork
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
@@ -406,14 +407,12 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 @contextlib.contextmanager
 def _cpu_cp_rope():
-    import megatron.core.models.common.embeddings.rotary_pos_embedding as rpe
+    from megatron_tsp.megatron_lm import patches
 
-    saved = rpe.get_pos_emb_on_this_cp_rank
-    rpe.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
-    try:
+    with patches.applied(patches.FAKE_RUN, "megatron.core.models.common.embeddings."
+                         "rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+                         _cpu_pos_emb_on_this_cp_rank):
         yield
-    finally:
-        rpe.get_pos_emb_on_this_cp_rank = saved
 
 
 @contextlib.contextmanager
@@ -440,18 +439,16 @@ def _uncoalesced_grad_sync():
     """Megatron's grad sync wraps its per-bucket collectives (in place on the grad buffer) in
     ``torch.distributed._coalescing_manager``, which FakeTensorMode cannot dispatch; run them one
     by one instead (same buffers, same bytes)."""
-    import megatron.core.distributed.param_and_grad_buffer as pgb
+    from megatron_tsp.megatron_lm import patches
 
     @contextlib.contextmanager
     def plain(*args, **kwargs):
         yield _Done()
 
-    saved = pgb._coalescing_manager
-    pgb._coalescing_manager = plain
-    try:
+    with patches.applied(patches.FAKE_RUN,
+                         "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+                         plain):
         yield
-    finally:
-        pgb._coalescing_manager = saved
 
 
 # --------------------------------------------------------------------------------------------
