@@ -115,6 +115,14 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
     )
 
 
+def _num_layers_on_stage(config, vp_stage: Optional[int], pp_rank: Optional[int]) -> int:
+    """Layers this pipeline (virtual) stage builds; megatron-core 0.16 has no ``pp_rank``."""
+    try:
+        return get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    except TypeError:  # older signature without pp_rank
+        return get_num_layers_to_build(config, vp_stage=vp_stage)
+
+
 def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
                            vp_stage: Optional[int] = None,
                            pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
@@ -126,10 +134,7 @@ def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
                                    qk_layernorm=config.qk_layernorm,
                                    num_experts=config.num_moe_experts,
                                    multi_latent_attention=config.multi_latent_attention)
-    try:
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    except TypeError:  # older signature without pp_rank
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=SequenceParallelNorm)
 
@@ -157,10 +162,7 @@ def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
                                 pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
     layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
-    try:
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    except TypeError:
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=SequenceParallelNorm)
 
@@ -199,9 +201,6 @@ def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
     check_tsp_mlp_config(config)
     layer = get_gpt_layer_tsp_mlp_spec(normalization=normalization or config.normalization,
                                        num_experts=config.num_moe_experts)
-    try:
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    except TypeError:
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=SequenceParallelNorm)

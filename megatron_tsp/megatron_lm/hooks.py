@@ -110,24 +110,17 @@ def _wrap_validate_args(original):
 def _validate(original, args, rest, kwargs):
     """Megatron's ``validate_args`` with the TSP translation before and the checks after."""
     d = tsp_args.tsp_size(args)
-    if tsp_args.tsp_mlp_requested(args):
-        # TP+SP attention + TSP MLP: Megatron's own layout and batches, only the spec changes.
-        tsp_args.translate_args(args)
-        result = original(args, *rest, **kwargs)
-        tsp_args.check_validated_args(args)
-        tsp_batch.activate(None)
-        tsp_spec.install_gpt_model_hook()
-        _log(_describe_tsp_mlp_translation(args))
-        return result
-    if d is None:
+    # TP+SP attention + TSP MLP keeps Megatron's own layout and batches: only the spec changes.
+    hybrid = tsp_args.tsp_mlp_requested(args)
+    if d is None and not hybrid:
         tsp_batch.activate(None)
         return original(args, *rest, **kwargs)
     tsp_args.translate_args(args)
     result = original(args, *rest, **kwargs)
     tsp_args.check_validated_args(args)
-    tsp_batch.activate(d)
+    tsp_batch.activate(None if hybrid else d)
     tsp_spec.install_gpt_model_hook()
-    _log(_describe_translation(args))
+    _log(_describe_tsp_mlp_translation(args) if hybrid else _describe_translation(args))
     return result
 
 

@@ -399,6 +399,13 @@ def _is_our_replacement(value, patch: Patch) -> bool:
     return key[0] == patch.mode and _attr_name(key[1]) == _attr_name(patch.target)
 
 
+def _unpatched(value):
+    """The object under our active patches (each one's original is the one applied before)."""
+    while getattr(value, "__tsp_patch__", None) in _ACTIVE:
+        value = _ACTIVE[value.__tsp_patch__].original
+    return value
+
+
 def _attr_name(target: str) -> str:
     return target.split(":")[1].split(".")[-1]
 
@@ -505,7 +512,7 @@ def check_installed(patches: Sequence[Patch] = REGISTRY) -> List[str]:
         present_expected = patch.owner_kind != "megatron-core" or version in patch.versions
         try:
             owner, attr = resolve(patch.target)
-            target = getattr(owner, attr)
+            target = _unpatched(getattr(owner, attr))
         except (ImportError, AttributeError):
             if present_expected and not patch.optional:
                 problems.append(f"{patch.target} ({patch.mode}): missing in the installed "

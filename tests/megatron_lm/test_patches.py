@@ -197,12 +197,20 @@ class _StandIn:
 def test_stacked_patches_of_one_target_unwind_in_order():
     import torch
 
+    target = "torch.cuda:current_device"
+    # an earlier test in this process may have left CPU support on: start from the bare target
+    earlier = torch.cuda.current_device if P.is_active(P.CPU_SUPPORT, target) else None
+    P.remove(P.CPU_SUPPORT, target)
     original = torch.cuda.current_device
-    with P.applied(P.CPU_SUPPORT, "torch.cuda:current_device", lambda: "cpu"):
-        with P.applied(P.DRY_RUN, "torch.cuda:current_device", lambda: "meta"):
-            assert torch.cuda.current_device() == "meta"
-        assert torch.cuda.current_device() == "cpu"
-    assert torch.cuda.current_device is original
+    try:
+        with P.applied(P.CPU_SUPPORT, target, lambda: "cpu"):
+            with P.applied(P.DRY_RUN, target, lambda: "meta"):
+                assert torch.cuda.current_device() == "meta"
+            assert torch.cuda.current_device() == "cpu"
+        assert torch.cuda.current_device is original
+    finally:
+        if earlier is not None:
+            P.apply(P.CPU_SUPPORT, target, earlier)
 
 
 def test_instance_patch_is_deleted_again():

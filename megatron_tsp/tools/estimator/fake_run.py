@@ -824,22 +824,30 @@ def run_step_isolated(cfg: RunConfig, timeout: float = 1800, threads: int = 1) -
     ``threads`` intra-op threads: torch's CPU flash-attention kernel allocates per-thread scratch
     (~1.5 MB per thread at small shapes) that no dispatch-level tracker can see.
     """
-    import subprocess
-    import sys
-
     payload = json.dumps(dataclasses.asdict(cfg))
     code = ("import json, sys, dataclasses, warnings; warnings.filterwarnings('ignore'); "
             "from megatron_tsp.tools.estimator import fake_run as f; "
             "r = f.run_step(f._config_from_dict(json.loads(sys.stdin.read()))); "
             "print('@@RESULT@@' + json.dumps(dataclasses.asdict(r), default=str))")
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = str(threads)
+    return RunResult(**run_in_fresh_process(code, payload, timeout,
+                                            {"OMP_NUM_THREADS": str(threads)}))
+
+
+def run_in_fresh_process(code: str, payload: str, timeout: float,
+                         env: Optional[Dict[str, str]] = None) -> dict:
+    """Run ``code`` in a fresh interpreter with ``payload`` on stdin; ``code`` prints its result
+    as one JSON line after ``@@RESULT@@``. This checkout comes first on ``PYTHONPATH``."""
+    import subprocess
+    import sys
+
+    # the checkout: <root>/megatron_tsp/tools/estimator/fake_run.py
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = root + (os.pathsep + os.environ["PYTHONPATH"]
+                                     if os.environ.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=full_env)
     for line in proc.stdout.splitlines():
         if line.startswith("@@RESULT@@"):
-            d = json.loads(line[len("@@RESULT@@"):])
-            return RunResult(**d)
+            return json.loads(line[len("@@RESULT@@"):])
     raise RuntimeError(f"isolated run failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import warnings
 from typing import Optional, Sequence
@@ -167,18 +166,10 @@ def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: i
             "a = json.loads(sys.stdin.read()); "
             "a['model'] = ModelShape.from_json(a['model']); "
             "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
-    env = dict(os.environ)
-    # the checkout: <root>/megatron_tsp/tools/estimator/inference_memory.py
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("TORCHDYNAMO_DISABLE", "1")
-    proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@"):])
-    raise RuntimeError(f"prefill measurement failed (rc={proc.returncode}):\n"
-                       f"{proc.stderr[-4000:]}")
+    from megatron_tsp.tools.estimator.fake_run import run_in_fresh_process
+
+    dynamo = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
+    return run_in_fresh_process(code, payload, timeout, dynamo)
 
 
 LABELS = {"tsp": "TSP prefill D={d}", "tp": "TP={d} prefill", "cp": "CP={d} prefill"}
