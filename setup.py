@@ -27,10 +27,12 @@ setup(
         "plot": ["matplotlib"],
         "test": ["pytest", "matplotlib", "psutil"],
     },
-    entry_points={"console_scripts": [
-        "megatron-tsp=megatron_tsp.tools.cli:main",
-        "megatron-tsp-launch=megatron_tsp.megatron_lm.launch:main",
-        "megatron-tsp-compare=megatron_tsp.megatron_lm.compare:main",
-        "megatron-tsp-config=megatron_tsp.megatron_lm.configs:main",
-    ]},
+    entry_points={
+        "console_scripts": [
+            "megatron-tsp=megatron_tsp.tools.cli:main",
+            "megatron-tsp-launch=megatron_tsp.megatron_lm.launch:main",
+            "megatron-tsp-compare=megatron_tsp.megatron_lm.compare:main",
+            "megatron-tsp-config=megatron_tsp.megatron_lm.configs:main",
+        ]
+    },
 )

@@ -3,7 +3,8 @@
 One process-group axis of size D (Megatron's tensor-parallel ranks) holds 1/D of every layer's
 weights and 1/D of the tokens (zigzag chunks). Weights move, tokens stay.
 
-Public names are imported lazily so ``python -m megatron_tsp.megatron_lm.launch`` and the CLI start fast.
+Public names are imported lazily so ``python -m megatron_tsp.megatron_lm.launch`` and the CLI
+start fast.
 """
 
 from __future__ import annotations

@@ -40,13 +40,18 @@ def patched_text(original: str) -> str:
             f"found {len(at)}; add the two hook lines before the first Megatron import by hand:\n"
             + "".join(HOOK)
         )
-    return "".join(lines[: at[0]] + HOOK + lines[at[0]:])
+    return "".join(lines[: at[0]] + HOOK + lines[at[0] :])
 
 
 def make_patch(original: str) -> str:
-    return "".join(difflib.unified_diff(
-        original.splitlines(keepends=True), patched_text(original).splitlines(keepends=True),
-        fromfile=f"a/{TARGET}", tofile=f"b/{TARGET}"))
+    return "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True),
+            patched_text(original).splitlines(keepends=True),
+            fromfile=f"a/{TARGET}",
+            tofile=f"b/{TARGET}",
+        )
+    )
 
 
 def verify(checkout: str, run: bool = False) -> list:
@@ -58,29 +63,45 @@ def verify(checkout: str, run: bool = False) -> list:
     hook_at = [i for i, line in enumerate(lines) if line == HOOK[1]]
     if len(hook_at) != 1:
         return [f"{path}: the line {HOOK[1].strip()!r} appears {len(hook_at)} times (want 1)"]
-    first_megatron = next(i for i, line in enumerate(lines)
-                          if line.startswith(("from megatron", "import megatron", ANCHOR))
-                          and "megatron_tsp" not in line)
+    first_megatron = next(
+        i
+        for i, line in enumerate(lines)
+        if line.startswith(("from megatron", "import megatron", ANCHOR))
+        and "megatron_tsp" not in line
+    )
     if hook_at[0] > first_megatron:
-        problems.append(f"{path}: the hook must come before line {first_megatron + 1} "
-                        f"({lines[first_megatron].strip()!r})")
+        problems.append(
+            f"{path}: the hook must come before line {first_megatron + 1} "
+            f"({lines[first_megatron].strip()!r})"
+        )
     compile(text, path, "exec")
     if run and not problems:
         env = dict(os.environ)
         repo = os.path.dirname(HERE)
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, path, "--help"], cwd=checkout, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, path, "--help"],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0 or "tensor-sequence parallel" not in proc.stdout:
-            problems.append(f"{path} --help does not show the TSP group (rc={proc.returncode}):"
-                            f"\n{proc.stderr[-2000:]}")
+            problems.append(
+                f"{path} --help does not show the TSP group (rc={proc.returncode}):"
+                f"\n{proc.stderr[-2000:]}"
+            )
     return problems
 
 
 def tag_of(checkout: str):
     try:
-        out = subprocess.run(["git", "-C", checkout, "describe", "--tags", "--exact-match"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "-C", checkout, "describe", "--tags", "--exact-match"],
+            capture_output=True,
+            text=True,
+        )
         return out.stdout.strip() or None
     except OSError:
         return None
@@ -94,8 +115,12 @@ def apply(checkout: str) -> str:
     tag = tag_of(checkout)
     patch_file = os.path.join(HERE, f"{tag}.patch") if tag else None
     if patch_file and os.path.isfile(patch_file):
-        proc = subprocess.run(["patch", "-p1", "--forward", "-i", patch_file], cwd=checkout,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["patch", "-p1", "--forward", "-i", patch_file],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"patch {patch_file} failed:\n{proc.stdout}{proc.stderr}")
         return f"applied {os.path.basename(patch_file)}"
@@ -106,8 +131,12 @@ def apply(checkout: str) -> str:
 
 def regenerate(mirror: str, tags) -> None:
     for tag in tags:
-        original = subprocess.run(["git", "-C", mirror, "show", f"{tag}:{TARGET}"],
-                                  capture_output=True, text=True, check=True).stdout
+        original = subprocess.run(
+            ["git", "-C", mirror, "show", f"{tag}:{TARGET}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         name = os.path.join(HERE, f"{tag}.patch")
         with open(name, "w") as f:
             f.write(make_patch(original))
@@ -118,8 +147,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", nargs="?")
     parser.add_argument("--check", action="store_true", help="verify only")
-    parser.add_argument("--run", action="store_true",
-                        help="also run pretrain_gpt.py --help and look for the TSP group")
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        help="also run pretrain_gpt.py --help and look for the TSP group",
+    )
     parser.add_argument("--regenerate", nargs="+", metavar=("MIRROR", "TAG"))
     ns = parser.parse_args(argv)
     if ns.regenerate:
@@ -133,8 +165,10 @@ def main(argv=None) -> int:
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 1
-    print(f"verified: {os.path.join(ns.checkout, TARGET)} calls megatron_tsp.megatron_lm.install() "
-          "before its first Megatron import")
+    print(
+        f"verified: {os.path.join(ns.checkout, TARGET)} calls megatron_tsp.megatron_lm.install() "
+        "before its first Megatron import"
+    )
     return 0
 
 

@@ -63,19 +63,36 @@ def _sdpa_core_attention_class():
     from megatron.core.transformer.module import MegatronModule
 
     class SDPACoreAttention(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                     pg_collection=None):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            cp_comm_type=None,
+            pg_collection=None,
+        ):
             super().__init__(config=config)
             kv = config.kv_channels or config.hidden_size // config.num_attention_heads
             self.scale = softmax_scale or 1.0 / math.sqrt(kv)
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             sq, b = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     return SDPACoreAttention
@@ -84,8 +101,15 @@ def _sdpa_core_attention_class():
 def _run_config(scheme, d, model, seq, dtype, init):
     from megatron_tsp.tools.estimator import fake_run as fr
 
-    return fr.RunConfig(scheme=scheme, model=model, world_size=d, tp=d, seq=seq,
-                        dtype="bf16" if dtype == torch.bfloat16 else "fp32", fake=not init)
+    return fr.RunConfig(
+        scheme=scheme,
+        model=model,
+        world_size=d,
+        tp=d,
+        seq=seq,
+        dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+        fake=not init,
+    )
 
 
 def setup_groups(scheme: str, d: int, model, seq: int) -> None:
@@ -98,8 +122,7 @@ def setup_groups(scheme: str, d: int, model, seq: int) -> None:
     fr._init_parallel(cfg)
 
 
-def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device: str,
-                init: bool):
+def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device: str, init: bool):
     """One TransformerLayer of ``scheme`` for rank 0 of the fake group of ``d`` ranks (see
     ``setup_groups``), plus the full-sequence RoPE table the model would pass it."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -112,8 +135,9 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     config_cfg = dataclasses.replace(cfg, scheme="tp") if d == 1 else cfg
     # On the GPU the parameters are created there (Megatron's default); torch modules (the norms)
     # follow the default-device context below.
-    config = dataclasses.replace(fr._transformer_config(config_cfg),
-                                 use_cpu_initialization=device == "cpu")
+    config = dataclasses.replace(
+        fr._transformer_config(config_cfg), use_cpu_initialization=device == "cpu"
+    )
     if scheme == "tpsp":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -237,10 +261,16 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
     del layer, x, dy
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"scheme": scheme, "step_s": times, "step_s_median": statistics.median(times),
-            "kernels_per_layer_step": kernels["kernels"], "kernel_kind": kernels["kind"],
-            "max_memory_allocated_bytes": peak, "memory_before_step_bytes": base,
-            "layer_params": params}
+    return {
+        "scheme": scheme,
+        "step_s": times,
+        "step_s_median": statistics.median(times),
+        "kernels_per_layer_step": kernels["kernels"],
+        "kernel_kind": kernels["kind"],
+        "max_memory_allocated_bytes": peak,
+        "memory_before_step_bytes": base,
+        "layer_params": params,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,23 +317,36 @@ def write_report(result: dict, out_dir: str) -> None:
         json.dump(result, f, indent=1, default=str)
     a, b = result["timing"], result["precision"]
     s = result["setup"]
-    lines = [f"# gpu_check ({s['mode']})", "",
-             f"{s['device_name']}, torch {s['torch']}, megatron-core {s['megatron_core']}; "
-             f"h={s['hidden']}, heads={s['heads']}, FFN={s['ffn']}, S={s['seq']}, D={s['d']}, "
-             f"micro-batch 1, {s['dtype']}, fake process group (no communication).", "",
-             "## (a) one rank's layer step, forward + backward", "",
-             "| scheme | step ms (median) | kernels / layer step | max_memory_allocated GB "
-             "| fake-tensor prediction GB |", "|---|---|---|---|---|"]
+    lines = [
+        f"# gpu_check ({s['mode']})",
+        "",
+        f"{s['device_name']}, torch {s['torch']}, megatron-core {s['megatron_core']}; "
+        f"h={s['hidden']}, heads={s['heads']}, FFN={s['ffn']}, S={s['seq']}, D={s['d']}, "
+        f"micro-batch 1, {s['dtype']}, fake process group (no communication).",
+        "",
+        "## (a) one rank's layer step, forward + backward",
+        "",
+        "| scheme | step ms (median) | kernels / layer step | max_memory_allocated GB "
+        "| fake-tensor prediction GB |",
+        "|---|---|---|---|---|",
+    ]
     for key, name in SCHEMES.items():
         r = a[key]
         mem = r["max_memory_allocated_bytes"]
-        lines.append(f"| {name} | {1e3 * r['step_s_median']:.2f} | {r['kernels_per_layer_step']}"
-                     f" | {'n/a (CPU)' if mem is None else f'{mem / GB:.2f}'}"
-                     f" | {r['fake_peak_bytes'] / GB:.4g} |")
-    lines += ["", f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** "
-              f"({a['tsp']['kernel_kind']}).", "",
-              "## (b) TSP layer, bf16 vs fp32 (D=1)", "", "| tensor | relative error |",
-              "|---|---|"]
+        lines.append(
+            f"| {name} | {1e3 * r['step_s_median']:.2f} | {r['kernels_per_layer_step']}"
+            f" | {'n/a (CPU)' if mem is None else f'{mem / GB:.2f}'}"
+            f" | {r['fake_peak_bytes'] / GB:.4g} |"
+        )
+    lines += [
+        "",
+        f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** ({a['tsp']['kernel_kind']}).",
+        "",
+        "## (b) TSP layer, bf16 vs fp32 (D=1)",
+        "",
+        "| tensor | relative error |",
+        "|---|---|",
+    ]
     for k, v in b["d1"].items():
         lines.append(f"| {k} | {v:.3e} |")
     lines += ["", f"D>1: {b['d_gt_1']}", ""]
@@ -314,8 +357,11 @@ def write_report(result: dict, out_dir: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny shapes on CPU, same code path (used by tests/test_gpu_check.py)")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny shapes on CPU, same code path (used by tests/test_gpu_check.py)",
+    )
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 131072)")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
@@ -328,8 +374,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     args = parse_args(argv)
-    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.core.model_shape import ModelShape, load_model
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     if args.cpu_smoke:
         device, model = "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
@@ -352,33 +398,51 @@ def main(argv=None) -> int:
             fk = _fake_peak(scheme, d, model, seq, dtype, device)
             timing[scheme]["fake_peak_bytes"] = fk["peak_bytes"]
             timing[scheme]["fake_peak_by_category"] = fk["by_category"]
-        print(f"[a] {scheme}: {1e3 * timing[scheme]['step_s_median']:.2f} ms, "
-              f"{timing[scheme]['kernels_per_layer_step']} kernels, "
-              f"peak {timing[scheme]['max_memory_allocated_bytes']}, "
-              f"fake {timing[scheme]['fake_peak_bytes']}", flush=True)
-    timing["ratio_tsp_over_tpsp"] = (timing["tsp"]["step_s_median"]
-                                     / timing["tpsp"]["step_s_median"])
+        print(
+            f"[a] {scheme}: {1e3 * timing[scheme]['step_s_median']:.2f} ms, "
+            f"{timing[scheme]['kernels_per_layer_step']} kernels, "
+            f"peak {timing[scheme]['max_memory_allocated_bytes']}, "
+            f"fake {timing[scheme]['fake_peak_bytes']}",
+            flush=True,
+        )
+    timing["ratio_tsp_over_tpsp"] = timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
     prec_seq = seq if args.cpu_smoke else min(seq, 8192)
-    precision = {"d1": precision_check(model, prec_seq, device), "seq": prec_seq,
-                 "d_gt_1": "not run on one GPU: torch's threaded process group implements no "
-                           "isend/irecv/reduce (the MLP ring and the attention owner reduce "
-                           "need them); D=4 bf16 vs TP+SP is tests/test_precision.py (CPU)"}
-    print("[b] bf16 vs fp32 (D=1):", {k: f"{v:.2e}" for k, v in precision["d1"].items()},
-          flush=True)
+    precision = {
+        "d1": precision_check(model, prec_seq, device),
+        "seq": prec_seq,
+        "d_gt_1": "not run on one GPU: torch's threaded process group implements no "
+        "isend/irecv/reduce (the MLP ring and the attention owner reduce "
+        "need them); D=4 bf16 vs TP+SP is tests/test_precision.py (CPU)",
+    }
+    print(
+        "[b] bf16 vs fp32 (D=1):", {k: f"{v:.2e}" for k, v in precision["d1"].items()}, flush=True
+    )
     try:
         import megatron.core as mc
+
         core_version = getattr(mc, "__version__", "?")
     except Exception:  # pragma: no cover
         core_version = "?"
     result = {
-        "setup": {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "device": device,
-                  "device_name": (torch.cuda.get_device_name() if device == "cuda"
-                                  else platform.processor() or "cpu"),
-                  "torch": torch.__version__, "megatron_core": core_version,
-                  "hidden": model.hidden, "heads": model.heads, "ffn": model.ffn_hidden,
-                  "seq": seq, "d": d, "dtype": "bf16", "iters": iters,
-                  "wall_s": None},
-        "timing": timing, "precision": precision,
+        "setup": {
+            "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+            "device": device,
+            "device_name": (
+                torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+            ),
+            "torch": torch.__version__,
+            "megatron_core": core_version,
+            "hidden": model.hidden,
+            "heads": model.heads,
+            "ffn": model.ffn_hidden,
+            "seq": seq,
+            "d": d,
+            "dtype": "bf16",
+            "iters": iters,
+            "wall_s": None,
+        },
+        "timing": timing,
+        "precision": precision,
     }
     result["setup"]["wall_s"] = round(time.time() - t0, 1)
     write_report(result, args.out_dir)

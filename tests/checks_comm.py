@@ -11,9 +11,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_tsp.tools.comm_counter import CommCounter
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
+from megatron_tsp.tools.comm_counter import CommCounter
 from tests.common import group_info, make_config, setup_tsp
 
 _MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
@@ -34,20 +34,39 @@ class _Trace(TorchDispatchMode):
 
 
 def _mlp(d, dtype, gated, bias, hidden, ffn):
-    config = make_config(d, dtype, hidden_size=hidden, ffn_hidden_size=ffn, gated_linear_unit=gated,
-                         add_bias_linear=bias, activation_func=F.silu if gated else F.gelu)
-    return config, TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                linear_fc2=RowParallelLinear))
+    config = make_config(
+        d,
+        dtype,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        gated_linear_unit=gated,
+        add_bias_linear=bias,
+        activation_func=F.silu if gated else F.gelu,
+    )
+    return config, TSPMLP(
+        config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
 
 
 def _attention(d, dtype, heads, groups, bias, hidden):
-    config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
-                         num_query_groups=groups, add_bias_linear=bias)
+    config = make_config(
+        d,
+        dtype,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        add_bias_linear=bias,
+    )
     return config, TSPSelfAttention(
-        config, SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                        core_attention=DotProductAttention,
-                                        linear_proj=RowParallelLinear),
-        layer_number=1, attn_mask_type=AttnMaskType.causal)
+        config,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+    )
 
 
 def _summary(counter, phase):
@@ -58,8 +77,19 @@ def _summary(counter, phase):
     }
 
 
-def measure_layer(kind, d, dtype_name="float32", seq=32, batch=2, hidden=32, heads=4, groups=2,
-                  ffn=64, gated=False, bias=True):
+def measure_layer(
+    kind,
+    d,
+    dtype_name="float32",
+    seq=32,
+    batch=2,
+    hidden=32,
+    heads=4,
+    groups=2,
+    ffn=64,
+    gated=False,
+    bias=True,
+):
     """Run one TSP layer forward + backward under a CommCounter; return counted comm."""
     dtype = getattr(torch, dtype_name)
     setup_tsp(d)
@@ -72,8 +102,11 @@ def measure_layer(kind, d, dtype_name="float32", seq=32, batch=2, hidden=32, hea
     with CommCounter() as counter:
         out, _ = layer(x)
         out.backward(torch.randn_like(out))
-    return {"fwd": _summary(counter, "fwd"), "bwd": _summary(counter, "bwd"),
-            "scopes": sorted({r.scope for r in counter.records})}
+    return {
+        "fwd": _summary(counter, "fwd"),
+        "bwd": _summary(counter, "bwd"),
+        "scopes": sorted({r.scope for r in counter.records}),
+    }
 
 
 def trace_layer(kind, d, seq=32, batch=2, hidden=32):

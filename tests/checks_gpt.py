@@ -8,16 +8,35 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_tsp.core import sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_tsp_spec
-from tests.common import (DTYPES, TOL, assert_close, group_info, make_config,
-                          reference_single_layer_spec, reference_tp_sp_block_spec,
-                          setup_megatron_tp, setup_tsp)
+from tests.common import (
+    DTYPES,
+    TOL,
+    assert_close,
+    group_info,
+    make_config,
+    reference_single_layer_spec,
+    reference_tp_sp_block_spec,
+    setup_megatron_tp,
+    setup_tsp,
+)
 
 STYLES = {
-    "gpt2": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
-                 add_bias_linear=True, position_embedding_type="learned_absolute",
-                 num_query_groups=None),
-    "llama": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                  add_bias_linear=False, position_embedding_type="rope", num_query_groups=4),
+    "gpt2": dict(
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        num_query_groups=None,
+    ),
+    "llama": dict(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        num_query_groups=4,
+    ),
 }
 
 
@@ -26,15 +45,27 @@ def _config(d, dtype, style, layers, hidden, heads, ffn):
     s.pop("position_embedding_type")
     if s["num_query_groups"] is None:
         s["num_query_groups"] = heads
-    return make_config(d, dtype, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                       ffn_hidden_size=ffn, **s)
+    return make_config(
+        d,
+        dtype,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=ffn,
+        **s,
+    )
 
 
 def _model(config, spec, style, vocab, seq, parallel_output=True):
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
-                    max_sequence_length=seq, parallel_output=parallel_output,
-                    position_embedding_type=STYLES[style]["position_embedding_type"],
-                    share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        parallel_output=parallel_output,
+        position_embedding_type=STYLES[style]["position_embedding_type"],
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _batch(seed, batch, seq, vocab):
@@ -44,8 +75,13 @@ def _batch(seed, batch, seq, vocab):
     loss_mask = (torch.rand(batch, seq, generator=g) > 0.3).float()
     loss_mask[0, 0] = 1.0
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq).contiguous()
-    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                attention_mask=None)
+    return dict(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        position_ids=position_ids,
+        attention_mask=None,
+    )
 
 
 def _step(model, batch, loss_path):
@@ -55,12 +91,14 @@ def _step(model, batch, loss_path):
     ``loss_path='exact'``: vocab-gathered logits and a cross-entropy in the model's dtype.
     """
     if loss_path == "megatron":
-        losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                       labels=batch["labels"])
+        losses = model(
+            batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        )
     else:
         logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
-        losses = -torch.log_softmax(logits, dim=-1).gather(
-            -1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        losses = (
+            -torch.log_softmax(logits, dim=-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        )
     mask = batch["loss_mask"].to(losses.dtype)
     loss = (losses * mask).sum() / mask.sum()
     loss.backward()
@@ -82,8 +120,14 @@ def reference_run(style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, 
     grads."""
     setup_megatron_tp(1, seed)
     config = _config(1, dtype, style, layers, hidden, heads, ffn)
-    model = _model(config, reference_single_layer_spec(config), style, vocab, seq,
-                   parallel_output=loss_path == "megatron")
+    model = _model(
+        config,
+        reference_single_layer_spec(config),
+        style,
+        vocab,
+        seq,
+        parallel_output=loss_path == "megatron",
+    )
     _norms_to(model, dtype)
     data = _batch(seed, batch, seq, vocab)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -92,15 +136,28 @@ def reference_run(style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, 
     return loss, params, grads, data
 
 
-def check_gpt_vs_single(d, seed, style, dtype_name="float64", layers=2, hidden=32, heads=8,
-                        ffn=64, vocab=128, batch=2, seq=32, baseline="tsp", loss_path="exact",
-                        rtol=None):
+def check_gpt_vs_single(
+    d,
+    seed,
+    style,
+    dtype_name="float64",
+    layers=2,
+    hidden=32,
+    heads=8,
+    ffn=64,
+    vocab=128,
+    batch=2,
+    seq=32,
+    baseline="tsp",
+    loss_path="exact",
+    rtol=None,
+):
     """TSP (or the stock Megatron TP=d+SP reference, ``baseline='tp_sp'``) GPTModel vs the TP=1
     stock model: loss and every gradient, gathered to full size."""
     dtype = DTYPES[dtype_name]
-    ref_loss, ref_params, ref_grads, data = reference_run(style, seed, dtype, layers, hidden,
-                                                          heads, ffn, vocab, batch, seq,
-                                                          loss_path)
+    ref_loss, ref_params, ref_grads, data = reference_run(
+        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path
+    )
     if baseline == "tsp":
         setup_tsp(d, seed)
     else:
@@ -116,9 +173,13 @@ def check_gpt_vs_single(d, seed, style, dtype_name="float64", layers=2, hidden=3
     grads = sharding.gather_full_state(model, group, grads=True)
     actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
     expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
-    return assert_close(actual, expected, rtol=rtol if rtol is not None else TOL[dtype],
-                        what=f"{baseline} GPT ({style}, D={d}, {dtype_name}, loss={loss_path}) "
-                             f"vs single-process stock GPTModel, seed={seed}")
+    return assert_close(
+        actual,
+        expected,
+        rtol=rtol if rtol is not None else TOL[dtype],
+        what=f"{baseline} GPT ({style}, D={d}, {dtype_name}, loss={loss_path}) "
+        f"vs single-process stock GPTModel, seed={seed}",
+    )
 
 
 def _tp_group_info():
@@ -129,16 +190,29 @@ def _tp_group_info():
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def check_tsp_vs_tp_sp(d, seed, style, dtype_name="float64", loss_path="exact", layers=2,
-                       hidden=32, heads=8, ffn=64, vocab=128, batch=2, seq=32, rtol=None):
+def check_tsp_vs_tp_sp(
+    d,
+    seed,
+    style,
+    dtype_name="float64",
+    loss_path="exact",
+    layers=2,
+    hidden=32,
+    heads=8,
+    ffn=64,
+    vocab=128,
+    batch=2,
+    seq=32,
+    rtol=None,
+):
     """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights.
 
     The TP+SP model is stock megatron-core (``reference_tp_sp_block_spec``: Megatron's local layer
-    spec, norms written from their formula) initialised by Megatron; its ``state_dict`` (this rank's shards) loads into
-    the TSP model with ``strict=True``; both run one step on the same batch and must give the same
-    loss and the same gradient shards. Then the reverse: a TSP model initialised by Megatron with
-    another seed equals a TP+SP model initialised with that seed, and its state_dict loads into a
-    fresh TP+SP model.
+    spec, norms written from their formula) initialised by Megatron; its ``state_dict`` (this rank's
+    shards) loads into the TSP model with ``strict=True``; both run one step on the same batch and
+    must give the same loss and the same gradient shards. Then the reverse: a TSP model initialised
+    by Megatron with another seed equals a TP+SP model initialised with that seed, and its
+    state_dict loads into a fresh TP+SP model.
     """
     dtype = DTYPES[dtype_name]
     data = _batch(seed, batch, seq, vocab)
@@ -164,9 +238,13 @@ def check_tsp_vs_tp_sp(d, seed, style, dtype_name="float64", loss_path="exact", 
     for name, param in tsp_model.named_parameters():
         actual[f"grad:{name}"] = param.grad
         expected[f"grad:{name}"] = tp_grads[name]
-    out = assert_close(actual, expected, rtol=rtol if rtol is not None else TOL[dtype],
-                       what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, {dtype_name}, "
-                            f"loss={loss_path}), seed={seed}")
+    out = assert_close(
+        actual,
+        expected,
+        rtol=rtol if rtol is not None else TOL[dtype],
+        what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, {dtype_name}, "
+        f"loss={loss_path}), seed={seed}",
+    )
 
     # Reverse direction, and identical initialisation from the same seed.
     init_seed = seed + 7
@@ -190,8 +268,12 @@ def _assert_same_layout(a, b):
     for name in pa:
         x, y = pa[name], pb[name]
         assert x.shape == y.shape and x.dtype == y.dtype, name
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel"):
+        for attr in (
+            "tensor_model_parallel",
+            "partition_dim",
+            "partition_stride",
+            "sequence_parallel",
+        ):
             assert getattr(x, attr, None) == getattr(y, attr, None), (name, attr)
     assert set(a.state_dict()) == set(b.state_dict())
 

@@ -12,20 +12,34 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_tsp.core import sharding
+from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_mlp_spec
 from megatron_tsp.tools.comm_counter import CommCounter, label_modules
 from megatron_tsp.tools.estimator import formulas as fm
-from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_mlp_spec
 from tests.checks_comm import _Trace
-from tests.checks_gpt import (_batch, _config, _model, _norms_to, _step,
-                              _tp_group_info, reference_run)
-from tests.common import (DTYPES, FUSIONS_OFF, make_config, reference_single_layer_spec, rel_err,
-                          setup_megatron_tp)
+from tests.checks_gpt import (
+    _batch,
+    _config,
+    _model,
+    _norms_to,
+    _step,
+    _tp_group_info,
+    reference_run,
+)
+from tests.common import (
+    DTYPES,
+    FUSIONS_OFF,
+    make_config,
+    reference_single_layer_spec,
+    rel_err,
+    setup_megatron_tp,
+)
 
 # Megatron-LM's defaults (--no-*-fusion flags absent) that can run on CPU: the bias+activation
 # fusion (tanh bias-GeLU / bias-SwiGLU), the bias-dropout-add fusion and the masked-softmax
 # fusion. Rope fusion needs Transformer Engine and gradient-accumulation fusion a CUDA kernel.
-MEGATRON_DEFAULT_FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True,
-                                masked_softmax_fusion=True)
+MEGATRON_DEFAULT_FUSIONS = dict(
+    bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True
+)
 
 SPECS = {"hybrid": get_gpt_block_tsp_mlp_spec, "tp_sp": get_gpt_block_local_sp_spec}
 
@@ -51,8 +65,9 @@ def _run(kind, d, seed, style, dtype, fusion, full_params, data, loss_path="exac
     setup_megatron_tp(d, seed)
     group, _, _ = _tp_group_info()
     config = _hybrid_config(d, dtype, style, fusion)
-    model = _model(config, SPECS[kind](config), style, 128, 32,
-                   parallel_output=loss_path == "megatron")
+    model = _model(
+        config, SPECS[kind](config), style, 128, 32, parallel_output=loss_path == "megatron"
+    )
     if dtype == torch.bfloat16:  # like Megatron-LM's Float16Module (position embedding is fp32)
         model.bfloat16()
     sharding.load_full_state(model, {k: v.to(dtype) for k, v in full_params.items()}, group)
@@ -65,14 +80,16 @@ def check_hybrid_vs_single(d, seed, style, dtype_name="float64", fusion=False):
     """Hybrid GPTModel on TP=d ranks (full batch on every rank, Megatron's SP scatter) vs the
     single-process stock GPTModel: relative loss error and every full gradient's error."""
     dtype = DTYPES[dtype_name]
-    ref_loss, ref_params, ref_grads, data = reference_run(style, seed, dtype, 2, 32, 8, 64, 128,
-                                                          2, 32, "exact")
+    ref_loss, ref_params, ref_grads, data = reference_run(
+        style, seed, dtype, 2, 32, 8, 64, 128, 2, 32, "exact"
+    )
     # The reference uses the same fusion setting (fused tanh-GeLU or the exact one): rebuilt
     # from stock megatron-core (Megatron's TP=1 local spec and norms) with that config.
     setup_megatron_tp(1, seed)
     config = _hybrid_config(1, dtype, style, fusion)
-    model = _norms_to(_model(config, reference_single_layer_spec(config), style, 128, 32, False),
-                      dtype)
+    model = _norms_to(
+        _model(config, reference_single_layer_spec(config), style, 128, 32, False), dtype
+    )
     _copy_params(model, ref_params)
     ref_loss = _step(model, data, "exact")
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -86,8 +103,7 @@ def check_hybrid_vs_single(d, seed, style, dtype_name="float64", fusion=False):
     return errors
 
 
-def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False,
-                          loss_path="exact"):
+def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False, loss_path="exact"):
     """Megatron TP=d+SP and the hybrid on the same ranks: the TP+SP model's ``state_dict``
     (Megatron-initialised) loads into the hybrid with ``strict=True``; same batch, same loss and
     gradient shards. Both initialise identically from the same seed, and the hybrid's state dict
@@ -120,8 +136,12 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False,
     tp_init = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
     for (n1, p1), (n2, p2) in zip(hybrid_init.named_parameters(), tp_init.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"{n1}: hybrid init differs from TP=D init"
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel"):
+        for attr in (
+            "tensor_model_parallel",
+            "partition_dim",
+            "partition_stride",
+            "sequence_parallel",
+        ):
             assert getattr(p1, attr, None) == getattr(p2, attr, None), (n1, attr)
     fresh = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
     fresh.load_state_dict(hybrid_init.state_dict(), strict=True)
@@ -133,8 +153,9 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False,
 def check_bf16_accuracy(d, seed, style):
     """bf16 hybrid and bf16 TP=d+SP from the same weights, both against the fp64 single-process
     model: relative loss error and the median / max over parameters of the gradient errors."""
-    ref_loss, ref_params, ref_grads, data = reference_run(style, seed, torch.float64, 2, 32, 8,
-                                                          64, 128, 2, 32, "megatron")
+    ref_loss, ref_params, ref_grads, data = reference_run(
+        style, seed, torch.float64, 2, 32, 8, 64, 128, 2, 32, "megatron"
+    )
     # both runs start from the bf16-rounded weights; the reference from the same rounded values
     rounded = {k: v.to(torch.bfloat16).to(torch.float64) for k, v in ref_params.items()}
     setup_megatron_tp(1, seed)
@@ -145,11 +166,15 @@ def check_bf16_accuracy(d, seed, style):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     out = {}
     for kind in ("tp_sp", "hybrid"):
-        loss, grads, _ = _run(kind, d, seed, style, torch.bfloat16, False, rounded, data,
-                              loss_path="megatron")
+        loss, grads, _ = _run(
+            kind, d, seed, style, torch.bfloat16, False, rounded, data, loss_path="megatron"
+        )
         errs = [rel_err(grads[n].double(), g) for n, g in ref_grads.items()]
-        out[kind] = {"loss": abs(loss.double().item() - ref_loss.item()) / abs(ref_loss.item()),
-                     "grad_median": statistics.median(errs), "grad_max": max(errs)}
+        out[kind] = {
+            "loss": abs(loss.double().item() - ref_loss.item()) / abs(ref_loss.item()),
+            "grad_median": statistics.median(errs),
+            "grad_max": max(errs),
+        }
     return out
 
 
@@ -157,15 +182,33 @@ def check_bf16_accuracy(d, seed, style):
 # communication of one hybrid layer
 # ---------------------------------------------------------------------------------------------
 def _hybrid_block(d, dtype, gated, bias, hidden, heads, groups, ffn, layers=1):
-    config = make_config(d, dtype, num_layers=layers, hidden_size=hidden,
-                         num_attention_heads=heads, num_query_groups=groups,
-                         ffn_hidden_size=ffn, gated_linear_unit=gated, add_bias_linear=bias,
-                         activation_func=F.silu if gated else F.gelu)
+    config = make_config(
+        d,
+        dtype,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        gated_linear_unit=gated,
+        add_bias_linear=bias,
+        activation_func=F.silu if gated else F.gelu,
+    )
     return config, TransformerBlock(config, get_gpt_block_tsp_mlp_spec(config))
 
 
-def measure_hybrid_layer(d, seq=32, batch=2, hidden=32, heads=8, groups=4, ffn=64, gated=False,
-                         bias=True, dtype_name="float32"):
+def measure_hybrid_layer(
+    d,
+    seq=32,
+    batch=2,
+    hidden=32,
+    heads=8,
+    groups=4,
+    ffn=64,
+    gated=False,
+    bias=True,
+    dtype_name="float32",
+):
     """One hybrid TransformerLayer (plus the block's final norm) forward + backward on
     [s/d, b, h] local tokens under a CommCounter, collectives labelled by module: per phase and
     module the ops and received bytes, and the formula's bytes for the same shape."""
@@ -184,11 +227,20 @@ def measure_hybrid_layer(d, seq=32, batch=2, hidden=32, heads=8, groups=4, ffn=6
                 "ops": sorted(set(counter.ops(phase=phase, scope=module))),
                 "recv": counter.recv_bytes(phase=phase, scope=module),
             }
-    counted["unlabelled"] = [r.op for r in counter.records
-                             if not r.scope.startswith(("attn", "mlp"))]
-    shape = fm.LayerShape(batch=batch, seq=seq, hidden=hidden, heads=heads, query_groups=groups,
-                          ffn=ffn, gated=gated, bias=bias, dtype_bytes=torch.empty(
-                              (), dtype=dtype).element_size())
+    counted["unlabelled"] = [
+        r.op for r in counter.records if not r.scope.startswith(("attn", "mlp"))
+    ]
+    shape = fm.LayerShape(
+        batch=batch,
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        query_groups=groups,
+        ffn=ffn,
+        gated=gated,
+        bias=bias,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+    )
     formula = fm.hybrid_layer_comm(shape, d)
     return {"counted": counted, "formula": formula}
 

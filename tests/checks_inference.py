@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_tsp.core import sharding
-from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
 from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
 from tests.checks_gpt import STYLES, _config
 from tests.common import DTYPES, group_info, rel_err, setup_megatron_tp, setup_tsp
 
@@ -17,17 +17,23 @@ VOCAB, MAX_POS = 96, 64
 def _gpt(config, spec, style):
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=MAX_POS, parallel_output=False,
-                    position_embedding_type=STYLES[style]["position_embedding_type"],
-                    share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=MAX_POS,
+        parallel_output=False,
+        position_embedding_type=STYLES[style]["position_embedding_type"],
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _reference(style, seed, dtype):
     """Single-process stock megatron-core GPTModel (TP=1, local spec), eval mode."""
     setup_megatron_tp(1, seed)
-    config = _config(1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"],
-                     SIZES["ffn"])
+    config = _config(
+        1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"]
+    )
     model = _gpt(config, get_gpt_block_local_sp_spec(config), style).eval()
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -52,8 +58,9 @@ def _greedy_reference(model, prompt, steps):
 def _engine(d, seed, style, dtype, params):
     setup_tsp(d, seed)
     group, _, _ = group_info()
-    config = _config(d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"],
-                     SIZES["ffn"])
+    config = _config(
+        d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"]
+    )
     model = _gpt(config, get_gpt_block_tsp_spec(config), style)
     sharding.load_full_state(model, params, group)
     return TSPInferenceEngine(model), group
@@ -99,16 +106,19 @@ def check_generation(d, seed, style, dtype_name="float64", new_tokens=4):
         chunked = engine.generate(prompts, new_tokens, prefill_chunk_tokens=2 * step)
     finally:
         prefill_attention.ROPE_BLOCK = saved_block
-    out["cache_chunked_vs_oneshot"] = _cache_err(chunked.context, tsp.context,
-                                                 length + new_tokens - 1, 2)
+    out["cache_chunked_vs_oneshot"] = _cache_err(
+        chunked.context, tsp.context, length + new_tokens - 1, 2
+    )
     out["prefill_logits_chunked_vs_oneshot"] = rel_err(chunked.prefill_logits, tsp.prefill_logits)
     for i, p in enumerate(prompts):
         want, ref_logits = _greedy_reference(ref, p, new_tokens)
         out[f"prefill_logits_vs_single[{i}]"] = rel_err(tsp.prefill_logits[i], ref_logits)
         for name, res in (("tsp", tsp), ("tp", tp), ("chunked", chunked)):
             if res.tokens[i] != want:
-                raise AssertionError(f"{name} prefill, prompt {i} (len {len(p)}): generated "
-                                     f"{res.tokens[i]}, single-process model {want} (seed {seed})")
+                raise AssertionError(
+                    f"{name} prefill, prompt {i} (len {len(p)}): generated "
+                    f"{res.tokens[i]}, single-process model {want} (seed {seed})"
+                )
 
     # Mixed lengths (multiple of 2D, not, and below 2D -> TP fallback for the shared prefix).
     for lengths in ([2 * step, 2 * step - 3, step + 2], [step - 1, step + 3]):
@@ -118,8 +128,10 @@ def check_generation(d, seed, style, dtype_name="float64", new_tokens=4):
         for i, p in enumerate(prompts):
             want, _ = _greedy_reference(ref, p, new_tokens)
             if res.tokens[i] != want:
-                raise AssertionError(f"lengths {lengths}, prompt {i}: generated {res.tokens[i]}, "
-                                     f"single-process model {want} (seed {seed})")
+                raise AssertionError(
+                    f"lengths {lengths}, prompt {i}: generated {res.tokens[i]}, "
+                    f"single-process model {want} (seed {seed})"
+                )
     return out
 
 
@@ -139,17 +151,19 @@ def check_sampling_and_errors(d, seed):
     stop = greedy[0][2]
     stopped = engine.generate(prompts, 6, stop_tokens=[stop]).tokens
     first = greedy[0].index(stop)
-    assert stopped[0] == greedy[0][:first + 1], (stopped, greedy)
+    assert stopped[0] == greedy[0][: first + 1], (stopped, greedy)
     errors = {}
     bad_requests = {
         "prompts[1] is empty": dict(prompts=[prompts[0], []], max_new_tokens=2),
         "max_new_tokens=": dict(prompts=prompts, max_new_tokens=MAX_POS),
-        "temperature=": dict(prompts=prompts, max_new_tokens=2,
-                             sampling=SamplingParams(temperature=-1.0)),
+        "temperature=": dict(
+            prompts=prompts, max_new_tokens=2, sampling=SamplingParams(temperature=-1.0)
+        ),
         "top_p=": dict(prompts=prompts, max_new_tokens=2, sampling=SamplingParams(top_p=1.5)),
         "top_k=": dict(prompts=prompts, max_new_tokens=2, sampling=SamplingParams(top_k=-2)),
-        "prefill_chunk_tokens=": dict(prompts=prompts, max_new_tokens=2,
-                                      prefill_chunk_tokens=2 * d + 1),
+        "prefill_chunk_tokens=": dict(
+            prompts=prompts, max_new_tokens=2, prefill_chunk_tokens=2 * d + 1
+        ),
         "outside the vocabulary": dict(prompts=[[VOCAB + 3]], max_new_tokens=2),
     }
     for needle, kwargs in bad_requests.items():

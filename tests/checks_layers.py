@@ -8,16 +8,24 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
 
 from megatron_tsp.core import sharding, zigzag
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
-from tests.common import (DTYPES, TOL, FUSIONS_OFF, assert_close, group_info, make_config,
-                          setup_tsp, stock_mlp)
+from tests.common import (
+    DTYPES,
+    FUSIONS_OFF,
+    TOL,
+    assert_close,
+    group_info,
+    make_config,
+    setup_tsp,
+    stock_mlp,
+)
 
 
 def _grad_pairs(module, full_grads, group, actual, expected):
@@ -42,22 +50,41 @@ def _grad_pairs(module, full_grads, group, actual, expected):
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
-def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activation="gelu",
-              recompute_activation=True, fusions="megatron-lm"):
+def check_mlp(
+    d,
+    seed,
+    dtype_name,
+    gated,
+    bias,
+    seq,
+    batch,
+    hidden,
+    ffn,
+    activation="gelu",
+    recompute_activation=True,
+    fusions="megatron-lm",
+):
     """TSP MLP on zigzag tokens vs megatron-core's stock ``MLP`` (TP=1) on the full sequence:
     output, input gradient and every weight gradient. ``fusions``: "megatron-lm" (the defaults,
     fused bias-GeLU / SwiGLU) or "off"."""
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
-    fields = dict(hidden_size=hidden, ffn_hidden_size=ffn, gated_linear_unit=gated,
-                  add_bias_linear=bias, activation_func=ACTIVATIONS[activation])
+    fields = dict(
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        gated_linear_unit=gated,
+        add_bias_linear=bias,
+        activation_func=ACTIVATIONS[activation],
+    )
     if fusions == "off":
         fields.update(FUSIONS_OFF)
     config = make_config(d, dtype, **fields)
-    layer = TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=RowParallelLinear),
-                   recompute_activation=recompute_activation)
+    layer = TSPMLP(
+        config,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        recompute_activation=recompute_activation,
+    )
     reference = stock_mlp(make_config(1, dtype, **fields))
     torch.manual_seed(seed)  # same full weights and data on every rank, fresh per run
     full = {n: torch.randn(p.shape, dtype=dtype) * 0.2 for n, p in reference.named_parameters()}
@@ -78,13 +105,19 @@ def check_mlp(d, seed, dtype_name, gated, bias, seq, batch, hidden, ffn, activat
     y = out + out_bias if out_bias is not None else out
     y.backward(zigzag.split(dy_full, size, rank, dim=0))
     actual = {"output": y, "grad:input": x.grad}
-    expected = {"output": zigzag.split(yr, size, rank, dim=0),
-                "grad:input": zigzag.split(xr.grad, size, rank, dim=0)}
-    _grad_pairs(layer, {n: p.grad for n, p in reference.named_parameters()}, group, actual,
-                expected)
-    return assert_close(actual, expected, rtol=TOL[dtype],
-                        what=f"TSP MLP D={d} {dtype_name} {activation} gated={gated} "
-                             f"fusions={fusions} seed={seed}")
+    expected = {
+        "output": zigzag.split(yr, size, rank, dim=0),
+        "grad:input": zigzag.split(xr.grad, size, rank, dim=0),
+    }
+    _grad_pairs(
+        layer, {n: p.grad for n, p in reference.named_parameters()}, group, actual, expected
+    )
+    return assert_close(
+        actual,
+        expected,
+        rtol=TOL[dtype],
+        what=f"TSP MLP D={d} {dtype_name} {activation} gated={gated} fusions={fusions} seed={seed}",
+    )
 
 
 def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config):
@@ -113,19 +146,30 @@ def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_fre
     return out + proj_b if proj_b is not None else out
 
 
-def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, hidden,
-                    attention_backward="saved"):
+def check_attention(
+    d, seed, dtype_name, heads, groups, bias, rope, seq, batch, hidden, attention_backward="saved"
+):
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
-    config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
-                         num_query_groups=groups, add_bias_linear=bias)
+    config = make_config(
+        d,
+        dtype,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        add_bias_linear=bias,
+    )
     layer = TSPSelfAttention(
         config,
-        SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                core_attention=DotProductAttention,
-                                linear_proj=RowParallelLinear),
-        layer_number=1, attn_mask_type=AttnMaskType.causal, attention_backward=attention_backward,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_backward=attention_backward,
     )
     torch.manual_seed(seed)
     full = {}
@@ -140,14 +184,23 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
     freqs = None
     if rope:
-        freqs = RotaryEmbedding(kv_channels=hidden // heads, rotary_percent=1.0,
-                                use_cpu_initialization=True)(seq).to(dtype)
+        freqs = RotaryEmbedding(
+            kv_channels=hidden // heads, rotary_percent=1.0, use_cpu_initialization=True
+        )(seq).to(dtype)
 
     ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
     xr = x_full.clone().requires_grad_(True)
-    yr = reference_attention(xr, ref["linear_qkv.weight"], ref.get("linear_qkv.bias"),
-                             ref["linear_proj.weight"], ref.get("linear_proj.bias"),
-                             heads, groups, freqs, config)
+    yr = reference_attention(
+        xr,
+        ref["linear_qkv.weight"],
+        ref.get("linear_qkv.bias"),
+        ref["linear_proj.weight"],
+        ref.get("linear_proj.bias"),
+        heads,
+        groups,
+        freqs,
+        config,
+    )
     yr.backward(dy_full)
 
     x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
@@ -155,21 +208,37 @@ def check_attention(d, seed, dtype_name, heads, groups, bias, rope, seq, batch, 
     y = out + out_bias if out_bias is not None else out
     y.backward(zigzag.split(dy_full, size, rank, dim=0))
     actual = {"output": y, "grad:input": x.grad}
-    expected = {"output": zigzag.split(yr, size, rank, dim=0),
-                "grad:input": zigzag.split(xr.grad, size, rank, dim=0)}
+    expected = {
+        "output": zigzag.split(yr, size, rank, dim=0),
+        "grad:input": zigzag.split(xr.grad, size, rank, dim=0),
+    }
     _grad_pairs(layer, {n: t.grad for n, t in ref.items()}, group, actual, expected)
-    return assert_close(actual, expected, rtol=TOL[dtype],
-                        what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
-                             f"rope={rope} backward={attention_backward} seed={seed}")
+    return assert_close(
+        actual,
+        expected,
+        rtol=TOL[dtype],
+        what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
+        f"rope={rope} backward={attention_backward} seed={seed}",
+    )
 
 
 def _build_layer(kind, config, **kwargs):
     if kind == "mlp":
-        return TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                            linear_fc2=RowParallelLinear), **kwargs)
-    return TSPSelfAttention(config, SelfAttentionSubmodules(
-        linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-        linear_proj=RowParallelLinear), layer_number=1, **kwargs)
+        return TSPMLP(
+            config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            **kwargs,
+        )
+    return TSPSelfAttention(
+        config,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+        **kwargs,
+    )
 
 
 def check_main_grad_contract(d, seed, kind, zero_out_wgrad=False):
@@ -185,8 +254,12 @@ def check_main_grad_contract(d, seed, kind, zero_out_wgrad=False):
     dy = torch.randn(16 // size, 2, 32, dtype=torch.float64)
 
     def build():
-        return _build_layer(kind, make_config(d, torch.float64, hidden_size=32,
-                                              ffn_hidden_size=64, num_attention_heads=4))
+        return _build_layer(
+            kind,
+            make_config(
+                d, torch.float64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4
+            ),
+        )
 
     def run(layer):
         out, _ = layer(x.clone().requires_grad_(True))
@@ -226,9 +299,13 @@ def check_main_grad_contract(d, seed, kind, zero_out_wgrad=False):
         if zero_out_wgrad:  # autograd's dummy .grad: exactly zero (NaN if left uninitialised)
             actual[f"grad:{name}"] = p_fused.grad
             expected[f"grad:{name}"] = torch.zeros_like(p_fused)
-    errors = assert_close(actual, expected, rtol=1e-6, atol=0.0,  # main_grad is fp32
-                          what=f"{kind} main_grad D={d} zero_out_wgrad={zero_out_wgrad} "
-                               f"seed={seed}")
+    errors = assert_close(
+        actual,
+        expected,
+        rtol=1e-6,
+        atol=0.0,  # main_grad is fp32
+        what=f"{kind} main_grad D={d} zero_out_wgrad={zero_out_wgrad} seed={seed}",
+    )
     if zero_out_wgrad:
         for name, value in actual.items():
             if name.startswith("grad:") and torch.count_nonzero(value).item() != 0:
@@ -258,10 +335,21 @@ def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step
 
     setup_tsp(d)
     group, size, rank = group_info()
-    config = make_config(d, torch.float64, hidden_size=32, num_attention_heads=8,
-                         num_query_groups=4, add_bias_linear=True, attention_dropout=dropout)
-    layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal,
-                         attention_backward=attention_backward)
+    config = make_config(
+        d,
+        torch.float64,
+        hidden_size=32,
+        num_attention_heads=8,
+        num_query_groups=4,
+        add_bias_linear=True,
+        attention_dropout=dropout,
+    )
+    layer = _build_layer(
+        "attention",
+        config,
+        attn_mask_type=AttnMaskType.causal,
+        attention_backward=attention_backward,
+    )
     layer.train()
     torch.manual_seed(seed + 1000 * rank)  # this rank's tokens and sharded weights
     with torch.no_grad():
@@ -296,8 +384,9 @@ def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step
         tensors[name] = (p.data, p.grad)
     analytic, numeric = {}, {}
     for i, (name, (value, grad)) in enumerate(tensors.items()):
-        replicated = name != "input" and not getattr(dict(layer.named_parameters())[name],
-                                                     "tensor_model_parallel", False)
+        replicated = name != "input" and not getattr(
+            dict(layer.named_parameters())[name], "tensor_model_parallel", False
+        )
         gen = torch.Generator().manual_seed(seed + 31 * i + (0 if replicated else 1000 * rank))
         v = torch.randn(value.shape, dtype=value.dtype, generator=gen)
         inner = (grad * v).sum().reshape(1)
@@ -310,9 +399,13 @@ def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step
             value.add_(v, alpha=step)
         analytic[f"d/d {name}"] = inner
         numeric[f"d/d {name}"] = (plus - minus) / (2 * step)
-    return assert_close(analytic, numeric, rtol=1e-6,
-                        what=f"attention dropout={dropout} backward={attention_backward} D={d} "
-                             f"gradient vs finite differences, seed={seed}")
+    return assert_close(
+        analytic,
+        numeric,
+        rtol=1e-6,
+        what=f"attention dropout={dropout} backward={attention_backward} D={d} "
+        f"gradient vs finite differences, seed={seed}",
+    )
 
 
 def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
@@ -321,8 +414,15 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
     setup_tsp(d)
     group, size, rank = group_info()
     heads, groups, hidden, seq, batch = 8, 4, 32, 16, 2
-    config = make_config(d, torch.float64, hidden_size=hidden, num_attention_heads=heads,
-                         num_query_groups=groups, add_bias_linear=True, attention_dropout=dropout)
+    config = make_config(
+        d,
+        torch.float64,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        add_bias_linear=True,
+        attention_dropout=dropout,
+    )
     layer = _build_layer("attention", config, attn_mask_type=AttnMaskType.causal)
     torch.manual_seed(seed)
     full = {}
@@ -334,9 +434,17 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
         full[n] = torch.randn(shape, dtype=torch.float64) * 0.3
     sharding.load_full_state(layer, full, group)
     x_full = torch.randn(seq, batch, hidden, dtype=torch.float64)
-    ref = reference_attention(x_full, full["linear_qkv.weight"], full["linear_qkv.bias"],
-                              full["linear_proj.weight"], full["linear_proj.bias"], heads, groups,
-                              None, config)
+    ref = reference_attention(
+        x_full,
+        full["linear_qkv.weight"],
+        full["linear_qkv.bias"],
+        full["linear_proj.weight"],
+        full["linear_proj.bias"],
+        heads,
+        groups,
+        None,
+        config,
+    )
     expected = zigzag.split(ref, size, rank, dim=0)
     x = zigzag.split(x_full, size, rank, dim=0)
 
@@ -346,11 +454,18 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
         return out + out_bias
 
     layer.eval()
-    errors = assert_close(output(), expected, rtol=1e-10, name="eval output",
-                          what=f"attention dropout={dropout} in eval(), D={d}, seed={seed}")
+    errors = assert_close(
+        output(),
+        expected,
+        rtol=1e-10,
+        name="eval output",
+        what=f"attention dropout={dropout} in eval(), D={d}, seed={seed}",
+    )
     layer.train()
     train_error = (output() - expected).abs().max().item() / expected.abs().max().item()
     if not train_error > 1e-3:
-        raise AssertionError(f"train() output equals the dropout-free reference "
-                             f"(relative difference {train_error:.1e}): dropout is not active")
+        raise AssertionError(
+            f"train() output equals the dropout-free reference "
+            f"(relative difference {train_error:.1e}): dropout is not active"
+        )
     return errors

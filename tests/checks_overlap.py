@@ -55,8 +55,9 @@ def trace_layer_overlap(d, backward="saved", seq=32, batch=2, hidden=32, heads=8
             _, layer = _mlp(d, torch.float32, False, False, hidden, 2 * hidden)
         else:
             _, layer = _attention(d, torch.float32, heads, groups, False, hidden)
-            layer.head_layout = type(layer.head_layout)(**{**layer.head_layout.__dict__,
-                                                         "backward": backward})
+            layer.head_layout = type(layer.head_layout)(
+                **{**layer.head_layout.__dict__, "backward": backward}
+            )
         x = torch.randn(seq // size, batch, hidden, requires_grad=True)
         events = []
         remove = comm.observe(lambda ev, ident, op: events.append((ev, ident, op)))

@@ -15,8 +15,7 @@ import torch
 from megatron_tsp.core import sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
 from tests.checks_gpt import _batch, _config, _model, _tp_group_info
-from tests.common import (group_info, reference_single_layer_spec, setup_megatron_tp,
-                          setup_tsp)
+from tests.common import group_info, reference_single_layer_spec, setup_megatron_tp, setup_tsp
 
 
 def _norm_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -35,6 +34,7 @@ def _capture_activations(model):
     def hook(name):
         def record(_module, _inputs, output):
             captured[name] = (output[0] if isinstance(output, tuple) else output).detach()
+
         return record
 
     modules = {"embedding": model.embedding}
@@ -47,8 +47,9 @@ def _capture_activations(model):
 
 def _token_losses_and_step(model, batch):
     """Like ``checks_gpt._step`` (Megatron path) but also returns the per-token losses [b, s]."""
-    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+    losses = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     mask = batch["loss_mask"].to(losses.dtype)
     loss = (losses * mask).sum() / mask.sum()
     loss.backward()
@@ -69,8 +70,9 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     config = _config(d, torch.bfloat16, style, **dims)
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
-    sharding.load_full_state(model, {n: t.to(torch.bfloat16) for n, t in full_params.items()},
-                               group)
+    sharding.load_full_state(
+        model, {n: t.to(torch.bfloat16) for n, t in full_params.items()}, group
+    )
     acts = _capture_activations(model)
     loss, token_losses = _token_losses_and_step(model, local)
     sharding.allreduce_sequence_parallel_grads(model, group)
@@ -80,8 +82,14 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
         local_slice = lambda t: zigzag.split(t, d, rank, dim=0)  # noqa: E731
     else:
         local_slice = lambda t: t.chunk(d, dim=0)[rank]  # noqa: E731
-    return (loss.double(), token_losses, acts, local_slice, group,
-            sharding.gather_full_state(model, group, grads=True))
+    return (
+        loss.double(),
+        token_losses,
+        acts,
+        local_slice,
+        group,
+        sharding.gather_full_state(model, group, grads=True),
+    )
 
 
 def _planted_bf16_accumulation(where):
@@ -102,11 +110,23 @@ def _planted_bf16_accumulation(where):
         finally:
             for m, f in zip(modules, saved):
                 m.accumulation_dtype = f
+
     return planted()
 
 
-def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, vocab=256,
-                        batch=2, seq=64, plant_bf16_accumulation=""):
+def bf16_errors_vs_fp64(
+    d,
+    seed,
+    style,
+    layers=2,
+    hidden=64,
+    heads=8,
+    ffn=128,
+    vocab=256,
+    batch=2,
+    seq=64,
+    plant_bf16_accumulation="",
+):
     """Loss, per-token loss, per-layer activation and per-parameter gradient errors of TSP-d and
     TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
     breaks TSP's fp32 accumulation there, to show that the criteria can fail."""
@@ -114,8 +134,9 @@ def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, v
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
     # Megatron's stock TP=1 layer spec: no megatron_tsp code in the reference.
-    reference = _model(config64, reference_single_layer_spec(config64), style, vocab, seq,
-                       parallel_output=True).to(torch.float64)
+    reference = _model(
+        config64, reference_single_layer_spec(config64), style, vocab, seq, parallel_output=True
+    ).to(torch.float64)
     torch.manual_seed(seed)
     with torch.no_grad():  # bf16-representable weights, Megatron's init scale
         for p in reference.parameters():
@@ -131,13 +152,15 @@ def bf16_errors_vs_fp64(d, seed, style, layers=2, hidden=64, heads=8, ffn=128, v
     for kind in ("tp_sp", "tsp"):
         with _planted_bf16_accumulation(plant_bf16_accumulation if kind == "tsp" else ""):
             loss, token_losses, acts, local_slice, group, grads = _run_bf16(
-                kind, d, style, full, data, dims, vocab, seq)
+                kind, d, style, full, data, dims, vocab, seq
+            )
         per_param = {n: _norm_rel(grads[n], g) for n, g in ref_grads.items()}
         out[kind] = {
             "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
             "token_losses": _norm_rel(token_losses, ref_token_losses),
-            "activations": {n: _global_norm_rel(a, local_slice(ref_acts[n]), group)
-                            for n, a in acts.items()},
+            "activations": {
+                n: _global_norm_rel(a, local_slice(ref_acts[n]), group) for n, a in acts.items()
+            },
             "grad_median": statistics.median(per_param.values()),
             "grad_max": max(per_param.values()),
             "per_param": per_param,
@@ -149,8 +172,13 @@ def _global_norm_rel(local_actual, local_expected, group) -> float:
     """Frobenius relative error of a tensor sharded over ``group`` (each rank: its slice)."""
     import torch.distributed as dist
 
-    sums = torch.tensor([(local_actual.double() - local_expected.double()).pow(2).sum().item(),
-                         local_expected.double().pow(2).sum().item()], dtype=torch.float64)
+    sums = torch.tensor(
+        [
+            (local_actual.double() - local_expected.double()).pow(2).sum().item(),
+            local_expected.double().pow(2).sum().item(),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(sums, group=group)
     return (sums[0] / sums[1]).sqrt().item()
 
@@ -173,8 +201,15 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
     for kind in ("tp_sp", "tsp"):
         (setup_tsp if kind == "tsp" else setup_megatron_tp)(d)
         group, size, rank = group_info() if kind == "tsp" else _tp_group_info()
-        config = make_config(d, torch.bfloat16, hidden_size=hidden, ffn_hidden_size=ffn,
-                             gated_linear_unit=gated, add_bias_linear=bias, activation_func=act)
+        config = make_config(
+            d,
+            torch.bfloat16,
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            gated_linear_unit=gated,
+            add_bias_linear=bias,
+            activation_func=act,
+        )
         layer = (TSPMLP if kind == "tsp" else MLP)(config, submodules)
         if kind == "tp_sp":  # same full weights / data for both kinds
             gen.manual_seed(seed)
@@ -194,8 +229,7 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
                 pre = pre + ref["linear_fc1.bias"]
             yr = make_activation(config)(pre) @ ref["linear_fc2.weight"].t()
             yr.backward(dy_full)  # fc2 bias is added outside both layers
-        sharding.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()},
-                                   group)
+        sharding.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()}, group)
         if kind == "tsp":
             split = lambda t: zigzag.split(t, size, rank, dim=0)  # noqa: E731
         else:
@@ -204,8 +238,10 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
         y, _ = layer(x)
         y.backward(split(dy_full).to(torch.bfloat16))
         grads = sharding.gather_full_state(layer, group, grads=True)
-        out[kind] = {"output": _global_norm_rel(y, split(yr.detach()), group),
-                     "grad:input": _global_norm_rel(x.grad, split(xr.grad), group)}
+        out[kind] = {
+            "output": _global_norm_rel(y, split(yr.detach()), group),
+            "grad:input": _global_norm_rel(x.grad, split(xr.grad), group),
+        }
         for n, g in grads.items():
             out[kind][f"grad:{n}"] = _norm_rel(g, ref[n].grad)
     return out

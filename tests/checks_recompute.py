@@ -17,10 +17,16 @@ from tests.common import DTYPES, group_info, make_config, rel_err, setup_tsp
 
 def _attention(config, backward=None):
     return TSPSelfAttention(
-        config, SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                        core_attention=DotProductAttention,
-                                        linear_proj=RowParallelLinear),
-        layer_number=1, attn_mask_type=AttnMaskType.causal, attention_backward=backward)
+        config,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_backward=backward,
+    )
 
 
 def recompute_equals_saved(d, seed, dtype_name, heads=8, groups=4, hidden=64, seq=32, batch=2):
@@ -32,16 +38,32 @@ def recompute_equals_saved(d, seed, dtype_name, heads=8, groups=4, hidden=64, se
     group, size, rank = group_info()
     results = {}
     selected = {}
-    for name, extra in (("default", {}),
-                        ("selective_core_attn", dict(recompute_granularity="selective",
-                                                     recompute_modules=["core_attn"])),
-                        ("selective_mlp_only", dict(recompute_granularity="selective",
-                                                    recompute_modules=["mlp"]))):
-        config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
-                             num_query_groups=groups, add_bias_linear=True, **extra)
+    for name, extra in (
+        ("default", {}),
+        (
+            "selective_core_attn",
+            dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        ),
+        ("selective_mlp_only", dict(recompute_granularity="selective", recompute_modules=["mlp"])),
+    ):
+        config = make_config(
+            d,
+            dtype,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            add_bias_linear=True,
+            **extra,
+        )
         selected[name] = _attention(config).head_layout.backward
-    config = make_config(d, dtype, hidden_size=hidden, num_attention_heads=heads,
-                         num_query_groups=groups, add_bias_linear=True)
+    config = make_config(
+        d,
+        dtype,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        add_bias_linear=True,
+    )
     torch.manual_seed(seed)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
@@ -50,40 +72,50 @@ def recompute_equals_saved(d, seed, dtype_name, heads=8, groups=4, hidden=64, se
         layer = _attention(config, mode)
         if full is None:
             full = sharding.gather_full_state(layer, group)
-            full = {n: torch.randn(t.shape, dtype=dtype,
-                                   generator=torch.Generator().manual_seed(seed + 1)) * 0.3
-                    for n, t in full.items()}
+            full = {
+                n: torch.randn(
+                    t.shape, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1)
+                )
+                * 0.3
+                for n, t in full.items()
+            }
         sharding.load_full_state(layer, full, group)
         x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
         out, _ = layer(x)
         out.backward(zigzag.split(dy_full, size, rank, dim=0))
-        results[mode] = [out.detach(), x.grad] + [p.grad for p in layer.parameters()
-                                                  if p.grad is not None]
+        results[mode] = [out.detach(), x.grad] + [
+            p.grad for p in layer.parameters() if p.grad is not None
+        ]
     equal = all(torch.equal(a, b) for a, b in zip(results["saved"], results["recompute"]))
-    return {"bitwise_equal": equal, "selected": selected,
-            "kernel": layer.attention_kernel_name}
+    return {"bitwise_equal": equal, "selected": selected, "kernel": layer.attention_kernel_name}
 
 
-def gpt_recompute_vs_single(d, seed, style, recompute, layers=2, hidden=32, heads=8, ffn=64,
-                            vocab=128, batch=2, seq=32):
+def gpt_recompute_vs_single(
+    d, seed, style, recompute, layers=2, hidden=32, heads=8, ffn=64, vocab=128, batch=2, seq=32
+):
     """Whole GPTModel under TSP with Megatron's ``--recompute-granularity full`` (uniform, one
     layer per checkpoint) or ``selective`` (``--recompute-activations``) vs the stock single-process
     model without recompute, fp64."""
     dtype = torch.float64
     ref_loss, ref_params, ref_grads, data = checks_gpt.reference_run(
-        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, "exact")
+        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, "exact"
+    )
     setup_tsp(d, seed)
     group, size, _ = group_info()
     config = checks_gpt._config(d, dtype, style, layers, hidden, heads, ffn)
-    extra = (dict(recompute_granularity="full", recompute_method="uniform",
-                  recompute_num_layers=1) if recompute == "full"
-             else dict(recompute_granularity="selective", recompute_modules=["core_attn"]))
+    extra = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if recompute == "full"
+        else dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    )
     for key, value in extra.items():
         setattr(config, key, value)
-    model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq,
-                              parallel_output=False)
-    modes = sorted({m.head_layout.backward for m in model.modules()
-                    if isinstance(m, TSPSelfAttention)})
+    model = checks_gpt._model(
+        config, get_gpt_block_tsp_spec(config), style, vocab, seq, parallel_output=False
+    )
+    modes = sorted(
+        {m.head_layout.backward for m in model.modules() if isinstance(m, TSPSelfAttention)}
+    )
     sharding.load_full_state(model, ref_params, group)
     loss = checks_gpt._step(model, zigzag.get_batch_on_this_tsp_rank(data, size), "exact")
     sharding.allreduce_sequence_parallel_grads(model, group)

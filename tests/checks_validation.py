@@ -25,9 +25,12 @@ def _error_of(fn, *args, **kwargs):
 def init_with_per_rank_sizes(sizes, **kwargs):
     """Initialise with a TSP size that may differ per rank; return this rank's ValueError text."""
     reset_groups()
-    err = _error_of(parallel_state.initialize_model_parallel,
-                    tensor_sequence_parallel_size=sizes[dist.get_rank()],
-                    create_gloo_process_groups=False, **kwargs)
+    err = _error_of(
+        parallel_state.initialize_model_parallel,
+        tensor_sequence_parallel_size=sizes[dist.get_rank()],
+        create_gloo_process_groups=False,
+        **kwargs,
+    )
     reset_groups()
     return err
 
@@ -36,9 +39,11 @@ def layer_errors(d):
     """Layers reject shapes the group cannot shard, before any collective."""
     setup_tsp(d)
     errors = {}
-    attn_sub = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                       core_attention=DotProductAttention,
-                                       linear_proj=RowParallelLinear)
+    attn_sub = SelfAttentionSubmodules(
+        linear_qkv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
+    )
     from megatron_tsp.core.layers.attention import TSPSelfAttention
     from megatron_tsp.core.layers.mlp import TSPMLP
 
@@ -48,22 +53,28 @@ def layer_errors(d):
     cfg = make_config(1, torch.float32, hidden_size=32, num_attention_heads=8, num_query_groups=2)
     errors["groups"] = _error_of(TSPSelfAttention, cfg, attn_sub, 1, AttnMaskType.causal)
     cfg = make_config(1, torch.float32, hidden_size=32, ffn_hidden_size=66)
-    errors["ffn"] = _error_of(TSPMLP, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                         linear_fc2=RowParallelLinear))
+    errors["ffn"] = _error_of(
+        TSPMLP, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
     cfg = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4)
     layer = TSPSelfAttention(cfg, attn_sub, 1, AttnMaskType.causal)
     errors["local_seq"] = _error_of(layer, torch.randn(3, 1, 32))
     # Settings of the rejection table that reach the layers directly (bypassing the specs).
-    for name, overrides in (("qk_layernorm", dict(qk_layernorm=True)),
-                            ("softmax", dict(softmax_type="learnable")),
-                            ("window", dict(window_size=(16, 0)))):
-        refused = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4,
-                              **overrides)
+    for name, overrides in (
+        ("qk_layernorm", dict(qk_layernorm=True)),
+        ("softmax", dict(softmax_type="learnable")),
+        ("window", dict(window_size=(16, 0))),
+    ):
+        refused = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4, **overrides)
         errors[name] = _error_of(TSPSelfAttention, refused, attn_sub, 1, AttnMaskType.causal)
-    refused = make_config(d, torch.float32, hidden_size=32, num_moe_experts=4,
-                          add_bias_linear=False)
-    errors["moe"] = _error_of(TSPMLP, refused, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                             linear_fc2=RowParallelLinear))
+    refused = make_config(
+        d, torch.float32, hidden_size=32, num_moe_experts=4, add_bias_linear=False
+    )
+    errors["moe"] = _error_of(
+        TSPMLP,
+        refused,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
     from megatron_tsp.core.model import build_tsp_gpt_model
 
     errors["vocab"] = _error_of(build_tsp_gpt_model, cfg, vocab_size=130, max_sequence_length=32)

@@ -22,8 +22,9 @@ def _ensure_groups(size: int) -> None:
     global _current
     if _current != size:
         tsp_state.destroy_model_parallel()
-        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=size,
-                                            create_gloo_process_groups=False)
+        tsp_state.initialize_model_parallel(
+            tensor_sequence_parallel_size=size, create_gloo_process_groups=False
+        )
         _current = size
 
 
@@ -59,30 +60,46 @@ def reset_groups() -> None:
 #   refuses the flag without it. (TSP's own main_grad path is tested by test_main_grad_contract
 #   and test_zero_out_wgrad, which set the layer attribute directly.)
 MEGATRON_LM_FUSION_DEFAULTS = dict(
-    bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True,
-    apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    bias_activation_fusion=True,
+    bias_dropout_fusion=True,
+    masked_softmax_fusion=True,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
 )
 
 # Every fusion off. Only for tests that need Megatron's unfused code path, each saying why
 # (e.g. an activation with no fused kernel, or the exact erf-GeLU of a hand-written reference).
 FUSIONS_OFF = dict(
-    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-    apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
 )
 
 
 def make_config(d: int, dtype: torch.dtype, **overrides) -> TransformerConfig:
     """A small ``TransformerConfig`` for TP=d (+SP when d > 1) with Megatron-LM's default fusions
-    (``MEGATRON_LM_FUSION_DEFAULTS``); ``overrides`` win (pass ``**FUSIONS_OFF`` to turn them off)."""
+    (``MEGATRON_LM_FUSION_DEFAULTS``); ``overrides`` win (``**FUSIONS_OFF`` turns them off)."""
     fields = dict(
-        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        use_cpu_initialization=True, params_dtype=dtype, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=d, sequence_parallel=d > 1,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=d,
+        sequence_parallel=d > 1,
     )
     fields.update(MEGATRON_LM_FUSION_DEFAULTS)
     fields.update(overrides)
-    if ("bias_activation_fusion" not in overrides and not fields.get("gated_linear_unit", False)
-            and not fields.get("add_bias_linear", True)):
+    if (
+        "bias_activation_fusion" not in overrides
+        and not fields.get("gated_linear_unit", False)
+        and not fields.get("add_bias_linear", True)
+    ):
         fields["bias_activation_fusion"] = False  # Megatron-LM's validate_args does the same
     return TransformerConfig(**fields)
 
@@ -115,8 +132,9 @@ def _nonfinite(t: torch.Tensor) -> str:
     return ", ".join(p for p in (f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else "") if p)
 
 
-def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str = "value",
-                 what: str = "") -> dict:
+def assert_close(
+    actual, expected, *, rtol: float, atol: float = 0.0, name: str = "value", what: str = ""
+) -> dict:
     """Assert ``actual`` matches ``expected``; return ``{name: relative error}``.
 
     ``actual``/``expected``: tensors or numbers, or dicts of them with the same keys (a dict is
@@ -132,7 +150,8 @@ def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str 
         if set(actual) != set(expected):
             raise AssertionError(
                 f"{what}: names differ: only in actual {sorted(set(actual) - set(expected))}, "
-                f"only in expected {sorted(set(expected) - set(actual))}")
+                f"only in expected {sorted(set(expected) - set(actual))}"
+            )
         if not actual:
             raise AssertionError(f"{what}: nothing to compare (empty dicts)")
         pairs = {str(k): (actual[k], expected[k]) for k in actual}
@@ -142,12 +161,16 @@ def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str 
     for key, (a_raw, e_raw) in pairs.items():
         a, e = _as_tensor(a_raw), _as_tensor(e_raw)
         if a.shape != e.shape:
-            failures.append((float("inf"), f"{key}: shape {tuple(a.shape)} != expected "
-                                            f"{tuple(e.shape)}"))
+            failures.append(
+                (float("inf"), f"{key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+            )
             errors[key] = float("inf")
             continue
-        bad = [f"{side} has {_nonfinite(t)}" for side, t in (("actual", a), ("expected", e))
-               if not torch.isfinite(t).all()]
+        bad = [
+            f"{side} has {_nonfinite(t)}"
+            for side, t in (("actual", a), ("expected", e))
+            if not torch.isfinite(t).all()
+        ]
         if bad:
             failures.append((float("inf"), f"{key}: {'; '.join(bad)} (of {a.numel()})"))
             errors[key] = float("nan")
@@ -157,8 +180,13 @@ def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str 
         err = diff / scale if scale > 0 else diff
         errors[key] = err
         if not diff <= atol + rtol * scale:
-            failures.append((err, f"{key}: relative error {err:.3e} > rtol {rtol:.1e}"
-                                  + (f" (+ atol {atol:.1e})" if atol else "")))
+            failures.append(
+                (
+                    err,
+                    f"{key}: relative error {err:.3e} > rtol {rtol:.1e}"
+                    + (f" (+ atol {atol:.1e})" if atol else ""),
+                )
+            )
     if failures:
         failures.sort(key=lambda f: -f[0])
         ranked = sorted(((v, k) for k, v in errors.items() if v == v), reverse=True)[:4]
@@ -167,7 +195,8 @@ def assert_close(actual, expected, *, rtol: float, atol: float = 0.0, name: str 
         raise AssertionError(
             f"{head}{len(failures)} of {len(pairs)} mismatched; worst: {failures[0][1]}"
             + "".join(f"\n  {f[1]}" for f in failures[1:6])
-            + (f"\n  largest relative errors: {others}" if others else ""))
+            + (f"\n  largest relative errors: {others}" if others else "")
+        )
     return errors
 
 
@@ -238,9 +267,15 @@ class FormulaNorm(torch.nn.Module):
     RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``. Parameters are named, initialised and tagged
     (``sequence_parallel``: replicated, gradients summed over the group) like Megatron's norms."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
-                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
-                 normalization: str = None):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = None,
+    ):
         super().__init__()
         self.kind = normalization or config.normalization
         if self.kind not in ("LayerNorm", "RMSNorm"):
@@ -250,8 +285,11 @@ class FormulaNorm(torch.nn.Module):
         self.eps = eps
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.bias = (torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-                     if self.kind == "LayerNorm" else None)
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+            if self.kind == "LayerNorm"
+            else None
+        )
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
@@ -281,8 +319,9 @@ def reference_tp_sp_block_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer = reference_tp_sp_layer_spec(config)
-    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
-                                      layer_norm=FormulaNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=FormulaNorm
+    )
 
 
 _SINGLE_RANK_GROUP = None
@@ -306,9 +345,14 @@ def stock_mlp(config):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
     if config.tensor_model_parallel_size != 1 or config.sequence_parallel:
-        raise ValueError("stock_mlp is the TP=1 reference: build its config with make_config(1, ..)")
-    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                     linear_fc2=RowParallelLinear), tp_group=single_rank_group())
+        raise ValueError(
+            "stock_mlp is the TP=1 reference: build its config with make_config(1, ..)"
+        )
+    return MLP(
+        config,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        tp_group=single_rank_group(),
+    )
 
 
 def expected_zigzag_batch(batch: dict, group_size: int) -> dict:

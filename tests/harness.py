@@ -61,8 +61,9 @@ class RankPool:
         self.inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox),
-                        daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True
+            )
             for r in range(world)
         ]
         for p in self.procs:

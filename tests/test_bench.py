@@ -19,21 +19,47 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN = 2, 32, 4, 2, 64
 
 
 def _run(cmd, timeout):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+    )
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     js, md = tmp / "bench.json", tmp / "bench.md"
-    cmd = [sys.executable, "-m", "megatron_tsp.tools.bench", "--world-sizes", "2",
-           "--seq-lengths", ",".join(map(str, SEQS)), "--steps", "2", "--warmup", "0",
-           "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-           "--num-attention-heads", str(HEADS), "--num-query-groups", str(GROUPS),
-           "--ffn-hidden-size", str(FFN), "--style", "gpt2", "--json", str(js), "--out", str(md)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_tsp.tools.bench",
+        "--world-sizes",
+        "2",
+        "--seq-lengths",
+        ",".join(map(str, SEQS)),
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--num-layers",
+        str(LAYERS),
+        "--hidden-size",
+        str(HIDDEN),
+        "--num-attention-heads",
+        str(HEADS),
+        "--num-query-groups",
+        str(GROUPS),
+        "--ffn-hidden-size",
+        str(FFN),
+        "--style",
+        "gpt2",
+        "--json",
+        str(js),
+        "--out",
+        str(md),
+    ]
     proc = _run(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(js.read_text()), md.read_text(), proc.stdout
@@ -43,9 +69,18 @@ def _layer_bytes(kind, seq, d):
     """Received bytes per rank of one layer, fwd+bwd, from the closed forms (fp32)."""
     from megatron_tsp.tools.estimator import formulas as fm
 
-    shape = fm.LayerShape(batch=1, seq=seq, hidden=HIDDEN, heads=HEADS, query_groups=GROUPS,
-                          ffn=FFN, gated=False, bias=True, dtype_bytes=4,
-                          normalization="LayerNorm")
+    shape = fm.LayerShape(
+        batch=1,
+        seq=seq,
+        hidden=HIDDEN,
+        heads=HEADS,
+        query_groups=GROUPS,
+        ffn=FFN,
+        gated=False,
+        bias=True,
+        dtype_bytes=4,
+        normalization="LayerNorm",
+    )
     comm = {"tsp": fm.tsp_layer_comm, "tp_sp": fm.tp_sp_layer_comm, "tp": fm.tp_layer_comm}[kind]
     return comm(shape, d), shape
 
@@ -87,10 +122,18 @@ def test_bench_bytes_match_formulas(bench):
             layer, shape = _layer_bytes(kind, seq, d)
             # per (block, phase): num_layers x the per-layer closed form
             for phase in fm.PHASES:
-                assert v["by_phase"][phase] == pytest.approx(LAYERS * layer[phase], rel=1e-9), \
-                    (kind, seq, phase)
-            sync = 0.0 if kind == "tp" else fm.replicated_grad_allreduce(
-                shape, d, LAYERS, extra_params=2 * HIDDEN, grad_dtype_bytes=4)
+                assert v["by_phase"][phase] == pytest.approx(LAYERS * layer[phase], rel=1e-9), (
+                    kind,
+                    seq,
+                    phase,
+                )
+            sync = (
+                0.0
+                if kind == "tp"
+                else fm.replicated_grad_allreduce(
+                    shape, d, LAYERS, extra_params=2 * HIDDEN, grad_dtype_bytes=4
+                )
+            )
             assert v["by_phase"]["grad_sync"] == pytest.approx(sync, rel=1e-9)
             assert v["by_phase"]["other"] == 0
             expected = LAYERS * fm.total(layer) + sync

@@ -23,9 +23,9 @@ def mlp_formula(d, ffn, gated, bias, elem=E, grad_elem=E):
 
 def attention_formula(d, heads, groups, bias):
     """Bytes received per rank. Forward: D broadcasts of (qkv, qkv bias, proj) shards = f*W_attn,
-    K and V all-gathered (one packed call) per head group = f*2*B*S*h_kv. Backward: broadcasts again (f*W_attn),
-    K/V re-gathered (f*2BSh_kv), dK/dV reduce-scattered (f*2BSh_kv), weight grads reduced to the
-    owner (f*W_attn). Same as the table in shared/notes/tsp-algorithm.md."""
+    K and V all-gathered (one packed call) per head group = f*2*B*S*h_kv. Backward: broadcasts
+    again (f*W_attn), K/V re-gathered (f*2BSh_kv), dK/dV reduce-scattered (f*2BSh_kv), weight grads
+    reduced to the owner (f*W_attn). Same as the table in shared/notes/tsp-algorithm.md."""
     f = (d - 1) / d
     hn = H // heads
     h_kv = groups * hn
@@ -38,8 +38,17 @@ def attention_formula(d, heads, groups, bias):
 @pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("gated,bias", [(False, True), (True, False)])
 def test_mlp_comm_matches_formula(pool4, d, gated, bias):
-    results = pool4.run(checks_comm.measure_layer, "mlp", d, seq=S, batch=B, hidden=H, ffn=64,
-                        gated=gated, bias=bias)
+    results = pool4.run(
+        checks_comm.measure_layer,
+        "mlp",
+        d,
+        seq=S,
+        batch=B,
+        hidden=H,
+        ffn=64,
+        gated=gated,
+        bias=bias,
+    )
     expected = mlp_formula(d, 64, gated, bias)
     for r in results:
         for phase in ("fwd", "bwd"):
@@ -57,11 +66,22 @@ def test_mlp_bf16_grad_accumulator_travels_in_fp32(pool4, d):
     the counted bytes still equal the closed form of estimator/formulas.py."""
     from megatron_tsp.tools.estimator import formulas as fm
 
-    results = pool4.run(checks_comm.measure_layer, "mlp", d, "bfloat16", seq=S, batch=B,
-                        hidden=H, ffn=64, gated=True, bias=False)
+    results = pool4.run(
+        checks_comm.measure_layer,
+        "mlp",
+        d,
+        "bfloat16",
+        seq=S,
+        batch=B,
+        hidden=H,
+        ffn=64,
+        gated=True,
+        bias=False,
+    )
     expected = mlp_formula(d, 64, True, False, elem=2, grad_elem=4)
-    shape = fm.LayerShape(batch=B, seq=S, hidden=H, heads=4, ffn=64, gated=True, bias=False,
-                          dtype_bytes=2)
+    shape = fm.LayerShape(
+        batch=B, seq=S, hidden=H, heads=4, ffn=64, gated=True, bias=False, dtype_bytes=2
+    )
     comm = fm.tsp_layer_comm(shape, d)
     assert comm["mlp_fwd"] == pytest.approx(expected["fwd"])
     assert comm["mlp_bwd"] == pytest.approx(expected["bwd"])
@@ -73,15 +93,28 @@ def test_mlp_bf16_grad_accumulator_travels_in_fp32(pool4, d):
 @pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("heads,groups,bias", [(4, 4, True), (8, 4, False)])
 def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
-    results = pool4.run(checks_comm.measure_layer, "attention", d, seq=S, batch=B, hidden=H,
-                        heads=heads, groups=groups, bias=bias)
+    results = pool4.run(
+        checks_comm.measure_layer,
+        "attention",
+        d,
+        seq=S,
+        batch=B,
+        hidden=H,
+        heads=heads,
+        groups=groups,
+        bias=bias,
+    )
     expected = attention_formula(d, heads, groups, bias)
     for r in results:
         # per head group: one broadcast, one packed K/V all-gather (and in backward one packed
         # dK/dV reduce-scatter and one weight-gradient reduce)
         assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": d}
-        assert r["bwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": d,
-                                     "reduce_scatter_tensor": d, "reduce": d}
+        assert r["bwd"]["calls"] == {
+            "broadcast": d,
+            "all_gather_into_tensor": d,
+            "reduce_scatter_tensor": d,
+            "reduce": d,
+        }
         for phase in ("fwd", "bwd"):
             assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
         assert r["scopes"] == ["tsp_attention"]

@@ -8,9 +8,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_losses_agree_and_fall():
-    cmd = [sys.executable, "-m", "megatron_tsp.tools.demo", "--world-size", "2", "--tsp", "2",
-           "--steps", "4", "--seq-length", "64", "--hidden-size", "32", "--ffn-hidden-size", "64",
-           "--num-attention-heads", "4", "--num-query-groups", "2", "--micro-batch-size", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_tsp.tools.demo",
+        "--world-size",
+        "2",
+        "--tsp",
+        "2",
+        "--steps",
+        "4",
+        "--seq-length",
+        "64",
+        "--hidden-size",
+        "32",
+        "--ffn-hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--micro-batch-size",
+        "2",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
@@ -24,7 +44,12 @@ def test_demo_losses_agree_and_fall():
 
 
 def test_demo_rejects_bad_layout():
-    proc = subprocess.run([sys.executable, "-m", "megatron_tsp.tools.demo", "--world-size", "3",
-                           "--tsp", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_tsp.tools.demo", "--world-size", "3", "--tsp", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "world size 3 is not divisible" in proc.stderr

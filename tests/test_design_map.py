@@ -129,5 +129,7 @@ def test_checker_reports_a_planted_violation(source, expected):
 
 
 def test_checker_accepts_allowed_imports():
-    source = "import os\nimport torch\nfrom megatron.core import parallel_state\nfrom . import comm\n"
+    source = (
+        "import os\nimport torch\nfrom megatron.core import parallel_state\nfrom . import comm\n"
+    )
     assert violations("core/planted.py", source, {"core", "torch", "megatron.core"}) == []

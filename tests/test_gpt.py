@@ -24,8 +24,15 @@ def test_gpt_matches_single_process_fp64(pool4, seed, d, style):
 @pytest.mark.parametrize("d", [2, 4])
 def test_gpt_megatron_loss_path_fp32(pool4, seed, d, style):
     """Megatron's own vocab-parallel cross-entropy and loss normalisation, fp32."""
-    pool4.run(checks_gpt.check_gpt_vs_single, d, seed, style, dtype_name="float32",
-              loss_path="megatron", rtol=1e-5)
+    pool4.run(
+        checks_gpt.check_gpt_vs_single,
+        d,
+        seed,
+        style,
+        dtype_name="float32",
+        loss_path="megatron",
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -39,5 +46,12 @@ def test_tp_sp_reference_matches_single_process(pool4, seed, style):
 @pytest.mark.parametrize("d", [2, 4])
 def test_tsp_equals_megatron_tp_sp(pool4, seed, d, style):
     pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, style, rtol=1e-10)
-    pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, style, dtype_name="float32",
-              loss_path="megatron", rtol=1e-5)
+    pool4.run(
+        checks_gpt.check_tsp_vs_tp_sp,
+        d,
+        seed,
+        style,
+        dtype_name="float32",
+        loss_path="megatron",
+        rtol=1e-5,
+    )

@@ -11,11 +11,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_check_cpu_smoke_writes_report(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"),
-                           "--cpu-smoke", "--out-dir", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TORCHDYNAMO_DISABLE="1",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "gpu_check.py"),
+            "--cpu-smoke",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     md = (tmp_path / "gpu_check.md").read_text()
@@ -29,11 +44,17 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path):
         assert r["max_memory_allocated_bytes"] is None  # CPU: no CUDA allocator
     # TSP holds 1/D of the weights like TP=D: same parameter count per rank
     assert timing["tsp"]["layer_params"] == timing["tpsp"]["layer_params"]
-    assert timing["ratio_tsp_over_tpsp"] == timing["tsp"]["step_s_median"] / \
-        timing["tpsp"]["step_s_median"]
+    assert (
+        timing["ratio_tsp_over_tpsp"]
+        == timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
+    )
     prec = report["precision"]["d1"]
-    assert {"output", "grad:input", "grad:mlp.linear_fc1.weight",
-            "grad:self_attention.linear_qkv.weight"} <= set(prec)
+    assert {
+        "output",
+        "grad:input",
+        "grad:mlp.linear_fc1.weight",
+        "grad:self_attention.linear_qkv.weight",
+    } <= set(prec)
     # bf16 vs fp32: errors at bf16 resolution (2^-8), neither zero nor garbage
     for name, err in prec.items():
         assert 1e-5 < err < 5e-2, (name, err)

@@ -47,9 +47,14 @@ def test_hybrid_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
     in the reduce-scatter; its median gradient error may not be worse than TP+SP's beyond the
     noise seen over seeds (ratios 0.93-1.07: 25 % margin), its loss error not beyond bf16 noise."""
     r = pool4.run(checks_hybrid.check_bf16_accuracy, 4, seed, style)[0]
-    print(f"bf16 vs fp64 reference ({style}, D=4): " + "; ".join(
-        f"{k}: loss {v['loss']:.2e}, grad median {v['grad_median']:.2e}, max {v['grad_max']:.2e}"
-        for k, v in r.items()))
+    print(
+        f"bf16 vs fp64 reference ({style}, D=4): "
+        + "; ".join(
+            f"{k}: loss {v['loss']:.2e}, grad median {v['grad_median']:.2e}, "
+            f"max {v['grad_max']:.2e}"
+            for k, v in r.items()
+        )
+    )
     assert r["hybrid"]["grad_median"] <= 1.25 * r["tp_sp"]["grad_median"], r
     # Megatron's fp32 cross-entropy averages the bf16 logits' rounding: both loss errors are
     # ~1e-5 and their ratio is noise; an MLP error of bf16 size would show as >= 1e-3.
@@ -84,13 +89,16 @@ def test_hybrid_comm_counted_equals_formula(pool4, d, gated, bias):
         c, formula = r["counted"], r["formula"]
         for phase in ("fwd", "bwd"):
             assert c[f"mlp_{phase}"]["ops"] == ["irecv", "isend"], c
-            assert c[f"attn_{phase}"]["ops"] == ["all_gather_into_tensor",
-                                                 "reduce_scatter_tensor"], c
+            assert c[f"attn_{phase}"]["ops"] == [
+                "all_gather_into_tensor",
+                "reduce_scatter_tensor",
+            ], c
             assert c[f"mlp_{phase}"]["recv"] == pytest.approx(mlp[phase], rel=1e-12)
             assert c[f"attn_{phase}"]["recv"] == pytest.approx(attn[phase], rel=1e-12)
             for block in ("attn", "mlp"):
                 assert c[f"{block}_{phase}"]["recv"] == pytest.approx(
-                    formula[f"{block}_{phase}"], rel=1e-12), (block, phase, c, formula)
+                    formula[f"{block}_{phase}"], rel=1e-12
+                ), (block, phase, c, formula)
         assert c["unlabelled"] == [], c
 
 
@@ -109,12 +117,15 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
     assert bwd == expected, bwd
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (dict(tensor_model_parallel_size=2, sequence_parallel=False), "--sequence-parallel"),
-    (dict(ffn_hidden_size=66), "--ffn-hidden-size=66"),
-    (dict(num_moe_experts=4), "--num-experts=4"),
-    (dict(qk_layernorm=True), "--qk-layernorm"),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (dict(tensor_model_parallel_size=2, sequence_parallel=False), "--sequence-parallel"),
+        (dict(ffn_hidden_size=66), "--ffn-hidden-size=66"),
+        (dict(num_moe_experts=4), "--num-experts=4"),
+        (dict(qk_layernorm=True), "--qk-layernorm"),
+    ],
+)
 def test_check_tsp_mlp_config_names_the_flag(overrides, named):
     import torch
 

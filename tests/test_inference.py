@@ -48,8 +48,14 @@ def _run_cli(*args, timeout=600):
     from tests.harness import REPO
 
     env = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_tsp.tools.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_tsp.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_generate_cli_save_and_load(tmp_path):
@@ -58,8 +64,18 @@ def test_generate_cli_save_and_load(tmp_path):
     a Megatron-LM torch_dist checkpoint under TP=2 loads under D=1 (resharded by megatron-core)
     and generates the same tokens (fp64)."""
     ckpt = str(tmp_path / "ckpt")
-    common = ("--train-steps", "0", "--max-new-tokens", "5", "--dtype", "float64",
-              "--prompt", "the cat sees", "--prompt", "a dog")
+    common = (
+        "--train-steps",
+        "0",
+        "--max-new-tokens",
+        "5",
+        "--dtype",
+        "float64",
+        "--prompt",
+        "the cat sees",
+        "--prompt",
+        "a dog",
+    )
     proc = _run_cli("generate", "--tsp", "2", "--check-tp", "--save", ckpt, *common)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = proc.stdout
@@ -72,7 +88,9 @@ def test_generate_cli_save_and_load(tmp_path):
         return [line for line in text.splitlines() if line.startswith(("[0]", "[1]"))]
 
     assert len(generations(out)) == 2 and generations(out) == generations(loaded.stdout), (
-        out, loaded.stdout)
+        out,
+        loaded.stdout,
+    )
 
 
 def test_prefill_memory_tool(tmp_path):
@@ -81,8 +99,9 @@ def test_prefill_memory_tool(tmp_path):
     import json
 
     path = tmp_path / "rows.json"
-    proc = _run_cli("prefill-memory", "--model", "tiny", "--size", "2", "--seqs", "2048",
-                    "--json", str(path))
+    proc = _run_cli(
+        "prefill-memory", "--model", "tiny", "--size", "2", "--seqs", "2048", "--json", str(path)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {r["scheme"]: r for r in json.loads(path.read_text())}
     # megatron_tsp/models/tiny.json

@@ -102,10 +102,20 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     q_loc = zigzag.split(q_full, size, rank, dim=0)
     dy_loc = zigzag.split(dy_full, size, rank, dim=0)
     kernel = kernels.CpuFlashKernel()
-    outs, lses = kernels.zigzag_forward(kernel, q_loc.to(dtype), k_nat.to(dtype),
-                                        v_nat.to(dtype), blocks, 0.4)
-    dq, dkv = kernels.zigzag_backward(kernel, dy_loc.to(dtype), q_loc.to(dtype), k_nat.to(dtype),
-                                      v_nat.to(dtype), blocks, 0.4, outs, lses)
+    outs, lses = kernels.zigzag_forward(
+        kernel, q_loc.to(dtype), k_nat.to(dtype), v_nat.to(dtype), blocks, 0.4
+    )
+    dq, dkv = kernels.zigzag_backward(
+        kernel,
+        dy_loc.to(dtype),
+        q_loc.to(dtype),
+        k_nat.to(dtype),
+        v_nat.to(dtype),
+        blocks,
+        0.4,
+        outs,
+        lses,
+    )
     assert dkv.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
     # reference: full causal attention, then keep the local rows
     qr, kr, vr = (t.clone().requires_grad_(True) for t in (q_full, k_nat, v_nat))
@@ -121,35 +131,90 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     assert _rel(dkv[:, :, groups:], vr.grad) <= 4 * tol, f"seed={seed}"
 
 
-@pytest.mark.parametrize("kw,expected", [
-    (dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=True), "cpu_flash"),
-    (dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, dropout_p=0.1),
-     "sdpa_recompute"),
-    (dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=True, capability=(9, 0)),
-     "aten_flash"),
-    (dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(9, 0)),
-     "aten_flash"),
-    (dict(device_type="cuda", dtype=torch.float32, head_dim=128, gqa=False), "sdpa_recompute"),
-    (dict(device_type="cuda", dtype=torch.float16, head_dim=320, gqa=False), "sdpa_recompute"),
-    (dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False,
-          transformer_impl="transformer_engine", te_available=True), "te_fused"),
-    (dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False,
-          transformer_impl="transformer_engine", te_available=False), "aten_flash"),
-    (dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(9, 0),
-          override="cudnn"), "cudnn"),
-])
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        (dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=True), "cpu_flash"),
+        (
+            dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, dropout_p=0.1),
+            "sdpa_recompute",
+        ),
+        (
+            dict(
+                device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=True, capability=(9, 0)
+            ),
+            "aten_flash",
+        ),
+        (
+            dict(
+                device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(9, 0)
+            ),
+            "aten_flash",
+        ),
+        (dict(device_type="cuda", dtype=torch.float32, head_dim=128, gqa=False), "sdpa_recompute"),
+        (dict(device_type="cuda", dtype=torch.float16, head_dim=320, gqa=False), "sdpa_recompute"),
+        (
+            dict(
+                device_type="cuda",
+                dtype=torch.bfloat16,
+                head_dim=128,
+                gqa=False,
+                transformer_impl="transformer_engine",
+                te_available=True,
+            ),
+            "te_fused",
+        ),
+        (
+            dict(
+                device_type="cuda",
+                dtype=torch.bfloat16,
+                head_dim=128,
+                gqa=False,
+                transformer_impl="transformer_engine",
+                te_available=False,
+            ),
+            "aten_flash",
+        ),
+        (
+            dict(
+                device_type="cuda",
+                dtype=torch.bfloat16,
+                head_dim=128,
+                gqa=False,
+                capability=(9, 0),
+                override="cudnn",
+            ),
+            "cudnn",
+        ),
+    ],
+)
 def test_selection_table(kw, expected):
     assert kernels.kernel_choice(**kw) == expected
 
 
-@pytest.mark.parametrize("kw", [
-    dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=True, capability=(9, 0),
-         override="cudnn"),  # cuDNN path is MHA only
-    dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(8, 0),
-         override="cudnn"),  # sm90+
-    dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, override="aten_flash"),
-    dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, override="nope"),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(
+            device_type="cuda",
+            dtype=torch.bfloat16,
+            head_dim=128,
+            gqa=True,
+            capability=(9, 0),
+            override="cudnn",
+        ),  # cuDNN path is MHA only
+        dict(
+            device_type="cuda",
+            dtype=torch.bfloat16,
+            head_dim=128,
+            gqa=False,
+            capability=(8, 0),
+            override="cudnn",
+        ),  # sm90+
+        dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, override="aten_flash"),
+        dict(device_type="cpu", dtype=torch.float32, head_dim=64, gqa=False, override="nope"),
+    ],
+)
 def test_selection_refuses_impossible_override(kw):
     with pytest.raises(ValueError, match=kernels.ENV_OVERRIDE):
         kernels.kernel_choice(**kw)
@@ -163,8 +228,14 @@ class _OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if "attention" in name:
-            self.ops.append((name, tuple(args[0].shape), tuple(args[1].shape),
-                             args[4] if "flash" in name and "backward" not in name else None))
+            self.ops.append(
+                (
+                    name,
+                    tuple(args[0].shape),
+                    tuple(args[1].shape),
+                    args[4] if "flash" in name and "backward" not in name else None,
+                )
+            )
         return func(*args, **(kwargs or {}))
 
 

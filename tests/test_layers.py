@@ -27,10 +27,23 @@ DS = [1, 2, 4]
         (True, True, "silu", 16, 2, 16, 32, False),  # fc1 outputs kept instead of recomputed
     ],
 )
-def test_mlp_matches_reference(pool4, seed, d, dtype, gated, bias, activation, seq, batch,
-                               hidden, ffn, recompute):
-    pool4.run(checks_layers.check_mlp, d, seed, dtype, gated, bias, seq, batch, hidden, ffn,
-              activation, recompute)
+def test_mlp_matches_reference(
+    pool4, seed, d, dtype, gated, bias, activation, seq, batch, hidden, ffn, recompute
+):
+    pool4.run(
+        checks_layers.check_mlp,
+        d,
+        seed,
+        dtype,
+        gated,
+        bias,
+        seq,
+        batch,
+        hidden,
+        ffn,
+        activation,
+        recompute,
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,8 +56,21 @@ def test_mlp_matches_reference(pool4, seed, d, dtype, gated, bias, activation, s
 )
 def test_mlp_unfused_activations(pool4, seed, gated, bias, activation):
     """FUSIONS_OFF: Megatron's unfused MLP path (the activation applied as given)."""
-    pool4.run(checks_layers.check_mlp, 4, seed, "float64", gated, bias, 16, 2, 16, 32,
-              activation, True, "off")
+    pool4.run(
+        checks_layers.check_mlp,
+        4,
+        seed,
+        "float64",
+        gated,
+        bias,
+        16,
+        2,
+        16,
+        32,
+        activation,
+        True,
+        "off",
+    )
 
 
 def test_mlp_fused_gelu_is_megatrons_tanh_approximation():
@@ -66,21 +92,28 @@ def test_mlp_fused_gelu_is_megatrons_tanh_approximation():
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(activation_func=F.relu, gated_linear_unit=True),
-         "activation_func=torch.nn.functional.relu with gated_linear_unit=True has no fused "
-         "bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): set "
-         "bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to use "
-         "it under TSP"),
-        (dict(activation_func=F.silu, gated_linear_unit=False),
-         "activation_func=torch.nn.functional.silu with gated_linear_unit=False has no fused "
-         "bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): set "
-         "bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to use "
-         "it under TSP"),
-        (dict(activation_func="quick_gelu", gated_linear_unit=True),
-         "activation_func=megatron.core.fusions.fused_bias_geglu.quick_gelu with "
-         "gated_linear_unit=True has no fused bias-activation kernel in Megatron's MLP (it fuses "
-         "only GeLU, GeGLU and SwiGLU): set bias_activation_fusion=False (--no-bias-gelu-fusion "
-         "/ --no-bias-swiglu-fusion) to use it under TSP"),
+        (
+            dict(activation_func=F.relu, gated_linear_unit=True),
+            "activation_func=torch.nn.functional.relu with gated_linear_unit=True has no fused "
+            "bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): set "
+            "bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to use "
+            "it under TSP",
+        ),
+        (
+            dict(activation_func=F.silu, gated_linear_unit=False),
+            "activation_func=torch.nn.functional.silu with gated_linear_unit=False has no fused "
+            "bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): set "
+            "bias_activation_fusion=False (--no-bias-gelu-fusion / --no-bias-swiglu-fusion) to use "
+            "it under TSP",
+        ),
+        (
+            dict(activation_func="quick_gelu", gated_linear_unit=True),
+            "activation_func=megatron.core.fusions.fused_bias_geglu.quick_gelu with "
+            "gated_linear_unit=True has no fused bias-activation kernel in Megatron's MLP "
+            "(it fuses only GeLU, GeGLU and SwiGLU): set bias_activation_fusion=False "
+            "(--no-bias-gelu-fusion "
+            "/ --no-bias-swiglu-fusion) to use it under TSP",
+        ),
     ],
     ids=["reglu", "silu-ungated", "quick-geglu"],
 )
@@ -110,10 +143,23 @@ def test_mlp_refuses_activation_without_fused_kernel(fields, message):
         (8, 4, True, True, 16, 2, 64, "recompute"),  # attention forward recomputed in backward
     ],
 )
-def test_attention_matches_reference(pool4, seed, d, dtype, heads, groups, bias, rope, seq,
-                                     batch, hidden, backward):
-    pool4.run(checks_layers.check_attention, d, seed, dtype, heads, groups, bias, rope, seq,
-              batch, hidden, backward)
+def test_attention_matches_reference(
+    pool4, seed, d, dtype, heads, groups, bias, rope, seq, batch, hidden, backward
+):
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        dtype,
+        heads,
+        groups,
+        bias,
+        rope,
+        seq,
+        batch,
+        hidden,
+        backward,
+    )
 
 
 @pytest.mark.parametrize("backward", ["saved", "recompute"])

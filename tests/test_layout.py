@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from megatron_tsp.core import zigzag
-from megatron_tsp.core.layout import (CausalBlock, TSPLayout, check_sequence_length,
-                                      padded_length, whole_sequence_blocks)
+from megatron_tsp.core.layout import (
+    CausalBlock,
+    TSPLayout,
+    check_sequence_length,
+    padded_length,
+    whole_sequence_blocks,
+)
 
 SIZES = [1, 2, 3, 4, 8]
 CHUNK_LENS = [1, 2, 5]
@@ -66,8 +71,9 @@ def test_causal_blocks(d):
     chunk_len = 3
     s = 2 * d * chunk_len
     for r, (chunks, _) in enumerate(_definition(d, s)):
-        want = tuple(CausalBlock(i * chunk_len, chunk_len, (c + 1) * chunk_len)
-                     for i, c in enumerate(chunks))
+        want = tuple(
+            CausalBlock(i * chunk_len, chunk_len, (c + 1) * chunk_len) for i, c in enumerate(chunks)
+        )
         assert TSPLayout(d, s, r).causal_blocks == want
     assert whole_sequence_blocks(7) == (CausalBlock(0, 7, 7),)
 
@@ -81,7 +87,7 @@ def test_causal_blocks_mask_equals_full_causal_mask():
         got = torch.zeros(len(positions), s, dtype=torch.bool)
         for block in TSPLayout(d, s, r).causal_blocks:
             q, k = block.query_len, block.key_len
-            got[block.query_start:block.query_start + q, :k] = torch.ones(q, k).tril(k - q).bool()
+            got[block.query_start : block.query_start + q, :k] = torch.ones(q, k).tril(k - q).bool()
         assert torch.equal(got, full[positions]), f"rank {r}"
 
 
@@ -97,16 +103,25 @@ def test_padded_length():
     assert padded_length(6, 3) == 6 and padded_length(7, 3) == 12
 
 
-@pytest.mark.parametrize("args,message", [
-    ((4, 20), "sequence length 20 must be a positive multiple of 2 x tensor-sequence-parallel "
-              "size = 8 (zigzag partition into 8 chunks of equal length)"),
-    ((3, 0), "sequence length 0 must be a positive multiple of 2 x tensor-sequence-parallel "
-             "size = 6 (zigzag partition into 6 chunks of equal length)"),
-    ((0, 8), "tensor-sequence-parallel size must be a positive integer, got 0"),
-    ((2.0, 8), "tensor-sequence-parallel size must be a positive integer, got 2.0"),
-    ((2, 8, 2), "rank 2 is outside a tensor-sequence-parallel group of 2 ranks"),
-    ((2, 8, -1), "rank -1 is outside a tensor-sequence-parallel group of 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            (4, 20),
+            "sequence length 20 must be a positive multiple of 2 x tensor-sequence-parallel "
+            "size = 8 (zigzag partition into 8 chunks of equal length)",
+        ),
+        (
+            (3, 0),
+            "sequence length 0 must be a positive multiple of 2 x tensor-sequence-parallel "
+            "size = 6 (zigzag partition into 6 chunks of equal length)",
+        ),
+        ((0, 8), "tensor-sequence-parallel size must be a positive integer, got 0"),
+        ((2.0, 8), "tensor-sequence-parallel size must be a positive integer, got 2.0"),
+        ((2, 8, 2), "rank 2 is outside a tensor-sequence-parallel group of 2 ranks"),
+        ((2, 8, -1), "rank -1 is outside a tensor-sequence-parallel group of 2 ranks"),
+    ],
+)
 def test_bad_layouts_are_refused(args, message):
     with pytest.raises(ValueError) as info:
         TSPLayout(*args)
@@ -125,8 +140,10 @@ def test_rank_queries_need_a_rank():
 def test_sequence_length_check_names_the_flag():
     with pytest.raises(ValueError) as info:
         check_sequence_length(36, 4, flag="--seq-length")
-    assert str(info.value) == ("--seq-length=36 must be divisible by 2 x tensor-sequence-parallel "
-                               "size = 8 (zigzag partition into 2D chunks)")
+    assert str(info.value) == (
+        "--seq-length=36 must be divisible by 2 x tensor-sequence-parallel "
+        "size = 8 (zigzag partition into 2D chunks)"
+    )
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])
@@ -135,8 +152,10 @@ def test_batch_position_ids_are_the_layout_positions(d):
     batches Megatron builds (``arange``; ``--reset-position-ids`` is refused under TSP) they are
     the same numbers on every rank's contiguous shard."""
     s, b = 12 * d, 2
-    batch = {"tokens": torch.zeros(b, s, dtype=torch.long),
-             "position_ids": torch.arange(s).expand(b, s).contiguous()}
+    batch = {
+        "tokens": torch.zeros(b, s, dtype=torch.long),
+        "position_ids": torch.arange(s).expand(b, s).contiguous(),
+    }
     permuted = zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)["position_ids"]
     for r, (_, positions) in enumerate(_definition(d, s)):
         shard = permuted.chunk(d, dim=1)[r]  # what Megatron's sequence-parallel embedding keeps
@@ -163,32 +182,43 @@ def _code_lines(path: pathlib.Path):
 
 
 def _chunk_arithmetic(paths, root=PACKAGE.parent):
-    return [f"{path.relative_to(root)}:{number}: {name}: {code.strip()}"
-            for path in paths for number, code in _code_lines(path)
-            for name, pattern in CHUNK_ARITHMETIC.items() if pattern.search(code)]
+    return [
+        f"{path.relative_to(root)}:{number}: {name}: {code.strip()}"
+        for path in paths
+        for number, code in _code_lines(path)
+        for name, pattern in CHUNK_ARITHMETIC.items()
+        if pattern.search(code)
+    ]
 
 
 def test_scan_finds_chunk_arithmetic(tmp_path):
     """The patterns catch the forms the layout replaced (so the scan below can fail)."""
     sample = tmp_path / "sample.py"
-    sample.write_text("a = 2 * size - 1 - rank\n"
-                      "b = 2*cp_size - cp_rank - 1\n"
-                      "c = seq // (2 * d)\n"
-                      "d = (2 * size - 1 - r) * c  # code before a comment is scanned\n"
-                      "# 2 * size - 1 - r in a comment is not\n"
-                      "e = 2 * hidden - 4\n")
+    sample.write_text(
+        "a = 2 * size - 1 - rank\n"
+        "b = 2*cp_size - cp_rank - 1\n"
+        "c = seq // (2 * d)\n"
+        "d = (2 * size - 1 - r) * c  # code before a comment is scanned\n"
+        "# 2 * size - 1 - r in a comment is not\n"
+        "e = 2 * hidden - 4\n"
+    )
     found = _chunk_arithmetic([sample], root=tmp_path)
     assert [line.split(": ")[0:2] for line in found] == [
-        ["sample.py:1", "mirror chunk id 2D-1-r"], ["sample.py:2", "mirror chunk id 2D-r-1"],
-        ["sample.py:3", "chunk length S // (2D)"], ["sample.py:4", "mirror chunk id 2D-1-r"]]
+        ["sample.py:1", "mirror chunk id 2D-1-r"],
+        ["sample.py:2", "mirror chunk id 2D-r-1"],
+        ["sample.py:3", "chunk length S // (2D)"],
+        ["sample.py:4", "mirror chunk id 2D-1-r"],
+    ]
 
 
 def test_no_chunk_arithmetic_outside_the_layout():
     paths = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "core" / "layout.py")
     assert len(paths) > 20
     offenders = _chunk_arithmetic(paths)
-    assert not offenders, ("chunk ids / positions computed outside megatron_tsp/core/layout.py "
-                           "(use TSPLayout):\n" + "\n".join(offenders))
+    assert not offenders, (
+        "chunk ids / positions computed outside megatron_tsp/core/layout.py "
+        "(use TSPLayout):\n" + "\n".join(offenders)
+    )
 
 
 def test_layout_imports_nothing_from_the_package():

@@ -63,8 +63,9 @@ def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
     parameters) gradient error within ``GRAD_MEDIAN_TOLERANCE``. Weight gradients: the mean over
     the linear layers' weight matrices of TSP's error / TP+SP's within ``WEIGHT_GRAD_TOLERANCE``
     (each is one fp32 GEMM rounded once in TP+SP; TSP sums D per-rank partials in fp32)."""
-    runs = [pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style)[0]
-            for i in range(SEEDS)]
+    runs = [
+        pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style)[0] for i in range(SEEDS)
+    ]
     _report_and_check_gpt(runs, seed, style)
 
 
@@ -72,8 +73,16 @@ def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
 def test_gpt_bf16_check_catches_planted_bf16_accumulation(pool4, seed, plant):
     """The whole-model criteria can fail: with TSP's MLP or attention partial sums accumulated in
     bf16 (the regression issue 12 section 3 fixed), the llama-style check must fail."""
-    runs = [pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, "llama",
-                      plant_bf16_accumulation=plant)[0] for i in range(SEEDS)]
+    runs = [
+        pool4.run(
+            checks_precision.bf16_errors_vs_fp64,
+            D,
+            seed + i,
+            "llama",
+            plant_bf16_accumulation=plant,
+        )[0]
+        for i in range(SEEDS)
+    ]
     family = {"mlp": "mlp.linear_", "attention": "self_attention.linear_"}[plant]
     with pytest.raises(AssertionError, match=f"{family} weight gradients"):
         _report_and_check_gpt(runs, seed, f"llama, bf16 accumulation planted in TSP's {plant}")
@@ -90,16 +99,20 @@ def _mean_of(runs, kind, *keys):
 
 
 def _report_and_check_gpt(runs, seed, style):
-    print(f"\n{style} bf16 D={D}, error vs fp64, mean of {len(runs)} seeds from {seed} "
-          "(TP+SP | TSP)")
+    print(
+        f"\n{style} bf16 D={D}, error vs fp64, mean of {len(runs)} seeds from {seed} (TP+SP | TSP)"
+    )
     failures = []
     for name in runs[0]["tsp"]["activations"]:
         a, b = (_mean_of(runs, k, "activations", name) for k in ("tp_sp", "tsp"))
         print(f"  hidden:{name:19s} {a:.3e} | {b:.3e}")
         if b > a:
             failures.append(f"hidden state {name}: TSP {b:.3e} > TP+SP {a:.3e}")
-    for metric, tolerance in (("loss", None), ("token_losses", TOKEN_LOSS_TOLERANCE),
-                              ("grad_median", GRAD_MEDIAN_TOLERANCE)):
+    for metric, tolerance in (
+        ("loss", None),
+        ("token_losses", TOKEN_LOSS_TOLERANCE),
+        ("grad_median", GRAD_MEDIAN_TOLERANCE),
+    ):
         a, b = (_mean_of(runs, k, metric) for k in ("tp_sp", "tsp"))
         note = "(printed only)" if tolerance is None else f"(TSP <= {tolerance} x TP+SP)"
         print(f"  {metric:26s} {a:.3e} | {b:.3e}  {note}")
@@ -114,9 +127,13 @@ def _report_and_check_gpt(runs, seed, style):
                 ratios.append(b / a)
     for family, ratios in weight_ratios.items():
         ratio, tolerance = statistics.mean(ratios), WEIGHT_GRAD_TOLERANCE[family]
-        print(f"  {family.strip('.')} weight gradients: mean TSP/TP+SP error ratio {ratio:.3f} "
-              f"(<= {tolerance})")
+        print(
+            f"  {family.strip('.')} weight gradients: mean TSP/TP+SP error ratio {ratio:.3f} "
+            f"(<= {tolerance})"
+        )
         if ratio > tolerance:
-            failures.append(f"{family.strip('.')} weight gradients: mean TSP/TP+SP error ratio "
-                            f"{ratio:.3f} > {tolerance}")
+            failures.append(
+                f"{family.strip('.')} weight gradients: mean TSP/TP+SP error ratio "
+                f"{ratio:.3f} > {tolerance}"
+            )
     assert not failures, f"seed={seed} style={style}: " + "; ".join(failures)

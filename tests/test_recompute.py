@@ -15,8 +15,11 @@ def test_attention_recompute_equals_saved_bitwise(pool4, seed, dtype):
     results = pool4.run(checks_recompute.recompute_equals_saved, 4, seed, dtype)
     for r in results:
         assert r["bitwise_equal"], (seed, r)
-        assert r["selected"] == {"default": "saved", "selective_core_attn": "recompute",
-                                 "selective_mlp_only": "saved"}
+        assert r["selected"] == {
+            "default": "saved",
+            "selective_core_attn": "recompute",
+            "selective_mlp_only": "saved",
+        }
         assert r["kernel"] == "cpu_flash"
 
 

@@ -64,37 +64,54 @@ def test_messages_name_flag_value_and_size():
     row = R.row_for("num_experts")
     assert row is R.row_for("num_moe_experts")
     assert row.message(8, 4) == (
-        f"--num-experts=8 cannot be combined with --tensor-sequence-parallel-size=4: {row.reason}")
-    assert R.row_for("qk_layernorm").message(True, 2).startswith(
-        "--qk-layernorm cannot be combined with --tensor-sequence-parallel-size=2: ")
-    assert R.row_for("fp8").message("hybrid", 8, config_value=True).startswith(
-        "--fp8-format=hybrid (TransformerConfig.fp8='hybrid') cannot be combined with "
-        "--tensor-sequence-parallel-size=8")
+        f"--num-experts=8 cannot be combined with --tensor-sequence-parallel-size=4: {row.reason}"
+    )
+    assert (
+        R.row_for("qk_layernorm")
+        .message(True, 2)
+        .startswith("--qk-layernorm cannot be combined with --tensor-sequence-parallel-size=2: ")
+    )
+    assert (
+        R.row_for("fp8")
+        .message("hybrid", 8, config_value=True)
+        .startswith(
+            "--fp8-format=hybrid (TransformerConfig.fp8='hybrid') cannot be combined with "
+            "--tensor-sequence-parallel-size=8"
+        )
+    )
 
 
 D = 4
 # What a TP / TSP group of D=4 can shard: the neighbouring valid values of the shape rows.
-VALID_SHAPE = dict(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
-                   padded_vocab_size=1024)
+VALID_SHAPE = dict(
+    num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64, padded_vocab_size=1024
+)
 MODES = (R.TSP, R.TSP_MLP)
 
 
 def _config(**fields):
     base = {r.config_field: None for r in R.TABLE if r.config_field}
-    base.update(tensor_model_parallel_size=D, context_parallel_size=1,
-                expert_model_parallel_size=1, softmax_type="vanilla", cuda_graph_impl="none",
-                **{k: v for k, v in VALID_SHAPE.items() if k in base})
+    base.update(
+        tensor_model_parallel_size=D,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        softmax_type="vanilla",
+        cuda_graph_impl="none",
+        **{k: v for k, v in VALID_SHAPE.items() if k in base},
+    )
     base.update(fields)
     return types.SimpleNamespace(**base)
 
 
 def _refused_value(row):
     """The value of the row's ``example`` as argparse would store it (a switch: True)."""
+
     def number(text):
         try:
             return int(text)
         except ValueError:
             return text
+
     if not row.example:
         return True
     if len(row.example) > 1:
@@ -103,8 +120,9 @@ def _refused_value(row):
 
 
 def _mode_named(message, mode):
-    return (f"{R.SIZE_FLAGS[mode]}={D}" in message if mode == R.TSP or "divisible" in message
-            else True) and R.MODE_FLAGS[mode] in message
+    return (
+        f"{R.SIZE_FLAGS[mode]}={D}" in message if mode == R.TSP or "divisible" in message else True
+    ) and R.MODE_FLAGS[mode] in message
 
 
 def _mode_rows(predicate):
@@ -130,12 +148,21 @@ def _args(mode, **fields):
     """Megatron-LM's parsed arguments as far as the table reads them: its defaults, plus the mode's
     own flags (``--tensor-sequence-parallel-size 4``, or TP=4 + SP + ``--tsp-mlp``)."""
     base = {r.dest: None for r in R.TABLE}
-    base.update(tensor_model_parallel_size=1, context_parallel_size=1,
-                expert_model_parallel_size=1, softmax_type="vanilla", cuda_graph_impl="none",
-                attention_backend="auto", transformer_impl="transformer_engine",
-                position_embedding_type="learned_absolute", tensor_sequence_parallel_size=None,
-                tsp_mlp=False, sequence_parallel=False, spec=None,
-                create_attention_mask_in_dataloader=True)
+    base.update(
+        tensor_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        softmax_type="vanilla",
+        cuda_graph_impl="none",
+        attention_backend="auto",
+        transformer_impl="transformer_engine",
+        position_embedding_type="learned_absolute",
+        tensor_sequence_parallel_size=None,
+        tsp_mlp=False,
+        sequence_parallel=False,
+        spec=None,
+        create_attention_mask_in_dataloader=True,
+    )
     if mode == R.TSP:
         base.update(tensor_sequence_parallel_size=D)
     else:
@@ -158,8 +185,9 @@ def test_each_command_line_row_is_refused_by_the_launcher(mode, row):
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(refused)
     assert str(err.value) == row.message(value, D if mode == R.TSP else None, mode)
-    assert str(err.value).startswith(row.shown(value) + " cannot be combined with "
-                                     + R.MODE_FLAGS[mode])
+    assert str(err.value).startswith(
+        row.shown(value) + " cannot be combined with " + R.MODE_FLAGS[mode]
+    )
     assert refused.spec is None
 
 
@@ -172,8 +200,7 @@ def test_each_shape_row_is_refused_after_validation(mode, row):
     value = _refused_value(row)
     assert value % D != 0
     if mode == R.TSP:
-        shape = dict(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
-                     vocab_size=1024)
+        shape = dict(num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64, vocab_size=1024)
         validation.check_model_shape(D, **shape)
         key = "vocab_size" if row.dest == "padded_vocab_size" else row.dest
         if key == "num_query_groups":
@@ -181,8 +208,13 @@ def test_each_shape_row_is_refused_after_validation(mode, row):
         with pytest.raises(ValueError) as err:
             validation.check_model_shape(D, **dict(shape, **{key: value}))
     else:
-        args = _args(mode, num_attention_heads=8, num_query_groups=4, group_query_attention=True,
-                     ffn_hidden_size=64)
+        args = _args(
+            mode,
+            num_attention_heads=8,
+            num_query_groups=4,
+            group_query_attention=True,
+            ffn_hidden_size=64,
+        )
         A.check_validated_args(args)
         if row.dest == "num_query_groups":
             args.num_attention_heads = D * value
@@ -190,12 +222,14 @@ def test_each_shape_row_is_refused_after_validation(mode, row):
         with pytest.raises(A.TSPArgumentError) as err:
             A.check_validated_args(args)
     assert str(err.value) == row.message(value, D, mode)
-    assert str(err.value).startswith(f"{row.name}={value} is not divisible by "
-                                     f"{R.SIZE_FLAGS[mode]}={D}")
+    assert str(err.value).startswith(
+        f"{row.name}={value} is not divisible by {R.SIZE_FLAGS[mode]}={D}"
+    )
 
 
-@pytest.mark.parametrize("scheme,mode", [("tsp", R.TSP), ("hybrid", R.TSP_MLP), ("tp", R.TP),
-                                         ("tpsp", R.TP)])
+@pytest.mark.parametrize(
+    "scheme,mode", [("tsp", R.TSP), ("hybrid", R.TSP_MLP), ("tp", R.TP), ("tpsp", R.TP)]
+)
 def test_estimator_run_config_uses_the_shape_rows(scheme, mode):
     from megatron_tsp.core.model_shape import ModelShape
     from megatron_tsp.tools.estimator.fake_run import RunConfig
@@ -211,7 +245,8 @@ def test_estimator_run_config_uses_the_shape_rows(scheme, mode):
 def test_layer_filter_and_check_config_lists_all():
     cfg = _config(qk_layernorm=True, num_moe_experts=8, fp8="hybrid")
     assert [p.split()[0] for p in R.refusals_for_config(cfg, layer="attention")] == [
-        "--qk-layernorm"]
+        "--qk-layernorm"
+    ]
     assert [p.split()[0] for p in R.refusals_for_config(cfg, layer="mlp")] == ["--num-experts=8"]
     with pytest.raises(R.TSPRejection) as err:
         R.check_config(cfg)
@@ -221,9 +256,15 @@ def test_layer_filter_and_check_config_lists_all():
 def test_transformer_config_check_uses_the_table():
     from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                            tensor_model_parallel_size=2, sequence_parallel=True,
-                            qk_layernorm=True, softmax_type="off-by-one")
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        qk_layernorm=True,
+        softmax_type="off-by-one",
+    )
     with pytest.raises(ValueError) as err:
         validation.check_transformer_config(cfg)
     text = str(err.value)
@@ -249,7 +290,8 @@ def test_docs_show_the_current_table(mode):
     text = open(os.path.join(REPO, "docs", "megatron-lm.md")).read()
     assert R.doc_block(mode) in text, (
         "docs/megatron-lm.md is out of date: replace the block between the rejections-table "
-        f"markers with megatron_tsp.core.rejections.doc_block({mode!r})")
+        f"markers with megatron_tsp.core.rejections.doc_block({mode!r})"
+    )
     for r in R.rows(mode):
         assert f"`{r.name}`" in R.markdown_table(mode)
 
@@ -258,8 +300,11 @@ def test_docs_show_the_current_table(mode):
 # second copy of a rule (the scan below fails on it). Arguments passed through by name are fine.
 _OWNED = r"(qk_layernorm|qk_l2_norm|num_moe_experts|num_experts|ffn\w*)"
 _SECOND_COPIES = [
-    re.compile(r"\b(if|elif|and|or|not|lambda)\b[^#\n]*"
-               r"\b(qk_layernorm|num_moe_experts|num_experts)\b"),
+    # a condition on the setting (within one clause: ``a or b, num_experts=...`` passes it on)
+    re.compile(
+        r"\b(if|elif|and|or|not|lambda)\b[^#\n,]*"
+        r"\b(qk_layernorm|num_moe_experts|num_experts)\b"
+    ),
     re.compile(r"getattr\([^)#\n]*['\"](qk_layernorm|num_moe_experts|num_experts)['\"]"),
     re.compile(r"\(\s*['\"]" + _OWNED + r"['\"]\s*,\s*(_\w+|lambda)"),  # (dest, test, why) rows
     re.compile(r"\b" + _OWNED + r"[\w.\]\)]*\s*%\s*\w"),  # ffn % d
@@ -270,8 +315,11 @@ _SECOND_COPIES = [
 
 
 def _second_copies(text):
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)
-            if any(p.search(line) for p in _SECOND_COPIES)]
+    return [
+        (n, line.strip())
+        for n, line in enumerate(text.splitlines(), 1)
+        if any(p.search(line) for p in _SECOND_COPIES)
+    ]
 
 
 def test_scan_finds_second_copies():
@@ -288,10 +336,12 @@ def test_scan_finds_second_copies():
     ]
     for line in copies:
         assert _second_copies(line), line
-    fine = ['    rejections.check_values({"qk_layernorm": qk_layernorm}, d=None)',
-            "                       qk_layernorm=config.qk_layernorm,",
-            '    p.add_argument("--ffn-hidden-size", type=int)',
-            "    return self.ffn or 4 * self.hidden"]
+    fine = [
+        '    rejections.check_values({"qk_layernorm": qk_layernorm}, d=None)',
+        "                       qk_layernorm=config.qk_layernorm,",
+        '    p.add_argument("--ffn-hidden-size", type=int)',
+        "    return self.ffn or 4 * self.hidden",
+    ]
     for line in fine:
         assert not _second_copies(line), line
 
@@ -307,4 +357,5 @@ def test_rules_live_only_in_the_table():
                 with open(path) as f:
                     found += [(os.path.relpath(path, REPO), *c) for c in _second_copies(f.read())]
     assert not found, "rules written outside megatron_tsp/core/rejections.py:\n" + "\n".join(
-        f"{p}:{n}: {line}" for p, n, line in found)
+        f"{p}:{n}: {line}" for p, n, line in found
+    )

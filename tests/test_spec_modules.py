@@ -15,8 +15,11 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_tsp.core.layers.mlp import TSPMLP
-from megatron_tsp.core.layers.norm import (SequenceParallelLayerNorm, SequenceParallelNorm,
-                                           SequenceParallelRMSNorm)
+from megatron_tsp.core.layers.norm import (
+    SequenceParallelLayerNorm,
+    SequenceParallelNorm,
+    SequenceParallelRMSNorm,
+)
 from megatron_tsp.core.specs import TSPMLPSpec, _drop_tsp_mlp_notice, get_gpt_layer_tsp_spec
 from tests.common import make_config
 
@@ -38,18 +41,24 @@ def _reference_norm(x, weight, bias, normalization):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
 
 
-@pytest.mark.parametrize("normalization,subclass,torch_norm", [
-    ("LayerNorm", SequenceParallelLayerNorm, torch.nn.LayerNorm),
-    ("RMSNorm", SequenceParallelRMSNorm, torch.nn.RMSNorm)])
+@pytest.mark.parametrize(
+    "normalization,subclass,torch_norm",
+    [
+        ("LayerNorm", SequenceParallelLayerNorm, torch.nn.LayerNorm),
+        ("RMSNorm", SequenceParallelRMSNorm, torch.nn.RMSNorm),
+    ],
+)
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_norm_is_the_torch_norm_with_tagged_parameters(normalization, subclass, torch_norm,
-                                                       sequence_parallel, seed):
+def test_norm_is_the_torch_norm_with_tagged_parameters(
+    normalization, subclass, torch_norm, sequence_parallel, seed
+):
     config = _config(normalization, sequence_parallel)
     norm = build_module(SequenceParallelNorm, config=config, hidden_size=HIDDEN, eps=EPS)
     assert type(norm) is subclass
     assert isinstance(norm, SequenceParallelNorm) and isinstance(norm, torch_norm)
-    assert [name for name, _ in norm.named_parameters()] == \
-        (["weight", "bias"] if normalization == "LayerNorm" else ["weight"])
+    assert [name for name, _ in norm.named_parameters()] == (
+        ["weight", "bias"] if normalization == "LayerNorm" else ["weight"]
+    )
     assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())
     assert all(p.dtype == torch.float64 for p in norm.parameters())
 
@@ -72,9 +81,13 @@ def test_norm_explicit_normalization_wins_over_config():
     assert type(norm) is SequenceParallelRMSNorm
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(normalization="Foo"), "--normalization='Foo'"),
-    (dict(zero_centered_gamma=True), "--apply-layernorm-1p")])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(normalization="Foo"), "--normalization='Foo'"),
+        (dict(zero_centered_gamma=True), "--apply-layernorm-1p"),
+    ],
+)
 def test_norm_refuses_by_flag(kw, message):
     with pytest.raises(ValueError, match=message):
         SequenceParallelNorm(_config("LayerNorm"), HIDDEN, **kw)
@@ -87,9 +100,15 @@ def test_norm_subclass_refuses_the_other_normalization():
 
 def _notice(spec) -> logging.LogRecord:
     # megatron-core 0.16's TransformerLayer formats the notice from the type of the MLP spec.
-    return logging.LogRecord("megatron.core.transformer.transformer_layer", logging.WARNING,
-                             __file__, 0, f"Unknown MLP type: {type(spec)}. Using default kwargs.",
-                             None, None)
+    return logging.LogRecord(
+        "megatron.core.transformer.transformer_layer",
+        logging.WARNING,
+        __file__,
+        0,
+        f"Unknown MLP type: {type(spec)}. Using default kwargs.",
+        None,
+        None,
+    )
 
 
 def test_tsp_mlp_notice_is_dropped_and_only_that_one():

@@ -16,8 +16,9 @@ def _batch(seed, batch=2, seq=48, vocab=97):
         "labels": torch.randint(0, vocab, (batch, seq), generator=g),
         "loss_mask": (torch.rand(batch, seq, generator=g) > 0.3).float(),
         "position_ids": pos,
-        "attention_mask": torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).expand(
-            batch, 1, seq, seq).contiguous(),
+        "attention_mask": torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+        .expand(batch, 1, seq, seq)
+        .contiguous(),
         "cu_seqlens": None,
     }
 

@@ -78,12 +78,15 @@ def _has_tsp_layers(model) -> bool:
 def guard_model_forward(original):
     @functools.wraps(original)
     def forward(self, input_ids=None, *args, **kwargs):
-        if not (_ENFORCED and getattr(self, "pre_process", False) and torch.is_tensor(input_ids)
-                and _has_tsp_layers(self)):
+        if not (
+            _ENFORCED
+            and getattr(self, "pre_process", False)
+            and torch.is_tensor(input_ids)
+            and _has_tsp_layers(self)
+        ):
             return original(self, input_ids, *args, **kwargs)
         previous = _current()
-        _state.forward = {"zigzagged": zigzag_mark(input_ids) is not None,
-                          "shape": input_ids.shape}
+        _state.forward = {"zigzagged": zigzag_mark(input_ids) is not None, "shape": input_ids.shape}
         try:
             return original(self, input_ids, *args, **kwargs)
         finally:

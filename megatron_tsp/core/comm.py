@@ -27,12 +27,19 @@ import torch.distributed as dist
 class FlatShard:
     """Views of several tensors laid out back to back in one contiguous buffer."""
 
-    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device,
-                 buffer: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        dtype: torch.dtype,
+        device: torch.device,
+        buffer: Optional[torch.Tensor] = None,
+    ):
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [s.numel() for s in self.shapes]
         total = sum(self.numels)
-        self.buffer = buffer if buffer is not None else torch.empty(total, dtype=dtype, device=device)
+        self.buffer = (
+            buffer if buffer is not None else torch.empty(total, dtype=dtype, device=device)
+        )
 
     @classmethod
     def like(cls, other: "FlatShard") -> "FlatShard":
@@ -47,8 +54,7 @@ class FlatShard:
 
     def views(self) -> List[torch.Tensor]:
         return [
-            chunk.view(shape)
-            for chunk, shape in zip(self.buffer.split(self.numels), self.shapes)
+            chunk.view(shape) for chunk, shape in zip(self.buffer.split(self.numels), self.shapes)
         ]
 
     def zero_(self) -> "FlatShard":
@@ -177,16 +183,19 @@ class Workspace:
     def __init__(self):
         self._buffers: Dict[tuple, tuple] = {}
 
-    def get(self, purpose: str, slot: int, shape, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+    def get(
+        self, purpose: str, slot: int, shape, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         from torch._guards import active_fake_mode
 
         mode = active_fake_mode()
         key = (purpose, slot, tuple(shape), dtype, torch.device(device), id(mode))
         entry = self._buffers.get(key)
         if entry is None or entry[0] is not mode:  # the mode is held, so its id is not reused
-            entry = self._buffers[key] = (mode, torch.empty(tuple(shape), dtype=dtype,
-                                                            device=device))
+            entry = self._buffers[key] = (
+                mode,
+                torch.empty(tuple(shape), dtype=dtype, device=device),
+            )
         return entry[1]
 
     def clear(self) -> None:
@@ -202,16 +211,18 @@ WORKSPACE = Workspace()
 def broadcast_from(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
     """Broadcast ``buffer`` from group rank ``owner`` to every member of the group (a ``Pending``
     when ``async_op``)."""
-    work = dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group,
-                          async_op=async_op)
+    work = dist.broadcast(
+        buffer, src=dist.get_global_rank(group, owner), group=group, async_op=async_op
+    )
     return Pending("broadcast", [work]) if async_op else work
 
 
 def reduce_to(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
     """SUM-reduce ``buffer`` over the group onto group rank ``owner`` (a ``Pending`` when
     ``async_op``)."""
-    work = dist.reduce(buffer, dst=dist.get_global_rank(group, owner), group=group,
-                       async_op=async_op)
+    work = dist.reduce(
+        buffer, dst=dist.get_global_rank(group, owner), group=group, async_op=async_op
+    )
     return Pending("reduce", [work]) if async_op else work
 
 
@@ -223,8 +234,7 @@ def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, async_op
     return gather(output, local, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, full: torch.Tensor, group,
-                          async_op: bool = False):
+def reduce_scatter_single(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
     """SUM ``torch.distributed.reduce_scatter_single`` (torch >= 2.13), or its deprecated old
     name ``reduce_scatter_tensor`` on older torch (see ``all_gather_single``)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -237,37 +247,49 @@ def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return local
     local = local.contiguous()
-    out = torch.empty((size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
-                      device=local.device)
+    out = torch.empty(
+        (size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device
+    )
     all_gather_single(out, local, group)
     return out
 
 
-def post_all_gather(local: torch.Tensor, group, slot: int = 0, purpose: str = "all_gather",
-                    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Pending:
+def post_all_gather(
+    local: torch.Tensor,
+    group,
+    slot: int = 0,
+    purpose: str = "all_gather",
+    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Pending:
     """Asynchronous all-gather along dim 0 into a ``WORKSPACE`` buffer ``[D * s, ...]``;
     ``wait()`` returns ``finish(gathered)`` (or the buffer)."""
     size = dist.get_world_size(group)
     if size == 1:
         return done(finish(local) if finish is not None else local)
     local = local.contiguous()
-    out = WORKSPACE.get(purpose, slot, (size * local.shape[0],) + tuple(local.shape[1:]),
-                        local.dtype, local.device)
+    out = WORKSPACE.get(
+        purpose, slot, (size * local.shape[0],) + tuple(local.shape[1:]), local.dtype, local.device
+    )
     work = all_gather_single(out, local, group, async_op=True)
-    return Pending("all_gather_into_tensor", [work],
-                   (lambda: finish(out)) if finish is not None else (lambda: out))
+    return Pending(
+        "all_gather_into_tensor",
+        [work],
+        (lambda: finish(out)) if finish is not None else (lambda: out),
+    )
 
 
-def post_reduce_scatter(full: torch.Tensor, group, slot: int = 0,
-                        purpose: str = "reduce_scatter") -> Pending:
+def post_reduce_scatter(
+    full: torch.Tensor, group, slot: int = 0, purpose: str = "reduce_scatter"
+) -> Pending:
     """Asynchronous SUM reduce-scatter of ``[D * s, ...]`` into a ``WORKSPACE`` buffer; ``wait()``
     returns this rank's block ``[s, ...]``. ``full`` must stay untouched until then."""
     size = dist.get_world_size(group)
     if size == 1:
         return done(full)
     full = full.contiguous()
-    out = WORKSPACE.get(purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]),
-                        full.dtype, full.device)
+    out = WORKSPACE.get(
+        purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]), full.dtype, full.device
+    )
     work = reduce_scatter_single(out, full, group, async_op=True)
     return Pending("reduce_scatter_tensor", [work], lambda: out)
 
@@ -278,7 +300,8 @@ def reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return full
     full = full.contiguous()
-    out = torch.empty((full.shape[0] // size,) + tuple(full.shape[1:]), dtype=full.dtype,
-                      device=full.device)
+    out = torch.empty(
+        (full.shape[0] // size,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device
+    )
     reduce_scatter_single(out, full, group)
     return out

@@ -81,10 +81,12 @@ class TSPLayout:
             raise ValueError(
                 f"sequence length {s!r} must be a positive multiple of 2 x "
                 f"tensor-sequence-parallel size = {2 * d} (zigzag partition into {2 * d} chunks "
-                "of equal length)")
+                "of equal length)"
+            )
         if self.rank is not None and (not _is_int(self.rank) or not 0 <= self.rank < d):
-            raise ValueError(f"rank {self.rank!r} is outside a tensor-sequence-parallel group of "
-                             f"{d} ranks")
+            raise ValueError(
+                f"rank {self.rank!r} is outside a tensor-sequence-parallel group of {d} ranks"
+            )
 
     @classmethod
     def of_group(cls, group, seq_length: int) -> "TSPLayout":
@@ -149,8 +151,10 @@ class TSPLayout:
     # ---- this rank -----------------------------------------------------------------------------
     def _own_rank(self) -> int:
         if self.rank is None:
-            raise ValueError(f"TSPLayout(group_size={self.group_size}, seq_length="
-                             f"{self.seq_length}) has no rank: build it with rank=r")
+            raise ValueError(
+                f"TSPLayout(group_size={self.group_size}, seq_length="
+                f"{self.seq_length}) has no rank: build it with rank=r"
+            )
         return self.rank
 
     @property
@@ -165,8 +169,10 @@ class TSPLayout:
     def causal_blocks(self) -> Tuple[CausalBlock, ...]:
         """The kernel calls of this rank's causal attention against natural-order keys: local
         chunk i (id c) is query rows [iC, (i+1)C) and sees keys [0, (c+1)C)."""
-        return tuple(CausalBlock(i * self.chunk_len, self.chunk_len, self.chunk_span(c)[1])
-                     for i, c in enumerate(self.chunk_ids))
+        return tuple(
+            CausalBlock(i * self.chunk_len, self.chunk_len, self.chunk_span(c)[1])
+            for i, c in enumerate(self.chunk_ids)
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,8 +193,9 @@ def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
 _DEVICE_TABLES: Dict[tuple, torch.Tensor] = {}
 
 
-def _table(kind: str, group_size: int, seq_length: int,
-           device: Optional[torch.device]) -> torch.Tensor:
+def _table(
+    kind: str, group_size: int, seq_length: int, device: Optional[torch.device]
+) -> torch.Tensor:
     """The (inverse) permutation, built once per shape and copied once per device (no
     host-to-device copy per call on GPUs)."""
     host = (_host_permutation if kind == "permutation" else _host_inverse)(group_size, seq_length)

@@ -7,8 +7,13 @@ from typing import Optional
 from megatron_tsp.core.validation import check_transformer_config
 
 
-def build_tsp_gpt_model(config, vocab_size: int, max_sequence_length: int,
-                        seq_length: Optional[int] = None, **gpt_kwargs):
+def build_tsp_gpt_model(
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    seq_length: Optional[int] = None,
+    **gpt_kwargs,
+):
     """``GPTModel`` with the TSP block spec, after checking every TSP constraint.
 
     ``config`` is a ``TransformerConfig`` with ``tensor_model_parallel_size = D`` (the TSP group
@@ -20,7 +25,13 @@ def build_tsp_gpt_model(config, vocab_size: int, max_sequence_length: int,
 
     from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
-    check_transformer_config(config, vocab_size=vocab_size,
-                             seq_length=seq_length or max_sequence_length)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_block_tsp_spec(config),
-                    vocab_size=vocab_size, max_sequence_length=max_sequence_length, **gpt_kwargs)
+    check_transformer_config(
+        config, vocab_size=vocab_size, seq_length=seq_length or max_sequence_length
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_block_tsp_spec(config),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        **gpt_kwargs,
+    )

@@ -42,8 +42,9 @@ class ModelShape:
     # text, not architecture: left out of comparisons and hashes
     description: str = dataclasses.field(default="", compare=False)
     assumptions: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
-    published: Optional[Mapping[str, Any]] = dataclasses.field(default=None, compare=False,
-                                                              hash=False)
+    published: Optional[Mapping[str, Any]] = dataclasses.field(
+        default=None, compare=False, hash=False
+    )
 
     def __post_init__(self):
         if self.hidden % self.heads:
@@ -51,8 +52,9 @@ class ModelShape:
         if self.heads % self.groups:
             raise ValueError(f"heads {self.heads} not divisible by query groups {self.groups}")
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalization {self.normalization!r}; "
-                             f"one of {NORMALIZATIONS}")
+            raise ValueError(
+                f"unknown normalization {self.normalization!r}; one of {NORMALIZATIONS}"
+            )
         object.__setattr__(self, "assumptions", tuple(self.assumptions))
 
     # dimensions -----------------------------------------------------------------------------
@@ -185,8 +187,9 @@ def model_path(name_or_path: str) -> Path:
     shipped = MODELS_DIR / f"{name_or_path.lower()}.json"
     if shipped.is_file():
         return shipped
-    raise ValueError(f"unknown model {name_or_path!r}: give one of {available_models()} or a "
-                     f".json path")
+    raise ValueError(
+        f"unknown model {name_or_path!r}: give one of {available_models()} or a .json path"
+    )
 
 
 def load_model(model: Union[str, ModelShape], **changes: Any) -> ModelShape:

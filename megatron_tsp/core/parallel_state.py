@@ -149,7 +149,7 @@ def get_tensor_sequence_parallel_src_rank() -> int:
 
 
 def resolve_group(pg_collection=None, tp_group=None):
-    """The TSP group for a layer: explicit ``tp_group``, a ``pg_collection.tp``, or the global one."""
+    """The TSP group for a layer: explicit ``tp_group``, ``pg_collection.tp``, or the global one."""
     if tp_group is not None:
         return tp_group
     if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
@@ -161,5 +161,3 @@ def resolve_group(pg_collection=None, tp_group=None):
             "megatron_tsp.initialize_model_parallel(tensor_sequence_parallel_size=D)"
         )
     return group
-
-

@@ -4,8 +4,8 @@ A row names the flag as typed on Megatron-LM's command line, the argparse ``dest
 ``TransformerConfig`` field that carries the same setting into megatron-core (when there is one),
 the condition under which TSP refuses it, and why. The table is read by:
 
-* the launcher, before Megatron's ``validate_args`` (``megatron_lm.arguments.unsupported_combinations``
-  -> ``refusals_for_args``);
+* the launcher, before Megatron's ``validate_args``
+  (``megatron_lm.arguments.unsupported_combinations`` -> ``refusals_for_args``);
 * ``validation.check_parallel_layout`` / ``check_transformer_config`` and the spec getters in
   ``specs.py`` (-> ``refusals_for_config`` / ``refusals_for_values``), for megatron-core users who
   build TSP models without Megatron-LM's argument code;
@@ -106,17 +106,18 @@ def one_of(*values: str) -> Condition:
 
 def other_than(*values: str) -> Condition:
     shown = " or ".join(f"`{v}`" for v in values)
-    return Condition(f"other than {shown}",
-                     lambda v, d: v is not None and value_name(v) not in values, values)
+    return Condition(
+        f"other than {shown}", lambda v, d: v is not None and value_name(v) not in values, values
+    )
 
 
 # ``--tensor-model-parallel-size`` may stay at its default 1 or repeat D (it *is* the TSP axis).
 ONE_OR_D = Condition("other than 1 or D", lambda v, d: v not in (None, 1, d))
 
 # A dimension every rank holds 1/D of (heads, query groups, FFN, vocabulary).
-NOT_DIVISIBLE_BY_D = Condition("not divisible by D",
-                               lambda v, d: v is not None and d is not None and v % d != 0,
-                               kind="divide")
+NOT_DIVISIBLE_BY_D = Condition(
+    "not divisible by D", lambda v, d: v is not None and d is not None and v % d != 0, kind="divide"
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,12 +126,12 @@ NOT_DIVISIBLE_BY_D = Condition("not divisible by D",
 
 @dataclasses.dataclass(frozen=True)
 class Rejection:
-    flag: str                       # on Megatron-LM's command line
-    dest: str                       # argparse dest (attribute of Megatron's args)
+    flag: str  # on Megatron-LM's command line
+    dest: str  # argparse dest (attribute of Megatron's args)
     condition: Condition
     reason: str
-    config_field: Optional[str] = None   # megatron-core TransformerConfig field, same setting
-    layer: Optional[str] = None          # "attention" | "mlp": that TSP layer checks it too
+    config_field: Optional[str] = None  # megatron-core TransformerConfig field, same setting
+    layer: Optional[str] = None  # "attention" | "mlp": that TSP layer checks it too
     modes: Tuple[str, ...] = (TSP,)
     versions: Tuple[str, ...] = MEGATRON_LM_VERSIONS  # Megatron-LM trees defining the flag
     # A refused command-line value after the flag (tests parse ``flag *example`` with Megatron-LM's
@@ -159,12 +160,15 @@ class Rejection:
             value = " ".join(str(value_name(v)) for v in value)
         return f"{self.name}={value}"
 
-    def message(self, value: Any, d: Optional[int], mode: str = TSP,
-                config_value: bool = False) -> str:
+    def message(
+        self, value: Any, d: Optional[int], mode: str = TSP, config_value: bool = False
+    ) -> str:
         if self.condition.kind == "divide":
-            return (f"{self.shown(value)} is not divisible by {SIZE_FLAGS[mode]}={d}: "
-                    f"{SHARDED_BY[mode]} shards {self.reason} over the group, so {self.name} % "
-                    f"{d} must be 0")
+            return (
+                f"{self.shown(value)} is not divisible by {SIZE_FLAGS[mode]}={d}: "
+                f"{SHARDED_BY[mode]} shards {self.reason} over the group, so {self.name} % "
+                f"{d} must be 0"
+            )
         # the hybrid's flag is a switch: its size is --tensor-model-parallel-size, not its own
         against = MODE_FLAGS[mode] if d is None or mode != TSP else f"{MODE_FLAGS[mode]}={d}"
         where = self.shown(value)
@@ -195,212 +199,549 @@ _INTERLEAVED = (
 
 ROWS: Tuple[Rejection, ...] = (
     # --- parallel layout -------------------------------------------------------------------------
-    Rejection("--tensor-model-parallel-size", "tensor_model_parallel_size", ONE_OR_D,
-              "TSP already uses the tensor-parallel ranks as its folded axis; leave "
-              "--tensor-model-parallel-size at 1 (or equal to D)", example=("3",)),
-    Rejection("--context-parallel-size", "context_parallel_size", above(1),
-              "TSP already shards the sequence over its group; use one or the other",
-              config_field="context_parallel_size", example=("2",)),
-    Rejection("--hierarchical-context-parallel-sizes", "hierarchical_context_parallel_sizes", SET,
-              "TSP already shards the sequence over its group",
-              config_field="hierarchical_context_parallel_sizes", example=("2", "2")),
-    Rejection("--hybrid-context-parallel", "hybrid_context_parallel", SET,
-              "TSP already shards the sequence over its group",
-              config_field="hybrid_context_parallel"),
-    Rejection("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards", above(1),
-              "TSP already shards the weights over its group", versions=("0.19",),
-              example=("2",)),
-    Rejection("--tp-comm-overlap", "tp_comm_overlap", SET,
-              "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs, which TSP "
-              "layers do not issue", config_field="tp_comm_overlap"),
-    Rejection("--delay-wgrad-compute", "delay_wgrad_compute", SET,
-              "it defers Transformer Engine layers' weight-gradient GEMMs; TSP layers compute "
-              "their weight gradients inside the ring", config_field="delay_wgrad_compute"),
+    Rejection(
+        "--tensor-model-parallel-size",
+        "tensor_model_parallel_size",
+        ONE_OR_D,
+        "TSP already uses the tensor-parallel ranks as its folded axis; leave "
+        "--tensor-model-parallel-size at 1 (or equal to D)",
+        example=("3",),
+    ),
+    Rejection(
+        "--context-parallel-size",
+        "context_parallel_size",
+        above(1),
+        "TSP already shards the sequence over its group; use one or the other",
+        config_field="context_parallel_size",
+        example=("2",),
+    ),
+    Rejection(
+        "--hierarchical-context-parallel-sizes",
+        "hierarchical_context_parallel_sizes",
+        SET,
+        "TSP already shards the sequence over its group",
+        config_field="hierarchical_context_parallel_sizes",
+        example=("2", "2"),
+    ),
+    Rejection(
+        "--hybrid-context-parallel",
+        "hybrid_context_parallel",
+        SET,
+        "TSP already shards the sequence over its group",
+        config_field="hybrid_context_parallel",
+    ),
+    Rejection(
+        "--tensor-parallel-num-weight-shards",
+        "tensor_parallel_num_weight_shards",
+        above(1),
+        "TSP already shards the weights over its group",
+        versions=("0.19",),
+        example=("2",),
+    ),
+    Rejection(
+        "--tp-comm-overlap",
+        "tp_comm_overlap",
+        SET,
+        "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs, which TSP "
+        "layers do not issue",
+        config_field="tp_comm_overlap",
+    ),
+    Rejection(
+        "--delay-wgrad-compute",
+        "delay_wgrad_compute",
+        SET,
+        "it defers Transformer Engine layers' weight-gradient GEMMs; TSP layers compute "
+        "their weight gradients inside the ring",
+        config_field="delay_wgrad_compute",
+    ),
     Rejection("--use-megatron-fsdp", "use_megatron_fsdp", SET, _FSDP.format(name="Megatron-FSDP")),
     Rejection("--use-torch-fsdp2", "use_torch_fsdp2", SET, _FSDP.format(name="torch FSDP2")),
-    Rejection("--cuda-graph-impl", "cuda_graph_impl", other_than("none"), _CUDA_GRAPHS,
-              config_field="cuda_graph_impl", example=("local",)),
-    Rejection("--enable-cuda-graph", "enable_cuda_graph", SET, _CUDA_GRAPHS,
-              config_field="enable_cuda_graph"),
-    Rejection("--external-cuda-graph", "external_cuda_graph", SET, _CUDA_GRAPHS,
-              config_field="external_cuda_graph"),
-    Rejection("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage",
-              SET, _INTERLEAVED, example=("1",)),
-    Rejection("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank",
-              above(1), _INTERLEAVED, example=("2",)),
-    Rejection("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout", SET,
-              "a layout can define virtual (interleaved) stages; " + _INTERLEAVED,
-              example=("Et|tL",)),
+    Rejection(
+        "--cuda-graph-impl",
+        "cuda_graph_impl",
+        other_than("none"),
+        _CUDA_GRAPHS,
+        config_field="cuda_graph_impl",
+        example=("local",),
+    ),
+    Rejection(
+        "--enable-cuda-graph",
+        "enable_cuda_graph",
+        SET,
+        _CUDA_GRAPHS,
+        config_field="enable_cuda_graph",
+    ),
+    Rejection(
+        "--external-cuda-graph",
+        "external_cuda_graph",
+        SET,
+        _CUDA_GRAPHS,
+        config_field="external_cuda_graph",
+    ),
+    Rejection(
+        "--num-layers-per-virtual-pipeline-stage",
+        "num_layers_per_virtual_pipeline_stage",
+        SET,
+        _INTERLEAVED,
+        example=("1",),
+    ),
+    Rejection(
+        "--num-virtual-stages-per-pipeline-rank",
+        "num_virtual_stages_per_pipeline_rank",
+        above(1),
+        _INTERLEAVED,
+        example=("2",),
+    ),
+    Rejection(
+        "--pipeline-model-parallel-layout",
+        "pipeline_model_parallel_layout",
+        SET,
+        "a layout can define virtual (interleaved) stages; " + _INTERLEAVED,
+        example=("Et|tL",),
+    ),
     # --- MoE -------------------------------------------------------------------------------------
-    Rejection("--num-experts", "num_experts", SET, _DENSE_ONLY,
-              config_field="num_moe_experts", layer="mlp", modes=(TSP, TSP_MLP), example=("8",)),
-    Rejection("--expert-model-parallel-size", "expert_model_parallel_size", above(1), _DENSE_ONLY,
-              config_field="expert_model_parallel_size", modes=(TSP, TSP_MLP), example=("2",)),
+    Rejection(
+        "--num-experts",
+        "num_experts",
+        SET,
+        _DENSE_ONLY,
+        config_field="num_moe_experts",
+        layer="mlp",
+        modes=(TSP, TSP_MLP),
+        example=("8",),
+    ),
+    Rejection(
+        "--expert-model-parallel-size",
+        "expert_model_parallel_size",
+        above(1),
+        _DENSE_ONLY,
+        config_field="expert_model_parallel_size",
+        modes=(TSP, TSP_MLP),
+        example=("2",),
+    ),
     # --- attention -------------------------------------------------------------------------------
-    Rejection("--multi-latent-attention", "multi_latent_attention", SET,
-              "TSP supports standard self-attention only", config_field="multi_latent_attention",
-              layer="attention"),
-    Rejection("--qk-layernorm", "qk_layernorm", SET,
-              "TSP attention does not apply query/key norms (not implemented yet)",
-              config_field="qk_layernorm", layer="attention"),
-    Rejection("--qk-l2-norm", "qk_l2_norm", SET,
-              "TSP attention does not apply query/key norms (not implemented yet)",
-              config_field="qk_l2_norm", layer="attention"),
-    Rejection("--attention-output-gate", "attention_output_gate", SET,
-              "TSP attention has no output gate (not implemented yet)",
-              config_field="attention_output_gate", layer="attention"),
-    Rejection("--softmax-type", "softmax_type", other_than("vanilla"),
-              "TSP attention's online softmax is the standard one (no off-by-one or learnable "
-              "sink term)", config_field="softmax_type", layer="attention",
-              example=("learnable",)),
-    Rejection("--window-size", "window_size", SET,
-              "TSP attention is causal over the whole sequence (no sliding window)",
-              config_field="window_size", layer="attention", example=("128,0",)),
-    Rejection("--qk-clip", "qk_clip", SET,
-              "QK-clip reads the maximum attention logit that Transformer Engine's core attention "
-              "tracks; TSP attention replaces core attention and does not track it",
-              config_field="qk_clip", layer="attention"),
-    Rejection("--log-max-attention-logit", "log_max_attention_logit", SET,
-              "the maximum attention logit is tracked by Transformer Engine's core attention, "
-              "which TSP attention replaces", config_field="log_max_attention_logit",
-              layer="attention"),
-    Rejection("--experimental-attention-variant", "experimental_attention_variant", SET,
-              "TSP attention would be replaced", config_field="experimental_attention_variant",
-              layer="attention", example=("dsa",)),
-    Rejection("--position-embedding-type", "position_embedding_type", one_of("mrope"),
-              "TSP attention indexes the rotary table by the zigzag positions of its tokens; "
-              "multimodal RoPE tables are built per token from position ids", example=("mrope",)),
-    Rejection("--attention-backend", "attention_backend", other_than("auto"),
-              "TSP attention is its own module, so a backend choice would replace parts of it "
-              "(local) or select Transformer Engine kernels it does not use (flash, fused, "
-              "unfused); drop the flag (auto)", example=("flash",)),
-    Rejection("--transformer-impl", "transformer_impl", one_of("inference_optimized"),
-              "the inference-optimized layers have no TSP spec", example=("inference_optimized",)),
+    Rejection(
+        "--multi-latent-attention",
+        "multi_latent_attention",
+        SET,
+        "TSP supports standard self-attention only",
+        config_field="multi_latent_attention",
+        layer="attention",
+    ),
+    Rejection(
+        "--qk-layernorm",
+        "qk_layernorm",
+        SET,
+        "TSP attention does not apply query/key norms (not implemented yet)",
+        config_field="qk_layernorm",
+        layer="attention",
+    ),
+    Rejection(
+        "--qk-l2-norm",
+        "qk_l2_norm",
+        SET,
+        "TSP attention does not apply query/key norms (not implemented yet)",
+        config_field="qk_l2_norm",
+        layer="attention",
+    ),
+    Rejection(
+        "--attention-output-gate",
+        "attention_output_gate",
+        SET,
+        "TSP attention has no output gate (not implemented yet)",
+        config_field="attention_output_gate",
+        layer="attention",
+    ),
+    Rejection(
+        "--softmax-type",
+        "softmax_type",
+        other_than("vanilla"),
+        "TSP attention's online softmax is the standard one (no off-by-one or learnable sink term)",
+        config_field="softmax_type",
+        layer="attention",
+        example=("learnable",),
+    ),
+    Rejection(
+        "--window-size",
+        "window_size",
+        SET,
+        "TSP attention is causal over the whole sequence (no sliding window)",
+        config_field="window_size",
+        layer="attention",
+        example=("128,0",),
+    ),
+    Rejection(
+        "--qk-clip",
+        "qk_clip",
+        SET,
+        "QK-clip reads the maximum attention logit that Transformer Engine's core attention "
+        "tracks; TSP attention replaces core attention and does not track it",
+        config_field="qk_clip",
+        layer="attention",
+    ),
+    Rejection(
+        "--log-max-attention-logit",
+        "log_max_attention_logit",
+        SET,
+        "the maximum attention logit is tracked by Transformer Engine's core attention, "
+        "which TSP attention replaces",
+        config_field="log_max_attention_logit",
+        layer="attention",
+    ),
+    Rejection(
+        "--experimental-attention-variant",
+        "experimental_attention_variant",
+        SET,
+        "TSP attention would be replaced",
+        config_field="experimental_attention_variant",
+        layer="attention",
+        example=("dsa",),
+    ),
+    Rejection(
+        "--position-embedding-type",
+        "position_embedding_type",
+        one_of("mrope"),
+        "TSP attention indexes the rotary table by the zigzag positions of its tokens; "
+        "multimodal RoPE tables are built per token from position ids",
+        example=("mrope",),
+    ),
+    Rejection(
+        "--attention-backend",
+        "attention_backend",
+        other_than("auto"),
+        "TSP attention is its own module, so a backend choice would replace parts of it "
+        "(local) or select Transformer Engine kernels it does not use (flash, fused, "
+        "unfused); drop the flag (auto)",
+        example=("flash",),
+    ),
+    Rejection(
+        "--transformer-impl",
+        "transformer_impl",
+        one_of("inference_optimized"),
+        "the inference-optimized layers have no TSP spec",
+        example=("inference_optimized",),
+    ),
     # --- model structure -------------------------------------------------------------------------
-    Rejection("--mtp-num-layers", "mtp_num_layers", SET,
-              "multi-token prediction layers have no TSP spec", config_field="mtp_num_layers",
-              example=("1",)),
-    Rejection("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", SET,
-              "heterogeneous layers have no TSP spec", example=("layers.json",)),
-    Rejection("--heterogeneous-layers-config-encoded-json",
-              "heterogeneous_layers_config_encoded_json", SET,
-              "heterogeneous layers have no TSP spec", example=("{}",)),
-    Rejection("--use-legacy-models", "use_legacy_models", SET, "TSP needs megatron-core models",
-              versions=("0.16",)),
-    Rejection("--yaml-cfg", "yaml_cfg", SET,
-              "the YAML path bypasses Megatron's validate_args, where TSP is translated",
-              example=("run.yaml",)),
+    Rejection(
+        "--mtp-num-layers",
+        "mtp_num_layers",
+        SET,
+        "multi-token prediction layers have no TSP spec",
+        config_field="mtp_num_layers",
+        example=("1",),
+    ),
+    Rejection(
+        "--heterogeneous-layers-config-path",
+        "heterogeneous_layers_config_path",
+        SET,
+        "heterogeneous layers have no TSP spec",
+        example=("layers.json",),
+    ),
+    Rejection(
+        "--heterogeneous-layers-config-encoded-json",
+        "heterogeneous_layers_config_encoded_json",
+        SET,
+        "heterogeneous layers have no TSP spec",
+        example=("{}",),
+    ),
+    Rejection(
+        "--use-legacy-models",
+        "use_legacy_models",
+        SET,
+        "TSP needs megatron-core models",
+        versions=("0.16",),
+    ),
+    Rejection(
+        "--yaml-cfg",
+        "yaml_cfg",
+        SET,
+        "the YAML path bypasses Megatron's validate_args, where TSP is translated",
+        example=("run.yaml",),
+    ),
     # --- precision -------------------------------------------------------------------------------
-    Rejection("--fp8-format", "fp8", SET, "FP8 " + _TE_ONLY, config_field="fp8",
-              example=("hybrid",)),
-    Rejection("--fp4-format", "fp4", SET, "FP4 " + _TE_ONLY, config_field="fp4",
-              example=("e2m1",)),
+    Rejection(
+        "--fp8-format", "fp8", SET, "FP8 " + _TE_ONLY, config_field="fp8", example=("hybrid",)
+    ),
+    Rejection("--fp4-format", "fp4", SET, "FP4 " + _TE_ONLY, config_field="fp4", example=("e2m1",)),
     # --- data ------------------------------------------------------------------------------------
-    Rejection("--sft", "sft", SET,
-              "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches"),
-    Rejection("--dataloader-inter-document-masking", "dataloader_inter_document_masking", SET,
-              "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
-              versions=("0.19",)),
-    Rejection("--reset-attention-mask", "reset_attention_mask", SET,
-              "TSP attention is causal over the whole sequence and does not read per-document "
-              "masks"),
-    Rejection("--reset-position-ids", "reset_position_ids", SET,
-              "TSP attention derives token positions from the zigzag layout, not per-document ids"),
+    Rejection(
+        "--sft",
+        "sft",
+        SET,
+        "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches",
+    ),
+    Rejection(
+        "--dataloader-inter-document-masking",
+        "dataloader_inter_document_masking",
+        SET,
+        "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
+        versions=("0.19",),
+    ),
+    Rejection(
+        "--reset-attention-mask",
+        "reset_attention_mask",
+        SET,
+        "TSP attention is causal over the whole sequence and does not read per-document masks",
+    ),
+    Rejection(
+        "--reset-position-ids",
+        "reset_position_ids",
+        SET,
+        "TSP attention derives token positions from the zigzag layout, not per-document ids",
+    ),
 )
 
 # --- shapes: dimensions each rank holds 1/D of (TSP, the hybrid and plain TP alike) ----------
 # Checked once Megatron has derived them (``VALIDATED``), on a ``TransformerConfig`` and by the
 # layers; ``reason`` names what is sharded.
 SHAPE_ROWS: Tuple[Rejection, ...] = (
-    Rejection("--num-attention-heads", "num_attention_heads", NOT_DIVISIBLE_BY_D,
-              "attention heads", config_field="num_attention_heads", layer="attention",
-              modes=ALL_MODES, stage=VALIDATED, example=("6",)),
-    Rejection("--num-query-groups", "num_query_groups", NOT_DIVISIBLE_BY_D,
-              "key/value head groups", config_field="num_query_groups", layer="attention",
-              modes=ALL_MODES, stage=VALIDATED, example=("3",)),
-    Rejection("--ffn-hidden-size", "ffn_hidden_size", NOT_DIVISIBLE_BY_D,
-              "the MLP's intermediate dimension", config_field="ffn_hidden_size", layer="mlp",
-              modes=ALL_MODES, stage=VALIDATED, example=("66",)),
+    Rejection(
+        "--num-attention-heads",
+        "num_attention_heads",
+        NOT_DIVISIBLE_BY_D,
+        "attention heads",
+        config_field="num_attention_heads",
+        layer="attention",
+        modes=ALL_MODES,
+        stage=VALIDATED,
+        example=("6",),
+    ),
+    Rejection(
+        "--num-query-groups",
+        "num_query_groups",
+        NOT_DIVISIBLE_BY_D,
+        "key/value head groups",
+        config_field="num_query_groups",
+        layer="attention",
+        modes=ALL_MODES,
+        stage=VALIDATED,
+        example=("3",),
+    ),
+    Rejection(
+        "--ffn-hidden-size",
+        "ffn_hidden_size",
+        NOT_DIVISIBLE_BY_D,
+        "the MLP's intermediate dimension",
+        config_field="ffn_hidden_size",
+        layer="mlp",
+        modes=ALL_MODES,
+        stage=VALIDATED,
+        example=("66",),
+    ),
     # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP; only a
     # padded size given by hand (megatron-core users) can miss it.
-    Rejection("--vocab-size", "padded_vocab_size", NOT_DIVISIBLE_BY_D,
-              "the vocabulary (embedding and output layer)", label="--vocab-size (padded)",
-              stage=VALIDATED, example=("50257",)),
+    Rejection(
+        "--vocab-size",
+        "padded_vocab_size",
+        NOT_DIVISIBLE_BY_D,
+        "the vocabulary (embedding and output layer)",
+        label="--vocab-size (padded)",
+        stage=VALIDATED,
+        example=("50257",),
+    ),
 )
 
-_NO_CONTEXT_PARALLEL = ("the hybrid builds Megatron's local attention, which has no context "
-                        "parallelism")
-_HYBRID_CUDA_GRAPHS = ("CUDA graphs capture module calls with static buffers; the MLP's weight "
-                       "ring is not graph-captured")
-_HYBRID_FSDP = ("{name} gathers each module's weights in hooks around its call; the TSP MLP reads "
-                "linear_fc1/linear_fc2's weights without calling them (use "
-                "--use-distributed-optimizer)")
+_NO_CONTEXT_PARALLEL = (
+    "the hybrid builds Megatron's local attention, which has no context parallelism"
+)
+_HYBRID_CUDA_GRAPHS = (
+    "CUDA graphs capture module calls with static buffers; the MLP's weight "
+    "ring is not graph-captured"
+)
+_HYBRID_FSDP = (
+    "{name} gathers each module's weights in hooks around its call; the TSP MLP reads "
+    "linear_fc1/linear_fc2's weights without calling them (use "
+    "--use-distributed-optimizer)"
+)
 
 # What the hybrid (``--tsp-mlp``: TP+SP attention with the TSP MLP ring) refuses. It changes only
 # the MLP (and selects Megatron's local layer spec), so only settings that touch the MLP, replace
 # the spec or need Transformer Engine modules are here; the MoE rows above list both modes.
 TSP_MLP_ROWS: Tuple[Rejection, ...] = (
-    Rejection(TSP_FLAG, "tensor_sequence_parallel_size", GIVEN,
-              f"{TSP_FLAG} already runs the MLP (and attention) under TSP; use one or the other",
-              modes=(TSP_MLP,), example=("4",)),
-    Rejection("--context-parallel-size", "context_parallel_size", above(1), _NO_CONTEXT_PARALLEL,
-              config_field="context_parallel_size", modes=(TSP_MLP,), example=("2",)),
-    Rejection("--hierarchical-context-parallel-sizes", "hierarchical_context_parallel_sizes", SET,
-              _NO_CONTEXT_PARALLEL, config_field="hierarchical_context_parallel_sizes",
-              modes=(TSP_MLP,), example=("2", "2")),
-    Rejection("--hybrid-context-parallel", "hybrid_context_parallel", SET, _NO_CONTEXT_PARALLEL,
-              config_field="hybrid_context_parallel", modes=(TSP_MLP,)),
-    Rejection("--tp-comm-overlap", "tp_comm_overlap", SET,
-              "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's "
-              "layers are Megatron's local modules and its MLP issues no such collectives",
-              config_field="tp_comm_overlap", modes=(TSP_MLP,)),
-    Rejection("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards",
-              Condition("other than 1", lambda v, d: v not in (None, 1)),
-              "the TSP MLP ring circulates exactly the D tensor-parallel shards", modes=(TSP_MLP,),
-              versions=("0.19",), example=("2",)),
-    Rejection("--multi-latent-attention", "multi_latent_attention", SET,
-              "the hybrid spec builds standard self-attention",
-              config_field="multi_latent_attention", modes=(TSP_MLP,)),
-    Rejection("--qk-layernorm", "qk_layernorm", SET,
-              "the hybrid spec's norms are sequence-parallel-tagged torch norms",
-              config_field="qk_layernorm", modes=(TSP_MLP,)),
-    Rejection("--use-legacy-models", "use_legacy_models", SET,
-              "the hybrid needs megatron-core models", modes=(TSP_MLP,), versions=("0.16",)),
-    Rejection("--mtp-num-layers", "mtp_num_layers", SET,
-              "multi-token prediction layers have no hybrid spec", config_field="mtp_num_layers",
-              modes=(TSP_MLP,), example=("1",)),
-    Rejection("--experimental-attention-variant", "experimental_attention_variant", SET,
-              "the hybrid spec would replace it", config_field="experimental_attention_variant",
-              modes=(TSP_MLP,), example=("dsa",)),
-    Rejection("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", SET,
-              "heterogeneous layers have no hybrid spec", modes=(TSP_MLP,),
-              example=("layers.json",)),
-    Rejection("--yaml-cfg", "yaml_cfg", SET,
-              "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated",
-              modes=(TSP_MLP,), example=("run.yaml",)),
-    Rejection("--fp8-format", "fp8", SET,
-              "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module",
-              config_field="fp8", modes=(TSP_MLP,), example=("hybrid",)),
-    Rejection("--fp4-format", "fp4", SET,
-              "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module",
-              config_field="fp4", modes=(TSP_MLP,), example=("e2m1",)),
-    Rejection("--use-megatron-fsdp", "use_megatron_fsdp", SET,
-              _HYBRID_FSDP.format(name="Megatron-FSDP"), modes=(TSP_MLP,)),
-    Rejection("--use-torch-fsdp2", "use_torch_fsdp2", SET,
-              _HYBRID_FSDP.format(name="torch FSDP2"), modes=(TSP_MLP,)),
-    Rejection("--enable-cuda-graph", "enable_cuda_graph", SET, _HYBRID_CUDA_GRAPHS,
-              config_field="enable_cuda_graph", modes=(TSP_MLP,)),
-    Rejection("--external-cuda-graph", "external_cuda_graph", SET, _HYBRID_CUDA_GRAPHS,
-              config_field="external_cuda_graph", modes=(TSP_MLP,)),
-    Rejection("--cuda-graph-impl", "cuda_graph_impl", other_than("none"), _HYBRID_CUDA_GRAPHS,
-              config_field="cuda_graph_impl", modes=(TSP_MLP,), example=("local",)),
-    Rejection("--attention-backend", "attention_backend", other_than("auto", "local"),
-              "the hybrid builds Megatron's local attention, so another backend would be "
-              "silently ignored; drop the flag (auto) or use local", modes=(TSP_MLP,),
-              example=("flash",)),
-    Rejection("--transformer-impl", "transformer_impl", one_of("inference_optimized"),
-              "the hybrid spec is the training layer spec", modes=(TSP_MLP,),
-              example=("inference_optimized",)),
+    Rejection(
+        TSP_FLAG,
+        "tensor_sequence_parallel_size",
+        GIVEN,
+        f"{TSP_FLAG} already runs the MLP (and attention) under TSP; use one or the other",
+        modes=(TSP_MLP,),
+        example=("4",),
+    ),
+    Rejection(
+        "--context-parallel-size",
+        "context_parallel_size",
+        above(1),
+        _NO_CONTEXT_PARALLEL,
+        config_field="context_parallel_size",
+        modes=(TSP_MLP,),
+        example=("2",),
+    ),
+    Rejection(
+        "--hierarchical-context-parallel-sizes",
+        "hierarchical_context_parallel_sizes",
+        SET,
+        _NO_CONTEXT_PARALLEL,
+        config_field="hierarchical_context_parallel_sizes",
+        modes=(TSP_MLP,),
+        example=("2", "2"),
+    ),
+    Rejection(
+        "--hybrid-context-parallel",
+        "hybrid_context_parallel",
+        SET,
+        _NO_CONTEXT_PARALLEL,
+        config_field="hybrid_context_parallel",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--tp-comm-overlap",
+        "tp_comm_overlap",
+        SET,
+        "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's "
+        "layers are Megatron's local modules and its MLP issues no such collectives",
+        config_field="tp_comm_overlap",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--tensor-parallel-num-weight-shards",
+        "tensor_parallel_num_weight_shards",
+        Condition("other than 1", lambda v, d: v not in (None, 1)),
+        "the TSP MLP ring circulates exactly the D tensor-parallel shards",
+        modes=(TSP_MLP,),
+        versions=("0.19",),
+        example=("2",),
+    ),
+    Rejection(
+        "--multi-latent-attention",
+        "multi_latent_attention",
+        SET,
+        "the hybrid spec builds standard self-attention",
+        config_field="multi_latent_attention",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--qk-layernorm",
+        "qk_layernorm",
+        SET,
+        "the hybrid spec's norms are sequence-parallel-tagged torch norms",
+        config_field="qk_layernorm",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--use-legacy-models",
+        "use_legacy_models",
+        SET,
+        "the hybrid needs megatron-core models",
+        modes=(TSP_MLP,),
+        versions=("0.16",),
+    ),
+    Rejection(
+        "--mtp-num-layers",
+        "mtp_num_layers",
+        SET,
+        "multi-token prediction layers have no hybrid spec",
+        config_field="mtp_num_layers",
+        modes=(TSP_MLP,),
+        example=("1",),
+    ),
+    Rejection(
+        "--experimental-attention-variant",
+        "experimental_attention_variant",
+        SET,
+        "the hybrid spec would replace it",
+        config_field="experimental_attention_variant",
+        modes=(TSP_MLP,),
+        example=("dsa",),
+    ),
+    Rejection(
+        "--heterogeneous-layers-config-path",
+        "heterogeneous_layers_config_path",
+        SET,
+        "heterogeneous layers have no hybrid spec",
+        modes=(TSP_MLP,),
+        example=("layers.json",),
+    ),
+    Rejection(
+        "--yaml-cfg",
+        "yaml_cfg",
+        SET,
+        "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated",
+        modes=(TSP_MLP,),
+        example=("run.yaml",),
+    ),
+    Rejection(
+        "--fp8-format",
+        "fp8",
+        SET,
+        "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module",
+        config_field="fp8",
+        modes=(TSP_MLP,),
+        example=("hybrid",),
+    ),
+    Rejection(
+        "--fp4-format",
+        "fp4",
+        SET,
+        "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module",
+        config_field="fp4",
+        modes=(TSP_MLP,),
+        example=("e2m1",),
+    ),
+    Rejection(
+        "--use-megatron-fsdp",
+        "use_megatron_fsdp",
+        SET,
+        _HYBRID_FSDP.format(name="Megatron-FSDP"),
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--use-torch-fsdp2",
+        "use_torch_fsdp2",
+        SET,
+        _HYBRID_FSDP.format(name="torch FSDP2"),
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--enable-cuda-graph",
+        "enable_cuda_graph",
+        SET,
+        _HYBRID_CUDA_GRAPHS,
+        config_field="enable_cuda_graph",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--external-cuda-graph",
+        "external_cuda_graph",
+        SET,
+        _HYBRID_CUDA_GRAPHS,
+        config_field="external_cuda_graph",
+        modes=(TSP_MLP,),
+    ),
+    Rejection(
+        "--cuda-graph-impl",
+        "cuda_graph_impl",
+        other_than("none"),
+        _HYBRID_CUDA_GRAPHS,
+        config_field="cuda_graph_impl",
+        modes=(TSP_MLP,),
+        example=("local",),
+    ),
+    Rejection(
+        "--attention-backend",
+        "attention_backend",
+        other_than("auto", "local"),
+        "the hybrid builds Megatron's local attention, so another backend would be "
+        "silently ignored; drop the flag (auto) or use local",
+        modes=(TSP_MLP,),
+        example=("flash",),
+    ),
+    Rejection(
+        "--transformer-impl",
+        "transformer_impl",
+        one_of("inference_optimized"),
+        "the hybrid spec is the training layer spec",
+        modes=(TSP_MLP,),
+        example=("inference_optimized",),
+    ),
 )
 
 TABLE: Tuple[Rejection, ...] = ROWS + SHAPE_ROWS + TSP_MLP_ROWS
@@ -410,10 +751,16 @@ class TSPRejection(ValueError):
     """A setting TSP refuses; the message names the flag, the value and the TSP size."""
 
 
-def rows(mode: str = TSP, layer: Optional[str] = None,
-         stage: Optional[str] = None) -> List[Rejection]:
-    return [r for r in TABLE if mode in r.modes and (layer is None or r.layer == layer)
-            and (stage is None or r.stage == stage)]
+def rows(
+    mode: str = TSP, layer: Optional[str] = None, stage: Optional[str] = None
+) -> List[Rejection]:
+    return [
+        r
+        for r in TABLE
+        if mode in r.modes
+        and (layer is None or r.layer == layer)
+        and (stage is None or r.stage == stage)
+    ]
 
 
 def row_for(dest: str, mode: str = TSP) -> Rejection:
@@ -436,21 +783,27 @@ def refusals_for_args(args, d: Optional[int], mode: str = TSP, stage: str = PARS
     return out
 
 
-def refusals_for_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
-                        config_value: bool = True) -> List[str]:
+def refusals_for_values(
+    values: Mapping[str, Any], d: Optional[int], mode: str = TSP, config_value: bool = True
+) -> List[str]:
     """Messages for the rows whose config field (or dest) is a key of ``values`` and refused."""
     out = []
     for r in rows(mode):
         key = r.config_field if r.config_field in values else r.dest
         if key in values and r.refuses(values[key], d):
-            out.append(r.message(values[key], d, mode,
-                                 config_value=config_value and key == r.config_field))
+            out.append(
+                r.message(values[key], d, mode, config_value=config_value and key == r.config_field)
+            )
     return out
 
 
-def refusals_for_config(config, d: Optional[int] = None, mode: str = TSP,
-                        layer: Optional[str] = None,
-                        overrides: Optional[Mapping[str, Any]] = None) -> List[str]:
+def refusals_for_config(
+    config,
+    d: Optional[int] = None,
+    mode: str = TSP,
+    layer: Optional[str] = None,
+    overrides: Optional[Mapping[str, Any]] = None,
+) -> List[str]:
     """Messages for the rows refused by a megatron-core ``TransformerConfig`` (``d`` defaults to
     its ``tensor_model_parallel_size``, the TSP size). ``layer`` restricts to that layer's rows;
     ``overrides`` replaces config fields by the values a module was actually given (e.g. the
@@ -473,8 +826,9 @@ def refusals_for_config(config, d: Optional[int] = None, mode: str = TSP,
     return out
 
 
-def raise_if_any(problems: Sequence[str], error=TSPRejection,
-                 what: str = "the configuration", mode: str = TSP) -> None:
+def raise_if_any(
+    problems: Sequence[str], error=TSPRejection, what: str = "the configuration", mode: str = TSP
+) -> None:
     """Raise ``error`` with the one problem, or all of them listed under one line."""
     if not problems:
         return
@@ -484,14 +838,19 @@ def raise_if_any(problems: Sequence[str], error=TSPRejection,
     raise error(f"{what} cannot run with {name}:\n  - " + "\n  - ".join(problems))
 
 
-def check_config(config, d: Optional[int] = None, mode: str = TSP,
-                 layer: Optional[str] = None,
-                 overrides: Optional[Mapping[str, Any]] = None) -> None:
+def check_config(
+    config,
+    d: Optional[int] = None,
+    mode: str = TSP,
+    layer: Optional[str] = None,
+    overrides: Optional[Mapping[str, Any]] = None,
+) -> None:
     raise_if_any(refusals_for_config(config, d, mode, layer, overrides), mode=mode)
 
 
-def check_values(values: Mapping[str, Any], d: Optional[int], mode: str = TSP,
-                 config_value: bool = True) -> None:
+def check_values(
+    values: Mapping[str, Any], d: Optional[int], mode: str = TSP, config_value: bool = True
+) -> None:
     raise_if_any(refusals_for_values(values, d, mode, config_value), mode=mode)
 
 
@@ -514,8 +873,10 @@ DOC_END = "<!-- end of rejections table -->"
 def _doc_markers(mode: str) -> Tuple[str, str]:
     if mode == TSP:
         return DOC_BEGIN, DOC_END
-    return (DOC_BEGIN.replace("markdown_table()", f"markdown_table({mode!r})"),
-            DOC_END.replace("table", f"table ({mode})"))
+    return (
+        DOC_BEGIN.replace("markdown_table()", f"markdown_table({mode!r})"),
+        DOC_END.replace("table", f"table ({mode})"),
+    )
 
 
 def _versions_text(r: Rejection) -> str:
@@ -532,14 +893,18 @@ def _why(r: Rejection, mode: str) -> str:
 
 def markdown_table(mode: str = TSP) -> str:
     """The rows of ``mode`` as a Markdown table (what ``docs/megatron-lm.md`` shows)."""
-    lines = ["| flag | refused when | config field | checked by layer | why |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| flag | refused when | config field | checked by layer | why |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows(mode):
         reason = _why(r, mode).replace("|", "\\|")
         field = f"`{r.config_field}`" if r.config_field else "-"
         stage = " (after Megatron's validation)" if r.stage == VALIDATED else ""
-        lines.append(f"| `{r.name}`{_versions_text(r)} | {r.condition.text}{stage} | {field} | "
-                     f"{r.layer or '-'} | {reason} |")
+        lines.append(
+            f"| `{r.name}`{_versions_text(r)} | {r.condition.text}{stage} | {field} | "
+            f"{r.layer or '-'} | {reason} |"
+        )
     return "\n".join(lines)
 
 

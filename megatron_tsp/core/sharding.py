@@ -18,7 +18,11 @@ import torch.distributed as dist
 def sharding_of(param: torch.Tensor) -> Tuple[bool, int, int]:
     """(is_sharded, dim, stride) for a parameter of a Megatron model."""
     if getattr(param, "tensor_model_parallel", False):
-        return True, int(getattr(param, "partition_dim", 0)), int(getattr(param, "partition_stride", 1))
+        return (
+            True,
+            int(getattr(param, "partition_dim", 0)),
+            int(getattr(param, "partition_stride", 1)),
+        )
     return False, 0, 1
 
 
@@ -42,13 +46,17 @@ def load_full_state(model: torch.nn.Module, full: Dict[str, torch.Tensor], group
         if sharded:
             value = shard(value, dim, stride, size, rank)
         if value.shape != param.shape:
-            raise ValueError(f"{name}: full-state slice {tuple(value.shape)} does not match "
-                             f"parameter {tuple(param.shape)} (D={size})")
+            raise ValueError(
+                f"{name}: full-state slice {tuple(value.shape)} does not match "
+                f"parameter {tuple(param.shape)} (D={size})"
+            )
         param.copy_(value)
 
 
 @torch.no_grad()
-def gather_full_state(model: torch.nn.Module, group, grads: bool = False) -> Dict[str, torch.Tensor]:
+def gather_full_state(
+    model: torch.nn.Module, group, grads: bool = False
+) -> Dict[str, torch.Tensor]:
     """All-gather every sharded parameter (or its gradient) into full TP=1 form on every rank."""
     size = dist.get_world_size(group)
     out = {}
@@ -72,13 +80,16 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, group) -> None:
     what Megatron's ``finalize_model_grads`` does under DDP, for training loops without DDP."""
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()

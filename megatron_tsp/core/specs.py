@@ -24,8 +24,10 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_tsp.core import rejections
@@ -53,8 +55,10 @@ def _drop_tsp_mlp_notice(record: logging.LogRecord) -> bool:
     """Logging filter: False (drop) for megatron-core's "Unknown MLP type" notice about a
     ``TSPMLPSpec``, True for everything else."""
     message = record.getMessage()
-    return not (message.startswith("Unknown MLP type:") and
-                f"{TSPMLPSpec.__module__}.{TSPMLPSpec.__qualname__}" in message)
+    return not (
+        message.startswith("Unknown MLP type:")
+        and f"{TSPMLPSpec.__module__}.{TSPMLPSpec.__qualname__}" in message
+    )
 
 
 if _drop_tsp_mlp_notice not in logging.getLogger(_TRANSFORMER_LAYER_LOGGER).filters:
@@ -70,23 +74,33 @@ def _tsp_mlp_spec(recompute_activation: bool) -> TSPMLPSpec:
     )
 
 
-def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
-                           num_experts: Optional[int] = None,
-                           multi_latent_attention: bool = False,
-                           attention_backward: Optional[str] = None,
-                           mlp_recompute_activation: bool = True) -> ModuleSpec:
+def get_gpt_layer_tsp_spec(
+    normalization: Optional[str] = None,
+    qk_layernorm: bool = False,
+    num_experts: Optional[int] = None,
+    multi_latent_attention: bool = False,
+    attention_backward: Optional[str] = None,
+    mlp_recompute_activation: bool = True,
+) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and MLP.
 
     ``normalization`` is accepted for parity with Megatron's spec getters; the norm follows
     ``config.normalization`` ("LayerNorm" or "RMSNorm") when the model is built.
     ``attention_backward``: None follows Megatron's recompute options (selective recompute of
-    ``core_attn``, i.e. ``--recompute-activations``, means "recompute", else "saved"); "saved" keeps each head group's local q/k/v, output and log-sum-exp
-    (no attention recompute), "recompute" keeps only the layer input. ``mlp_recompute_activation``:
+    ``core_attn``, i.e. ``--recompute-activations``, means "recompute", else "saved"); "saved"
+    keeps each head group's local q/k/v, output and log-sum-exp (no attention recompute),
+    "recompute" keeps only the layer input. ``mlp_recompute_activation``:
     True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
     False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).
     """
-    rejections.check_values({"qk_layernorm": qk_layernorm, "num_moe_experts": num_experts,
-                             "multi_latent_attention": multi_latent_attention}, d=None)
+    rejections.check_values(
+        {
+            "qk_layernorm": qk_layernorm,
+            "num_moe_experts": num_experts,
+            "multi_latent_attention": multi_latent_attention,
+        },
+        d=None,
+    )
     if normalization not in (None, "LayerNorm", "RMSNorm"):
         raise ValueError(f"--normalization={normalization!r}: TSP supports LayerNorm and RMSNorm")
     return ModuleSpec(
@@ -95,8 +109,10 @@ def get_gpt_layer_tsp_spec(normalization: Optional[str] = None, qk_layernorm: bo
             input_layernorm=SequenceParallelNorm,
             self_attention=ModuleSpec(
                 module=TSPSelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal,
-                        "attention_backward": attention_backward},
+                params={
+                    "attn_mask_type": AttnMaskType.causal,
+                    "attention_backward": attention_backward,
+                },
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=DotProductAttention,
@@ -123,20 +139,26 @@ def _num_layers_on_stage(config, vp_stage: Optional[int], pp_rank: Optional[int]
         return get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
-def get_gpt_block_tsp_spec(config, normalization: Optional[str] = None,
-                           vp_stage: Optional[int] = None,
-                           pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+def get_gpt_block_tsp_spec(
+    config,
+    normalization: Optional[str] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: TSP layers plus the TSP final norm."""
     from megatron_tsp.core.validation import check_transformer_config
 
     check_transformer_config(config)
-    layer = get_gpt_layer_tsp_spec(normalization=normalization or config.normalization,
-                                   qk_layernorm=config.qk_layernorm,
-                                   num_experts=config.num_moe_experts,
-                                   multi_latent_attention=config.multi_latent_attention)
+    layer = get_gpt_layer_tsp_spec(
+        normalization=normalization or config.normalization,
+        qk_layernorm=config.qk_layernorm,
+        num_experts=config.num_moe_experts,
+        multi_latent_attention=config.multi_latent_attention,
+    )
     num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+    )
 
 
 # Module attributes for Megatron-LM's ``--spec megatron_tsp.core.specs <name>``.
@@ -157,22 +179,28 @@ def get_gpt_layer_local_sp_spec(normalization: Optional[str] = None) -> ModuleSp
     return spec
 
 
-def get_gpt_block_local_sp_spec(config, normalization: Optional[str] = None,
-                                vp_stage: Optional[int] = None,
-                                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+def get_gpt_block_local_sp_spec(
+    config,
+    normalization: Optional[str] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
     """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
     layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
     num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # TP+SP attention + TSP MLP ("--tsp-mlp")
 # ---------------------------------------------------------------------------------------------
-def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
-                               num_experts: Optional[int] = None,
-                               mlp_recompute_activation: bool = True) -> ModuleSpec:
+def get_gpt_layer_tsp_mlp_spec(
+    normalization: Optional[str] = None,
+    num_experts: Optional[int] = None,
+    mlp_recompute_activation: bool = True,
+) -> ModuleSpec:
     """TransformerLayer spec of the hybrid: Megatron's own TP+SP attention, TSP's MLP ring.
 
     Under TP=D + sequence parallelism the MLP's input is already sequence-sharded ([s/D, b, h]
@@ -184,23 +212,29 @@ def get_gpt_layer_tsp_mlp_spec(normalization: Optional[str] = None,
     """
     rejections.check_values({"num_moe_experts": num_experts}, d=None, mode=rejections.TSP_MLP)
     if normalization not in (None, "LayerNorm", "RMSNorm"):
-        raise ValueError(f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and "
-                         "RMSNorm")
+        raise ValueError(
+            f"--normalization={normalization!r}: --tsp-mlp supports LayerNorm and RMSNorm"
+        )
     spec = get_gpt_layer_local_sp_spec(normalization)
     spec.submodules.mlp = _tsp_mlp_spec(mlp_recompute_activation)
     return spec
 
 
-def get_gpt_block_tsp_mlp_spec(config, normalization: Optional[str] = None,
-                               vp_stage: Optional[int] = None,
-                               pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+def get_gpt_block_tsp_mlp_spec(
+    config,
+    normalization: Optional[str] = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: hybrid layers (``get_gpt_layer_tsp_mlp_spec``) plus
     the sequence-parallel-tagged final norm."""
     from megatron_tsp.core.validation import check_tsp_mlp_config
 
     check_tsp_mlp_config(config)
-    layer = get_gpt_layer_tsp_mlp_spec(normalization=normalization or config.normalization,
-                                       num_experts=config.num_moe_experts)
+    layer = get_gpt_layer_tsp_mlp_spec(
+        normalization=normalization or config.normalization, num_experts=config.num_moe_experts
+    )
     num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+    )

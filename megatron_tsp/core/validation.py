@@ -26,9 +26,14 @@ def check_parallel_layout(
     d = tensor_sequence_parallel_size
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
-    rejections.check_values({"tensor_model_parallel_size": tensor_model_parallel_size,
-                             "context_parallel_size": context_parallel_size}, d,
-                            config_value=False)  # command-line values, not a config
+    rejections.check_values(
+        {
+            "tensor_model_parallel_size": tensor_model_parallel_size,
+            "context_parallel_size": context_parallel_size,
+        },
+        d,
+        config_value=False,
+    )  # command-line values, not a config
     if pipeline_model_parallel_size < 1:
         raise ValueError(
             f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}"
@@ -51,8 +56,9 @@ def check_model_shape(
     hidden_size: Optional[int] = None,
 ) -> None:
     d = tensor_sequence_parallel_size
-    rejections.check_divisible(d, num_attention_heads=num_attention_heads,
-                               num_query_groups=num_query_groups)
+    rejections.check_divisible(
+        d, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups
+    )
     if num_query_groups is not None and num_attention_heads % num_query_groups != 0:
         raise ValueError(
             f"--num-attention-heads={num_attention_heads} is not divisible by "
@@ -68,8 +74,9 @@ def check_model_shape(
         check_sequence_length(seq_length, d)
 
 
-def check_transformer_config(config, vocab_size: Optional[int] = None,
-                             seq_length: Optional[int] = None) -> None:
+def check_transformer_config(
+    config, vocab_size: Optional[int] = None, seq_length: Optional[int] = None
+) -> None:
     """Check a megatron-core ``TransformerConfig`` meant for TSP (``tensor_model_parallel_size``
     is the TSP group size)."""
     d = config.tensor_model_parallel_size

@@ -52,8 +52,9 @@ def split(x: torch.Tensor, group_size: int, rank: int, dim: int) -> torch.Tensor
     """This rank's local slice (chunks r and 2D-1-r, concatenated) of a full-sequence tensor."""
     check_sequence_length(x.shape[dim], group_size)
     layout = TSPLayout(group_size, x.shape[dim], rank)
-    return torch.cat([x.narrow(dim, start, end - start) for start, end in layout.spans_of(rank)],
-                     dim=dim)
+    return torch.cat(
+        [x.narrow(dim, start, end - start) for start, end in layout.spans_of(rank)], dim=dim
+    )
 
 
 BATCH_SEQ_DIM = 1
@@ -104,8 +105,11 @@ def get_batch_on_this_tsp_rank(
         if value is None or group_size == 1:
             out[key] = value
         elif key == "attention_mask":
-            out[key] = (permute(permute(value, group_size, dim=-1), group_size, dim=-2)
-                        if permute_attention_mask else value)
+            out[key] = (
+                permute(permute(value, group_size, dim=-1), group_size, dim=-2)
+                if permute_attention_mask
+                else value
+            )
         elif torch.is_tensor(value) and value.dim() >= 2:
             check_sequence_length(value.shape[BATCH_SEQ_DIM], group_size)
             out[key] = permute(value, group_size, dim=BATCH_SEQ_DIM)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_tsp.core import zigzag
 from megatron_tsp.core.layout import TSPLayout, padded_length
-from megatron_tsp.inference.sampling import SamplingParams, select_next
 from megatron_tsp.core.parallel_state import get_tensor_sequence_parallel_group
+from megatron_tsp.inference.sampling import SamplingParams, select_next
 
 PREFILL_MODES = ("auto", "tsp", "tp")
 SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
@@ -74,19 +74,27 @@ def build_decode_model(tsp_model, **gpt_kwargs):
     kwargs = dict(gpt_kwargs)
     kwargs["parallel_output"] = False  # decode needs the full vocabulary on every rank
     with torch.device("meta"):
-        decode = GPTModel(config=config, transformer_layer_spec=get_gpt_block_local_sp_spec(config),
-                          vocab_size=tsp_model.vocab_size,
-                          max_sequence_length=tsp_model.max_sequence_length, **kwargs)
+        decode = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_block_local_sp_spec(config),
+            vocab_size=tsp_model.vocab_size,
+            max_sequence_length=tsp_model.max_sequence_length,
+            **kwargs,
+        )
     source = dict(tsp_model.named_parameters())
     for name, param in list(decode.named_parameters()):
         if name not in source or source[name].shape != param.shape:
-            raise ValueError(f"decode model parameter {name} {tuple(param.shape)} has no "
-                             f"counterpart in the TSP model (pass the same GPTModel arguments)")
+            raise ValueError(
+                f"decode model parameter {name} {tuple(param.shape)} has no "
+                f"counterpart in the TSP model (pass the same GPTModel arguments)"
+            )
         owner = decode.get_submodule(name.rsplit(".", 1)[0]) if "." in name else decode
         owner._parameters[name.rsplit(".", 1)[-1]] = source[name]
     if set(source) != {n for n, _ in decode.named_parameters()}:
-        raise ValueError("TSP and decode models have different parameter sets: "
-                         f"{sorted(set(source) ^ {n for n, _ in decode.named_parameters()})}")
+        raise ValueError(
+            "TSP and decode models have different parameter sets: "
+            f"{sorted(set(source) ^ {n for n, _ in decode.named_parameters()})}"
+        )
     _check_materialised(decode)
     return decode
 
@@ -112,13 +120,16 @@ def local_embedding(model, ids, positions) -> torch.Tensor:
     word = emb.word_embeddings
     if getattr(emb, "tokentype_embeddings", None) is not None:
         raise ValueError("TSP prefill does not support token-type embeddings")
-    group = word.tp_group if getattr(word, "tp_group", None) is not None else (
-        get_tensor_sequence_parallel_group())
+    group = (
+        word.tp_group
+        if getattr(word, "tp_group", None) is not None
+        else (get_tensor_sequence_parallel_group())
+    )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     local_len = ids.shape[1] // size
     mine = None
     for r in range(size):
-        owner_ids = ids[:, r * local_len:(r + 1) * local_len]
+        owner_ids = ids[:, r * local_len : (r + 1) * local_len]
         outside = (owner_ids < word.vocab_start_index) | (owner_ids >= word.vocab_end_index)
         rows = (owner_ids - word.vocab_start_index).masked_fill(outside, 0)
         part = torch.nn.functional.embedding(rows, word.weight)
@@ -129,7 +140,7 @@ def local_embedding(model, ids, positions) -> torch.Tensor:
             mine = part
         del part
     if emb.add_position_embedding:
-        local_pos = positions[:, rank * local_len:(rank + 1) * local_len]
+        local_pos = positions[:, rank * local_len : (rank + 1) * local_len]
         mine = mine + emb.position_embeddings(local_pos).transpose(0, 1)
     if emb.config.fp32_residual_connection:
         mine = mine.float()
@@ -140,10 +151,15 @@ def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> to
     """One TSP prefill pass of the TSP ``GPTModel`` over ``ids`` [b, S] (natural order, S a
     multiple of 2D) at cache offset ``context.sequence_len_offset``; returns this rank's final-norm
     hidden states of its zigzag chunks, ``[S/D, b, h]``. The layers' KV caches are filled."""
-    local = local_embedding(model, zigzag.permute(ids, size, dim=1),
-                            zigzag.permute(positions, size, dim=1))
-    return model.decoder(hidden_states=local, attention_mask=None, inference_context=context,
-                         rotary_pos_emb=rotary_table)
+    local = local_embedding(
+        model, zigzag.permute(ids, size, dim=1), zigzag.permute(positions, size, dim=1)
+    )
+    return model.decoder(
+        hidden_states=local,
+        attention_mask=None,
+        inference_context=context,
+        rotary_pos_emb=rotary_table,
+    )
 
 
 class TSPInferenceEngine:
@@ -158,17 +174,23 @@ class TSPInferenceEngine:
         config = tsp_model.config
         position = getattr(tsp_model, "position_embedding_type", "learned_absolute")
         if position not in SUPPORTED_POSITIONS:
-            raise ValueError(f"position_embedding_type={position!r}: TSP inference supports "
-                             f"{', '.join(SUPPORTED_POSITIONS)}")
+            raise ValueError(
+                f"position_embedding_type={position!r}: TSP inference supports "
+                f"{', '.join(SUPPORTED_POSITIONS)}"
+            )
         if config.flash_decode:
-            raise ValueError("--flash-decode is not supported by TSP prefill (its cache holds "
-                             "keys after RoPE)")
+            raise ValueError(
+                "--flash-decode is not supported by TSP prefill (its cache holds keys after RoPE)"
+            )
         if not (tsp_model.pre_process and tsp_model.post_process):
-            raise ValueError("TSP inference needs the whole model on each rank "
-                             "(--pipeline-model-parallel-size 1)")
+            raise ValueError(
+                "TSP inference needs the whole model on each rank "
+                "(--pipeline-model-parallel-size 1)"
+            )
         gpt_kwargs.setdefault("position_embedding_type", position)
-        gpt_kwargs.setdefault("share_embeddings_and_output_weights",
-                              tsp_model.share_embeddings_and_output_weights)
+        gpt_kwargs.setdefault(
+            "share_embeddings_and_output_weights", tsp_model.share_embeddings_and_output_weights
+        )
         if position == "rope":
             gpt_kwargs.setdefault("rotary_percent", tsp_model.rotary_percent)
             gpt_kwargs.setdefault("rotary_base", tsp_model.rotary_base)
@@ -183,8 +205,9 @@ class TSPInferenceEngine:
         self.position = position
 
     # ------------------------------------------------------------------ checks
-    def check_request(self, prompts, max_new_tokens, sampling, stop_tokens, prefill,
-                      prefill_chunk_tokens) -> None:
+    def check_request(
+        self, prompts, max_new_tokens, sampling, stop_tokens, prefill, prefill_chunk_tokens
+    ) -> None:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts: need a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
@@ -192,8 +215,10 @@ class TSPInferenceEngine:
                 raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
             bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
             if bad:
-                raise ValueError(f"prompts[{i}] has token ids {bad[:4]} outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompts[{i}] has token ids {bad[:4]} outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0")
         longest = max(len(p) for p in prompts)
@@ -201,36 +226,50 @@ class TSPInferenceEngine:
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens={max_new_tokens} = "
                 f"{longest + max_new_tokens} exceeds the model's max_sequence_length="
-                f"{self.max_positions} (--max-position-embeddings)")
+                f"{self.max_positions} (--max-position-embeddings)"
+            )
         sampling.validate(self.vocab_size)
         for t in stop_tokens:
             if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(f"stop_tokens: {t} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"stop_tokens: {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}: must be one of {PREFILL_MODES}")
         if prefill_chunk_tokens is not None:
             step = 2 * self.size
-            if (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < step
-                    or prefill_chunk_tokens % step):
+            if (
+                not isinstance(prefill_chunk_tokens, int)
+                or prefill_chunk_tokens < step
+                or prefill_chunk_tokens % step
+            ):
                 raise ValueError(
                     f"prefill_chunk_tokens={prefill_chunk_tokens!r}: must be a positive multiple "
-                    f"of 2 x tensor-sequence-parallel size = {step}")
+                    f"of 2 x tensor-sequence-parallel size = {step}"
+                )
             if prefill == "tp":
-                raise ValueError("prefill_chunk_tokens needs prefill='tsp' or 'auto' (Megatron's "
-                                 "static TP path prefills in one pass)")
+                raise ValueError(
+                    "prefill_chunk_tokens needs prefill='tsp' or 'auto' (Megatron's "
+                    "static TP path prefills in one pass)"
+                )
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 sampling: Optional[SamplingParams] = None, stop_tokens: Sequence[int] = (),
-                 prefill: str = "auto",
-                 prefill_chunk_tokens: Optional[int] = None) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Optional[SamplingParams] = None,
+        stop_tokens: Sequence[int] = (),
+        prefill: str = "auto",
+        prefill_chunk_tokens: Optional[int] = None,
+    ) -> GenerationResult:
         """Prefill the prompts (TSP, or TP when shorter than 2D tokens or ``prefill='tp'``),
         then decode up to ``max_new_tokens`` per prompt under Megatron TP=D."""
         sampling = sampling or SamplingParams()
-        self.check_request(prompts, max_new_tokens, sampling, stop_tokens, prefill,
-                           prefill_chunk_tokens)
+        self.check_request(
+            prompts, max_new_tokens, sampling, stop_tokens, prefill, prefill_chunk_tokens
+        )
         from megatron.core.inference.contexts import StaticInferenceContext
 
         batch = len(prompts)
@@ -244,7 +283,7 @@ class TSPInferenceEngine:
         context = StaticInferenceContext(batch, max(padded_end, longest + max_new_tokens))
         tokens = torch.zeros(batch, max(longest, padded_end), dtype=torch.long)
         for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.as_tensor([int(t) for t in p], dtype=torch.long)
+            tokens[i, : len(p)] = torch.as_tensor([int(t) for t in p], dtype=torch.long)
         tokens = tokens.to(self.device)
 
         self._sync()
@@ -256,14 +295,29 @@ class TSPInferenceEngine:
         self._sync()
         prefill_s = time.perf_counter() - start
         context.sequence_len_offset = shortest
-        result = GenerationResult(tokens=[[] for _ in prompts], prefill_logits=logits,
-                                  prefill_mode=mode, prefill_tokens=shortest * batch,
-                                  prefill_seconds=prefill_s, decode_tokens=0, decode_seconds=0.0,
-                                  context=context)
+        result = GenerationResult(
+            tokens=[[] for _ in prompts],
+            prefill_logits=logits,
+            prefill_mode=mode,
+            prefill_tokens=shortest * batch,
+            prefill_seconds=prefill_s,
+            decode_tokens=0,
+            decode_seconds=0.0,
+            context=context,
+        )
         if max_new_tokens == 0:
             return result
-        self._decode(prompts, tokens, lengths, logits, max_new_tokens, sampling,
-                     set(int(t) for t in stop_tokens), context, result)
+        self._decode(
+            prompts,
+            tokens,
+            lengths,
+            logits,
+            max_new_tokens,
+            sampling,
+            set(int(t) for t in stop_tokens),
+            context,
+            result,
+        )
         return result
 
     # ------------------------------------------------------------------ prefill
@@ -276,8 +330,9 @@ class TSPInferenceEngine:
         """Megatron's own TP=D prefill (static context at offset 0, causal mask)."""
         positions = self._positions(0, tokens.shape[1], tokens.shape[0])
         context.enable_prefill_mode()
-        logits = self.decode_model(tokens, positions, None, inference_context=context,
-                                   runtime_gather_output=True)
+        logits = self.decode_model(
+            tokens, positions, None, inference_context=context, runtime_gather_output=True
+        )
         return logits[:, -1]
 
     def _prefill_tsp(self, tokens, length, chunk, context):
@@ -293,7 +348,7 @@ class TSPInferenceEngine:
         for start in range(0, length, chunk):
             real = min(chunk, length - start)
             padded = padded_length(real, size)
-            ids = tokens[:, start:start + padded]
+            ids = tokens[:, start : start + padded]
             positions = self._positions(start, padded, batch)
             context.sequence_len_offset = start
             local = prefill_slice(model, ids, positions, context, table, size)
@@ -305,7 +360,8 @@ class TSPInferenceEngine:
         """Natural positions; padding beyond the model's table is clamped (its outputs and cache
         rows are never read)."""
         pos = torch.arange(start, start + count, device=self.device).clamp_(
-            max=self.max_positions - 1)
+            max=self.max_positions - 1
+        )
         return pos.unsqueeze(0).expand(batch, count)
 
     def _token_hidden(self, local, index: int, seq: int) -> torch.Tensor:
@@ -325,15 +381,20 @@ class TSPInferenceEngine:
         """[b, V] from final-norm hidden states [b, h], through the decode model's output layer
         (the same parameters; vocabulary shards gathered)."""
         model = self.decode_model
-        weight = (model.shared_embedding_or_output_weight()
-                  if model.share_embeddings_and_output_weights else None)
-        logits, _ = model.output_layer(hidden.unsqueeze(0), weight=weight,
-                                       runtime_gather_output=True)
+        weight = (
+            model.shared_embedding_or_output_weight()
+            if model.share_embeddings_and_output_weights
+            else None
+        )
+        logits, _ = model.output_layer(
+            hidden.unsqueeze(0), weight=weight, runtime_gather_output=True
+        )
         return logits[0]
 
     # ------------------------------------------------------------------ decode
-    def _decode(self, prompts, tokens, lengths, logits, max_new_tokens, sampling, stops,
-                context, result) -> None:
+    def _decode(
+        self, prompts, tokens, lengths, logits, max_new_tokens, sampling, stops, context, result
+    ) -> None:
         batch = len(prompts)
         shortest = min(lengths)
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -361,8 +422,9 @@ class TSPInferenceEngine:
                 break
             ids = torch.tensor(next_ids, dtype=torch.long, device=self.device).unsqueeze(1)
             pos = torch.full((batch, 1), position, dtype=torch.long, device=self.device)
-            logits = self.decode_model(ids, pos, None, inference_context=context,
-                                       runtime_gather_output=True)[:, -1]
+            logits = self.decode_model(
+                ids, pos, None, inference_context=context, runtime_gather_output=True
+            )[:, -1]
             context.sequence_len_offset += 1
             position += 1
             steps += 1

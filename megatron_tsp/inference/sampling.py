@@ -26,10 +26,15 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature={t!r}: must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not (
-                0 <= self.top_k <= vocab_size):
-            raise ValueError(f"top_k={self.top_k!r}: must be an integer in [0, vocab size "
-                             f"{vocab_size}] (0 = no top-k filter)")
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or not (0 <= self.top_k <= vocab_size)
+        ):
+            raise ValueError(
+                f"top_k={self.top_k!r}: must be an integer in [0, vocab size "
+                f"{vocab_size}] (0 = no top-k filter)"
+            )
         p = self.top_p
         if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p={p!r}: must be in (0, 1] (1 = no nucleus filter)")
@@ -55,12 +60,19 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def select_next(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> torch.Tensor:
+def select_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:
     """Next token per row of ``logits`` [b, V] -> [b] (int64)."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    scaled = filter_logits(logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
-                           else logits, params.top_k, params.top_p) / params.temperature
+    scaled = (
+        filter_logits(
+            logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
+            params.top_k,
+            params.top_p,
+        )
+        / params.temperature
+    )
     probs = torch.softmax(scaled, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

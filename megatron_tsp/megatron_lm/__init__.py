@@ -1,7 +1,9 @@
-"""Megatron-LM integration: ``--tensor-sequence-parallel-size D`` in an unmodified ``pretrain_gpt.py``.
+"""Megatron-LM integration: ``--tensor-sequence-parallel-size D`` in an unmodified
+``pretrain_gpt.py``.
 
 * ``install()`` hooks TSP into Megatron-LM's argument parsing/validation, batch path and model
-  building (see ``hooks.py``); ``python -m megatron_tsp.megatron_lm.launch pretrain_gpt.py ...`` calls it.
+  building (see ``hooks.py``); ``python -m megatron_tsp.megatron_lm.launch pretrain_gpt.py ...``
+  calls it.
 * ``arguments``: the "tensor-sequence parallel" argument group, translation and rejection of
   unsupported combinations.
 * ``spec``: the stage-dependent TSP block spec handed to Megatron's ``--spec``.

@@ -10,8 +10,8 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 * ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
   TSP attention never reads the S x S mask.
 
-Every combination TSP does not support (the rows of ``megatron_tsp.core.rejections``) is rejected here
-with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
+Every combination TSP does not support (the rows of ``megatron_tsp.core.rejections``) is rejected
+here with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
 
 ``--tsp-mlp`` is the hybrid for an existing TP+SP run: ``--tensor-model-parallel-size D
 --sequence-parallel --tsp-mlp`` keeps Megatron's attention and replaces only the MLP's activation
@@ -36,6 +36,7 @@ SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
 TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
 TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
+
 
 class TSPArgumentError(ValueError):
     """A command line that TSP cannot run. The message names the flags."""
@@ -108,8 +109,8 @@ def tsp_size(args) -> Optional[int]:
 def unsupported_combinations(args) -> List[str]:
     """Every reason the command line cannot run with TSP (empty: none). Pure; reads ``args``.
 
-    The reasons are the rows of ``megatron_tsp.core.rejections`` (one table shared with the specs and
-    the layers) refused by the parsed arguments.
+    The reasons are the rows of ``megatron_tsp.core.rejections`` (one table shared with the specs
+    and the layers) refused by the parsed arguments.
     """
     return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP)
 
@@ -167,8 +168,12 @@ def tsp_mlp_unsupported_combinations(args) -> List[str]:
 
 
 def _translate_tsp_mlp_args(args) -> None:
-    rejections.raise_if_any(tsp_mlp_unsupported_combinations(args), TSPArgumentError,
-                            "the command line", rejections.TSP_MLP)
+    rejections.raise_if_any(
+        tsp_mlp_unsupported_combinations(args),
+        TSPArgumentError,
+        "the command line",
+        rejections.TSP_MLP,
+    )
     user_spec = getattr(args, "spec", None)
     if user_spec and list(user_spec) != [SPEC_MODULE, TSP_MLP_SPEC_ATTR]:
         args.tsp_replaced_spec = list(user_spec)
@@ -184,10 +189,13 @@ def _check_validated_tsp_mlp_args(args) -> None:
         )
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     try:
-        rejections.check_divisible(tp, rejections.TSP_MLP,
-                                   num_attention_heads=getattr(args, "num_attention_heads", None),
-                                   num_query_groups=groups,
-                                   ffn_hidden_size=getattr(args, "ffn_hidden_size", None))
+        rejections.check_divisible(
+            tp,
+            rejections.TSP_MLP,
+            num_attention_heads=getattr(args, "num_attention_heads", None),
+            num_query_groups=groups,
+            ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        )
     except rejections.TSPRejection as exc:
         raise TSPArgumentError(str(exc)) from exc
 

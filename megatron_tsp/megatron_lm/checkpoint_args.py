@@ -11,10 +11,11 @@ the TSP spec (and fail without the launcher's hooks, or silently run TSP layers)
 ``install()`` (``hooks.py``) therefore wraps ``generate_state_dict``: the stored args are a copy
 with the user's own ``--spec`` in place of any ``megatron_tsp.megatron_lm.spec`` spec (``None``
 unless one was given; ``tsp_replaced_spec`` keeps it) and without the TSP-only attributes
-(``tensor_sequence_parallel_size`` and every ``tsp_*``, e.g. ``--tsp-mlp``'s ``tsp_mlp``). Everything
-else -- ``tensor_model_parallel_size = D`` and ``sequence_parallel`` included -- is what TP=D + SP
-stores, which is what the checkpoint is. A TSP run that loads it with ``--use-checkpoint-args``
-is translated again by ``validate_args`` (which runs after Megatron copies the checkpoint's args).
+(``tensor_sequence_parallel_size`` and every ``tsp_*``, e.g. ``--tsp-mlp``'s ``tsp_mlp``).
+Everything else -- ``tensor_model_parallel_size = D`` and ``sequence_parallel`` included -- is what
+TP=D + SP stores, which is what the checkpoint is. A TSP run that loads it with
+``--use-checkpoint-args`` is translated again by ``validate_args`` (which runs after Megatron copies
+the checkpoint's args).
 """
 
 from __future__ import annotations

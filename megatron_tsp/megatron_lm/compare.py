@@ -30,9 +30,11 @@ _MEM = re.compile(
     r"\[Rank (\d+)\].*?memory \(MB\)\s*\|\s*allocated:\s*([0-9.]+)\s*\|\s*max allocated:\s*"
     r"([0-9.]+)(?:\s*\|\s*reserved:\s*([0-9.]+))?(?:\s*\|\s*max reserved:\s*([0-9.]+))?"
 )
-_ARG = re.compile(r"^\s+(seq_length|world_size|global_batch_size|micro_batch_size|"
-                  r"tensor_model_parallel_size|tensor_sequence_parallel_size|"
-                  r"context_parallel_size|data_parallel_size)\s\.+\s(\S+)\s*$")
+_ARG = re.compile(
+    r"^\s+(seq_length|world_size|global_batch_size|micro_batch_size|"
+    r"tensor_model_parallel_size|tensor_sequence_parallel_size|"
+    r"context_parallel_size|data_parallel_size)\s\.+\s(\S+)\s*$"
+)
 
 
 @dataclass
@@ -74,16 +76,18 @@ def parse_log(path: str, name: Optional[str] = None) -> RunLog:
             m = _MEM.search(line)
             if m:
                 rank = int(m.group(1))
-                run.max_allocated_mb[rank] = max(run.max_allocated_mb.get(rank, 0.0),
-                                                 float(m.group(3)))
+                run.max_allocated_mb[rank] = max(
+                    run.max_allocated_mb.get(rank, 0.0), float(m.group(3))
+                )
                 if m.group(5):
-                    run.max_reserved_mb[rank] = max(run.max_reserved_mb.get(rank, 0.0),
-                                                    float(m.group(5)))
+                    run.max_reserved_mb[rank] = max(
+                        run.max_reserved_mb.get(rank, 0.0), float(m.group(5))
+                    )
                 continue
             m = _ITER.search(line)
             if not m:
                 continue
-            fields = {k.strip(): v for k, v in _FIELD.findall(line[m.start():] + "|")}
+            fields = {k.strip(): v for k, v in _FIELD.findall(line[m.start() :] + "|")}
             if "lm loss" not in fields:
                 continue  # skipped / nan iterations, validation lines
             run.iterations.append(int(m.group(1)))
@@ -99,15 +103,23 @@ def parse_log(path: str, name: Optional[str] = None) -> RunLog:
 
 def parse_events(path: str, name: Optional[str] = None) -> RunLog:
     """A ``RunLog`` from Megatron's TensorBoard scalars: ``lm loss``, ``iteration-time`` (s),
-    ``throughput`` (TFLOP/s/GPU), ``batch-size``, ``mem-max-allocated-bytes`` / ``mem-reserved-bytes``
-    (written by the last rank, which owns the writer) and the argument texts."""
+    ``throughput`` (TFLOP/s/GPU), ``batch-size``, ``mem-max-allocated-bytes`` /
+    ``mem-reserved-bytes`` (written by the last rank, which owns the writer) and the argument
+    texts."""
     from megatron_tsp.megatron_lm import event_files
 
     events = event_files.read_run(path)
     run = RunLog(name=name or path, path=path)
-    for key in ("seq_length", "world_size", "global_batch_size", "micro_batch_size",
-                "tensor_model_parallel_size", "tensor_sequence_parallel_size",
-                "context_parallel_size", "data_parallel_size"):
+    for key in (
+        "seq_length",
+        "world_size",
+        "global_batch_size",
+        "micro_batch_size",
+        "tensor_model_parallel_size",
+        "tensor_sequence_parallel_size",
+        "context_parallel_size",
+        "data_parallel_size",
+    ):
         if key in events.texts:
             run.args[key] = events.texts[key].strip()
     losses = events.series("lm loss")
@@ -124,8 +136,10 @@ def parse_events(path: str, name: Optional[str] = None) -> RunLog:
         run.global_batch.append(int(batch[step]) if step in batch else -1)
     world = run.arg_int("world_size")
     writer_rank = world - 1 if world else 0
-    for tag, target in (("mem-max-allocated-bytes", run.max_allocated_mb),
-                        ("mem-reserved-bytes", run.max_reserved_mb)):
+    for tag, target in (
+        ("mem-max-allocated-bytes", run.max_allocated_mb),
+        ("mem-reserved-bytes", run.max_reserved_mb),
+    ):
         values = [v for _, v in events.series(tag)]
         if values:
             target[writer_rank] = max(values) / 2**20
@@ -151,8 +165,11 @@ def summarize(run: RunLog, skip: int = 1) -> Dict[str, float]:
     ms = _mean(run.ms_per_iter[timed])
     seq = run.arg_int("seq_length")
     world = run.arg_int("world_size")
-    gbs = run.global_batch[-1] if run.global_batch and run.global_batch[-1] > 0 else (
-        run.arg_int("global_batch_size") or -1)
+    gbs = (
+        run.global_batch[-1]
+        if run.global_batch and run.global_batch[-1] > 0
+        else (run.arg_int("global_batch_size") or -1)
+    )
     tokens_per_s = gbs * seq / (ms / 1000.0) if seq and gbs > 0 and ms > 0 else math.nan
     return {
         "iterations": run.iterations[-1],
@@ -187,8 +204,9 @@ def table(runs: List[RunLog], skip: int = 1) -> str:
     cols = [max(12, len(r.name) + 2) for r in runs]
     out = ["".ljust(width) + "".join(r.name.rjust(c) for r, c in zip(runs, cols))]
     for row in rows:
-        out.append(row.ljust(width) + "".join(_fmt(s[row]).rjust(c)
-                                              for s, c in zip(summaries, cols)))
+        out.append(
+            row.ljust(width) + "".join(_fmt(s[row]).rjust(c) for s, c in zip(summaries, cols))
+        )
     common = sorted(set.intersection(*(set(r.iterations) for r in runs)))
     if common and len(runs) > 1:
         base = runs[0]
@@ -234,13 +252,22 @@ def _named(items: Sequence[str]) -> List[Tuple[str, str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_tsp.megatron_lm.compare",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("logs", nargs="+", metavar="[NAME=]LOG_OR_EVENTS",
-                        help="a Megatron log, or TensorBoard event files (file or directory)")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_tsp.megatron_lm.compare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="[NAME=]LOG_OR_EVENTS",
+        help="a Megatron log, or TensorBoard event files (file or directory)",
+    )
     parser.add_argument("--png", default=None, help="write the loss curves to this PNG")
-    parser.add_argument("--skip", type=int, default=1,
-                        help="warm-up iterations left out of time averages (default 1)")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=1,
+        help="warm-up iterations left out of time averages (default 1)",
+    )
     ns = parser.parse_args(argv)
     try:
         runs = [parse_run(path, name) for name, path in _named(ns.logs)]

@@ -60,8 +60,12 @@ VARIANTS = ("tsp", "tp", "tsp_mlp", "cp", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_TYPES = ("learned_absolute", "rope", "none")
 # Model fields that are not Megatron flags of the same name.
-_MODEL_SPECIAL = {"num_query_groups", "swiglu", "disable_bias_linear",
-                  "untie_embeddings_and_output_weights"}
+_MODEL_SPECIAL = {
+    "num_query_groups",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+}
 _PARALLEL_NOT_FLAGS = {"nodes", "gpus_per_node", "tensor_sequence_parallel_size"}
 
 
@@ -93,11 +97,16 @@ def _resolve(name_or_path: str) -> Path:
 def megatron_model_fields(shape: ModelShape, seq_length: int) -> Dict[str, Any]:
     """``shape`` at ``seq_length`` as Megatron-LM model arguments (dest form)."""
     out: Dict[str, Any] = {
-        "num_layers": shape.num_layers, "hidden_size": shape.hidden,
-        "num_attention_heads": shape.heads, "num_query_groups": shape.groups,
-        "ffn_hidden_size": shape.ffn_hidden, "vocab_size": shape.vocab,
-        "seq_length": seq_length, "max_position_embeddings": seq_length,
-        "swiglu": shape.gated, "normalization": shape.normalization,
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden,
+        "num_attention_heads": shape.heads,
+        "num_query_groups": shape.groups,
+        "ffn_hidden_size": shape.ffn_hidden,
+        "vocab_size": shape.vocab,
+        "seq_length": seq_length,
+        "max_position_embeddings": seq_length,
+        "swiglu": shape.gated,
+        "normalization": shape.normalization,
     }
     if shape.norm_epsilon is not None:
         out["norm_epsilon"] = shape.norm_epsilon
@@ -116,13 +125,16 @@ def _model_shape(model, config_path: Path) -> ModelShape:
         changes = {k: v for k, v in model.items() if k != "name"}
         model = model.get("name")
     if not isinstance(model, str):
-        raise ValueError(f"{config_path}: 'model' must name a model (one of {available_models()}) "
-                         f"or a model .json path, got {model!r}")
+        raise ValueError(
+            f"{config_path}: 'model' must name a model (one of {available_models()}) "
+            f"or a model .json path, got {model!r}"
+        )
     relative = config_path.parent / model
     if model.endswith(".json") and relative.is_file():
         model = str(relative)
-    return ModelShape.from_json({**load_model(model).to_json(), **changes},
-                                source=f"{config_path}: model")
+    return ModelShape.from_json(
+        {**load_model(model).to_json(), **changes}, source=f"{config_path}: model"
+    )
 
 
 def validate_config(cfg: dict, source: str = "config") -> None:
@@ -294,10 +306,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("config", nargs="?", help="config name in configs/ or a JSON path")
     parser.add_argument("--variant", choices=VARIANTS, default="tsp")
     parser.add_argument("--size", type=int, default=None, help="override D")
-    parser.add_argument("--part", choices=("all", "model", "training", "parallel"),
-                        default="all")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a field (section.field or field); repeatable")
+    parser.add_argument("--part", choices=("all", "model", "training", "parallel"), default="all")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field (section.field or field); repeatable",
+    )
     parser.add_argument("--lines", action="store_true", help="one argument per line")
     parser.add_argument("--get", metavar="FIELD", help="print one field (section.field)")
     parser.add_argument("--list", action="store_true", help="list the available configs")

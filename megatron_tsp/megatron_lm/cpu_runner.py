@@ -108,8 +108,13 @@ _CPU_STREAM = _CpuStream()
 def _device_properties(*args, **kwargs):
     # Megatron reads ``.major`` (architecture checks) and ``.name``; 9 = Hopper, the newest
     # architecture megatron-core 0.16 knows without Transformer Engine.
-    return types.SimpleNamespace(major=9, minor=0, name="cpu (megatron_tsp cpu_runner)",
-                                 total_memory=0, multi_processor_count=1)
+    return types.SimpleNamespace(
+        major=9,
+        minor=0,
+        name="cpu (megatron_tsp cpu_runner)",
+        total_memory=0,
+        multi_processor_count=1,
+    )
 
 
 def _zero(*args, **kwargs):
@@ -207,7 +212,7 @@ class Answer:
 
 
 def _const(value):
-    return lambda original: (lambda *a, **k: value)
+    return lambda original: lambda *a, **k: value
 
 
 def _value(value):
@@ -256,14 +261,18 @@ CUDA_ANSWERS: Sequence[Answer] = (
     # RNG: the CUDA generator is the CPU one. megatron_tsp.megatron_lm.cpu_support (applied with
     # these answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
-    Answer("torch.cuda:set_rng_state",
-           _value(lambda state, *a, **k: __import__("torch").set_rng_state(state))),
+    Answer(
+        "torch.cuda:set_rng_state",
+        _value(lambda state, *a, **k: __import__("torch").set_rng_state(state)),
+    ),
     Answer("torch.cuda.nvtx:range_push", _value(_nothing)),
     Answer("torch.cuda.nvtx:range_pop", _value(_nothing)),
     # builds of CUDA code
     Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers)),
-    Answer("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
-           lambda original: (lambda self, *a, **k: False)),
+    Answer(
+        "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
+        lambda original: lambda self, *a, **k: False,
+    ),
     Answer("megatron.legacy.fused_kernels:load", _value(_nothing)),
     # spawned helper processes
     Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner),
@@ -301,8 +310,12 @@ class CudaToCpuMode:
                     return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
                 if is_cuda(kwargs.get("device")):
                     kwargs["device"] = "cpu"
-                if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]) \
-                        and not torch.is_tensor(args[1]):
+                if (
+                    func is torch.Tensor.to
+                    and len(args) > 1
+                    and is_cuda(args[1])
+                    and not torch.is_tensor(args[1])
+                ):
                     args = (args[0], "cpu") + tuple(args[2:])
                 return func(*args, **kwargs)
 
@@ -344,10 +357,16 @@ def apply_cuda_answers() -> List[str]:
     from megatron_tsp.megatron_lm import cpu_support, patches
 
     if importlib.util.find_spec("triton") is None:
-        patches.apply(patches.CPU_RUNNER, f"{patches.STAND_IN_MODULE}:{BATCH_INVARIANT_KERNELS}",
-                      make=_triton_kernels_stand_in)
-    patches.apply(patches.CPU_RUNNER, f"{patches.STAND_IN_MODULE}:{FUSED_WEIGHT_GRADIENT}",
-                  make=lambda original: _fused_weight_gradient_module())
+        patches.apply(
+            patches.CPU_RUNNER,
+            f"{patches.STAND_IN_MODULE}:{BATCH_INVARIANT_KERNELS}",
+            make=_triton_kernels_stand_in,
+        )
+    patches.apply(
+        patches.CPU_RUNNER,
+        f"{patches.STAND_IN_MODULE}:{FUSED_WEIGHT_GRADIENT}",
+        make=lambda original: _fused_weight_gradient_module(),
+    )
     replaced = []
     for answer in CUDA_ANSWERS:
         if patches.is_active(patches.CPU_RUNNER, answer.target):
@@ -370,8 +389,11 @@ def apply_cuda_answers() -> List[str]:
 def _install_iteration_record(path: str) -> None:
     from megatron_tsp.megatron_lm import patches
 
-    patches.apply(patches.CPU_RUNNER, "megatron.training.training:training_log",
-                  make=lambda original: _recording_training_log(original, path))
+    patches.apply(
+        patches.CPU_RUNNER,
+        "megatron.training.training:training_log",
+        make=lambda original: _recording_training_log(original, path),
+    )
 
 
 def _recording_training_log(original, path: str):
@@ -388,13 +410,23 @@ def _recording_training_log(original, path: str):
         iteration = bound.arguments.get("iteration")
         dist = torch.distributed
         if dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1:
-            losses = {k: float(v) for k, v in loss_dict.items()
-                      if torch.is_tensor(v) or isinstance(v, float)}
+            losses = {
+                k: float(v)
+                for k, v in loss_dict.items()
+                if torch.is_tensor(v) or isinstance(v, float)
+            }
             with open(path, "a") as f:
-                f.write(json.dumps({"iteration": iteration, "losses": losses,
-                                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                                    "skipped": int(bound.arguments.get("skipped_iter") or 0)})
-                        + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "iteration": iteration,
+                            "losses": losses,
+                            "grad_norm": None if grad_norm is None else float(grad_norm),
+                            "skipped": int(bound.arguments.get("skipped_iter") or 0),
+                        }
+                    )
+                    + "\n"
+                )
         return original(*args, **kwargs)
 
     return training_log
@@ -455,17 +487,26 @@ class TrainingRun:
     def check(self) -> "TrainingRun":
         if self.returncode != 0:
             rank = self.failed_rank if self.failed_rank is not None else 0
-            raise RuntimeError(f"training run failed (exit {self.returncode}), rank {rank}:\n"
-                               f"{self.rank_log(rank)[-6000:]}")
+            raise RuntimeError(
+                f"training run failed (exit {self.returncode}), rank {rank}:\n"
+                f"{self.rank_log(rank)[-6000:]}"
+            )
         return self
 
 
 LOSS_KEY = "lm loss"
 
 
-def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dict] = None,
-                 python: Optional[str] = None, stock: bool = False, timeout: float = 1800,
-                 check: bool = True) -> TrainingRun:
+def run_training(
+    script: str,
+    args: Sequence[str],
+    nproc: int,
+    env: Optional[dict] = None,
+    python: Optional[str] = None,
+    stock: bool = False,
+    timeout: float = 1800,
+    check: bool = True,
+) -> TrainingRun:
     """Run ``script`` (Megatron-LM's ``pretrain_gpt.py``) on ``nproc`` CPU ranks over gloo.
 
     ``args``: Megatron's arguments (``--distributed-backend gloo`` is appended). ``env``: extra
@@ -485,24 +526,33 @@ def run_training(script: str, args: Sequence[str], nproc: int, env: Optional[dic
             rank_env = dict(os.environ)
             rank_env.update(env or {})
             rank_env.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-                PYTHONUNBUFFERED="1", **{RECORD_ENV: record},
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCHDYNAMO_DISABLE="1",
+                CUDA_DEVICE_MAX_CONNECTIONS="1",
+                PYTHONUNBUFFERED="1",
+                **{RECORD_ENV: record},
             )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
             # env's PYTHONPATH goes in front of (not instead of) the inherited one
             rank_env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (package_root, (env or {}).get("PYTHONPATH"),
-                            os.environ.get("PYTHONPATH")) if p)
+                p
+                for p in (package_root, (env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH"))
+                if p
+            )
             for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
                 rank_env.pop(name, None)
             cmd = [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", WORKER_FLAG]
             cmd += ["--stock"] if stock else []
             cmd += [script, *args, "--distributed-backend", "gloo"]
             out = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out,
-                                           stderr=subprocess.STDOUT), out))
+            procs.append(
+                (subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out)
+            )
         returncode = 0
         failed_rank = None
         try:
@@ -565,21 +615,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         usage="%(prog)s --nproc N [--summary] [--stock] -- pretrain_gpt.py ARGS...",
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
-    parser.add_argument("--summary", action="store_true",
-                        help="print only the per-iteration loss / grad norm table")
-    parser.add_argument("--stock", action="store_true",
-                        help="run the script without the TSP launcher hooks")
+    parser.add_argument(
+        "--summary", action="store_true", help="print only the per-iteration loss / grad norm table"
+    )
+    parser.add_argument(
+        "--stock", action="store_true", help="run the script without the TSP launcher hooks"
+    )
     parser.add_argument("--timeout", type=float, default=3600)
     if "--" in argv:
         split = argv.index("--")
-        ours, rest = argv[:split], argv[split + 1:]
+        ours, rest = argv[:split], argv[split + 1 :]
     else:
         ours, rest = argv, []
     opts = parser.parse_args(ours)
     if not rest:
         parser.error("give the script and its arguments after --")
-    run = run_training(rest[0], rest[1:], opts.nproc, stock=opts.stock, timeout=opts.timeout,
-                       check=False)
+    run = run_training(
+        rest[0], rest[1:], opts.nproc, stock=opts.stock, timeout=opts.timeout, check=False
+    )
     if not opts.summary or run.returncode != 0:
         sys.stdout.write(run.log)
     print(summary(run))

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 

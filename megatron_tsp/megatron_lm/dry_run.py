@@ -79,8 +79,9 @@ def dry_run_arch() -> int:
 @contextlib.contextmanager
 def no_cuda_in_validation():
     """During ``validate_args``: Megatron's architecture query answers ``dry_run_arch()``."""
-    with patches.applied(patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version",
-                         dry_run_arch):
+    with patches.applied(
+        patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version", dry_run_arch
+    ):
         yield
 
 
@@ -158,11 +159,11 @@ def _meta_device():
     """Megatron allocates parameters on ``torch.cuda.current_device()``: make that ``meta``."""
     # Tied embeddings across pipeline stages call ``weight.data.cuda()`` before an all-reduce on
     # the embedding group; a meta tensor stays where it is.
-    with patches.applied(patches.DRY_RUN, "torch.cuda:current_device",
-                         lambda: torch.device("meta")), \
-            patches.applied(patches.DRY_RUN, "torch:Tensor.cuda",
-                            lambda self, *args, **kwargs: self), \
-            torch.device("meta"):
+    with (
+        patches.applied(patches.DRY_RUN, "torch.cuda:current_device", lambda: torch.device("meta")),
+        patches.applied(patches.DRY_RUN, "torch:Tensor.cuda", lambda self, *args, **kwargs: self),
+        torch.device("meta"),
+    ):
         yield
 
 
@@ -188,7 +189,9 @@ def _init_model_parallel(args) -> None:
         ),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        order="tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp",
+        order="tp-cp-ep-dp-pp"
+        if not getattr(args, "use_tp_pp_dp_mapping", False)
+        else "tp-cp-ep-pp-dp",
         create_gloo_process_groups=False,
     )
     accepted = inspect.signature(mpu.initialize_model_parallel).parameters
@@ -203,7 +206,9 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
     pp = args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     dp = args.world_size // (tp * pp * cp)
-    order = "tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp"
+    order = (
+        "tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp"
+    )
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     return {"tp": gen.get_ranks("tp"), "dp": gen.get_ranks("dp"), "pp": gen.get_ranks("pp")}
 
@@ -214,8 +219,9 @@ def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
 
     check_sequence_length(seq_length, d)
     layout = TSPLayout(d, seq_length)
-    return [{"rank": r, "chunks": layout.chunks_of(r), "tokens": layout.spans_of(r)}
-            for r in range(d)]
+    return [
+        {"rank": r, "chunks": layout.chunks_of(r), "tokens": layout.spans_of(r)} for r in range(d)
+    ]
 
 
 def _count(models) -> Dict[str, int]:
@@ -248,8 +254,10 @@ def _layer_classes(models) -> List[str]:
             if mod is not None:
                 names.append(f"{sub}={type(mod).__module__}.{type(mod).__name__}")
             if getattr(mod, "attention_kernel_name", None):  # TSP attention: backend and mode
-                names.append(f"attention_kernel={mod.attention_kernel_name} "
-                             f"(attention_backward={mod.head_layout.backward})")
+                names.append(
+                    f"attention_kernel={mod.attention_kernel_name} "
+                    f"(attention_backward={mod.head_layout.backward})"
+                )
         final = getattr(decoder, "final_layernorm", None)
         if final is not None:
             names.append(f"final_layernorm={type(final).__module__}.{type(final).__name__}")
@@ -324,7 +332,11 @@ def _fmt_groups(groups: List[List[int]]) -> str:
 
 def print_report(report: dict) -> None:
     tsp = report["tsp"]
-    axis = f"TSP {tsp}" if tsp else f"TP {report['tp']}" + (" + SP" if report["sequence_parallel"] else "")
+    axis = (
+        f"TSP {tsp}"
+        if tsp
+        else f"TP {report['tp']}" + (" + SP" if report["sequence_parallel"] else "")
+    )
     lines = [
         "=" * 78,
         "megatron_tsp dry run (no CUDA; model on the meta device)",
@@ -365,8 +377,10 @@ def print_report(report: dict) -> None:
                 f"-> tokens {spans}"
             )
     lines.append(f"  CUDA initialized  : {'yes' if report['cuda_initialized'] else 'no'}")
-    lines.append(f"  patches           : {len(report.get('patches', []))} applied in this process "
-                 "(megatron_tsp/megatron_lm/patches.py)")
+    lines.append(
+        f"  patches           : {len(report.get('patches', []))} applied in this process "
+        "(megatron_tsp/megatron_lm/patches.py)"
+    )
     lines.extend(f"    {line}" for line in report.get("patches", []))
     lines.append("=" * 78)
     print("\n".join(lines), flush=True)

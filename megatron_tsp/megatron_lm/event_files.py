@@ -98,7 +98,7 @@ def _varint(buf: bytes, pos: int) -> Tuple[int, int]:
 
 
 def _fields(buf: bytes) -> Iterator[Tuple[int, int, Union[int, bytes]]]:
-    """(field number, wire type, value): varints as int, fixed64/32 and length-delimited as bytes."""
+    """(field number, wire type, value): varints as int; fixed64/32, length-delimited as bytes."""
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
@@ -106,12 +106,12 @@ def _fields(buf: bytes) -> Iterator[Tuple[int, int, Union[int, bytes]]]:
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
+            value, pos = buf[pos : pos + 8], pos + 8
         elif wire == 2:
             size, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + size], pos + size
+            value, pos = buf[pos : pos + size], pos + size
         elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
+            value, pos = buf[pos : pos + 4], pos + 4
         else:
             raise EventFileError(f"unsupported protobuf wire type {wire}")
         yield number, wire, value
@@ -124,7 +124,7 @@ def _signed64(value: int) -> int:
 def _packed(value: Union[int, bytes], wire: int, fmt: str) -> List[float]:
     if wire == 2:  # packed repeated
         size = struct.calcsize(fmt)
-        return [struct.unpack(fmt, value[i:i + size])[0] for i in range(0, len(value), size)]
+        return [struct.unpack(fmt, value[i : i + size])[0] for i in range(0, len(value), size)]
     if wire == 0:
         return [value]
     return [struct.unpack(fmt, value)[0]]
@@ -166,7 +166,7 @@ def _tensor_value(buf: bytes):
     if content:
         fmt = {_DT_FLOAT: "<f", _DT_DOUBLE: "<d", _DT_INT32: "<i", _DT_INT64: "<q"}.get(dtype)
         if fmt and len(content) >= struct.calcsize(fmt):
-            return float(struct.unpack(fmt, content[:struct.calcsize(fmt)])[0])
+            return float(struct.unpack(fmt, content[: struct.calcsize(fmt)])[0])
     return None
 
 
@@ -258,7 +258,7 @@ def read_run(path: str, check_crc: bool = True) -> EventRun:
             for tag, value in event.scalars.items():
                 scalars.setdefault(tag, {})[event.step] = value
             for tag, text in event.texts.items():
-                key = tag[:-len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
+                key = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
                 texts[key] = text
     return EventRun(scalars=scalars, texts=texts)
 
@@ -289,20 +289,26 @@ def _length_delimited(number: int, payload: bytes) -> bytes:
     return _key(number, 2) + _encode_varint(len(payload)) + payload
 
 
-def encode_event(step: int = 0, wall_time: float = 0.0, scalars: Sequence[Tuple[str, float]] = (),
-                 texts: Sequence[Tuple[str, str]] = (), file_version: Optional[str] = None
-                 ) -> bytes:
+def encode_event(
+    step: int = 0,
+    wall_time: float = 0.0,
+    scalars: Sequence[Tuple[str, float]] = (),
+    texts: Sequence[Tuple[str, str]] = (),
+    file_version: Optional[str] = None,
+) -> bytes:
     out = _key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) + _encode_varint(step)
     if file_version is not None:
         out += _length_delimited(3, file_version.encode())
     values = b""
     for tag, value in scalars:
-        values += _length_delimited(1, _length_delimited(1, tag.encode())
-                                    + _key(2, 5) + struct.pack("<f", value))
+        values += _length_delimited(
+            1, _length_delimited(1, tag.encode()) + _key(2, 5) + struct.pack("<f", value)
+        )
     for tag, text in texts:
         tensor = _key(1, 0) + _encode_varint(_DT_STRING) + _length_delimited(8, text.encode())
-        values += _length_delimited(1, _length_delimited(1, (tag + TEXT_SUFFIX).encode())
-                                    + _length_delimited(8, tensor))
+        values += _length_delimited(
+            1, _length_delimited(1, (tag + TEXT_SUFFIX).encode()) + _length_delimited(8, tensor)
+        )
     if values:
         out += _length_delimited(5, values)
     return out
@@ -310,8 +316,12 @@ def encode_event(step: int = 0, wall_time: float = 0.0, scalars: Sequence[Tuple[
 
 def encode_record(data: bytes) -> bytes:
     header = struct.pack("<Q", len(data))
-    return (header + struct.pack("<I", masked_crc32c(header)) + data
-            + struct.pack("<I", masked_crc32c(data)))
+    return (
+        header
+        + struct.pack("<I", masked_crc32c(header))
+        + data
+        + struct.pack("<I", masked_crc32c(data))
+    )
 
 
 def write_events(path: str, events: Sequence[bytes]) -> None:

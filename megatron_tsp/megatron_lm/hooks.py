@@ -72,8 +72,10 @@ def _describe_translation(args) -> str:
         f"world={args.world_size} = TSP {d} x PP {pp} x DP {dp}"
     )
     if getattr(args, "tsp_disabled_dataloader_mask", False):
-        text += ("; --no-create-attention-mask-in-dataloader (TSP attention does not read the "
-                 "S x S mask; none is built, broadcast or permuted)")
+        text += (
+            "; --no-create-attention-mask-in-dataloader (TSP attention does not read the "
+            "S x S mask; none is built, broadcast or permuted)"
+        )
     replaced = getattr(args, "tsp_replaced_spec", None)
     if replaced:
         text += f"; the user --spec {' '.join(replaced)} is replaced by the TSP block spec"
@@ -156,8 +158,10 @@ def install() -> None:
     _replace("megatron.training.initialize:validate_args", _wrap_validate_args)
     _replace("megatron.training.training:pretrain", _wrap_pretrain)
     _replace("megatron.training:pretrain", _wrap_pretrain)
-    _replace("megatron.training.checkpointing:generate_state_dict",
-             checkpoint_args.wrap_generate_state_dict)
+    _replace(
+        "megatron.training.checkpointing:generate_state_dict",
+        checkpoint_args.wrap_generate_state_dict,
+    )
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
     _replace(f"{GPT_MODEL}.forward", batch_guard.guard_model_forward)

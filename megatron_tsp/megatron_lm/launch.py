@@ -4,12 +4,13 @@
         --tensor-sequence-parallel-size D
 
 works wherever ``python path/to/pretrain_gpt.py ...`` works: as the command of ``torchrun``
-(``torchrun --nproc-per-node 8 -m megatron_tsp.megatron_lm.launch pretrain_gpt.py ...``) and of ``srun`` with
-one task per GPU (the SLURM rank variables are mapped to RANK / WORLD_SIZE / LOCAL_RANK when
-torchrun's are absent; MASTER_ADDR / MASTER_PORT must be exported by the batch script).
+(``torchrun --nproc-per-node 8 -m megatron_tsp.megatron_lm.launch pretrain_gpt.py ...``) and of
+``srun`` with one task per GPU (the SLURM rank variables are mapped to RANK / WORLD_SIZE /
+LOCAL_RANK when torchrun's are absent; MASTER_ADDR / MASTER_PORT must be exported by the batch
+script).
 
-The launcher puts the script's directory first on ``sys.path`` (as ``python script.py`` does, so
-the checkout's ``megatron`` package is the one imported), calls ``megatron_tsp.megatron_lm.install()``
+The launcher puts the script's directory first on ``sys.path`` (as ``python script.py`` does, so the
+checkout's ``megatron`` package is the one imported), calls ``megatron_tsp.megatron_lm.install()``
 and runs the script as ``__main__``. Without ``--tensor-sequence-parallel-size`` the run is stock
 Megatron-LM. ``--tsp-dry-run`` validates the command line and builds one rank's model on the meta
 device without CUDA.
@@ -52,8 +53,9 @@ def map_slurm_env(environ=os.environ) -> List[str]:
         set_names.append("LOCAL_WORLD_SIZE")
     if int(environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in environ:
         raise SystemExit(
-            "megatron_tsp.megatron_lm.launch: running under srun without MASTER_ADDR; export MASTER_ADDR "
-            "(e.g. the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`) and "
+            "megatron_tsp.megatron_lm.launch: running under srun without MASTER_ADDR; "
+            "export MASTER_ADDR (e.g. the first host of "
+            "`scontrol show hostnames $SLURM_JOB_NODELIST`) and "
             "MASTER_PORT in the batch script"
         )
     environ.setdefault("MASTER_PORT", "6000")
@@ -68,8 +70,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     script = argv[0]
     if not script.endswith(".py") or not os.path.isfile(script):
-        print(f"megatron_tsp.megatron_lm.launch: error: {script!r} is not a Python script\n{USAGE}",
-              file=sys.stderr)
+        print(
+            f"megatron_tsp.megatron_lm.launch: error: {script!r} is not a Python script\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     script = os.path.abspath(script)
     script_dir = os.path.dirname(script)
@@ -79,8 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     preloaded = sys.modules.get("megatron.core")
     if preloaded is not None and not os.path.abspath(preloaded.__file__).startswith(script_dir):
         print(
-            f"megatron_tsp.megatron_lm.launch: warning: megatron.core was imported from {preloaded.__file__} "
-            f"before the checkout {script_dir} was put on sys.path",
+            "megatron_tsp.megatron_lm.launch: warning: megatron.core was imported from "
+            f"{preloaded.__file__} before the checkout {script_dir} was put on sys.path",
             file=sys.stderr,
         )
     sys.argv = [script] + argv[1:]

@@ -89,8 +89,9 @@ class Patch:
 
 
 def _p(mode, target, reason, params=None, versions=MEGATRON_VERSIONS, optional=False) -> Patch:
-    return Patch(mode, target, reason, None if params is None else tuple(params),
-                 tuple(versions), optional)
+    return Patch(
+        mode, target, reason, None if params is None else tuple(params), tuple(versions), optional
+    )
 
 
 _DEVICE = ("device",)
@@ -98,45 +99,90 @@ _TRAINING = "megatron.training"
 _GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
 
 _LAUNCH_PATCHES = [
-    _p(LAUNCH, f"{_TRAINING}.arguments:add_megatron_arguments",
-       "adds the tensor-sequence parallel argument group (parse_args calls it by module global)",
-       ("parser",)),
-    _p(LAUNCH, f"{_TRAINING}.arguments:validate_args",
-       "translates the TSP flags before Megatron's world-size arithmetic, then checks them",
-       ("args", "defaults")),
-    _p(LAUNCH, f"{_TRAINING}.initialize:validate_args",
-       "the same, where initialize imports validate_args by name", ("args", "defaults"),
-       versions=("0.16",)),
+    _p(
+        LAUNCH,
+        f"{_TRAINING}.arguments:add_megatron_arguments",
+        "adds the tensor-sequence parallel argument group (parse_args calls it by module global)",
+        ("parser",),
+    ),
+    _p(
+        LAUNCH,
+        f"{_TRAINING}.arguments:validate_args",
+        "translates the TSP flags before Megatron's world-size arithmetic, then checks them",
+        ("args", "defaults"),
+    ),
+    _p(
+        LAUNCH,
+        f"{_TRAINING}.initialize:validate_args",
+        "the same, where initialize imports validate_args by name",
+        ("args", "defaults"),
+        versions=("0.16",),
+    ),
     _p(LAUNCH, f"{_TRAINING}.training:pretrain", "--tsp-dry-run replaces the training run"),
     _p(LAUNCH, f"{_TRAINING}:pretrain", "--tsp-dry-run (pretrain_gpt.py imports it from here)"),
-    _p(LAUNCH, f"{_TRAINING}.checkpointing:generate_state_dict",
-       "checkpoints store the args of a stock TP=D + SP run", ("args",)),
-    _p(LAUNCH, "megatron.core.utils:get_batch_on_this_cp_rank",
-       "zigzag permutation of each micro-batch after the TP broadcast (0.19 scripts import it "
-       "from here)", ("batch",)),
-    _p(LAUNCH, f"{_TRAINING}.utils:get_batch_on_this_cp_rank",
-       "zigzag permutation (core_v0.16 scripts import it from here)", ("batch",),
-       versions=("0.16",)),
-    _p(LAUNCH, f"{_GPT_MODEL}.__init__",
-       "resolves the stage-dependent TSP block spec function (core_v0.16 passes --spec as is)",
-       ("self", "config", "transformer_layer_spec", "pg_collection", "vp_stage")),
-    _p(LAUNCH, f"{_GPT_MODEL}.forward",
-       "lets TSP attention refuse tokens that skipped the zigzag hook (core/batch_guard.py)",
-       ("self", "input_ids")),
+    _p(
+        LAUNCH,
+        f"{_TRAINING}.checkpointing:generate_state_dict",
+        "checkpoints store the args of a stock TP=D + SP run",
+        ("args",),
+    ),
+    _p(
+        LAUNCH,
+        "megatron.core.utils:get_batch_on_this_cp_rank",
+        "zigzag permutation of each micro-batch after the TP broadcast (0.19 scripts import it "
+        "from here)",
+        ("batch",),
+    ),
+    _p(
+        LAUNCH,
+        f"{_TRAINING}.utils:get_batch_on_this_cp_rank",
+        "zigzag permutation (core_v0.16 scripts import it from here)",
+        ("batch",),
+        versions=("0.16",),
+    ),
+    _p(
+        LAUNCH,
+        f"{_GPT_MODEL}.__init__",
+        "resolves the stage-dependent TSP block spec function (core_v0.16 passes --spec as is)",
+        ("self", "config", "transformer_layer_spec", "pg_collection", "vp_stage"),
+    ),
+    _p(
+        LAUNCH,
+        f"{_GPT_MODEL}.forward",
+        "lets TSP attention refuse tokens that skipped the zigzag hook (core/batch_guard.py)",
+        ("self", "input_ids"),
+    ),
 ]
 
 _CPU_SUPPORT_PATCHES = [
     _p(CPU_SUPPORT, "torch.cuda:current_device", "megatron-core allocates buffers there", ()),
     _p(CPU_SUPPORT, "torch.cuda:get_rng_state", "the RNG tracker saves 'CUDA' states", _DEVICE),
     _p(CPU_SUPPORT, "torch.cuda:manual_seed", "model_parallel_cuda_manual_seed", ("seed",)),
-    _p(CPU_SUPPORT, "megatron.core.transformer.utils:get_default_causal_mask",
-       "local attention builds its causal mask with device='cuda'", ("sq",)),
-    _p(CPU_SUPPORT, "megatron.core.fusions.fused_softmax:get_default_causal_mask",
-       "the same function, imported by name into the softmax module", ("sq",)),
-    _p(CPU_SUPPORT, "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
-       "the RNG tracker restores CUDA generator states", ("new_state",)),
-    _p(CPU_SUPPORT, "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
-       "the RNG tracker reads CUDA generator states", (), optional=True),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.transformer.utils:get_default_causal_mask",
+        "local attention builds its causal mask with device='cuda'",
+        ("sq",),
+    ),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.fusions.fused_softmax:get_default_causal_mask",
+        "the same function, imported by name into the softmax module",
+        ("sq",),
+    ),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        "the RNG tracker restores CUDA generator states",
+        ("new_state",),
+    ),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+        "the RNG tracker reads CUDA generator states",
+        (),
+        optional=True,
+    ),
 ]
 
 # pretrain_gpt.py on CPU ranks: each CUDA-only call of the loop (the answers themselves are
@@ -144,16 +190,24 @@ _CPU_SUPPORT_PATCHES = [
 _MEMORY_REPORT = "memory report (no device memory on CPU: 0)"
 _CPU_RUNNER_PATCHES = [
     _p(CPU_RUNNER, "torch.cuda:is_available", "initialize_megatron asserts CUDA first", ()),
-    _p(CPU_RUNNER, "torch.cuda:device_count",
-       "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed", ()),
+    _p(
+        CPU_RUNNER,
+        "torch.cuda:device_count",
+        "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed",
+        (),
+    ),
     _p(CPU_RUNNER, "torch.cuda:set_device", "one CPU 'device' per rank", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:get_device_properties", "architecture checks read .major",
-       _DEVICE),
+    _p(CPU_RUNNER, "torch.cuda:get_device_properties", "architecture checks read .major", _DEVICE),
     _p(CPU_RUNNER, "torch.cuda:get_device_capability", "architecture checks", _DEVICE),
     _p(CPU_RUNNER, "torch.cuda:get_device_name", "printed in start-up reports", _DEVICE),
-    _p(CPU_RUNNER, "torch.accelerator:is_available",
-       "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA build "
-       "of torch and no driver that initialises CUDA and fails", (), optional=True),
+    _p(
+        CPU_RUNNER,
+        "torch.accelerator:is_available",
+        "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA build "
+        "of torch and no driver that initialises CUDA and fails",
+        (),
+        optional=True,
+    ),
     _p(CPU_RUNNER, "torch.cuda:Stream", "DDP / optimizer side streams (CPU work is ordered)"),
     _p(CPU_RUNNER, "torch.cuda:Event", "timers and overlap bookkeeping"),
     _p(CPU_RUNNER, "torch.cuda:current_stream", "stream ordering", _DEVICE),
@@ -170,69 +224,134 @@ _CPU_RUNNER_PATCHES = [
     _p(CPU_RUNNER, "torch.cuda:memory_stats", _MEMORY_REPORT, _DEVICE),
     _p(CPU_RUNNER, "torch.cuda:device_memory_used", _MEMORY_REPORT, _DEVICE, optional=True),
     _p(CPU_RUNNER, "torch.cuda:mem_get_info", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:set_rng_state",
-       "checkpoints save and restore the 'CUDA' RNG state", ("new_state",)),
+    _p(
+        CPU_RUNNER,
+        "torch.cuda:set_rng_state",
+        "checkpoints save and restore the 'CUDA' RNG state",
+        ("new_state",),
+    ),
     _p(CPU_RUNNER, "torch.cuda.nvtx:range_push", "profiling ranges", ("msg",), optional=True),
     _p(CPU_RUNNER, "torch.cuda.nvtx:range_pop", "profiling ranges", (), optional=True),
-    _p(CPU_RUNNER, "megatron.core.datasets.utils:compile_helpers",
-       "rank 0 runs `make` for the dataset index helpers; the compiled .so must be there", ()),
-    _p(CPU_RUNNER, "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
-       "the fused softmax CUDA kernels are imported when fp16/bf16 shapes qualify; without them "
-       "Megatron's own torch softmax runs", ("self",)),
-    _p(CPU_RUNNER, "megatron.legacy.fused_kernels:load",
-       "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
-       ("args",), versions=("0.16",), optional=True),
-    _p(CPU_RUNNER, "multiprocessing.spawn:get_preparation_data",
-       "the checkpoint writer's 'spawn' Manager child would re-run pretrain_gpt.py without these "
-       "answers; children import the runner module instead", ("name",)),
-    _p(CPU_RUNNER, f"{_TRAINING}.initialize:_warmup_jit_function",
-       "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights"),
-    _p(CPU_RUNNER, f"{_TRAINING}.training:training_log",
-       "records the full-precision loss and grad norm per iteration (TSP_CPU_RUNNER_RECORD)",
-       ("loss_dict", "iteration", "skipped_iter", "grad_norm")),
-    _p(CPU_RUNNER, f"{STAND_IN_MODULE}:fused_weight_gradient_mlp_cuda",
-       "apex's gradient-accumulation-fusion kernels (imported by tensor_parallel.layers): a torch "
-       "stand-in accumulating in fp32", ("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16")),
-    _p(CPU_RUNNER,
-       f"{STAND_IN_MODULE}:megatron.core.transformer.custom_layers.batch_invariant_kernels",
-       "training.initialize imports these Triton kernels at import time; without triton a "
-       "stand-in refuses --batch-invariant-mode",
-       ("enable_batch_invariant_mode", "set_batch_invariant_mode",
-        "disable_batch_invariant_mode", "is_batch_invariant_mode_enabled"), optional=True),
+    _p(
+        CPU_RUNNER,
+        "megatron.core.datasets.utils:compile_helpers",
+        "rank 0 runs `make` for the dataset index helpers; the compiled .so must be there",
+        (),
+    ),
+    _p(
+        CPU_RUNNER,
+        "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
+        "the fused softmax CUDA kernels are imported when fp16/bf16 shapes qualify; without them "
+        "Megatron's own torch softmax runs",
+        ("self",),
+    ),
+    _p(
+        CPU_RUNNER,
+        "megatron.legacy.fused_kernels:load",
+        "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
+        ("args",),
+        versions=("0.16",),
+        optional=True,
+    ),
+    _p(
+        CPU_RUNNER,
+        "multiprocessing.spawn:get_preparation_data",
+        "the checkpoint writer's 'spawn' Manager child would re-run pretrain_gpt.py without these "
+        "answers; children import the runner module instead",
+        ("name",),
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{_TRAINING}.initialize:_warmup_jit_function",
+        "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights",
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{_TRAINING}.training:training_log",
+        "records the full-precision loss and grad norm per iteration (TSP_CPU_RUNNER_RECORD)",
+        ("loss_dict", "iteration", "skipped_iter", "grad_norm"),
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{STAND_IN_MODULE}:fused_weight_gradient_mlp_cuda",
+        "apex's gradient-accumulation-fusion kernels (imported by tensor_parallel.layers): a torch "
+        "stand-in accumulating in fp32",
+        ("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{STAND_IN_MODULE}:megatron.core.transformer.custom_layers.batch_invariant_kernels",
+        "training.initialize imports these Triton kernels at import time; without triton a "
+        "stand-in refuses --batch-invariant-mode",
+        (
+            "enable_batch_invariant_mode",
+            "set_batch_invariant_mode",
+            "disable_batch_invariant_mode",
+            "is_batch_invariant_mode_enabled",
+        ),
+        optional=True,
+    ),
 ]
 
 _DRY_RUN_PATCHES = [
-    _p(DRY_RUN, f"{_TRAINING}.arguments:get_device_arch_version",
-       "validate_args asks the GPU architecture; the dry run reports TSP_DRY_RUN_ARCH (during "
-       "validation only)", ()),
+    _p(
+        DRY_RUN,
+        f"{_TRAINING}.arguments:get_device_arch_version",
+        "validate_args asks the GPU architecture; the dry run reports TSP_DRY_RUN_ARCH (during "
+        "validation only)",
+        (),
+    ),
     _p(DRY_RUN, "torch.cuda:current_device", "the model is built on the meta device", ()),
-    _p(DRY_RUN, "torch:Tensor.cuda",
-       "tied embeddings across stages call weight.data.cuda(); a meta tensor stays put"),
+    _p(
+        DRY_RUN,
+        "torch:Tensor.cuda",
+        "tied embeddings across stages call weight.data.cuda(); a meta tensor stays put",
+    ),
 ]
 
 _FAKE_RUN_PATCHES = [
-    _p(FAKE_RUN, "megatron.core.models.common.embeddings.rotary_pos_embedding:"
-       "get_pos_emb_on_this_cp_rank",
-       "builds its index on CUDA; the CPU version selects the same two chunks",
-       ("pos_emb", "seq_dim", "cp_group")),
-    _p(FAKE_RUN, "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
-       "FakeTensorMode cannot dispatch torch's coalescing manager; the bucket collectives run "
-       "one by one (same buffers, same bytes)", ("group",)),
-    _p(FAKE_RUN, "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
-       "fork compares RNG states with .item(), which a fake tensor cannot answer (dropout is 0; "
-       "patched on the tracker instance)", ("self", "name")),
+    _p(
+        FAKE_RUN,
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+        "builds its index on CUDA; the CPU version selects the same two chunks",
+        ("pos_emb", "seq_dim", "cp_group"),
+    ),
+    _p(
+        FAKE_RUN,
+        "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+        "FakeTensorMode cannot dispatch torch's coalescing manager; the bucket collectives run "
+        "one by one (same buffers, same bytes)",
+        ("group",),
+    ),
+    _p(
+        FAKE_RUN,
+        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+        "fork compares RNG states with .item(), which a fake tensor cannot answer (dropout is 0; "
+        "patched on the tracker instance)",
+        ("self", "name"),
+    ),
 ]
 
 # CommCounter: the torch.distributed entry points (op -> the parameter holding the payload) and
 # the names megatron-core binds at import time.
 COUNTED_OPS = {
-    "all_reduce": "tensor", "all_gather": "tensor_list",
-    "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
-    "all_gather_single": "output_tensor", "reduce_scatter": "input_list",
-    "reduce_scatter_tensor": "input", "_reduce_scatter_base": "input",
-    "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
-    "all_to_all_single": "input", "broadcast": "tensor", "reduce": "tensor", "send": "tensor",
-    "isend": "tensor", "recv": "tensor", "irecv": "tensor",
+    "all_reduce": "tensor",
+    "all_gather": "tensor_list",
+    "all_gather_into_tensor": "output_tensor",
+    "_all_gather_base": "output_tensor",
+    "all_gather_single": "output_tensor",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_tensor": "input",
+    "_reduce_scatter_base": "input",
+    "reduce_scatter_single": "input",
+    "all_to_all": "input_tensor_list",
+    "all_to_all_single": "input",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "send": "tensor",
+    "isend": "tensor",
+    "recv": "tensor",
+    "irecv": "tensor",
 }
 _NEW_IN_TORCH_2_13 = ("all_gather_single", "reduce_scatter_single")
 _P2P_OP_CHECKS = ("isend", "irecv", "send", "recv")
@@ -241,32 +360,72 @@ MEGATRON_BOUND_COLLECTIVES = {
     "dist_reduce_scatter_func": ("output", "input", "op", "group"),
 }
 _COUNTER_PATCHES = (
-    [_p(COUNTER, f"torch.distributed:{op}", "counted (payload and group read by name)",
-        (payload, "group"), optional=op in _NEW_IN_TORCH_2_13)
-     for op, payload in COUNTED_OPS.items()]
-    + [_p(COUNTER, f"torch.distributed.distributed_c10d:{op}",
-          "P2POp validates its op against these globals: counted under both names",
-          ("tensor", "group")) for op in _P2P_OP_CHECKS]
-    + [_p(COUNTER, "torch.distributed.distributed_c10d:" + op,
-          "the same global identity for the collectives", (payload, "group"))
-       for op, payload in COUNTED_OPS.items()
-       if op not in _P2P_OP_CHECKS and op not in _NEW_IN_TORCH_2_13]
-    + [_p(COUNTER, "torch.distributed:batch_isend_irecv", "counts each P2POp of the batch",
-          ("p2p_op_list",))]
-    + [_p(COUNTER, f"megatron.core.tensor_parallel.{module}:{name}",
-          "megatron-core binds this collective by name at import", params)
-       for module in ("mappings", "layers") for name, params in MEGATRON_BOUND_COLLECTIVES.items()]
+    [
+        _p(
+            COUNTER,
+            f"torch.distributed:{op}",
+            "counted (payload and group read by name)",
+            (payload, "group"),
+            optional=op in _NEW_IN_TORCH_2_13,
+        )
+        for op, payload in COUNTED_OPS.items()
+    ]
+    + [
+        _p(
+            COUNTER,
+            f"torch.distributed.distributed_c10d:{op}",
+            "P2POp validates its op against these globals: counted under both names",
+            ("tensor", "group"),
+        )
+        for op in _P2P_OP_CHECKS
+    ]
+    + [
+        _p(
+            COUNTER,
+            "torch.distributed.distributed_c10d:" + op,
+            "the same global identity for the collectives",
+            (payload, "group"),
+        )
+        for op, payload in COUNTED_OPS.items()
+        if op not in _P2P_OP_CHECKS and op not in _NEW_IN_TORCH_2_13
+    ]
+    + [
+        _p(
+            COUNTER,
+            "torch.distributed:batch_isend_irecv",
+            "counts each P2POp of the batch",
+            ("p2p_op_list",),
+        )
+    ]
+    + [
+        _p(
+            COUNTER,
+            f"megatron.core.tensor_parallel.{module}:{name}",
+            "megatron-core binds this collective by name at import",
+            params,
+        )
+        for module in ("mappings", "layers")
+        for name, params in MEGATRON_BOUND_COLLECTIVES.items()
+    ]
 )
 
 _GENERATE_PATCHES = [
-    _p(GENERATE, "torch.cuda:synchronize",
-       "torch_dist's reader and writer synchronize the CUDA stream; nothing to wait for on CPU",
-       _DEVICE),
+    _p(
+        GENERATE,
+        "torch.cuda:synchronize",
+        "torch_dist's reader and writer synchronize the CUDA stream; nothing to wait for on CPU",
+        _DEVICE,
+    ),
 ]
 
 REGISTRY: Tuple[Patch, ...] = tuple(
-    _LAUNCH_PATCHES + _CPU_SUPPORT_PATCHES + _CPU_RUNNER_PATCHES + _DRY_RUN_PATCHES
-    + _FAKE_RUN_PATCHES + _COUNTER_PATCHES + _GENERATE_PATCHES
+    _LAUNCH_PATCHES
+    + _CPU_SUPPORT_PATCHES
+    + _CPU_RUNNER_PATCHES
+    + _DRY_RUN_PATCHES
+    + _FAKE_RUN_PATCHES
+    + _COUNTER_PATCHES
+    + _GENERATE_PATCHES
 )
 
 
@@ -352,8 +511,9 @@ def _megatron_lm_importable() -> bool:
         return False
 
 
-def apply(mode: str, target: str, replacement=_MISSING, *, make: Optional[Callable] = None,
-          owner=None):
+def apply(
+    mode: str, target: str, replacement=_MISSING, *, make: Optional[Callable] = None, owner=None
+):
     """Replace the declared ``target`` by ``replacement`` (or ``make(original)``); returns the
     original. ``owner``: patch this object instead of the target's (an instance of the target's
     class). Applying an applied patch again changes nothing. A target absent where the registry
@@ -417,8 +577,9 @@ def _apply_stand_in(patch: Patch, replacement, make):
         return None
     module = make(None) if make is not None else replacement
     sys.modules[name] = module
-    _ACTIVE[(patch.mode, patch.target)] = _Applied(patch, sys.modules, name, _MISSING, False,
-                                                   module)
+    _ACTIVE[(patch.mode, patch.target)] = _Applied(
+        patch, sys.modules, name, _MISSING, False, module
+    )
     _HISTORY.append(patch)
     return None
 
@@ -497,8 +658,10 @@ def signature_problem(patch: Patch, names: Optional[Sequence[str]]) -> Optional[
     remaining = iter(names)
     if all(any(n == want for n in remaining) for want in patch.params):
         return None
-    return (f"{patch.target} ({patch.mode}): expected parameters {list(patch.params)} in this "
-            f"order, found {list(names)}")
+    return (
+        f"{patch.target} ({patch.mode}): expected parameters {list(patch.params)} in this "
+        f"order, found {list(names)}"
+    )
 
 
 def check_installed(patches: Sequence[Patch] = REGISTRY) -> List[str]:
@@ -515,12 +678,16 @@ def check_installed(patches: Sequence[Patch] = REGISTRY) -> List[str]:
             target = _unpatched(getattr(owner, attr))
         except (ImportError, AttributeError):
             if present_expected and not patch.optional:
-                problems.append(f"{patch.target} ({patch.mode}): missing in the installed "
-                                f"{patch.owner_kind} (megatron-core {version})")
+                problems.append(
+                    f"{patch.target} ({patch.mode}): missing in the installed "
+                    f"{patch.owner_kind} (megatron-core {version})"
+                )
             continue
         if not present_expected:
-            problems.append(f"{patch.target} ({patch.mode}): exists in megatron-core {version}, "
-                            f"registry says only {patch.versions}")
+            problems.append(
+                f"{patch.target} ({patch.mode}): exists in megatron-core {version}, "
+                f"registry says only {patch.versions}"
+            )
         if patch.params is not None:
             problem = signature_problem(patch, parameter_names(target))
             if problem:
@@ -558,8 +725,12 @@ def _bindings(statements, found: dict) -> dict:
             names = [(t.id, node) for t in targets if isinstance(t, ast.Name)]
         for name, value in names:
             is_def = isinstance(value, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            if name not in found or (is_def and not isinstance(
-                    found[name], (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))):
+            if name not in found or (
+                is_def
+                and not isinstance(
+                    found[name], (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                )
+            ):
                 found[name] = value
         for block in ("body", "orelse", "finalbody"):
             if isinstance(node, (ast.If, ast.Try, ast.With)) and getattr(node, block, None):
@@ -661,8 +832,7 @@ def check_tree(tree: str, patches: Sequence[Patch] = REGISTRY) -> List[str]:
         if patch.params is None:
             continue
         if kind == "module":
-            missing = [n for n in patch.params
-                       if _source_definition(tree, name, (n,)) is None]
+            missing = [n for n in patch.params if _source_definition(tree, name, (n,)) is None]
             if missing:
                 problems.append(f"{label}: the module lacks {missing}")
         elif kind == "def":

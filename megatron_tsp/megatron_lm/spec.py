@@ -7,9 +7,10 @@ only when the model is built, not when the arguments are parsed. ``tsp_block_spe
 
 * Megatron-LM 0.19 / main builds the model from ``GPTModelConfig.transformer_layer_spec``, which
   may be a callable taking ``(model_config, vp_stage=...)``: it calls this function itself.
-* Megatron-LM core_v0.16 hands the ``--spec`` object to ``GPTModel`` as-is. ``install_gpt_model_hook``
-  wraps ``GPTModel.__init__`` so that when (and only when) the spec argument is this function, it
-  is resolved with the model's config, ``vp_stage`` and pipeline rank before the block is built.
+* Megatron-LM core_v0.16 hands the ``--spec`` object to ``GPTModel`` as-is.
+  ``install_gpt_model_hook`` wraps ``GPTModel.__init__`` so that when (and only when) the spec
+  argument is this function, it is resolved with the model's config, ``vp_stage`` and pipeline rank
+  before the block is built.
 
 ``--normalization``, ``--swiglu``, ``--disable-bias-linear``, ``--group-query-attention`` /
 ``--num-query-groups`` and ``--position-embedding-type rope`` all reach the TSP layers through the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 from typing import Optional
+
 
 def _transformer_config(config):
     """A ``TransformerConfig`` from either a TransformerConfig or 0.19's ``GPTModelConfig``."""
@@ -137,8 +139,9 @@ def tp_sp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
     from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
     cfg = _transformer_config(config)
-    return get_gpt_block_local_sp_spec(cfg, normalization=cfg.normalization, vp_stage=vp_stage,
-                                       pp_rank=pp_rank)
+    return get_gpt_block_local_sp_spec(
+        cfg, normalization=cfg.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
 
 
 tp_sp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Benchmark TSP against Megatron TP+SP and plain TP: step time and bytes communicated.
 
-``megatron-tsp bench`` (or ``python -m megatron_tsp.tools.bench``) spawns one gloo group per world size
-D (default 2 and 4 ranks on this machine's CPUs) and, inside it, builds the same transformer
+``megatron-tsp bench`` (or ``python -m megatron_tsp.tools.bench``) spawns one gloo group per world
+size D (default 2 and 4 ranks on this machine's CPUs) and, inside it, builds the same transformer
 layer stack (a Megatron ``TransformerBlock``, same initial weights) three times:
 
 * ``tsp``   - the TSP layers (``get_gpt_block_tsp_spec``), D-way weight AND zigzag-token shards;
@@ -43,7 +43,7 @@ VARIANTS = ("tsp", "tp_sp", "tp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "tp": "TP"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 PHASE_KEYS = ("attn_fwd", "attn_bwd", "mlp_fwd", "mlp_bwd", "grad_sync", "other")
-MiB = 2.0 ** 20
+MiB = 2.0**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,34 +55,56 @@ def _int_list(text: str) -> List[int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-tsp bench", description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=_int_list, default=[2, 4],
-                   help="comma list of group sizes D; one spawned gloo group each (default 2,4)")
-    p.add_argument("--seq-lengths", type=_int_list, default=[256, 512, 1024, 2048, 4096],
-                   help="comma list of sequence lengths S (each divisible by 2*D)")
+    p.add_argument(
+        "--world-sizes",
+        type=_int_list,
+        default=[2, 4],
+        help="comma list of group sizes D; one spawned gloo group each (default 2,4)",
+    )
+    p.add_argument(
+        "--seq-lengths",
+        type=_int_list,
+        default=[256, 512, 1024, 2048, 4096],
+        help="comma list of sequence lengths S (each divisible by 2*D)",
+    )
     p.add_argument("--steps", type=int, default=3, help="measured steps per (D, S, variant)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps (not measured)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list among tsp,tp_sp,tp")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list among tsp,tp_sp,tp")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--num-query-groups", type=int, default=None, help="default: heads (MHA)")
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden")
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--style", choices=["llama", "gpt2"], default="llama",
-                   help="llama: RMSNorm+SwiGLU+RoPE, no biases; gpt2: LayerNorm+GELU+biases")
+    p.add_argument(
+        "--style",
+        choices=["llama", "gpt2"],
+        default="llama",
+        help="llama: RMSNorm+SwiGLU+RoPE, no biases; gpt2: LayerNorm+GELU+biases",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--baseline-attention", choices=["sdpa", "local"], default="sdpa",
-                   help="core attention of the TP / TP+SP baselines: torch SDPA (flash-style "
-                        "fused kernel, like TSP's and like TE flash on GPUs; default) or Megatron's "
-                        "unfused DotProductAttention (materialises [b, np/D, S, S] scores)")
+    p.add_argument(
+        "--baseline-attention",
+        choices=["sdpa", "local"],
+        default="sdpa",
+        help="core attention of the TP / TP+SP baselines: torch SDPA (flash-style "
+        "fused kernel, like TSP's and like TE flash on GPUs; default) or Megatron's "
+        "unfused DotProductAttention (materialises [b, np/D, S, S] scores)",
+    )
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max relative loss difference between variants (default 1e-4 fp32, "
-                        "1e-9 fp64, 3e-2 bf16)")
-    p.add_argument("--quick", action="store_true",
-                   help="S in {256, 1024}, 2 measured steps: a sanity run of ~1 minute")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max relative loss difference between variants (default 1e-4 fp32, "
+        "1e-9 fp64, 3e-2 bf16)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="S in {256, 1024}, 2 measured steps: a sanity run of ~1 minute",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="gloo timeout (s)")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the raw results here")
@@ -105,9 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if d < 2:
             p.error("--world-sizes: every D must be >= 2 (D=1 has no communication)")
         try:
-            rejections.check_divisible(d, num_attention_heads=args.num_attention_heads,
-                                       num_query_groups=args.num_query_groups,
-                                       ffn_hidden_size=args.ffn_hidden_size)
+            rejections.check_divisible(
+                d,
+                num_attention_heads=args.num_attention_heads,
+                num_query_groups=args.num_query_groups,
+                ffn_hidden_size=args.ffn_hidden_size,
+            )
         except rejections.TSPRejection as exc:
             p.error(f"--world-sizes D={d}: {exc}")
         for s in args.seq_lengths:
@@ -145,10 +170,15 @@ def machine_info(threads_per_rank: int) -> Dict[str, object]:
     except (OSError, ValueError, IndexError):
         mem_gib = None
     return {
-        "cpu_model": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
+        "cpu_model": cpu,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
         "memory_gib": round(mem_gib, 1) if mem_gib else None,
-        "torch": torch.__version__, "megatron_core": mcore, "python": platform.python_version(),
-        "platform": platform.platform(), "threads_per_rank": threads_per_rank,
+        "torch": torch.__version__,
+        "megatron_core": mcore,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads_per_rank": threads_per_rank,
         "backend": "gloo (TCP loopback)",
     }
 
@@ -167,11 +197,18 @@ def layer_shape(args, seq: int):
     from megatron_tsp.tools.estimator.formulas import LayerShape
 
     llama = args.style == "llama"
-    return LayerShape(batch=args.micro_batch_size, seq=seq, hidden=args.hidden_size,
-                      heads=args.num_attention_heads, query_groups=args.num_query_groups,
-                      ffn=args.ffn_hidden_size, gated=llama, bias=not llama,
-                      dtype_bytes=torch.tensor([], dtype=DTYPES[args.dtype]).element_size(),
-                      normalization="RMSNorm" if llama else "LayerNorm")
+    return LayerShape(
+        batch=args.micro_batch_size,
+        seq=seq,
+        hidden=args.hidden_size,
+        heads=args.num_attention_heads,
+        query_groups=args.num_query_groups,
+        ffn=args.ffn_hidden_size,
+        gated=llama,
+        bias=not llama,
+        dtype_bytes=torch.tensor([], dtype=DTYPES[args.dtype]).element_size(),
+        normalization="RMSNorm" if llama else "LayerNorm",
+    )
 
 
 def analytic_bytes(args, d: int, seq: int) -> Dict[str, Dict[str, float]]:
@@ -181,14 +218,25 @@ def analytic_bytes(args, d: int, seq: int) -> Dict[str, Dict[str, float]]:
 
     shape = layer_shape(args, seq)
     final_norm = args.hidden_size * (1 if args.style == "llama" else 2)
-    per_layer = {"tsp": fm.tsp_layer_comm(shape, d), "tp_sp": fm.tp_sp_layer_comm(shape, d),
-                 "tp": fm.tp_layer_comm(shape, d)}
+    per_layer = {
+        "tsp": fm.tsp_layer_comm(shape, d),
+        "tp_sp": fm.tp_sp_layer_comm(shape, d),
+        "tp": fm.tp_layer_comm(shape, d),
+    }
     out = {}
     for name, comm in per_layer.items():
         e = {k: args.num_layers * v for k, v in comm.items()}
-        e["grad_sync"] = 0.0 if name == "tp" else fm.replicated_grad_allreduce(
-            shape, d, args.num_layers, extra_params=final_norm,
-            grad_dtype_bytes=shape.dtype_bytes)
+        e["grad_sync"] = (
+            0.0
+            if name == "tp"
+            else fm.replicated_grad_allreduce(
+                shape,
+                d,
+                args.num_layers,
+                extra_params=final_norm,
+                grad_dtype_bytes=shape.dtype_bytes,
+            )
+        )
         e["total"] = sum(e[k] for k in fm.PHASES) + e["grad_sync"]
         out[name] = e
     return out
@@ -211,10 +259,16 @@ def crossovers(args, d: int) -> Dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 def _config(args, d: int, sequence_parallel: bool):
     return unfused_config(
-        d, DTYPES[args.dtype], sequence_parallel, num_layers=args.num_layers,
-        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
-        **style_fields(args.style))
+        d,
+        DTYPES[args.dtype],
+        sequence_parallel,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        **style_fields(args.style),
+    )
 
 
 def _sdpa_core_attention():
@@ -224,15 +278,28 @@ def _sdpa_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SDPACoreAttention(DotProductAttention):
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("bench SDPA core attention: no packed sequences / bias")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
             ctx = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
+                q,
+                k,
+                v,
+                is_causal=True,
+                scale=self.softmax_scale,
                 dropout_p=self.config.attention_dropout if self.training else 0.0,
-                enable_gqa=q.shape[1] != k.shape[1])
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
             ctx = ctx.permute(2, 0, 1, 3).contiguous()
             return ctx.view(*ctx.shape[:2], self.hidden_size_per_partition)
 
@@ -259,8 +326,8 @@ def _build_blocks(args, d: int) -> Dict[str, torch.nn.Module]:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_tsp.tools.comm_counter import label_modules
     from megatron_tsp.core.specs import get_gpt_block_tsp_spec
+    from megatron_tsp.tools.comm_counter import label_modules
 
     blocks = {}
     cfg_sp = _config(args, d, True)
@@ -332,8 +399,11 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
     }
     rope = None
     if args.style == "llama":
-        rope = RotaryEmbedding(kv_channels=h // args.num_attention_heads, rotary_percent=1.0,
-                               use_cpu_initialization=True)(seq)
+        rope = RotaryEmbedding(
+            kv_channels=h // args.num_attention_heads,
+            rotary_percent=1.0,
+            use_cpu_initialization=True,
+        )(seq)
     variants = list(blocks)
     times = {v: [] for v in variants}
     losses = {v: [] for v in variants}
@@ -359,19 +429,22 @@ def _bench_seq(args, d: int, rank: int, seq: int, blocks, group) -> Dict[str, ob
             if step < args.warmup:
                 continue
             times[name].append(float(gathered[:, 0].max()))
-            losses[name].append(float(gathered[0, 1]) if name == "tp"
-                                else float(gathered[:, 1].sum()))
+            losses[name].append(
+                float(gathered[0, 1]) if name == "tp" else float(gathered[:, 1].sum())
+            )
             comm[name].append(_summarise(counter.records))
             del x, loss
     result = {"seq_length": seq, "world_size": d, "variants": {}}
     for name in variants:
         recvs = [c["recv"] for c in comm[name]]
         result["variants"][name] = {
-            "step_s": times[name], "step_s_median": statistics.median(times[name]),
+            "step_s": times[name],
+            "step_s_median": statistics.median(times[name]),
             "loss": losses[name],
             "recv_bytes_per_step": recvs[-1],
             "recv_consistent_across_steps": max(recvs) - min(recvs) <= 1e-9 * max(max(recvs), 1),
-            "by_op": comm[name][-1]["by_op"], "by_phase": comm[name][-1]["by_phase"],
+            "by_op": comm[name][-1]["by_op"],
+            "by_phase": comm[name][-1]["by_phase"],
         }
     return result
 
@@ -397,8 +470,9 @@ def _worker(rank: int, d: int, args: argparse.Namespace, port: int, path: str) -
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     enable_cpu_support()
-    parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
-                                             create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_sequence_parallel_size=d, create_gloo_process_groups=False
+    )
     model_parallel_cuda_manual_seed(args.seed)
     group = mpu.get_tensor_model_parallel_group()
     blocks = _build_blocks(args, d)
@@ -408,9 +482,11 @@ def _worker(rank: int, d: int, args: argparse.Namespace, port: int, path: str) -
         res = _bench_seq(args, d, rank, seq, blocks, group)
         results.append(res)
         if rank == 0:
-            cells = "  ".join(f"{LABELS[v]} {r['step_s_median'] * 1e3:8.1f} ms "
-                              f"{r['recv_bytes_per_step'] / MiB:7.2f} MiB"
-                              for v, r in res["variants"].items())
+            cells = "  ".join(
+                f"{LABELS[v]} {r['step_s_median'] * 1e3:8.1f} ms "
+                f"{r['recv_bytes_per_step'] / MiB:7.2f} MiB"
+                for v, r in res["variants"].items()
+            )
             print(f"[bench] D={d} S={seq:6d}: {cells}", file=sys.stderr, flush=True)
     if rank == 0:
         with open(path, "w") as f:
@@ -427,8 +503,13 @@ def _run_group(args, d: int) -> Dict[str, object]:
     fd, path = tempfile.mkstemp(prefix=f"tsp-bench-d{d}-", suffix=".json")
     os.close(fd)
     try:
-        ctx = mp.start_processes(this._worker, args=(d, args, free_port(), path), nprocs=d,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            this._worker,
+            args=(d, args, free_port(), path),
+            nprocs=d,
+            join=False,
+            start_method="spawn",
+        )
         while not ctx.join():
             pass
         with open(path) as f:
@@ -458,8 +539,11 @@ def _fmt_ratio(a: float, b: float) -> str:
 def _table(head: List[str], rows: List[List[str]], first_column: str = "---:") -> List[str]:
     """Markdown table lines: header, separator (numbers right-aligned; the first column as
     ``first_column`` says), rows, and a blank line."""
-    return (["| " + " | ".join(head) + " |", f"|{first_column}|" + "---:|" * (len(head) - 1)]
-            + ["| " + " | ".join(row) + " |" for row in rows] + [""])
+    return (
+        ["| " + " | ".join(head) + " |", f"|{first_column}|" + "---:|" * (len(head) - 1)]
+        + ["| " + " | ".join(row) + " |" for row in rows]
+        + [""]
+    )
 
 
 def _vs_tsp(variants) -> List[str]:
@@ -492,23 +576,34 @@ def _render_preamble(report) -> List[str]:
 
 def _render_times(group, variants) -> List[str]:
     """Median step time per variant and S, TSP's time ratios, and the loss agreement."""
-    head = (["S"] + [f"{LABELS[v]} ms" for v in variants]
-            + [f"TSP/{LABELS[v]} time" for v in _vs_tsp(variants)] + ["loss rel. diff"])
+    head = (
+        ["S"]
+        + [f"{LABELS[v]} ms" for v in variants]
+        + [f"TSP/{LABELS[v]} time" for v in _vs_tsp(variants)]
+        + ["loss rel. diff"]
+    )
     rows = []
     for res in group["results"]:
         v = res["variants"]
-        rows.append([str(res["seq_length"])]
-                    + [f"{v[n]['step_s_median'] * 1e3:.1f}" for n in variants]
-                    + [_fmt_ratio(v["tsp"]["step_s_median"], v[n]["step_s_median"])
-                       for n in _vs_tsp(variants)]
-                    + [f"{res['loss_rel_diff']:.1e}"])
+        rows.append(
+            [str(res["seq_length"])]
+            + [f"{v[n]['step_s_median'] * 1e3:.1f}" for n in variants]
+            + [
+                _fmt_ratio(v["tsp"]["step_s_median"], v[n]["step_s_median"])
+                for n in _vs_tsp(variants)
+            ]
+            + [f"{res['loss_rel_diff']:.1e}"]
+        )
     return _table(head, rows)
 
 
 def _render_bytes(group, variants) -> List[str]:
     """Received MiB per rank and step, measured and as a ratio to the closed forms."""
-    head = (["S"] + [f"{LABELS[v]} MiB (meas/analytic)" for v in variants]
-            + [f"TSP/{LABELS[v]} bytes" for v in _vs_tsp(variants)])
+    head = (
+        ["S"]
+        + [f"{LABELS[v]} MiB (meas/analytic)" for v in variants]
+        + [f"TSP/{LABELS[v]} bytes" for v in _vs_tsp(variants)]
+    )
     rows = []
     for res in group["results"]:
         v = res["variants"]
@@ -516,10 +611,18 @@ def _render_bytes(group, variants) -> List[str]:
         for n in variants:
             meas, ana = v[n]["recv_bytes_per_step"], v[n]["analytic"]["total"]
             row.append(f"{meas / MiB:.2f} ({_fmt_ratio(meas, ana)})")
-        rows.append(row + [_fmt_ratio(v["tsp"]["recv_bytes_per_step"], v[n]["recv_bytes_per_step"])
-                           for n in _vs_tsp(variants)])
-    return (["Received MiB per rank per step (measured by CommCounter, and measured / "
-             "analytic from `estimator.formulas`):", ""] + _table(head, rows))
+        rows.append(
+            row
+            + [
+                _fmt_ratio(v["tsp"]["recv_bytes_per_step"], v[n]["recv_bytes_per_step"])
+                for n in _vs_tsp(variants)
+            ]
+        )
+    return [
+        "Received MiB per rank per step (measured by CommCounter, and measured / "
+        "analytic from `estimator.formulas`):",
+        "",
+    ] + _table(head, rows)
 
 
 def _render_ops(last, variants) -> List[str]:
@@ -533,8 +636,10 @@ def _render_ops(last, variants) -> List[str]:
             cells += [str(e["calls"]), f"{e['recv'] / MiB:.3f}"]
         rows.append(cells)
     head = ["op"] + [f"{LABELS[n]} {what}" for n in variants for what in ("calls", "MiB")]
-    return ([f"By operation at S = {last['seq_length']} (calls and received MiB per rank "
-             "per step):", ""] + _table(head, rows, first_column="---"))
+    return [
+        f"By operation at S = {last['seq_length']} (calls and received MiB per rank per step):",
+        "",
+    ] + _table(head, rows, first_column="---")
 
 
 def _render_phases(last, variants) -> List[str]:
@@ -545,23 +650,38 @@ def _render_phases(last, variants) -> List[str]:
         by_phase = [last["variants"][n]["by_phase"].get(key, 0.0) for n in variants]
         if key == "other" and all(meas == 0 for meas in by_phase):
             continue
-        rows.append([key] + [f"{meas / MiB:.3f} / "
-                             f"{last['variants'][n]['analytic'].get(key, 0.0) / MiB:.3f}"
-                             for meas, n in zip(by_phase, variants)])
-    return ([f"By block and phase at S = {last['seq_length']} (received MiB per rank per "
-             "step, measured / analytic):", ""]
-            + _table(["phase"] + [LABELS[n] for n in variants], rows, first_column="---"))
+        rows.append(
+            [key]
+            + [
+                f"{meas / MiB:.3f} / {last['variants'][n]['analytic'].get(key, 0.0) / MiB:.3f}"
+                for meas, n in zip(by_phase, variants)
+            ]
+        )
+    return [
+        f"By block and phase at S = {last['seq_length']} (received MiB per rank per "
+        "step, measured / analytic):",
+        "",
+    ] + _table(["phase"] + [LABELS[n] for n in variants], rows, first_column="---")
 
 
 def _render_group(group, variants) -> List[str]:
     d, cross = group["world_size"], group["crossover_seq_length"]
-    lines = [f"### D = {d} ({d} gloo ranks)", "",
-             "Analytic crossover (TSP receives fewer bytes per rank than the baseline for S "
-             f"above): forward vs TP+SP {cross['fwd_vs_tp_sp']:.0f}, fwd+bwd vs TP+SP "
-             f"{cross['total_vs_tp_sp']:.0f}, fwd+bwd vs TP {cross['total_vs_tp']:.0f}.", ""]
+    lines = [
+        f"### D = {d} ({d} gloo ranks)",
+        "",
+        "Analytic crossover (TSP receives fewer bytes per rank than the baseline for S "
+        f"above): forward vs TP+SP {cross['fwd_vs_tp_sp']:.0f}, fwd+bwd vs TP+SP "
+        f"{cross['total_vs_tp_sp']:.0f}, fwd+bwd vs TP {cross['total_vs_tp']:.0f}.",
+        "",
+    ]
     last = group["results"][-1]
-    return (lines + _render_times(group, variants) + _render_bytes(group, variants)
-            + _render_ops(last, variants) + _render_phases(last, variants))
+    return (
+        lines
+        + _render_times(group, variants)
+        + _render_bytes(group, variants)
+        + _render_ops(last, variants)
+        + _render_phases(last, variants)
+    )
 
 
 def render(report: Dict[str, object]) -> str:
@@ -611,8 +731,10 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1, default=str)
     worst = max(r["loss_rel_diff"] for g in groups for r in g["results"])
     if worst > args.tolerance:
-        print(f"error: the variants' losses differ by {worst:.2e} > {args.tolerance:.0e}",
-              file=sys.stderr)
+        print(
+            f"error: the variants' losses differ by {worst:.2e} > {args.tolerance:.0e}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

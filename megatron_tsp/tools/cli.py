@@ -8,19 +8,34 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = {
-    "demo": ("megatron_tsp.tools.demo", "train a small GPT under TSP and TP+SP side by side (gloo)"),
+    "demo": (
+        "megatron_tsp.tools.demo",
+        "train a small GPT under TSP and TP+SP side by side (gloo)",
+    ),
     "plan": ("megatron_tsp.tools.estimator.planner", "analytic memory / comm / throughput planner"),
-    "memory": ("megatron_tsp.tools.estimator.memory", "measured peak memory of one rank (fake tensors)"),
+    "memory": (
+        "megatron_tsp.tools.estimator.memory",
+        "measured peak memory of one rank (fake tensors)",
+    ),
     "bench": ("megatron_tsp.tools.bench", "benchmark TSP vs TP+SP layers"),
     "generate": ("megatron_tsp.tools.generate", "TSP prefill + Megatron TP decode (generation)"),
-    "prefill-memory": ("megatron_tsp.tools.estimator.inference_memory",
-                       "one rank's peak memory of a long-prompt prefill: TSP / TP / CP"),
-    "cpu-run": ("megatron_tsp.megatron_lm.cpu_runner",
-                "run Megatron-LM's pretrain_gpt.py on CPU ranks (gloo), TSP or stock"),
+    "prefill-memory": (
+        "megatron_tsp.tools.estimator.inference_memory",
+        "one rank's peak memory of a long-prompt prefill: TSP / TP / CP",
+    ),
+    "cpu-run": (
+        "megatron_tsp.megatron_lm.cpu_runner",
+        "run Megatron-LM's pretrain_gpt.py on CPU ranks (gloo), TSP or stock",
+    ),
 }
 
-USAGE = "usage: megatron-tsp {" + ",".join(COMMANDS) + "} [options]\n\n" + "\n".join(
-    f"  {k:<16}{v[1]}" for k, v in COMMANDS.items()) + "\n\n'megatron-tsp CMD --help' for options."
+USAGE = (
+    "usage: megatron-tsp {"
+    + ",".join(COMMANDS)
+    + "} [options]\n\n"
+    + "\n".join(f"  {k:<16}{v[1]}" for k, v in COMMANDS.items())
+    + "\n\n'megatron-tsp CMD --help' for options."
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -37,8 +52,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            print(f"megatron-tsp {cmd}: {module_name} is not available in this installation "
-                  f"({e})", file=sys.stderr)
+            print(
+                f"megatron-tsp {cmd}: {module_name} is not available in this installation ({e})",
+                file=sys.stderr,
+            )
             return 2
         raise
     if not hasattr(module, "main"):

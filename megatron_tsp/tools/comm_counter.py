@@ -99,8 +99,10 @@ _SPEC = {
 # through either name are recorded under the old one (reports and tests keep one name per op),
 # and a wrapped old name forwards to the new function when torch has it (megatron-core binds the
 # old names at import: the counter's wrapper is the one place those calls pass through).
-_RENAMED = {"all_gather_into_tensor": "all_gather_single",
-            "reduce_scatter_tensor": "reduce_scatter_single"}
+_RENAMED = {
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+}
 _RECORDED_AS = {new: old for old, new in _RENAMED.items()}
 
 
@@ -122,8 +124,15 @@ class CommCounter:
         tensor = bound[name]
         d = _group_size(bound.get("group"))
         n = _nbytes(tensor)
-        record = CommRecord(op, d, n, factor(d) * n, "bwd" if _in_backward() else "fwd",
-                            current_scope(), _dtype(tensor))
+        record = CommRecord(
+            op,
+            d,
+            n,
+            factor(d) * n,
+            "bwd" if _in_backward() else "fwd",
+            current_scope(),
+            _dtype(tensor),
+        )
         self.records.append(record)
         if self.on_record is not None:
             self.on_record(record)
@@ -163,8 +172,10 @@ class CommCounter:
     # -- patching ------------------------------------------------------------------------------
     def _megatron_modules(self):
         """megatron-core modules that bind collectives by name at import time."""
-        for name in ("megatron.core.tensor_parallel.mappings",
-                     "megatron.core.tensor_parallel.layers"):
+        for name in (
+            "megatron.core.tensor_parallel.mappings",
+            "megatron.core.tensor_parallel.layers",
+        ):
             try:
                 yield importlib.import_module(name)
             except ImportError:  # megatron-core is optional for the counter
@@ -182,8 +193,10 @@ class CommCounter:
                 if same and op not in _RECORDED_AS:
                     self._patch(c10d, op, wrapped)
         for module in self._megatron_modules():
-            for name, op in (("dist_all_gather_func", "all_gather_into_tensor"),
-                             ("dist_reduce_scatter_func", "reduce_scatter_tensor")):
+            for name, op in (
+                ("dist_all_gather_func", "all_gather_into_tensor"),
+                ("dist_reduce_scatter_func", "reduce_scatter_tensor"),
+            ):
                 if hasattr(module, name):
                     self._patch(module, name, self._wrap(op, getattr(module, name)))
         batch = self._wrap_batch(dist.batch_isend_irecv)
@@ -203,11 +216,16 @@ class CommCounter:
     def clear(self) -> None:
         self.records.clear()
 
-    def filter(self, phase: Optional[str] = None, scope: Optional[str] = None,
-               ops: Optional[Iterable[str]] = None) -> List[CommRecord]:
+    def filter(
+        self,
+        phase: Optional[str] = None,
+        scope: Optional[str] = None,
+        ops: Optional[Iterable[str]] = None,
+    ) -> List[CommRecord]:
         ops = set(ops) if ops is not None else None
         return [
-            r for r in self.records
+            r
+            for r in self.records
             if (phase is None or r.phase == phase)
             and (scope is None or r.scope == scope or r.scope.startswith(scope + "/"))
             and (ops is None or r.op in ops)
@@ -220,7 +238,9 @@ class CommCounter:
         return sum(r.payload_bytes for r in self.filter(**kw))
 
     def by_op(self, **kw) -> Dict[str, Dict[str, float]]:
-        out: Dict[str, Dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload": 0, "recv": 0.0})
+        out: Dict[str, Dict[str, float]] = defaultdict(
+            lambda: {"calls": 0, "payload": 0, "recv": 0.0}
+        )
         for r in self.filter(**kw):
             e = out[r.op]
             e["calls"] += 1
@@ -235,7 +255,9 @@ class CommCounter:
         rows = sorted(self.by_op(**kw).items())
         lines = [f"{'op':<24}{'calls':>7}{'payload MB':>13}{'recv MB':>11}"]
         for op, e in rows:
-            lines.append(f"{op:<24}{e['calls']:>7}{e['payload'] / 2**20:>13.3f}{e['recv'] / 2**20:>11.3f}")
+            lines.append(
+                f"{op:<24}{e['calls']:>7}{e['payload'] / 2**20:>13.3f}{e['recv'] / 2**20:>11.3f}"
+            )
         return "\n".join(lines)
 
 

@@ -18,8 +18,11 @@ import torch
 # fusions need CUDA extensions (Transformer Engine / apex) that TransformerConfig and
 # ColumnParallelLinear refuse to run without.
 FUSIONS_OFF = dict(
-    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-    apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
 )
 
 
@@ -31,8 +34,12 @@ def style_fields(style: str) -> dict:
     if style not in ("llama", "gpt2"):
         raise ValueError(f"--style={style}: choose llama or gpt2")
     llama = style == "llama"
-    return dict(normalization="RMSNorm" if llama else "LayerNorm", gated_linear_unit=llama,
-                activation_func=F.silu if llama else F.gelu, add_bias_linear=not llama)
+    return dict(
+        normalization="RMSNorm" if llama else "LayerNorm",
+        gated_linear_unit=llama,
+        activation_func=F.silu if llama else F.gelu,
+        add_bias_linear=not llama,
+    )
 
 
 def unfused_config(d: int, dtype: torch.dtype, sequence_parallel: bool = None, **fields):
@@ -41,9 +48,15 @@ def unfused_config(d: int, dtype: torch.dtype, sequence_parallel: bool = None, *
     shape, ``style_fields``, ...) win."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = dict(hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=d,
-                  sequence_parallel=d > 1 if sequence_parallel is None else sequence_parallel,
-                  use_cpu_initialization=True, params_dtype=dtype, **FUSIONS_OFF)
+    config = dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=d,
+        sequence_parallel=d > 1 if sequence_parallel is None else sequence_parallel,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        **FUSIONS_OFF,
+    )
     config.update(fields)
     return TransformerConfig(**config)
 
@@ -55,13 +68,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo_rank(rank: int, world_size: int, port: int, timeout_s: float,
-                   threads: int = 1) -> None:
+def init_gloo_rank(
+    rank: int, world_size: int, port: int, timeout_s: float, threads: int = 1
+) -> None:
     """Join a gloo group on loopback as ``rank`` of ``world_size``, with ``threads`` intra-op
     threads (``OMP_NUM_THREADS`` is set only when unset, so a caller's choice wins)."""
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

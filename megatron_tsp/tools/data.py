@@ -15,8 +15,16 @@ import torch
 VOCAB_SIZE = 128
 _SUBJECTS = ["the cat", "a dog", "my friend", "the teacher", "an old man", "the robot", "she", "he"]
 _VERBS = ["sees", "likes", "builds", "paints", "reads", "finds", "carries", "follows"]
-_OBJECTS = ["a red ball", "the big house", "two small birds", "the long river", "a green tree",
-            "the new book", "a bright star", "the quiet garden"]
+_OBJECTS = [
+    "a red ball",
+    "the big house",
+    "two small birds",
+    "the long river",
+    "a green tree",
+    "the new book",
+    "a bright star",
+    "the quiet garden",
+]
 _ENDINGS = [".", " today.", " again.", " at night.", " in the park."]
 
 
@@ -31,14 +39,15 @@ def generate_text(num_chars: int, seed: int = 0) -> str:
     return "".join(parts)[:num_chars]
 
 
-def batches(batch_size: int, seq_length: int, seed: int = 0,
-            corpus_chars: int = 200_000) -> Iterator[Dict[str, torch.Tensor]]:
+def batches(
+    batch_size: int, seq_length: int, seed: int = 0, corpus_chars: int = 200_000
+) -> Iterator[Dict[str, torch.Tensor]]:
     """Endless Megatron-style batches: tokens, labels (next char), loss_mask, position_ids."""
     data = torch.tensor(list(generate_text(corpus_chars, seed).encode("ascii")), dtype=torch.long)
     gen = torch.Generator().manual_seed(seed + 1)
     while True:
         starts = torch.randint(0, len(data) - seq_length - 1, (batch_size,), generator=gen)
-        window = torch.stack([data[s:s + seq_length + 1] for s in starts.tolist()])
+        window = torch.stack([data[s : s + seq_length + 1] for s in starts.tolist()])
         yield {
             "tokens": window[:, :-1].contiguous(),
             "labels": window[:, 1:].contiguous(),

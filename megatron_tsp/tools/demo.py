@@ -34,26 +34,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--num-query-groups", type=int, default=4)
     p.add_argument("--ffn-hidden-size", type=int, default=256)
-    p.add_argument("--style", choices=["llama", "gpt2"], default="llama",
-                   help="llama: RMSNorm+SwiGLU+RoPE+GQA; gpt2: LayerNorm+GELU+learned positions")
+    p.add_argument(
+        "--style",
+        choices=["llama", "gpt2"],
+        default="llama",
+        help="llama: RMSNorm+SwiGLU+RoPE+GQA; gpt2: LayerNorm+GELU+learned positions",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max relative loss difference (default 1e-5 fp64, 1e-3 fp32: "
-                        "Megatron's vocab-parallel cross-entropy computes in fp32, so the two "
-                        "runs' losses and gradients agree to fp32 rounding, which Adam carries "
-                        "across steps)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max relative loss difference (default 1e-5 fp64, 1e-3 fp32: "
+        "Megatron's vocab-parallel cross-entropy computes in fp32, so the two "
+        "runs' losses and gradients agree to fp32 rounding, which Adam carries "
+        "across steps)",
+    )
     return p.parse_args(argv)
 
 
 def _config(args):
     llama = args.style == "llama"
     return unfused_config(
-        args.d, DTYPES[args.dtype], num_layers=args.num_layers, hidden_size=args.hidden_size,
+        args.d,
+        DTYPES[args.dtype],
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if llama else args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, **style_fields(args.style))
+        ffn_hidden_size=args.ffn_hidden_size,
+        **style_fields(args.style),
+    )
 
 
 def _build(args, config, spec):
@@ -61,18 +74,23 @@ def _build(args, config, spec):
 
     from megatron_tsp.tools.data import VOCAB_SIZE
 
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
-                    max_sequence_length=args.seq_length,
-                    position_embedding_type="rope" if args.style == "llama" else "learned_absolute",
-                    share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope" if args.style == "llama" else "learned_absolute",
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _train_step(model, optimizer, batch, tp_group, dp_group):
     from megatron_tsp.core.sharding import allreduce_sequence_parallel_grads
 
     optimizer.zero_grad(set_to_none=True)
-    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+    losses = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     mask = batch["loss_mask"].to(losses.dtype)
     loss = (losses * mask).sum() / mask.sum()
     loss.backward()
@@ -102,8 +120,9 @@ def _init_groups(rank: int, args):
 
     enable_cpu_support()
     try:
-        parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=args.d,
-                                                 create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(
+            tensor_sequence_parallel_size=args.d, create_gloo_process_groups=False
+        )
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
@@ -122,31 +141,38 @@ def _build_models(args) -> Dict[str, torch.nn.Module]:
 
     config = _config(args)
     tp_model = _build(args, config, get_gpt_block_local_sp_spec(config))
-    tsp_model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE,
-                                    max_sequence_length=args.seq_length,
-                                    position_embedding_type="rope" if args.style == "llama"
-                                    else "learned_absolute",
-                                    share_embeddings_and_output_weights=False)
+    tsp_model = build_tsp_gpt_model(
+        config,
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope" if args.style == "llama" else "learned_absolute",
+        share_embeddings_and_output_weights=False,
+    )
     tsp_model.load_state_dict(tp_model.state_dict(), strict=True)
     return {"tsp": tsp_model, "tp_sp": tp_model}
 
 
 def _print_header(args, models, dp_size: int) -> None:
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
-    print(f"megatron-tsp demo: {args.world_size} gloo ranks, D={args.d}, "
-          f"DP={dp_size}, {args.style}-style GPT "
-          f"(h={args.hidden_size}, layers={args.num_layers}, heads={args.num_attention_heads}"
-          f", seq={args.seq_length}, micro-batch={args.micro_batch_size}, {args.dtype}); "
-          f"params per rank: TSP {n_params['tsp']:,}, TP+SP {n_params['tp_sp']:,}",
-          flush=True)
+    print(
+        f"megatron-tsp demo: {args.world_size} gloo ranks, D={args.d}, "
+        f"DP={dp_size}, {args.style}-style GPT "
+        f"(h={args.hidden_size}, layers={args.num_layers}, heads={args.num_attention_heads}"
+        f", seq={args.seq_length}, micro-batch={args.micro_batch_size}, {args.dtype}); "
+        f"params per rank: TSP {n_params['tsp']:,}, TP+SP {n_params['tp_sp']:,}",
+        flush=True,
+    )
 
 
 def _print_step(args, step: int, row, tokens_per_step: int) -> None:
     (l1, t1, b1), (l2, t2, b2) = row["tsp"], row["tp_sp"]
-    print(f"step {step:3d}/{args.steps} | loss TSP {l1:.6f}  TP+SP {l2:.6f}  "
-          f"|diff| {abs(l1 - l2):.1e} | tok/s TSP {tokens_per_step / t1:8.0f}  "
-          f"TP+SP {tokens_per_step / t2:8.0f} | recv MB/rank TSP {b1 / 2**20:.2f}  "
-          f"TP+SP {b2 / 2**20:.2f}", flush=True)
+    print(
+        f"step {step:3d}/{args.steps} | loss TSP {l1:.6f}  TP+SP {l2:.6f}  "
+        f"|diff| {abs(l1 - l2):.1e} | tok/s TSP {tokens_per_step / t1:8.0f}  "
+        f"TP+SP {tokens_per_step / t2:8.0f} | recv MB/rank TSP {b1 / 2**20:.2f}  "
+        f"TP+SP {b2 / 2**20:.2f}",
+        flush=True,
+    )
 
 
 def _timed_step(name, models, opts, inputs, comm, tp_group, dp_group):
@@ -170,11 +196,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     tp_group, dp_group = _init_groups(rank, args)
     models = _build_models(args)
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
-            for name, m in models.items()}
+    opts = {
+        name: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0)
+        for name, m in models.items()
+    }
     dp_size = mpu.get_data_parallel_world_size()
-    data = batches(args.micro_batch_size, args.seq_length,
-                   seed=args.seed + mpu.get_data_parallel_rank())
+    data = batches(
+        args.micro_batch_size, args.seq_length, seed=args.seed + mpu.get_data_parallel_rank()
+    )
     tokens_per_step = args.micro_batch_size * args.seq_length * dp_size
     history: Dict[str, List] = {name: [] for name in VARIANTS}
     comm = {name: CommCounter() for name in VARIANTS}
@@ -184,8 +213,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         batch = next(data)
         inputs = {"tsp": zigzag.get_batch_on_this_tsp_rank(batch, args.d), "tp_sp": batch}
         # Alternate which variant runs first so neither always gets the warmer caches.
-        row = {name: _timed_step(name, models, opts, inputs, comm, tp_group, dp_group)
-               for name in (VARIANTS if step % 2 else VARIANTS[::-1])}
+        row = {
+            name: _timed_step(name, models, opts, inputs, comm, tp_group, dp_group)
+            for name in (VARIANTS if step % 2 else VARIANTS[::-1])
+        }
         for name in VARIANTS:
             history[name].append(row[name])
         if rank == 0:
@@ -217,11 +248,15 @@ def _summary(args, history, comm, tokens_per_step) -> None:
     worst = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history["tsp"], history["tp_sp"]))
     first, last = history["tsp"][0][0], history["tsp"][-1][0]
     med = {k: statistics.median(t for _, t, _ in v[1:] or v) for k, v in history.items()}
-    print(f"\nloss fell {first:.4f} -> {last:.4f}; max relative |TSP - TP+SP| = {worst:.2e} "
-          f"(tolerance {_tolerance(args):.0e}): {'AGREE' if worst <= _tolerance(args) else 'DIFFER'}")
-    print(f"median step time: TSP {med['tsp'] * 1e3:.1f} ms, TP+SP {med['tp_sp'] * 1e3:.1f} ms, "
-          f"tokens/s ratio TSP/TP+SP = {med['tp_sp'] / med['tsp']:.2f} "
-          f"(gloo on CPU: says nothing about GPUs)")
+    print(
+        f"\nloss fell {first:.4f} -> {last:.4f}; max relative |TSP - TP+SP| = {worst:.2e} "
+        f"(tolerance {_tolerance(args):.0e}): {'AGREE' if worst <= _tolerance(args) else 'DIFFER'}"
+    )
+    print(
+        f"median step time: TSP {med['tsp'] * 1e3:.1f} ms, TP+SP {med['tp_sp'] * 1e3:.1f} ms, "
+        f"tokens/s ratio TSP/TP+SP = {med['tp_sp'] / med['tsp']:.2f} "
+        f"(gloo on CPU: says nothing about GPUs)"
+    )
     print("\ncommunication per step per rank (rank 0), by operation:")
     print(f"{'op':<24}{'TSP calls':>10}{'TSP recv MB':>13}{'TP+SP calls':>13}{'TP+SP recv MB':>15}")
     ops = sorted(set(comm["tsp"].by_op()) | set(comm["tp_sp"].by_op()))
@@ -232,7 +267,9 @@ def _summary(args, history, comm, tokens_per_step) -> None:
             e = comm[name].by_op().get(op, {"calls": 0, "recv": 0.0})
             cells.append((e["calls"] / steps, e["recv"] / steps / 2**20))
             totals[name] += e["recv"] / steps / 2**20
-        print(f"{op:<24}{cells[0][0]:>10.0f}{cells[0][1]:>13.3f}{cells[1][0]:>13.0f}{cells[1][1]:>15.3f}")
+        print(
+            f"{op:<24}{cells[0][0]:>10.0f}{cells[0][1]:>13.3f}{cells[1][0]:>13.0f}{cells[1][1]:>15.3f}"
+        )
     print(f"{'total':<24}{'':>10}{totals['tsp']:>13.3f}{'':>13}{totals['tp_sp']:>15.3f}")
 
 
@@ -247,8 +284,9 @@ def main(argv=None) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(args, free_port()), nprocs=args.world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(args, free_port()), nprocs=args.world_size, join=False, start_method="spawn"
+    )
     try:
         while not ctx.join():
             pass

@@ -31,16 +31,33 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-tsp generate", description=__doc__.splitlines()[0])
     p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=2)
-    p.add_argument("--load", default=None, help="torch_dist checkpoint directory (iteration "
-                   "directory or a root with latest_checkpointed_iteration.txt)")
-    p.add_argument("--config", default=None,
-                   help="run config (configs/*.json: name or path) for --load")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="prompt text (byte tokens; repeat for a batch)")
-    p.add_argument("--prompt-ids", action="append", default=None,
-                   help="prompt as comma-separated token ids (repeat for a batch)")
-    p.add_argument("--random-prompt-tokens", type=int, default=0,
-                   help="use one random prompt of this many tokens (throughput runs)")
+    p.add_argument(
+        "--load",
+        default=None,
+        help="torch_dist checkpoint directory (iteration "
+        "directory or a root with latest_checkpointed_iteration.txt)",
+    )
+    p.add_argument(
+        "--config", default=None, help="run config (configs/*.json: name or path) for --load"
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="prompt text (byte tokens; repeat for a batch)",
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=None,
+        help="prompt as comma-separated token ids (repeat for a batch)",
+    )
+    p.add_argument(
+        "--random-prompt-tokens",
+        type=int,
+        default=0,
+        help="use one random prompt of this many tokens (throughput runs)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -49,14 +66,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop", default=None, help="stop token ids, comma-separated (text: '.')")
     p.add_argument("--prefill", choices=["auto", "tsp", "tp"], default="auto")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None)
-    p.add_argument("--check-tp", action="store_true",
-                   help="also prefill under Megatron TP=D and compare the tokens")
-    p.add_argument("--train-steps", type=int, default=150,
-                   help="embedded model only: TSP training steps on the embedded corpus")
+    p.add_argument(
+        "--check-tp",
+        action="store_true",
+        help="also prefill under Megatron TP=D and compare the tokens",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=150,
+        help="embedded model only: TSP training steps on the embedded corpus",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--save", default=None,
-                   help="embedded model only: write it as a Megatron-LM torch_dist checkpoint "
-                        "(iter_0000001/, latest_checkpointed_iteration.txt, args in common.pt)")
+    p.add_argument(
+        "--save",
+        default=None,
+        help="embedded model only: write it as a Megatron-LM torch_dist checkpoint "
+        "(iter_0000001/, latest_checkpointed_iteration.txt, args in common.pt)",
+    )
     args = p.parse_args(argv)
     if args.d < 1:
         p.error(f"--tensor-sequence-parallel-size={args.d} must be >= 1")
@@ -69,8 +96,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ models
 def _tiny_config(d: int, dtype):
-    return unfused_config(d, dtype, num_layers=2, hidden_size=64, num_attention_heads=4,
-                          num_query_groups=2, ffn_hidden_size=128, **style_fields("llama"))
+    return unfused_config(
+        d,
+        dtype,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        **style_fields("llama"),
+    )
 
 
 def _config_from_model_fields(m: dict, d: int, dtype):
@@ -80,15 +115,21 @@ def _config_from_model_fields(m: dict, d: int, dtype):
 
     swiglu = bool(m.get("swiglu", False))
     return unfused_config(
-        d, dtype, num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        d,
+        dtype,
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
         num_query_groups=m.get("num_query_groups") or m["num_attention_heads"],
         ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"],
         normalization=m.get("normalization", "LayerNorm"),
-        layernorm_epsilon=m.get("norm_epsilon", 1e-5), gated_linear_unit=swiglu,
+        layernorm_epsilon=m.get("norm_epsilon", 1e-5),
+        gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=not m.get("disable_bias_linear", False),
-        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False)
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+    )
 
 
 def _checkpoint_dir(path: str) -> str:
@@ -114,12 +155,15 @@ def _model_fields(args) -> dict:
         with _cpu_cuda_sync():
             common = dist_checkpointing.load_common_state_dict(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
-        raise SystemExit(f"--load {args.load}: cannot read the checkpoint's common state "
-                         f"({type(exc).__name__}: {exc}); pass --config") from exc
+        raise SystemExit(
+            f"--load {args.load}: cannot read the checkpoint's common state "
+            f"({type(exc).__name__}: {exc}); pass --config"
+        ) from exc
     saved = (common or {}).get("args")
     if saved is None:
-        raise SystemExit(f"--load {args.load}: the checkpoint holds no Megatron-LM 'args'; "
-                         f"pass --config")
+        raise SystemExit(
+            f"--load {args.load}: the checkpoint holds no Megatron-LM 'args'; pass --config"
+        )
     return vars(saved)
 
 
@@ -132,30 +176,44 @@ def _build(args, device):
 
         config = _tiny_config(args.d, dtype)
         kwargs = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
-        model = build_tsp_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=256,
-                                    seq_length=64, **kwargs)
+        model = build_tsp_gpt_model(
+            config, vocab_size=VOCAB_SIZE, max_sequence_length=256, seq_length=64, **kwargs
+        )
         return model.to(device), kwargs, None
     m = _model_fields(args)
     config = _config_from_model_fields(m, args.d, dtype)
-    kwargs = dict(position_embedding_type=m.get("position_embedding_type", "learned_absolute"),
-                  share_embeddings_and_output_weights=not m.get(
-                      "untie_embeddings_and_output_weights", False),
-                  rotary_base=m.get("rotary_base", 10000),
-                  rotary_percent=m.get("rotary_percent", 1.0))
+    kwargs = dict(
+        position_embedding_type=m.get("position_embedding_type", "learned_absolute"),
+        share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", False),
+        rotary_base=m.get("rotary_base", 10000),
+        rotary_percent=m.get("rotary_percent", 1.0),
+    )
     vocab = m.get("padded_vocab_size") or m["vocab_size"]
     seq = m.get("max_position_embeddings") or m["seq_length"]
     step = 2 * args.d
-    model = build_tsp_gpt_model(config, vocab_size=vocab, max_sequence_length=seq,
-                                seq_length=seq // step * step, **kwargs).to(device)
+    model = build_tsp_gpt_model(
+        config, vocab_size=vocab, max_sequence_length=seq, seq_length=seq // step * step, **kwargs
+    ).to(device)
     _load_torch_dist(model, _checkpoint_dir(args.load))
     return model, kwargs, m
 
 
-TINY_ARGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                 ffn_hidden_size=128, normalization="RMSNorm", swiglu=True,
-                 disable_bias_linear=True, position_embedding_type="rope",
-                 untie_embeddings_and_output_weights=True, vocab_size=128,
-                 padded_vocab_size=128, max_position_embeddings=256, seq_length=64)
+TINY_ARGS = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    vocab_size=128,
+    padded_vocab_size=128,
+    max_position_embeddings=256,
+    seq_length=64,
+)
 
 
 def _save_torch_dist(model, root: str) -> None:
@@ -169,8 +227,11 @@ def _save_torch_dist(model, root: str) -> None:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("1")
     dist.barrier()
-    state = {"model": model.sharded_state_dict(), "args": argparse.Namespace(**TINY_ARGS),
-             "iteration": 1}
+    state = {
+        "model": model.sharded_state_dict(),
+        "args": argparse.Namespace(**TINY_ARGS),
+        "iteration": 1,
+    }
     with _cpu_cuda_sync():
         dist_checkpointing.save(state, path)
 
@@ -248,8 +309,9 @@ def run(rank: int, args) -> int:
         from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
         enable_cpu_support()
-    parallel_state.initialize_model_parallel(tensor_sequence_parallel_size=args.d,
-                                             create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_sequence_parallel_size=args.d, create_gloo_process_groups=False
+    )
     model_parallel_cuda_manual_seed(args.seed)
     group = parallel_state.get_tensor_sequence_parallel_group()
     model, kwargs, _ = _build(args, device)
@@ -257,42 +319,62 @@ def run(rank: int, args) -> int:
     if args.load is None and args.train_steps > 0:
         start = time.perf_counter()
         loss = _train_tiny(model, args, group)
-        say(f"embedded tiny model: {args.train_steps} TSP training steps on the embedded corpus, "
-            f"loss {loss:.3f} ({time.perf_counter() - start:.1f} s)")
+        say(
+            f"embedded tiny model: {args.train_steps} TSP training steps on the embedded corpus, "
+            f"loss {loss:.3f} ({time.perf_counter() - start:.1f} s)"
+        )
     if args.save:
         _save_torch_dist(model, args.save)
         say(f"saved the embedded model (torch_dist, TP={args.d} layout) to {args.save}")
     engine = TSPInferenceEngine(model, **kwargs)
     prompts, is_text = _prompts(args, engine.vocab_size)
-    stops = [int(t) for t in args.stop.split(",")] if args.stop else (
-        [ord(".")] if is_text else [])
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed)
+    stops = [int(t) for t in args.stop.split(",")] if args.stop else ([ord(".")] if is_text else [])
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
     try:
-        result = engine.generate(prompts, args.max_new_tokens, sampling, stops,
-                                 prefill=args.prefill,
-                                 prefill_chunk_tokens=args.prefill_chunk_tokens)
+        result = engine.generate(
+            prompts,
+            args.max_new_tokens,
+            sampling,
+            stops,
+            prefill=args.prefill,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
+        )
     except ValueError as exc:
         say(f"error: {exc}")
         return 2
-    show = (lambda ids: repr(bytes(ids).decode("utf-8", "replace"))) if is_text else (
-        lambda ids: " ".join(map(str, ids)) if len(ids) <= 32 else
-        " ".join(map(str, ids[:32])) + " ...")
-    say(f"D={args.d}, prefill={result.prefill_mode}, {len(prompts)} prompt(s) of "
-        f"{[len(p) for p in prompts]} tokens")
+    show = (
+        (lambda ids: repr(bytes(ids).decode("utf-8", "replace")))
+        if is_text
+        else (
+            lambda ids: (
+                " ".join(map(str, ids)) if len(ids) <= 32 else " ".join(map(str, ids[:32])) + " ..."
+            )
+        )
+    )
+    say(
+        f"D={args.d}, prefill={result.prefill_mode}, {len(prompts)} prompt(s) of "
+        f"{[len(p) for p in prompts]} tokens"
+    )
     for i, p in enumerate(prompts):
         say(f"[{i}] {show(p)} -> {show(result.tokens[i])}")
-    say(f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s = "
+    say(
+        f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s = "
         f"{result.prefill_tokens_per_s:,.0f} tokens/s | decode: {result.decode_tokens} tokens in "
-        f"{result.decode_seconds:.3f} s = {result.decode_tokens_per_s:,.0f} tokens/s")
+        f"{result.decode_seconds:.3f} s = {result.decode_tokens_per_s:,.0f} tokens/s"
+    )
     rc = 0
     if args.check_tp:
         tp = engine.generate(prompts, args.max_new_tokens, sampling, stops, prefill="tp")
         same = tp.tokens == result.tokens
-        err = ((tp.prefill_logits - result.prefill_logits).abs().max()
-               / tp.prefill_logits.abs().max()).item()
-        say(f"TP=D prefill check: tokens {'identical' if same else 'DIFFER'}, last-token logits "
-            f"max rel diff {err:.1e}")
+        err = (
+            (tp.prefill_logits - result.prefill_logits).abs().max() / tp.prefill_logits.abs().max()
+        ).item()
+        say(
+            f"TP=D prefill check: tokens {'identical' if same else 'DIFFER'}, last-token logits "
+            f"max rel diff {err:.1e}"
+        )
         rc = 0 if same else 1
     return rc
 

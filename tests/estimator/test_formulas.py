@@ -21,11 +21,18 @@ def _random_shapes(n=20, rng=None):
         heads = rng.choice([2, 4, 8])
         groups = rng.choice([g for g in (1, 2, 4, 8) if heads % g == 0])
         hn = rng.choice([2, 4, 8])
-        yield LayerShape(batch=rng.randint(1, 4), seq=rng.choice([16, 32, 64]), hidden=heads * hn,
-                         heads=heads, query_groups=groups, ffn=rng.choice([None, 24, 40]),
-                         gated=rng.random() < 0.5, bias=rng.random() < 0.5,
-                         dtype_bytes=rng.choice([2, 4]),
-                         normalization=rng.choice(["LayerNorm", "RMSNorm"]))
+        yield LayerShape(
+            batch=rng.randint(1, 4),
+            seq=rng.choice([16, 32, 64]),
+            hidden=heads * hn,
+            heads=heads,
+            query_groups=groups,
+            ffn=rng.choice([None, 24, 40]),
+            gated=rng.random() < 0.5,
+            bias=rng.random() < 0.5,
+            dtype_bytes=rng.choice([2, 4]),
+            normalization=rng.choice(["LayerNorm", "RMSNorm"]),
+        )
 
 
 # --- hand-checked small cases -----------------------------------------------------------------
@@ -51,15 +58,28 @@ def test_tsp_hand_checked_gqa_gated_bias():
     # h=8, a=4, g=2 -> hn=2, h_kv=4; qkv rows 8+8=16: W_qkv=128 (+16 bias), W_proj=64 -> 208.
     # SwiGLU F=12: fc1 24x8=192 (+24 bias), fc2 8x12=96 -> W_mlp=312.
     # Replicated: 2 LayerNorms (w+b) 32, proj bias 8, fc2 bias 8 -> 48.
-    s = LayerShape(batch=1, seq=4, hidden=8, heads=4, query_groups=2, ffn=12, gated=True,
-                   bias=True, dtype_bytes=2)
+    s = LayerShape(
+        batch=1,
+        seq=4,
+        hidden=8,
+        heads=4,
+        query_groups=2,
+        ffn=12,
+        gated=True,
+        bias=True,
+        dtype_bytes=2,
+    )
     assert (s.w_attn, s.w_mlp, s.replicated_params) == (208, 312, 48)
     assert s.layer_params == 208 + 312 + 48
     # D=2, f=1/2, K/V = 2*4*4 = 32 elements
     # weight gradients rounded to bf16 on the wire (not what the layers do; grad_dtype_bytes=2);
     # the dK/dV reduce-scatter (16 elements) still sums in fp32
     assert fm.tsp_layer_comm(s, 2, grad_dtype_bytes=2) == {
-        "attn_fwd": 240.0, "mlp_fwd": 312.0, "attn_bwd": 480.0 + 16 * 2, "mlp_bwd": 624.0}
+        "attn_fwd": 240.0,
+        "mlp_fwd": 312.0,
+        "attn_bwd": 480.0 + 16 * 2,
+        "mlp_bwd": 624.0,
+    }
     # default: fp32 gradient accumulators, grads at 4 bytes, weights/activations at 2
     c = fm.tsp_layer_comm(s, 2)
     assert c == fm.tsp_layer_comm(s, 2, grad_dtype_bytes=4)
@@ -77,8 +97,14 @@ def test_megatron_tp_sp_and_tp():
     for D in (2, 4, 8):
         f = (D - 1) / D
         c = fm.tp_sp_layer_comm(s, D)
-        assert c == pytest.approx({"attn_fwd": 2 * f * x, "mlp_fwd": 2 * f * x,
-                                   "attn_bwd": 3 * f * x, "mlp_bwd": 3 * f * x})
+        assert c == pytest.approx(
+            {
+                "attn_fwd": 2 * f * x,
+                "mlp_fwd": 2 * f * x,
+                "attn_bwd": 3 * f * x,
+                "mlp_bwd": 3 * f * x,
+            }
+        )
         assert fm.fwd(c) == pytest.approx(4 * f * x) and fm.bwd(c) == pytest.approx(6 * f * x)
         t = fm.tp_layer_comm(s, D)
         assert fm.fwd(t) == pytest.approx(4 * f * x) and fm.bwd(t) == pytest.approx(4 * f * x)
@@ -90,8 +116,9 @@ def test_cp_and_tp_cp():
     s = LayerShape(batch=1, seq=32, hidden=16, heads=4, query_groups=2, dtype_bytes=2)
     kv = 2 * 32 * 8 * 2  # 2*B*S*h_kv bytes
     c = fm.cp_layer_comm(s, 4)
-    assert c == pytest.approx({"attn_fwd": 0.75 * kv, "attn_bwd": 1.5 * kv,
-                               "mlp_fwd": 0.0, "mlp_bwd": 0.0})
+    assert c == pytest.approx(
+        {"attn_fwd": 0.75 * kv, "attn_bwd": 1.5 * kv, "mlp_fwd": 0.0, "mlp_bwd": 0.0}
+    )
     assert fm.cp_layer_comm(s, 4, regather_kv_bwd=False)["attn_bwd"] == pytest.approx(0.75 * kv)
     # TP2 x CP2: TP+SP on the B*S/2 local tokens + CP of K/V heads split over TP
     tc = fm.tp_cp_layer_comm(s, 2, 2)
@@ -116,8 +143,13 @@ def test_tsp_activation_traffic_is_cp_traffic_and_weights_ignore_tokens():
             # same elements as CP; TSP's dK/dV reduce-scatter sums in the accumulation dtype
             extra = 0.0
             if p == "attn_bwd":
-                extra = (fm.ring_factor(D) * 2 * s.tokens * s.kv_hidden
-                         * (fm.accumulation_bytes(s.dtype_bytes) - s.dtype_bytes))
+                extra = (
+                    fm.ring_factor(D)
+                    * 2
+                    * s.tokens
+                    * s.kv_hidden
+                    * (fm.accumulation_bytes(s.dtype_bytes) - s.dtype_bytes)
+                )
             assert split[p]["activation"] == pytest.approx(cp[p] + extra)
         # weights and grads do not depend on B or S; activations only through B*S
         other = s.with_seq(s.seq * 3).with_batch(s.batch * 2)
@@ -140,8 +172,10 @@ def test_attention_mlp_symmetry():
     s = LayerShape(batch=1, seq=64, hidden=32, heads=4, ffn=64)
     split = fm.tsp_layer_split(s, 8)
     assert split["attn_fwd"]["weight"] == split["mlp_fwd"]["weight"]
-    assert split["attn_bwd"]["weight"] + split["attn_bwd"]["grad"] == \
-        split["mlp_bwd"]["weight"] + split["mlp_bwd"]["grad"]
+    assert (
+        split["attn_bwd"]["weight"] + split["attn_bwd"]["grad"]
+        == split["mlp_bwd"]["weight"] + split["mlp_bwd"]["grad"]
+    )
     c = fm.tp_sp_layer_comm(s.with_seq(48), 8)
     assert c["attn_fwd"] == c["mlp_fwd"] and c["attn_bwd"] == c["mlp_bwd"]
 
@@ -166,8 +200,7 @@ def test_paper_model_crossover_constants(D):
     # vs TP+SP: 36h^2 + 8BSh <= 10BSh -> 18h; vs plain TP (8BSh) never in bytes
     bf16_grads = {"grad_dtype_bytes": 2}
     assert fm.crossover_seq_length(PAPER_7B, D, "total", **bf16_grads) == pytest.approx(18 * h)
-    assert math.isinf(fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp",
-                                              **bf16_grads))
+    assert math.isinf(fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp", **bf16_grads))
     # what the layers send: fp32 gradient accumulators, the 12h^2 grad term counts twice:
     # 48h^2 + 8BSh <= 10BSh -> 24h; vs TP: never in bytes
     assert fm.crossover_seq_length(PAPER_7B, D, "total") == pytest.approx(24 * h)
@@ -182,8 +215,12 @@ def test_paper_model_crossover_constants(D):
 def test_crossover_solves_the_inequality():
     for s in _random_shapes(30, random.Random(99)):
         for D in (2, 4, 8):
-            for direction, baseline in (("fwd", "tp_sp"), ("bwd", "tp_sp"), ("total", "tp_sp"),
-                                        ("total", "tp")):
+            for direction, baseline in (
+                ("fwd", "tp_sp"),
+                ("bwd", "tp_sp"),
+                ("total", "tp_sp"),
+                ("total", "tp"),
+            ):
                 x = fm.crossover_seq_length(s, D, direction, baseline)
                 assert math.isfinite(x) and x > 0
                 sel = {"fwd": fm.fwd, "bwd": fm.bwd, "total": fm.total}[direction]
@@ -209,8 +246,10 @@ def test_crossover_trivial_group():
 def test_step_level_terms():
     s = LayerShape(batch=2, seq=8, hidden=8, heads=2, bias=True)
     # replicated per layer: 2 LayerNorms (2*8 each) + proj bias + fc2 bias = 48
-    assert fm.replicated_grad_allreduce(s, 4, num_layers=3, extra_params=16) == \
-        2 * 0.75 * (3 * 48 + 16) * 4
+    assert (
+        fm.replicated_grad_allreduce(s, 4, num_layers=3, extra_params=16)
+        == 2 * 0.75 * (3 * 48 + 16) * 4
+    )
     d = fm.dp_step_comm(1000, 4)
     assert d == {"grad_reduce": 0.75 * 1000 * 4, "param_gather": 0.75 * 1000 * 2}
     d = fm.dp_step_comm(1000, 4, distributed_optimizer=False)
@@ -235,8 +274,9 @@ def test_layer_flops_hand_checked():
     full = fm.layer_flops(s, full_recompute=True)
     assert full["recompute"] == f["fwd"] and full["total"] == 4 * f["fwd"]
     # gated MLP: fc1 has 2F rows; GQA does not change attention-core FLOPs
-    g = fm.layer_flops(LayerShape(batch=1, seq=16, hidden=8, heads=2, query_groups=1, ffn=32,
-                                  gated=True))
+    g = fm.layer_flops(
+        LayerShape(batch=1, seq=16, hidden=8, heads=2, query_groups=1, ffn=32, gated=True)
+    )
     assert g["fwd_matmul"] == 2 * 16 * ((8 + 8) * 8 + 64 + 64 * 8 + 256)
     assert g["fwd_attn_core"] == f["fwd_attn_core"]
     # doubling S doubles GEMMs and quadruples attention

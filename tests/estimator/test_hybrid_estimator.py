@@ -19,13 +19,15 @@ def test_hybrid_bytes_hand_checked():
     # h=8, a=g=2, F=32, no bias: W_mlp = 256 + 256 = 512. B*S=16 -> BSh = 128 elements. D=4, bf16.
     s = LayerShape(batch=1, seq=16, hidden=8, heads=2, dtype_bytes=2)
     f = 3 / 4
-    assert fm.hybrid_layer_comm(s, 4) == pytest.approx({
-        "attn_fwd": 2 * f * 128 * 2,  # AG before QKV + RS after proj
-        "attn_bwd": 3 * f * 128 * 2,  # AG of proj's output grad, QKV re-gather, QKV dgrad RS
-        "mlp_fwd": f * 512 * 2,  # weight ring
-        # ring again (bf16) + the fp32 gradient accumulator ring (bf16 model: fp32 partials)
-        "mlp_bwd": f * 512 * 2 + f * 512 * 4,
-    })
+    assert fm.hybrid_layer_comm(s, 4) == pytest.approx(
+        {
+            "attn_fwd": 2 * f * 128 * 2,  # AG before QKV + RS after proj
+            "attn_bwd": 3 * f * 128 * 2,  # AG of proj's output grad, QKV re-gather, QKV dgrad RS
+            "mlp_fwd": f * 512 * 2,  # weight ring
+            # ring again (bf16) + the fp32 gradient accumulator ring (bf16 model: fp32 partials)
+            "mlp_bwd": f * 512 * 2 + f * 512 * 4,
+        }
+    )
     ops = fm.sum_terms(fm.hybrid_layer_terms(s, 4), by="op")
     assert set(ops) == {"all_gather", "reduce_scatter", "p2p"}
     split = fm.split_terms(fm.hybrid_layer_terms(s, 4))
@@ -34,10 +36,22 @@ def test_hybrid_bytes_hand_checked():
 
 @pytest.mark.parametrize("gated,bias,groups", [(False, False, None), (True, True, 2)])
 def test_hybrid_is_tp_sp_attention_plus_tsp_mlp(gated, bias, groups):
-    s = LayerShape(batch=2, seq=64, hidden=16, heads=4, query_groups=groups, gated=gated,
-                   bias=bias, dtype_bytes=2)
+    s = LayerShape(
+        batch=2,
+        seq=64,
+        hidden=16,
+        heads=4,
+        query_groups=groups,
+        gated=gated,
+        bias=bias,
+        dtype_bytes=2,
+    )
     for D in (2, 4, 8):
-        h, tpsp, tsp = fm.hybrid_layer_comm(s, D), fm.tp_sp_layer_comm(s, D), fm.tsp_layer_comm(s, D)
+        h, tpsp, tsp = (
+            fm.hybrid_layer_comm(s, D),
+            fm.tp_sp_layer_comm(s, D),
+            fm.tsp_layer_comm(s, D),
+        )
         assert (h["attn_fwd"], h["attn_bwd"]) == (tpsp["attn_fwd"], tpsp["attn_bwd"])
         assert (h["mlp_fwd"], h["mlp_bwd"]) == (tsp["mlp_fwd"], tsp["mlp_bwd"])
 
@@ -63,8 +77,13 @@ def test_planner_hybrid_row_7b_128k_d8():
     """Analytic memory and comm at 7B / 128k / D=8: the hybrid drops TP+SP's MLP intermediates
     (recomputed per shard) and its MLP activation collectives; parameters are TP=8's."""
     o = pl.Options(recompute="none")
-    rows = {r["kind"]: r for r in (pl.evaluate("7b", "h200", pl.make_strategy(k, 8), 131072, 8, o)
-                                   for k in ("tp_sp", "hybrid", "tsp"))}
+    rows = {
+        r["kind"]: r
+        for r in (
+            pl.evaluate("7b", "h200", pl.make_strategy(k, 8), 131072, 8, o)
+            for k in ("tp_sp", "hybrid", "tsp")
+        )
+    }
     hyb, tpsp = rows["hybrid"], rows["tp_sp"]
     assert hyb["strategy"] == "TP8+SP+TSP-MLP"
     assert hyb["memory_bytes"]["none"]["params"] == tpsp["memory_bytes"]["none"]["params"]
@@ -73,7 +92,10 @@ def test_planner_hybrid_row_7b_128k_d8():
     mid = 131072 * (shape.fc1_rows + shape.ffn_hidden) / 8 * 2 * 32
     saved = tpsp["memory_bytes"]["none"]["activations"] - hyb["memory_bytes"]["none"]["activations"]
     assert saved == pytest.approx(mid)
-    assert hyb["layer_comm_fwd"] + hyb["layer_comm_bwd"] < tpsp["layer_comm_fwd"] + tpsp["layer_comm_bwd"]
+    assert (
+        hyb["layer_comm_fwd"] + hyb["layer_comm_bwd"]
+        < tpsp["layer_comm_fwd"] + tpsp["layer_comm_bwd"]
+    )
     assert hyb["step_s"] > 0 and "step_s" in rows["tsp"]
     p = pl.plan("7b", "h200", 131072, 8, 8, options=o)
     assert "TP8+SP+TSP-MLP" in [r["strategy"] for r in p["rows"]]
@@ -83,8 +105,25 @@ def test_planner_hybrid_row_7b_128k_d8():
 
 
 def test_planner_cli_hybrid_only(capsys):
-    assert pl.main(["--model", "tiny", "--seq-length", "4096", "--gpus", "8", "--degree", "4",
-                    "--strategies", "tp_sp,hybrid", "--plot", ""]) == 0
+    assert (
+        pl.main(
+            [
+                "--model",
+                "tiny",
+                "--seq-length",
+                "4096",
+                "--gpus",
+                "8",
+                "--degree",
+                "4",
+                "--strategies",
+                "tp_sp,hybrid",
+                "--plot",
+                "",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "TP4+SP+TSP-MLP" in out
 
@@ -93,14 +132,15 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     """``--scheme hybrid`` at small scale: fake-tensor peak within 10% of the real allocator's
     (fresh process); GEMM FLOPs = TP+SP's + the per-shard fc1 recompute; counted bytes of the
     step below TP+SP's at this S."""
-    from megatron_tsp.tools.estimator import fake_run
     from megatron_tsp.core.model_shape import load_model
+    from megatron_tsp.tools.estimator import fake_run
     from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step
 
     base = dict(model=load_model("small"), world_size=4, tp=4, seq=2048)
     fake = run_step(RunConfig(scheme="hybrid", **base))
-    real = fake_run.run_step_isolated(RunConfig(scheme="hybrid", fake=False, count_flops=False,
-                                                count_comm=False, **base))
+    real = fake_run.run_step_isolated(
+        RunConfig(scheme="hybrid", fake=False, count_flops=False, count_comm=False, **base)
+    )
     err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
     assert err < 0.10, (fake.peak_bytes, real.real_peak_bytes)
     tpsp = run_step(RunConfig(scheme="tpsp", **base))

@@ -21,8 +21,8 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 from megatron_tsp.core import zigzag  # noqa: E402
 from megatron_tsp.core.layout import TSPLayout, whole_sequence_blocks  # noqa: E402
-from megatron_tsp.tools.estimator import fake_run  # noqa: E402
 from megatron_tsp.core.model_shape import ModelShape, load_model  # noqa: E402
+from megatron_tsp.tools.estimator import fake_run  # noqa: E402
 from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
 
@@ -62,8 +62,9 @@ def _cfg(scheme, fake=True, **kw):
 def _dense_lower_right(q, k, v):
     from torch.nn.attention.bias import causal_lower_right
 
-    return F.scaled_dot_product_attention(q, k, v,
-                                          attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2])
+    )
 
 
 def test_baseline_attention_matches_dense_zigzag():
@@ -78,7 +79,7 @@ def test_baseline_attention_matches_dense_zigzag():
     for rank in range(cp):
         q_loc = zigzag.split(q, cp, rank, dim=0)
         blocks = TSPLayout(cp, s, rank).causal_blocks
-        out = fake_run.BaselineCoreAttention.apply(q_loc, k, v, d ** -0.5, blocks, None)
+        out = fake_run.BaselineCoreAttention.apply(q_loc, k, v, d**-0.5, blocks, None)
         torch.testing.assert_close(out, zigzag.split(ref, cp, rank, dim=0))
         g = torch.autograd.grad(out, (q, k, v), zigzag.split(go, cp, rank, dim=0))
         grads = [a + bb for a, bb in zip(grads, g)]
@@ -93,8 +94,9 @@ def test_baseline_attention_gqa_square():
     k = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
-    out = fake_run.BaselineCoreAttention.apply(sbhd(q), sbhd(k), sbhd(v), 8 ** -0.5,
-                                               whole_sequence_blocks(16), None)
+    out = fake_run.BaselineCoreAttention.apply(
+        sbhd(q), sbhd(k), sbhd(v), 8**-0.5, whole_sequence_blocks(16), None
+    )
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, sbhd(ref).reshape(16, 1, -1))
     g1 = torch.autograd.grad(out.sum(), (q, k, v))
@@ -107,13 +109,16 @@ def test_baseline_attention_gqa_square():
 # fake-tensor peak vs. the real allocator
 
 
-@pytest.mark.parametrize("scheme,kw", [
-    ("tsp", {}),
-    ("tpsp", {}),
-    ("tp", {}),
-    ("cp", {}),
-    ("tsp", {"recompute": "full"}),
-])
+@pytest.mark.parametrize(
+    "scheme,kw",
+    [
+        ("tsp", {}),
+        ("tpsp", {}),
+        ("tp", {}),
+        ("cp", {}),
+        ("tsp", {"recompute": "full"}),
+    ],
+)
 def test_fake_peak_matches_real_run(scheme, kw):
     """Fake-tensor MemTracker peak vs. the CPU allocator's peak of the same step run with real
     tensors in a fresh process (profiler memory events, no tracker attached)."""
@@ -179,8 +184,22 @@ def test_baselines_do_the_same_gemm_work():
 
 def test_cli_smoke(tmp_path, capsys):
     out = tmp_path / "mem.json"
-    rc = memory_main(["--model", "tiny", "--scheme", "tsp", "--tp", "2", "--world-size", "2",
-                      "--seq", "512", "--json", str(out)])
+    rc = memory_main(
+        [
+            "--model",
+            "tiny",
+            "--scheme",
+            "tsp",
+            "--tp",
+            "2",
+            "--world-size",
+            "2",
+            "--seq",
+            "512",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "TSP D=2" in text and "peak" in text
@@ -196,20 +215,51 @@ def test_cli_prints_no_megatron_notice_and_no_deprecated_collective(scheme, capl
     type" per layer, and the collectives under torch 2.13 have deprecated old names."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rc = memory_main(["--model", "tiny", "--scheme", scheme, "--tp", "2", "--world-size",
-                          "2", "--seq", "256", "--no-flops"])
+        rc = memory_main(
+            [
+                "--model",
+                "tiny",
+                "--scheme",
+                scheme,
+                "--tp",
+                "2",
+                "--world-size",
+                "2",
+                "--seq",
+                "256",
+                "--no-flops",
+            ]
+        )
     assert rc == 0
     notices = [r.getMessage() for r in caplog.records if "Unknown MLP type" in r.getMessage()]
     assert notices == []
-    deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                    if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    deprecations = [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (DeprecationWarning, FutureWarning))
+    ]
     ours = [w for w in deprecations if "megatron_tsp" in w or "torch.distributed" in w]
     assert ours == [], ours
 
 
 def test_cli_validate(capsys):
-    rc = memory_main(["--model", "small", "--scheme", "tpsp", "--tp", "2", "--world-size", "2",
-                      "--seq", "1024", "--validate", "--no-flops", "--no-comm"])
+    rc = memory_main(
+        [
+            "--model",
+            "small",
+            "--scheme",
+            "tpsp",
+            "--tp",
+            "2",
+            "--world-size",
+            "2",
+            "--seq",
+            "1024",
+            "--validate",
+            "--no-flops",
+            "--no-comm",
+        ]
+    )
     assert rc == 0
     assert "OK" in capsys.readouterr().out
 
@@ -226,8 +276,9 @@ def test_full_scale_7b_128k_d8():
     the paper's 38.8 GB (we measure 38.1); the default saved-attention TSP (55.3 GB, issue 12:
     below the 58.7 GB it measured before the output was saved once) needs far less than Megatron
     TP=8 + SP (101.4 GB)."""
-    full = dict(model=load_model("7b"), world_size=8, tp=8, seq=131072, count_flops=False,
-                count_comm=False)
+    full = dict(
+        model=load_model("7b"), world_size=8, tp=8, seq=131072, count_flops=False, count_comm=False
+    )
     tsp = run_step(RunConfig(scheme="tsp", **full))
     n = tsp.params_local
     assert n == pytest.approx(6.711e9 / 8, rel=0.01)

@@ -53,7 +53,9 @@ def test_bandwidth_model():
     assert mi.bandwidth(8) == pytest.approx(7 * 64e9 * e)  # collective: all 7 links
     assert mi.bandwidth(4) == pytest.approx(3 * 64e9 * e)
     assert mi.bandwidth(8, link="p2p") == pytest.approx(64e9 * e)  # ring step: one link
-    assert h1.bandwidth(8, link="p2p") == h1.bandwidth(8) == pytest.approx(450e9 * h1.comm_efficiency)
+    assert (
+        h1.bandwidth(8, link="p2p") == h1.bandwidth(8) == pytest.approx(450e9 * h1.comm_efficiency)
+    )
     # across nodes: one member per node -> one NIC share (8 x 400 Gb/s / 8 GPUs = 50 GB/s)
     assert mi.bandwidth(128, stride=8) == pytest.approx(50e9 * e)
     # eight consecutive members per node -> the node's 8 NICs, capped by the mesh
@@ -66,7 +68,9 @@ def test_exposed_comm_model():
     assert pl.exposed_comm([(3.0, "prefetch", 1)], 2.0, 0.0) == pytest.approx(1.0)
     assert pl.exposed_comm([(8.0, "pipelined", 8)], 100.0, 0.0) == pytest.approx(1.0)
     # attention-core overlap is bounded by attention compute, the rest by what is left
-    assert pl.exposed_comm([(3.0, "attn_core", 1), (2.0, "async", 1)], 4.0, 1.0) == pytest.approx(2.0)
+    assert pl.exposed_comm([(3.0, "attn_core", 1), (2.0, "async", 1)], 4.0, 1.0) == pytest.approx(
+        2.0
+    )
 
 
 def _golden_tsp_memory(seq, D, recompute):
@@ -80,14 +84,16 @@ def _golden_tsp_memory(seq, D, recompute):
     # b bytes), the local fp32 RoPE table (hn), saved attention: q,k,v (3h), the output once
     # (h), the fp32 log-sum-exp per head; the MLP recomputes its intermediates
     layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 1 * h * b + 4 * heads)
-    transient = (2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
-                 + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
-                 + t * h * 4  # fp32 grad_x accumulator
-                 + (2 * seq * h / D) * 4  # one head group's fp32 dK/dV
-                 # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
-                 # call, native GQA), before it is added into the fp32 accumulator
-                 + (2 * seq * h / D) * b
-                 + t * 8 * h / D * b)  # one MLP shard's intermediate (fc1 out + act out)
+    transient = (
+        2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
+        + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
+        + t * h * 4  # fp32 grad_x accumulator
+        + (2 * seq * h / D) * 4  # one head group's fp32 dK/dV
+        # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
+        # call, native GQA), before it is added into the fp32 accumulator
+        + (2 * seq * h / D) * b
+        + t * 8 * h / D * b
+    )  # one MLP shard's intermediate (fc1 out + act out)
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
@@ -102,9 +108,14 @@ def _golden_tsp_memory(seq, D, recompute):
     else:
         acts, bwd = L * layer, transient + ws_bwd
     fwd_peak = head >= bwd
-    return {"params": 2 * local, "grads": 4 * local, "optimizer": 12 * local,
-            "activations": acts, "transient": 0.0 if fwd_peak else bwd,
-            "logits": head if fwd_peak else 0.0}
+    return {
+        "params": 2 * local,
+        "grads": 4 * local,
+        "optimizer": 12 * local,
+        "activations": acts,
+        "transient": 0.0 if fwd_peak else bwd,
+        "logits": head if fwd_peak else 0.0,
+    }
 
 
 @pytest.mark.parametrize("seq,recompute", [(16384, "none"), (131072, "none"), (131072, "full")])
@@ -137,8 +148,10 @@ def test_analytic_memory_relations():
     assert full["activations"] == pytest.approx(32 * S / 8 * 4096 * 2)
     sharded = pl.analytic_memory(m, "tp_sp", S, degree=8, dp=16)
     assert sharded["optimizer"] == pytest.approx(tpsp["optimizer"] / 16)
-    assert pl.analytic_memory(m, "tp_sp", S, degree=8, dp=16, distributed_optimizer=False)[
-        "optimizer"] == tpsp["optimizer"]
+    assert (
+        pl.analytic_memory(m, "tp_sp", S, degree=8, dp=16, distributed_optimizer=False)["optimizer"]
+        == tpsp["optimizer"]
+    )
     # memory grows with S for every strategy
     for kind in ("tsp", "tp_sp", "cp"):
         a = sum(pl.analytic_memory(m, kind, 16384, degree=8).values())
@@ -163,30 +176,49 @@ def test_evaluate_golden_h100():
     assert tpsp["layer_exposed_s"]["bwd"] == pytest.approx(2 * x / bw)
     tsp = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D, o)
     recompute = 2 * S * 4 * h * h  # fc1 GEMM (F = 4h: 4h x h); attention saved (default)
-    assert tsp["layer_compute_s"]["bwd"] == pytest.approx((2 * (gemm + attn) + recompute) / D / flops)
+    assert tsp["layer_compute_s"]["bwd"] == pytest.approx(
+        (2 * (gemm + attn) + recompute) / D / flops
+    )
     # TSP forward: the first head group's weight broadcast (fill) and, K/V all-gathers being
     # pipelined one group ahead (the default, what the layers do), only the first group's; the
     # blocking what-if (the code before issue 12) exposes every K/V all-gather
     kv = 7 / 8 * 2 * S * h * 2
     bcast = 7 / 8 * 4 * h * h * 2
     assert tsp["layer_exposed_s"]["fwd"] == pytest.approx((kv / D + bcast / D) / bw)
-    blocking = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D,
-                           pl.Options(recompute="none", tsp_kv_pipelined=False))
+    blocking = pl.evaluate(
+        "7b",
+        hw,
+        pl.make_strategy("tsp", D),
+        S,
+        D,
+        pl.Options(recompute="none", tsp_kv_pipelined=False),
+    )
     assert blocking["layer_exposed_s"]["fwd"] == pytest.approx((kv + bcast / D) / bw)
     assert tsp["layer_comm_fwd"] == pytest.approx(7 / 8 * (12 * h * h + 2 * S * h) * 2)
     assert tsp["dp"] == 1 and tsp["dp_exposed_s"] == 0.0
-    step = 32 * (tsp["layer_compute_s"]["fwd"] + tsp["layer_compute_s"]["bwd"]
-                 + tsp["layer_exposed_s"]["fwd"] + tsp["layer_exposed_s"]["bwd"]) \
-        + tsp["head_s"] + tsp["replicated_allreduce_s"]
+    step = (
+        32
+        * (
+            tsp["layer_compute_s"]["fwd"]
+            + tsp["layer_compute_s"]["bwd"]
+            + tsp["layer_exposed_s"]["fwd"]
+            + tsp["layer_exposed_s"]["bwd"]
+        )
+        + tsp["head_s"]
+        + tsp["replicated_allreduce_s"]
+    )
     assert tsp["num_microbatches"] == 2**24 // S
-    assert tsp["step_s"] == pytest.approx(tsp["num_microbatches"] * (step - tsp["replicated_allreduce_s"])
-                                          + tsp["replicated_allreduce_s"])
+    assert tsp["step_s"] == pytest.approx(
+        tsp["num_microbatches"] * (step - tsp["replicated_allreduce_s"])
+        + tsp["replicated_allreduce_s"]
+    )
     assert tsp["tokens_per_s"] == pytest.approx(tsp["num_microbatches"] * S / tsp["step_s"])
 
 
 def test_planner_bytes_crossover_marks_the_switch():
-    p = pl.plan("7b", "mi300x", 131072, 1024, 8, [pl.make_strategy("tsp", 8),
-                                                 pl.make_strategy("tp_sp", 8)])
+    p = pl.plan(
+        "7b", "mi300x", 131072, 1024, 8, [pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)]
+    )
     x = p["bytes_crossover_seq"]["fwd"]
     assert x == pytest.approx(6 * 4096)
     for seq, tsp_wins in ((int(x * 0.9), False), (int(x * 1.1), True)):
@@ -198,8 +230,10 @@ def test_planner_bytes_crossover_marks_the_switch():
     tsp, tpsp = pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)
     for lo, hi in p["throughput_regions"]:
         mid = int(lo * 1.05) if hi is None else int((lo * hi) ** 0.5)
-        assert (pl.evaluate("7b", "mi300x", tsp, mid, 1024, o)["tokens_per_s"]
-                >= pl.evaluate("7b", "mi300x", tpsp, mid, 1024, o)["tokens_per_s"])
+        assert (
+            pl.evaluate("7b", "mi300x", tsp, mid, 1024, o)["tokens_per_s"]
+            >= pl.evaluate("7b", "mi300x", tpsp, mid, 1024, o)["tokens_per_s"]
+        )
 
 
 def test_cli_dispatch_missing_module(monkeypatch, capsys):
@@ -215,14 +249,43 @@ def test_cli_dispatch_missing_module(monkeypatch, capsys):
 def test_cli_plan_smoke(tmp_path):
     png, js = tmp_path / "plan.png", tmp_path / "plan.json"
     r = subprocess.run(
-        [sys.executable, "-m", "megatron_tsp.tools.cli", "plan", "--model", "7b", "--seq-length",
-         "131072", "--gpus", "1024", "--hardware", "mi300x", "--plot", str(png), "--json", str(js),
-         "--sweep", "16384,65536,131072"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "megatron_tsp.tools.cli",
+            "plan",
+            "--model",
+            "7b",
+            "--seq-length",
+            "131072",
+            "--gpus",
+            "1024",
+            "--hardware",
+            "mi300x",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+            "--sweep",
+            "16384,65536,131072",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for needle in ("TSP8", "TP8+SP", "CP8", "TP2+SPxCP4", "Assumptions:", "B*S >= 6 h",
-                   "paper: B*S > 8h", "compute efficiency"):
+    for needle in (
+        "TSP8",
+        "TP8+SP",
+        "CP8",
+        "TP2+SPxCP4",
+        "Assumptions:",
+        "B*S >= 6 h",
+        "paper: B*S > 8h",
+        "compute efficiency",
+    ):
         assert needle in out, needle
     d = json.loads(js.read_text())
     assert [r["strategy"] for r in d["rows"]][:2] == ["TSP8", "TP8+SP"]
@@ -240,15 +303,17 @@ def test_kernel_dkv_workspace_by_backend():
     whole sequence for aten_flash (one bottom-right call, native GQA); twice that for top-left
     kernels (prefix + diagonal blocks, then their concatenation); kernels without native GQA
     also hold K/V repeated to the query heads and dK/dV per query head before the fold."""
-    m = ModelShape(name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096,
-                   vocab=1000)
+    m = ModelShape(
+        name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096, vocab=1000
+    )
     S, D = 8192, 4
     shape = LayerShape.of(m, 1, S)
     unit = 2 * S / D * 2  # K+V of one hidden unit over S tokens, bf16
     assert pl._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
     assert pl._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
     assert pl._kernel_dkv_bytes(shape, D, "cpu_flash") == pytest.approx(
-        2 * unit * 1024 + unit * (1024 + 256))
+        2 * unit * 1024 + unit * (1024 + 256)
+    )
     with pytest.raises(ValueError, match="attn_kernel='fa9'"):
         pl._kernel_dkv_bytes(shape, D, "fa9")
 

@@ -19,14 +19,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(args, timeout):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "estimator",
-                                                        "planner_vs_fake.py"), *map(str, args)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TORCHDYNAMO_DISABLE="1",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tests", "estimator", "planner_vs_fake.py"),
+            *map(str, args),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@"):])
+            return json.loads(line[len("@@RESULT@@") :])
     raise AssertionError(proc.stderr[-4000:])
 
 
@@ -34,8 +47,10 @@ def _check(rows):
     assert rows
     for r in rows:
         err = r["planned"] / r["measured"] - 1
-        print(f"{r['layout']:<28} measured {r['measured'] / 1e6:10.1f} MB ({r['measured_phase']})"
-              f"  planned {r['planned'] / 1e6:10.1f} MB  {100 * err:+.1f}%")
+        print(
+            f"{r['layout']:<28} measured {r['measured'] / 1e6:10.1f} MB ({r['measured_phase']})"
+            f"  planned {r['planned'] / 1e6:10.1f} MB  {100 * err:+.1f}%"
+        )
     for r in rows:
         assert abs(r["planned"] / r["measured"] - 1) <= 0.05, r
 

@@ -11,13 +11,26 @@ from megatron_tsp.core import zigzag
 
 STYLES = {
     # GPT-2-like: LayerNorm, GELU, biases, learned absolute positions, MHA.
-    "gpt2": dict(config=dict(normalization="LayerNorm", gated_linear_unit=False,
-                             activation_func=F.gelu, add_bias_linear=True),
-                 position_embedding_type="learned_absolute"),
+    "gpt2": dict(
+        config=dict(
+            normalization="LayerNorm",
+            gated_linear_unit=False,
+            activation_func=F.gelu,
+            add_bias_linear=True,
+        ),
+        position_embedding_type="learned_absolute",
+    ),
     # Llama-like: RMSNorm, SwiGLU, no biases, RoPE, GQA (--group-query-attention).
-    "llama": dict(config=dict(normalization="RMSNorm", gated_linear_unit=True,
-                              activation_func=F.silu, add_bias_linear=False, num_query_groups=2),
-                  position_embedding_type="rope"),
+    "llama": dict(
+        config=dict(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            num_query_groups=2,
+        ),
+        position_embedding_type="rope",
+    ),
 }
 HEADS, HIDDEN, FFN, LAYERS, VOCAB, SEQ, BATCH = 4, 32, 64, 2, 128, 32, 2
 
@@ -25,11 +38,14 @@ HEADS, HIDDEN, FFN, LAYERS, VOCAB, SEQ, BATCH = 4, 32, 64, 2, 128, 32, 2
 def _groups(d: int, seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if not (tsp_state.is_tensor_sequence_parallel()
-            and tsp_state.get_tensor_sequence_parallel_world_size() == d):
+    if not (
+        tsp_state.is_tensor_sequence_parallel()
+        and tsp_state.get_tensor_sequence_parallel_world_size() == d
+    ):
         tsp_state.destroy_model_parallel()
-        tsp_state.initialize_model_parallel(tensor_sequence_parallel_size=d,
-                                            create_gloo_process_groups=False)
+        tsp_state.initialize_model_parallel(
+            tensor_sequence_parallel_size=d, create_gloo_process_groups=False
+        )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -37,17 +53,28 @@ def _config(d: int, style: str, dtype=torch.float32):
     """Megatron-LM's defaults (fusions included, see tests.common.make_config) for this style."""
     from tests.common import make_config
 
-    return make_config(d, dtype, num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                       ffn_hidden_size=FFN, **STYLES[style]["config"])
+    return make_config(
+        d,
+        dtype,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        **STYLES[style]["config"],
+    )
 
 
 def _model(config, spec, style):
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=SEQ,
-                    position_embedding_type=STYLES[style]["position_embedding_type"],
-                    share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type=STYLES[style]["position_embedding_type"],
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _batch(seed: int):
@@ -58,14 +85,20 @@ def _batch(seed: int):
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ).contiguous()
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)
     attention_mask = causal.expand(BATCH, 1, SEQ, SEQ).contiguous()
-    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
-                position_ids=position_ids)
+    return dict(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+    )
 
 
 def megatron_loss(model, batch):
     """``pretrain_gpt.forward_step`` + ``loss_func``: (sum of masked token losses, token count)."""
-    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+    losses = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     mask = batch["loss_mask"].view(-1).float()
     return torch.sum(losses.view(-1).float() * mask), mask.sum().to(torch.int)
 
@@ -92,7 +125,8 @@ def check_batch_hook(seed: int) -> dict:
     try:
         wrapped = core_utils.get_batch_on_this_cp_rank
         assert wrapped is not original and wrapped.__wrapped_by_tsp__ is original, (
-            "installing twice wrapped the wrapper")
+            "installing twice wrapped the wrapper"
+        )
         batch = _batch(seed)
         hook.activate(None)
         passthrough = wrapped(dict(batch))
@@ -104,7 +138,8 @@ def check_batch_hook(seed: int) -> dict:
         for key in batch:
             if key != "attention_mask":
                 assert torch.equal(out[key], expected[key]), (
-                    f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)")
+                    f"{key}: the hooked batch is not the zigzag permutation (chunks r and 2D-1-r)"
+                )
         # the S x S mask is left alone (TSP attention never reads it), not permuted twice
         assert out["attention_mask"] is batch["attention_mask"]
         from megatron_tsp.core import batch_guard
@@ -133,10 +168,11 @@ def check_batch_hook(seed: int) -> dict:
         assert errors.get("packed") == (
             f"packed (THD) sequences with cu_seqlens cannot run with "
             f"--tensor-sequence-parallel-size={d}; drop --sft / "
-            f"--dataloader-inter-document-masking"), errors
+            f"--dataloader-inter-document-masking"
+        ), errors
         assert errors.get("size") == (
-            f"--tensor-sequence-parallel-size={2 * d} but the tensor-parallel group has {d} "
-            f"ranks"), errors
+            f"--tensor-sequence-parallel-size={2 * d} but the tensor-parallel group has {d} ranks"
+        ), errors
     finally:
         hook.activate(None)
         hook.uninstall_batch_hook()
@@ -189,8 +225,13 @@ def check_spec_hook_and_loss(seed: int, style: str) -> dict:
     tsp_batch = zigzag.get_batch_on_this_tsp_rank(batch, d)
     tsp_sum, tsp_tokens = megatron_loss(tsp, tsp_batch)
     assert int(tsp_tokens) == int(ref_tokens)
-    errors = assert_close(tsp_sum, ref_sum, rtol=1e-5, name="loss sum",
-                          what=f"--spec TSP model ({style}) vs stock TP={d}+SP, seed={seed}")
+    errors = assert_close(
+        tsp_sum,
+        ref_sum,
+        rtol=1e-5,
+        name="loss sum",
+        what=f"--spec TSP model ({style}) vs stock TP={d}+SP, seed={seed}",
+    )
     return {"loss_rel_err": errors["loss sum"], "tokens": int(tsp_tokens)}
 
 
@@ -198,9 +239,18 @@ def _sharded_layout(model):
     out = {}
     for key, sh in model.sharded_state_dict().items():
         out[key] = (type(sh).__name__,) + tuple(
-            repr(getattr(sh, attr, None)) for attr in
-            ("global_shape", "global_offset", "axis_fragmentations", "replica_id", "local_shape",
-             "dtype", "prepend_axis_num", "flattened_range"))
+            repr(getattr(sh, attr, None))
+            for attr in (
+                "global_shape",
+                "global_offset",
+                "axis_fragmentations",
+                "replica_id",
+                "local_shape",
+                "dtype",
+                "prepend_axis_num",
+                "flattened_range",
+            )
+        )
     return out
 
 
@@ -228,10 +278,10 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
     cuda_synchronize = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *args, **kwargs: None
     try:
+
         def build(kind: str, init_seed: int):
             _groups(d, init_seed)
-            spec = (spec_hook.tsp_block_spec if kind == "tsp"
-                    else reference_tp_sp_block_spec(config))
+            spec = spec_hook.tsp_block_spec if kind == "tsp" else reference_tp_sp_block_spec(config)
             return _model(config, spec, style)
 
         batch = _batch(seed)
@@ -241,9 +291,11 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
             dst = build(dst_kind, seed + 11)
             layout_src, layout_dst = _sharded_layout(src), _sharded_layout(dst)
             assert layout_src == layout_dst, set(layout_src) ^ set(layout_dst)
-            differs = any(not torch.equal(a, b) for a, b in
-                          zip(src.state_dict().values(), dst.state_dict().values())
-                          if torch.is_tensor(a))
+            differs = any(
+                not torch.equal(a, b)
+                for a, b in zip(src.state_dict().values(), dst.state_dict().values())
+                if torch.is_tensor(a)
+            )
             assert differs, "the destination must start from different weights"
             path = os.path.join(ckpt_root, f"{src_kind}_to_{dst_kind}_{style}")
             if dist.get_rank() == 0:
@@ -255,13 +307,22 @@ def check_dist_checkpoint_interop(ckpt_root: str, seed: int, style: str) -> dict
             for (name, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
                 if torch.is_tensor(a):
                     assert torch.equal(a, b), f"{src_kind}->{dst_kind}: {name} differs after load"
-            ref_batch = batch if src_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
-            out_batch = batch if dst_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
+            ref_batch = (
+                batch if src_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
+            )
+            out_batch = (
+                batch if dst_kind == "tp_sp" else zigzag.get_batch_on_this_tsp_rank(batch, d)
+            )
             with torch.no_grad():
                 a, _ = megatron_loss(src, ref_batch)
                 b, _ = megatron_loss(dst, out_batch)
-            rel = assert_close(b, a, rtol=1e-5, name="loss sum",
-                               what=f"{src_kind}->{dst_kind} ({style}), seed={seed}")["loss sum"]
+            rel = assert_close(
+                b,
+                a,
+                rtol=1e-5,
+                name="loss sum",
+                what=f"{src_kind}->{dst_kind} ({style}), seed={seed}",
+            )["loss sum"]
             results[f"{src_kind}->{dst_kind}"] = rel
             results["keys"] = len(layout_src)
         return results

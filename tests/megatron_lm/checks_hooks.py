@@ -17,14 +17,27 @@ READ_BY_TSP = {"mlp": ("linear_fc1", "linear_fc2"), "attention": ("linear_qkv", 
 
 
 def _build(kind, d, bias):
-    config = make_config(d, torch.float64, hidden_size=32, ffn_hidden_size=64,
-                         num_attention_heads=4, add_bias_linear=bias)
+    config = make_config(
+        d,
+        torch.float64,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        add_bias_linear=bias,
+    )
     if kind == "mlp":
-        return TSPMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                            linear_fc2=RowParallelLinear))
-    return TSPSelfAttention(config, SelfAttentionSubmodules(
-        linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-        linear_proj=RowParallelLinear), layer_number=1)
+        return TSPMLP(
+            config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        )
+    return TSPSelfAttention(
+        config,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+    )
 
 
 def check_pre_hooks_gate_weight_reads(d, seed, kind, bias):
@@ -66,7 +79,8 @@ def check_input_rewriting_hook_is_refused(d, kind):
     group, size, rank = group_info()
     layer = _build(kind, d, True)
     getattr(layer, READ_BY_TSP[kind][0]).register_forward_pre_hook(
-        lambda module, inputs: (torch.zeros(1),))
+        lambda module, inputs: (torch.zeros(1),)
+    )
     try:
         layer(torch.randn(16 // size, 2, 32, dtype=torch.float64))
     except RuntimeError as exc:

@@ -25,7 +25,8 @@ def _worker(rank, world, port, out_dir, seed):
     results = {}
     for style in STYLES:
         results[style] = checks.check_dist_checkpoint_interop(
-            os.path.join(out_dir, "ckpt"), seed, style)
+            os.path.join(out_dir, "ckpt"), seed, style
+        )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
@@ -39,8 +40,10 @@ def main(out_dir, seed, world=2):
     from tests.harness import free_port
 
     mp.spawn(_worker, args=(world, free_port(), out_dir, seed), nprocs=world, join=True)
-    merged = {s: [json.load(open(os.path.join(out_dir, f"rank{r}.json")))[s]
-                  for r in range(world)] for s in STYLES}
+    merged = {
+        s: [json.load(open(os.path.join(out_dir, f"rank{r}.json")))[s] for r in range(world)]
+        for s in STYLES
+    }
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(merged, f, indent=1)
 

@@ -15,11 +15,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # read besides the rejection table's flags; the CI tests of the argument code run without a
 # Megatron-LM checkout, so they build the namespace from these.
 MEGATRON_DEFAULTS = dict(
-    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-    expert_model_parallel_size=1, sequence_parallel=False, transformer_impl="transformer_engine",
-    spec=None, group_query_attention=False, num_query_groups=1, num_attention_heads=None,
-    hidden_size=None, ffn_hidden_size=None, seq_length=None, padded_vocab_size=None, world_size=1,
-    softmax_type="vanilla", cuda_graph_impl="none", position_embedding_type="learned_absolute",
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    context_parallel_size=1,
+    expert_model_parallel_size=1,
+    sequence_parallel=False,
+    transformer_impl="transformer_engine",
+    spec=None,
+    group_query_attention=False,
+    num_query_groups=1,
+    num_attention_heads=None,
+    hidden_size=None,
+    ffn_hidden_size=None,
+    seq_length=None,
+    padded_vocab_size=None,
+    world_size=1,
+    softmax_type="vanilla",
+    cuda_graph_impl="none",
+    position_embedding_type="learned_absolute",
 )
 
 
@@ -65,8 +78,11 @@ def megatron_parser() -> argparse.ArgumentParser:
             parser.add_argument(row.flag, dest=row.dest, type=int, default=None)
         else:
             parser.add_argument(row.flag, dest=row.dest, default=None)
-    parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
-                        dest="create_attention_mask_in_dataloader")
+    parser.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+    )
     return add_tsp_arguments(parser)
 
 
@@ -79,8 +95,10 @@ def megatron_lm_path() -> Optional[str]:
     if path and os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
         return path
     if os.environ.get("CI") == "true":
-        raise RuntimeError(f"CI=true but MEGATRON_LM_PATH={path!r} holds no pretrain_gpt.py: "
-                           "run scripts/megatron_lm_sources.sh (as .ci/run does)")
+        raise RuntimeError(
+            f"CI=true but MEGATRON_LM_PATH={path!r} holds no pretrain_gpt.py: "
+            "run scripts/megatron_lm_sources.sh (as .ci/run does)"
+        )
     return None
 
 
@@ -92,13 +110,18 @@ def megatron_lm_tree(version: str) -> Optional[str]:
 
     paths = [os.environ.get(name) for name in ("MEGATRON_LM_PATH", "MEGATRON_LM_PATH_0_19")]
     for path in paths:
-        if path and os.path.isfile(os.path.join(path, "pretrain_gpt.py")) \
-                and tree_version(path) == version:
+        if (
+            path
+            and os.path.isfile(os.path.join(path, "pretrain_gpt.py"))
+            and tree_version(path) == version
+        ):
             return path
     if os.environ.get("CI") == "true":
-        raise RuntimeError(f"CI=true but neither MEGATRON_LM_PATH nor MEGATRON_LM_PATH_0_19 "
-                           f"({paths}) is a core_v{version} tree: run "
-                           "scripts/megatron_lm_sources.sh (as .ci/run does)")
+        raise RuntimeError(
+            f"CI=true but neither MEGATRON_LM_PATH nor MEGATRON_LM_PATH_0_19 "
+            f"({paths}) is a core_v{version} tree: run "
+            "scripts/megatron_lm_sources.sh (as .ci/run does)"
+        )
     return None
 
 
@@ -118,5 +141,11 @@ def run_launcher(args: List[str], timeout: float = 300, env_extra: Optional[dict
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megatron_tsp.megatron_lm.launch", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_tsp.megatron_lm.launch", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )

@@ -11,4 +11,5 @@ from megatron_tsp.core.specs import get_gpt_layer_local_sp_spec
 NUM_LAYERS = 2
 
 block_spec = TransformerBlockSubmodules(
-    layer_specs=[get_gpt_layer_local_sp_spec()] * NUM_LAYERS, layer_norm=SequenceParallelNorm)
+    layer_specs=[get_gpt_layer_local_sp_spec()] * NUM_LAYERS, layer_norm=SequenceParallelNorm
+)

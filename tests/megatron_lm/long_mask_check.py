@@ -1,12 +1,12 @@
 """Rank-side script for test_long_sequence_mask.py: Megatron-LM's own data path for one
 micro-batch, measured.
 
-Run by ``cpu_runner.run_training`` (so through ``megatron_tsp.megatron_lm.launch``, hooks installed) with
-pretrain_gpt.py's command line: Megatron's ``initialize_megatron`` parses and validates it (TSP
-translation included), then pretrain_gpt's own dataset provider builds the mock dataset on TP rank
-0 and pretrain_gpt's ``get_batch`` runs ``get_batch_on_this_tp_rank`` (broadcast) and the hooked
-``get_batch_on_this_cp_rank`` (zigzag). Prints one ``LONG_MASK_RESULT {json}`` line per rank:
-peak resident memory growth over the data path and the batch's shapes.
+Run by ``cpu_runner.run_training`` (so through ``megatron_tsp.megatron_lm.launch``, hooks installed)
+with pretrain_gpt.py's command line: Megatron's ``initialize_megatron`` parses and validates it (TSP
+translation included), then pretrain_gpt's own dataset provider builds the mock dataset on TP rank 0
+and pretrain_gpt's ``get_batch`` runs ``get_batch_on_this_tp_rank`` (broadcast) and the hooked
+``get_batch_on_this_cp_rank`` (zigzag). Prints one ``LONG_MASK_RESULT {json}`` line per rank: peak
+resident memory growth over the data path and the batch's shapes.
 
 The address space is capped at the current size + 3 GiB first, so a data path that builds an
 S x S mask at 128k (17-68 GB) fails with an allocation error instead of exhausting the machine.

@@ -21,19 +21,57 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STYLES = {
     "gpt2": ["--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute"],
-    "llama": ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
-              "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-              "--untie-embeddings-and-output-weights"],
+    "llama": [
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--swiglu",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+    ],
 }
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
-          "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
-          "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-          "--vocab-size", "255", "--transformer-impl", "local", "--no-persist-layer-norm",
-          # Megatron-LM's default fusions stay on (fused bias-GeLU / SwiGLU, bias-dropout,
-          # masked softmax); these two need CUDA extensions (apex / Transformer Engine):
-          "--no-gradient-accumulation-fusion", "--no-rope-fusion",
-          "--attention-dropout", "0", "--hidden-dropout", "0"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "128",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-4",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "255",
+    "--transformer-impl",
+    "local",
+    "--no-persist-layer-norm",
+    # Megatron-LM's default fusions stay on (fused bias-GeLU / SwiGLU, bias-dropout,
+    # masked softmax); these two need CUDA extensions (apex / Transformer Engine):
+    "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 
 def _parse(argv):
@@ -62,8 +100,9 @@ def _build(args, seed):
     from megatron_tsp.core import parallel_state as tsp_ps
 
     tsp_ps.destroy_model_parallel()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                  create_gloo_process_groups=False)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size, create_gloo_process_groups=False
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     import gpt_builders
 
@@ -72,8 +111,9 @@ def _build(args, seed):
 
 
 def _worker(rank, port, checkout, out, seed):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", CUDA_DEVICE_MAX_CONNECTIONS="1",
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1"
+    )
     sys.path[:0] = [checkout, REPO]
     import torch
     import torch.distributed as dist
@@ -81,8 +121,8 @@ def _worker(rank, port, checkout, out, seed):
     from megatron_tsp.tools.cpu_ranks import init_gloo_rank
 
     init_gloo_rank(rank, 2, port, timeout_s=180)
-    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.megatron_lm import install
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
     enable_cpu_support()
     install()
@@ -91,8 +131,10 @@ def _worker(rank, port, checkout, out, seed):
     import megatron.training.utils as training_utils
 
     # where this version's pretrain_gpt.py imports it from (core_v0.16: training.utils)
-    cp_batch = getattr(training_utils, "get_batch_on_this_cp_rank", None) or \
-        core_utils.get_batch_on_this_cp_rank
+    cp_batch = (
+        getattr(training_utils, "get_batch_on_this_cp_rank", None)
+        or core_utils.get_batch_on_this_cp_rank
+    )
     import inspect
 
     needs_cp_group = "is_hybrid_cp" in inspect.signature(cp_batch).parameters
@@ -114,12 +156,15 @@ def _worker(rank, port, checkout, out, seed):
         g = torch.Generator().manual_seed(seed)
         vocab = stock_args.padded_vocab_size
         s, b = stock_args.seq_length, stock_args.micro_batch_size
-        batch = dict(tokens=torch.randint(0, 255, (b, s), generator=g),
-                     labels=torch.randint(0, 255, (b, s), generator=g),
-                     loss_mask=(torch.rand(b, s, generator=g) > 0.2).float(),
-                     attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
-                     .expand(b, 1, s, s).contiguous(),
-                     position_ids=torch.arange(s).expand(b, s).contiguous())
+        batch = dict(
+            tokens=torch.randint(0, 255, (b, s), generator=g),
+            labels=torch.randint(0, 255, (b, s), generator=g),
+            loss_mask=(torch.rand(b, s, generator=g) > 0.2).float(),
+            attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+            .expand(b, 1, s, s)
+            .contiguous(),
+            position_ids=torch.arange(s).expand(b, s).contiguous(),
+        )
         sums = {}
         for name, model in (("stock", stock), ("tsp", tsp)):
             from megatron_tsp.megatron_lm import batch as batch_hook
@@ -134,13 +179,16 @@ def _worker(rank, port, checkout, out, seed):
             batch_hook.activate(None)
             assert local["tokens"].shape == batch["tokens"].shape, local["tokens"].shape
             with torch.no_grad():
-                losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
-                               labels=local["labels"])
+                losses = model(
+                    local["tokens"],
+                    local["position_ids"],
+                    local["attention_mask"],
+                    labels=local["labels"],
+                )
             mask = local["loss_mask"].view(-1).float()
             sums[name] = (torch.sum(losses.view(-1).float() * mask).item(), int(mask.sum()))
         rel = abs(sums["tsp"][0] - sums["stock"][0]) / abs(sums["stock"][0])
-        results[style] = {"rel": rel, "tokens": [sums["tsp"][1], sums["stock"][1]],
-                          "vocab": vocab}
+        results[style] = {"rel": rel, "tokens": [sums["tsp"][1], sums["stock"][1]], "vocab": vocab}
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(results, f)
     dist.barrier()

@@ -17,8 +17,12 @@ def test_group_is_in_help_and_parses():
     parser = megatron_parser()
     help_text = parser.format_help()
     assert "tensor-sequence parallel:" in help_text
-    for flag in ("--tensor-sequence-parallel-size D", "--tsp-dry-run", "--tsp-dry-run-world-size",
-                 "--tsp-dry-run-rank"):
+    for flag in (
+        "--tensor-sequence-parallel-size D",
+        "--tsp-dry-run",
+        "--tsp-dry-run-world-size",
+        "--tsp-dry-run-rank",
+    ):
         assert flag in help_text
     args = parser.parse_args(["--tensor-sequence-parallel-size", "4", "--tsp-dry-run"])
     assert args.tensor_sequence_parallel_size == 4 and args.tsp_dry_run
@@ -65,8 +69,13 @@ def test_user_spec_is_replaced_and_recorded():
 
 
 def test_tp_equal_to_d_is_accepted_and_sequence_parallel_redundant():
-    args = parse("--tensor-sequence-parallel-size", "4", "--tensor-model-parallel-size", "4",
-                 "--sequence-parallel")
+    args = parse(
+        "--tensor-sequence-parallel-size",
+        "4",
+        "--tensor-model-parallel-size",
+        "4",
+        "--sequence-parallel",
+    )
     A.translate_args(args)
     assert args.tensor_model_parallel_size == 4 and args.sequence_parallel
 
@@ -95,25 +104,35 @@ def test_defaults_are_accepted():
     assert A.unsupported_combinations(args) == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["--tensor-model-parallel-size", "4"],            # = D
-    ["--attention-backend", "auto"],
-    ["--cuda-graph-impl", "none"],
-    ["--softmax-type", "vanilla"],
-    ["--position-embedding-type", "rope"],
-    ["--transformer-impl", "local"],
-    ["--context-parallel-size", "1"],
-    ["--expert-model-parallel-size", "1"],
-    ["--tensor-parallel-num-weight-shards", "1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tensor-model-parallel-size", "4"],  # = D
+        ["--attention-backend", "auto"],
+        ["--cuda-graph-impl", "none"],
+        ["--softmax-type", "vanilla"],
+        ["--position-embedding-type", "rope"],
+        ["--transformer-impl", "local"],
+        ["--context-parallel-size", "1"],
+        ["--expert-model-parallel-size", "1"],
+        ["--tensor-parallel-num-weight-shards", "1"],
+    ],
+)
 def test_allowed_values_pass(argv):
     args = parse("--tensor-sequence-parallel-size", "4", *argv)
     assert A.unsupported_combinations(args) == []
 
 
 def test_several_problems_are_listed_together():
-    args = parse("--tensor-sequence-parallel-size", "2", "--context-parallel-size", "2",
-                 "--tp-comm-overlap", "--num-experts", "4")
+    args = parse(
+        "--tensor-sequence-parallel-size",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--tp-comm-overlap",
+        "--num-experts",
+        "4",
+    )
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(args)
     text = str(err.value)
@@ -132,8 +151,14 @@ def test_bad_size(bad):
 def _validated(d=4, **fields):
     args = parse("--tensor-sequence-parallel-size", str(d))
     A.translate_args(args)
-    base = dict(world_size=16, num_attention_heads=32, hidden_size=4096, ffn_hidden_size=16384,
-                seq_length=4096, padded_vocab_size=32768)
+    base = dict(
+        world_size=16,
+        num_attention_heads=32,
+        hidden_size=4096,
+        ffn_hidden_size=16384,
+        seq_length=4096,
+        padded_vocab_size=32768,
+    )
     base.update(fields)
     for k, v in base.items():
         setattr(args, k, v)
@@ -146,15 +171,18 @@ def test_validated_args_pass():
     A.check_validated_args(gqa)
 
 
-@pytest.mark.parametrize("fields,named", [
-    (dict(world_size=6), "world size 6"),
-    (dict(num_attention_heads=30, hidden_size=3840), "--num-attention-heads=30"),
-    (dict(group_query_attention=True, num_query_groups=2), "--num-query-groups=2"),
-    (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
-    (dict(seq_length=4100), "--seq-length=4100"),
-    (dict(sequence_parallel=False), "--sequence-parallel"),
-    (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
-])
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        (dict(world_size=6), "world size 6"),
+        (dict(num_attention_heads=30, hidden_size=3840), "--num-attention-heads=30"),
+        (dict(group_query_attention=True, num_query_groups=2), "--num-query-groups=2"),
+        (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
+        (dict(seq_length=4100), "--seq-length=4100"),
+        (dict(sequence_parallel=False), "--sequence-parallel"),
+        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
+    ],
+)
 def test_validated_args_errors(fields, named):
     args = _validated(**fields)
     with pytest.raises(A.TSPArgumentError) as err:
@@ -163,8 +191,18 @@ def test_validated_args_errors(fields, named):
 
 
 def test_strip_tsp_flags():
-    argv = ["--num-layers", "2", "--tensor-sequence-parallel-size", "8", "--tsp-dry-run",
-            "--tsp-dry-run-world-size=16", "--tsp-dry-run-rank", "3", "--seq-length", "64"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--tensor-sequence-parallel-size",
+        "8",
+        "--tsp-dry-run",
+        "--tsp-dry-run-world-size=16",
+        "--tsp-dry-run-rank",
+        "3",
+        "--seq-length",
+        "64",
+    ]
     assert A.strip_tsp_flags(argv) == ["--num-layers", "2", "--seq-length", "64"]
 
 
@@ -194,7 +232,8 @@ def test_checkpoints_store_a_stock_runs_args():
     stock = parse("--tensor-model-parallel-size", "2")  # the launcher without the TSP flag
     stored = wrapped(stock, None, None)["args"]
     assert {k: v for k, v in vars(stock).items() if not checkpoint_args.is_tsp_only(k)} == vars(
-        stored)
+        stored
+    )
     bare = argparse.Namespace(spec=None, tensor_model_parallel_size=2)  # Megatron without it
     assert wrapped(bare, None, None)["args"] is bare
     # any TSP spec (e.g. the --tsp-mlp hybrid's) and any tsp_* attribute is a TSP run's

@@ -32,24 +32,75 @@ from tests.megatron_lm.common import REPO, megatron_lm_path, relative_difference
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
-    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these")
+    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these"
+)
 
 SEED = random.randrange(1, 100000)
 MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--vocab-size", "255", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--no-rope-fusion",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--vocab-size",
+    "255",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--swiglu",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--no-rope-fusion",
 ]
 TRAINING = [
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data", "--tokenizer-type",
-    "NullTokenizer", "--transformer-impl", "local", "--use-cpu-initialization",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--no-persist-layer-norm",
-    "--save-interval", "1000",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--transformer-impl",
+    "local",
+    "--use-cpu-initialization",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--no-persist-layer-norm",
+    "--save-interval",
+    "1000",
 ]
 TP = ["--tensor-model-parallel-size", "2"]
 TSP = ["--tensor-sequence-parallel-size", "2"]
@@ -63,9 +114,13 @@ LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
 
 def _run(args, stock=False):
     env = {"PYTHONPATH": REPO}
-    return run_training(os.path.join(CHECKOUT, "pretrain_gpt.py"),
-                        MODEL + TRAINING + ["--seed", str(SEED)] + list(args), 2, env=env,
-                        stock=stock)
+    return run_training(
+        os.path.join(CHECKOUT, "pretrain_gpt.py"),
+        MODEL + TRAINING + ["--seed", str(SEED)] + list(args),
+        2,
+        env=env,
+        stock=stock,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +132,16 @@ def runs(tmp_path_factory):
     out["tp_resume"] = _run(TP + ["--load", str(root / "tp")], stock=True)
     out["uninterrupted"] = _run(TP, stock=True)
     out["tsp_save"] = _run(TSP + save + ["--save", str(root / "tsp")])
-    out["tp_from_tsp"] = _run(TP + ["--load", str(root / "tsp"), "--use-checkpoint-args",
-                                    "--use-mp-args-from-checkpoint-args"], stock=True)
+    out["tp_from_tsp"] = _run(
+        TP
+        + [
+            "--load",
+            str(root / "tsp"),
+            "--use-checkpoint-args",
+            "--use-mp-args-from-checkpoint-args",
+        ],
+        stock=True,
+    )
     out["tpsp_from_tsp"] = _run(TP_SP + ["--load", str(root / "tsp")], stock=True)
     out["tsp_from_tp"] = _run(TSP + ["--load", str(root / "tp")])
     return out
@@ -92,8 +155,10 @@ def _same(run, ref, iterations, loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL):
     assert run.iterations == ref.iterations == iterations, (run.iterations, ref.iterations)
     worst_loss = max(_rel(a, b) for a, b in zip(run.losses, ref.losses))
     worst_norm = max(_rel(a, b) for a, b in zip(run.grad_norms, ref.grad_norms))
-    detail = (f"seed {SEED}: loss {run.losses} vs {ref.losses}; grad norm {run.grad_norms} vs "
-              f"{ref.grad_norms}; worst relative {worst_loss:.2e} / {worst_norm:.2e}")
+    detail = (
+        f"seed {SEED}: loss {run.losses} vs {ref.losses}; grad norm {run.grad_norms} vs "
+        f"{ref.grad_norms}; worst relative {worst_loss:.2e} / {worst_norm:.2e}"
+    )
     print(detail)
     assert worst_loss <= loss_rtol and worst_norm <= norm_rtol, detail
 
@@ -103,8 +168,12 @@ def test_stock_resume_equals_uninterrupted_run(runs):
     assert saved.iterations == [1, 2] and resumed.iterations == [3, 4]
     assert whole.iterations == [1, 2, 3, 4]
     # bit for bit: same arithmetic, and the checkpoint restores everything the step depends on
-    assert saved.losses + resumed.losses == whole.losses, (SEED, saved.losses, resumed.losses,
-                                                           whole.losses)
+    assert saved.losses + resumed.losses == whole.losses, (
+        SEED,
+        saved.losses,
+        resumed.losses,
+        whole.losses,
+    )
     assert saved.grad_norms + resumed.grad_norms == whole.grad_norms
 
 
@@ -130,8 +199,9 @@ def test_use_checkpoint_args_does_not_carry_the_tsp_spec(runs):
     stored = torch.load(common, weights_only=False)["args"]
     assert stored.spec is None and stored.tensor_model_parallel_size == 2
     assert stored.sequence_parallel is True
-    assert not [k for k in vars(stored) if k.startswith("tsp_")
-                or k == "tensor_sequence_parallel_size"]
+    assert not [
+        k for k in vars(stored) if k.startswith("tsp_") or k == "tensor_sequence_parallel_size"
+    ]
     # The stock run that loaded it with --use-checkpoint-args built Megatron's own layers.
     log = runs["tp_from_tsp"].log
     assert re.search(r"\bspec \.+ None$", log, re.M), "the stock run's --spec is not None"
@@ -188,9 +258,13 @@ def test_tsp_checkpoint_in_a_transformer_engine_request(runs):
     from tests.harness import free_port
 
     ckpt = runs["root"] / "tsp" / "iter_0000002"
-    proc = subprocess.run([sys.executable, "-c", _TE_LOAD_PROBE, str(ckpt), str(free_port())],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=CHECKOUT + os.pathsep + REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", _TE_LOAD_PROBE, str(ckpt), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=CHECKOUT + os.pathsep + REPO),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads([x for x in proc.stdout.splitlines() if x.startswith("PROBE ")][-1][6:])
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in result["params"]

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from megatron_tsp.megatron_lm import launch
-from megatron_tsp.megatron_lm import compare, configs
+from megatron_tsp.megatron_lm import compare, configs, launch
 from tests.megatron_lm.common import REPO, megatron_parser
 
 SHIPPED = ["llama3-8b-128k", "llama3-8b-32k", "paper-7b-128k", "tiny-cpu", "tiny-cpu-llama"]
@@ -24,8 +23,13 @@ def test_shipped_configs_are_listed_and_valid():
 def test_paper_and_llama_shapes():
     paper = configs.load_config("paper-7b-128k")
     m = paper["model"]
-    assert (m["hidden_size"], m["num_layers"], m["num_attention_heads"], m["ffn_hidden_size"],
-            m["seq_length"]) == (4096, 32, 32, 4 * 4096, 128 * 1024)
+    assert (
+        m["hidden_size"],
+        m["num_layers"],
+        m["num_attention_heads"],
+        m["ffn_hidden_size"],
+        m["seq_length"],
+    ) == (4096, 32, 32, 4 * 4096, 128 * 1024)
     assert paper["parallel"]["tensor_sequence_parallel_size"] == 8 and paper["training"]["bf16"]
     for name, seq in (("llama3-8b-32k", 32768), ("llama3-8b-128k", 131072)):
         m = configs.load_config(name)["model"]
@@ -35,8 +39,13 @@ def test_paper_and_llama_shapes():
 
 def _split(args):
     """Parallel flags vs the rest."""
-    parallel = {"--tensor-sequence-parallel-size", "--tensor-model-parallel-size",
-                "--sequence-parallel", "--context-parallel-size", "--use-distributed-optimizer"}
+    parallel = {
+        "--tensor-sequence-parallel-size",
+        "--tensor-model-parallel-size",
+        "--sequence-parallel",
+        "--context-parallel-size",
+        "--use-distributed-optimizer",
+    }
     rest, par, skip = [], [], False
     for i, a in enumerate(args):
         if skip:
@@ -66,11 +75,17 @@ def test_variants_differ_only_in_parallel_args(name):
 def test_model_args_carry_gqa_swiglu_rope_norm_bias():
     args = configs.model_args(configs.load_config("llama3-8b-128k"))
     text = " ".join(args)
-    for piece in ("--group-query-attention --num-query-groups 8", "--swiglu",
-                  "--normalization RMSNorm", "--position-embedding-type rope",
-                  "--rotary-base 500000", "--disable-bias-linear",
-                  "--untie-embeddings-and-output-weights", "--seq-length 131072",
-                  "--ffn-hidden-size 14336"):
+    for piece in (
+        "--group-query-attention --num-query-groups 8",
+        "--swiglu",
+        "--normalization RMSNorm",
+        "--position-embedding-type rope",
+        "--rotary-base 500000",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--seq-length 131072",
+        "--ffn-hidden-size 14336",
+    ):
         assert piece in text
     mha = " ".join(configs.model_args(configs.load_config("paper-7b-128k")))
     assert "--group-query-attention" not in mha and "--swiglu" not in mha
@@ -112,16 +127,21 @@ def test_run_configs_name_the_shared_model_files(tmp_path):
     cfg = configs.load_config("llama3-8b-128k")
     shape = load_model(cfg["model_name"])
     m = cfg["model"]
-    assert (m["hidden_size"], m["num_layers"], m["num_attention_heads"], m["num_query_groups"],
-            m["ffn_hidden_size"], m["vocab_size"]) == (shape.hidden, shape.num_layers,
-                                                        shape.heads, shape.groups,
-                                                        shape.ffn_hidden, shape.vocab)
+    assert (
+        m["hidden_size"],
+        m["num_layers"],
+        m["num_attention_heads"],
+        m["num_query_groups"],
+        m["ffn_hidden_size"],
+        m["vocab_size"],
+    ) == (shape.hidden, shape.num_layers, shape.heads, shape.groups, shape.ffn_hidden, shape.vocab)
     tiny = configs.load_config("tiny-cpu")["model"]
     assert tiny["position_embedding_type"] == "learned_absolute"  # {"name": "tiny", "rope": false}
     assert load_model("tiny").rope
     # a model file next to the config, by relative path
-    (tmp_path / "mine.json").write_text(json.dumps(dict(load_model("tiny").to_json(), hidden=128,
-                                                        name="mine")))
+    (tmp_path / "mine.json").write_text(
+        json.dumps(dict(load_model("tiny").to_json(), hidden=128, name="mine"))
+    )
     own = json.load(open(os.path.join(REPO, "configs", "tiny-cpu.json")))
     own["model"] = "mine.json"
     (tmp_path / "run.json").write_text(json.dumps(own))
@@ -130,8 +150,11 @@ def test_run_configs_name_the_shared_model_files(tmp_path):
 
 def test_configs_cli(capsys):
     assert configs.main(["tiny-cpu", "--variant", "tp", "--part", "parallel", "--lines"]) == 0
-    assert capsys.readouterr().out.split() == ["--tensor-model-parallel-size", "2",
-                                               "--sequence-parallel"]
+    assert capsys.readouterr().out.split() == [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     assert configs.main(["tiny-cpu", "--get", "model.seq_length", "--set", "seq_length=512"]) == 0
     assert capsys.readouterr().out.strip() == "512"
     assert configs.main(["tiny-cpu", "--set", "seq_length=30"]) == 2
@@ -142,22 +165,29 @@ def test_configs_cli(capsys):
 
 
 def _iteration_line(it, loss, ms, tflops, gbs=8):
-    return (f" [2026-01-01 10:00:{it:02d}.000000] iteration {it:8d}/{10:8d} | consumed samples: "
-            f"{it * gbs:12d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "
-            f"(TFLOP/s/GPU): {tflops:.1f} | learning rate: 1.000000E-04 | global batch size: "
-            f"{gbs:5d} | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 | number of "
-            f"skipped iterations:   0 | number of nan iterations:   0 |\n")
+    return (
+        f" [2026-01-01 10:00:{it:02d}.000000] iteration {it:8d}/{10:8d} | consumed samples: "
+        f"{it * gbs:12d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "
+        f"(TFLOP/s/GPU): {tflops:.1f} | learning rate: 1.000000E-04 | global batch size: "
+        f"{gbs:5d} | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 | number of "
+        f"skipped iterations:   0 | number of nan iterations:   0 |\n"
+    )
 
 
 def _write_log(path, losses, ms, tflops, mem_mb, seq=4096, world=8):
-    lines = ["------------------------ arguments ------------------------\n",
-             f"  seq_length {'.' * 38} {seq}\n", f"  world_size {'.' * 38} {world}\n"]
+    lines = [
+        "------------------------ arguments ------------------------\n",
+        f"  seq_length {'.' * 38} {seq}\n",
+        f"  world_size {'.' * 38} {world}\n",
+    ]
     for i, loss in enumerate(losses, start=1):
         lines.append(_iteration_line(i, loss, ms[i - 1], tflops[i - 1]))
         if i == 1:
-            lines.append(f"[Rank 0] (after 1 iterations) memory (MB) | allocated: 100.00 | "
-                         f"max allocated: {mem_mb:.2f} | reserved: 200.00 | max reserved: "
-                         f"{mem_mb + 50:.2f}\n")
+            lines.append(
+                f"[Rank 0] (after 1 iterations) memory (MB) | allocated: 100.00 | "
+                f"max allocated: {mem_mb:.2f} | reserved: 200.00 | max reserved: "
+                f"{mem_mb + 50:.2f}\n"
+            )
     path.write_text("".join(lines))
 
 
@@ -174,7 +204,9 @@ def test_compare_parses_megatron_lines(tmp_path):
     assert s["tokens/s/GPU"] == pytest.approx(8 * 4096 / 0.5 / 8)
     assert s["max reserved MB"] == 30050.0
     text = compare.table([run, compare.parse_log(str(b), "tp")])
-    assert "tsp" in text and "tp" in text and "lm loss at iteration 1: tp - tsp = +0.000e+00" in text
+    assert (
+        "tsp" in text and "tp" in text and "lm loss at iteration 1: tp - tsp = +0.000e+00" in text
+    )
 
 
 def test_compare_cli_and_png(tmp_path, capsys):
@@ -199,12 +231,25 @@ def test_compare_rejects_logs_without_iterations(tmp_path):
 
 
 def test_slurm_env_is_mapped_only_without_torchrun():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-           "SLURM_NTASKS_PER_NODE": "8(x2)", "MASTER_ADDR": "node0"}
-    assert set(launch.map_slurm_env(env)) == {"RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                              "LOCAL_WORLD_SIZE"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "8(x2)",
+        "MASTER_ADDR": "node0",
+    }
+    assert set(launch.map_slurm_env(env)) == {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    }
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
-        "5", "16", "1", "8")
+        "5",
+        "16",
+        "1",
+        "8",
+    )
     assert env["MASTER_PORT"] == "6000"
     torchrun = {"RANK": "3", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
     assert launch.map_slurm_env(torchrun) == [] and torchrun["RANK"] == "3"

@@ -13,7 +13,8 @@ def test_nothing_is_applied_on_import():
     assert not patches.is_active(patches.CPU_RUNNER, "torch.cuda:is_available")
     assert cpu_runner._MODE is None
     assert "fused_weight_gradient_mlp_cuda" not in __import__("sys").modules or not getattr(
-        __import__("sys").modules["fused_weight_gradient_mlp_cuda"], "__tsp_cpu_stand_in__", False)
+        __import__("sys").modules["fused_weight_gradient_mlp_cuda"], "__tsp_cpu_stand_in__", False
+    )
 
 
 def test_every_answer_is_documented():
@@ -59,8 +60,11 @@ def test_spawned_children_import_the_runner_not_the_script():
         return {"init_main_from_path": "/x/pretrain_gpt.py", "sys_path": ["/x"], "name": name}
 
     data = cpu_runner._spawn_children_import_the_runner(preparation_data)("SyncManager")
-    assert data == {"init_main_from_name": "megatron_tsp.megatron_lm.cpu_runner",
-                    "sys_path": ["/x"], "name": "SyncManager"}
+    assert data == {
+        "init_main_from_name": "megatron_tsp.megatron_lm.cpu_runner",
+        "sys_path": ["/x"],
+        "name": "SyncManager",
+    }
     import importlib.util
 
     assert importlib.util.find_spec(data["init_main_from_name"]) is not None

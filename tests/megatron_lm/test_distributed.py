@@ -39,10 +39,16 @@ def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
     Runs in its own 2 non-daemon ranks (ckpt_roundtrip.py): Megatron's writer starts a
     multiprocessing Manager and forks writer processes.
     """
-    pytest.importorskip("psutil", reason="megatron-core's torch_dist checkpoint writer needs psutil")
+    pytest.importorskip(
+        "psutil", reason="megatron-core's torch_dist checkpoint writer needs psutil"
+    )
     script = os.path.join(os.path.dirname(__file__), "ckpt_roundtrip.py")
-    proc = subprocess.run([sys.executable, script, str(tmp_path), str(seed)], capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path), str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.load(open(tmp_path / "results.json"))
     for style in ("gpt2", "llama"):

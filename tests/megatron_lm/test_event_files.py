@@ -16,17 +16,21 @@ from megatron_tsp.megatron_lm import event_files as E
 # add_scalar("lm loss", 6.25, 2), add_scalar("iteration-time", 0.125, 2),
 # add_scalar("throughput", 12.5, 2), add_scalar("mem-max-allocated-bytes", 3221225472, 2),
 # add_scalar("grad-norm", 1.5, 2, new_style=True) (a float tensor instead of simple_value).
-SUMMARY_WRITER_FILE = base64.b64decode("".join((
-    "SAAAAAAAAAD+kkidCVnRvTtFxNpBGg1icmFpbi5FdmVudDoyUi4KLHRlbnNvcmJvYXJkLnN1bW1hcnkud3JpdGVyLmV2"
-    "ZW50X2ZpbGVfd3JpdGVyPVaqCT8AAAAAAAAAUWV2YQlR2707RcTaQSo0CjIKF3NlcV9sZW5ndGgvdGV4dF9zdW1tYXJ5"
-    "Qg0IBxIEEgIIAUIDMTI4SggKBgoEdGV4dKI3Tas9AAAAAAAAAGBJ8ewJ8Nu9O0XE2kEqMgowChd3b3JsZF9zaXplL3Rl"
-    "eHRfc3VtbWFyeUILCAcSBBICCAFCATJKCAoGCgR0ZXh042Mzwh0AAAAAAAAAYC/fIwnB3L07RcTaQRABKhAKDgoHbG0g"
-    "bG9zcxVfB95A+6Wvah0AAAAAAAAAYC/fIwkG3b07RcTaQRACKhAKDgoHbG0gbG9zcxUAAMhAVSDNaCQAAAAAAAAAQiuA"
-    "TQk63b07RcTaQRACKhcKFQoOaXRlcmF0aW9uLXRpbWUVAAAAPrbmr8AgAAAAAAAAACntqVAJat29O0XE2kEQAioTChEK"
-    "CnRocm91Z2hwdXQVAABIQTQJX5ktAAAAAAAAADxBivsJtd29O0XE2kEQAiogCh4KF21lbS1tYXgtYWxsb2NhdGVkLWJ5"
-    "dGVzFQAAQE818vsNMQAAAAAAAACdg4PpCSrevTtFxNpBEAIqJAoiCglncmFkLW5vcm1CCAgBKgQAAMA/SgsKCQoHc2Nh"
-    "bGFyczDrHRE="
-)))
+SUMMARY_WRITER_FILE = base64.b64decode(
+    "".join(
+        (
+            "SAAAAAAAAAD+kkidCVnRvTtFxNpBGg1icmFpbi5FdmVudDoyUi4KLHRlbnNvcmJvYXJkLnN1bW1hcnkud3JpdGVyLmV2"
+            "ZW50X2ZpbGVfd3JpdGVyPVaqCT8AAAAAAAAAUWV2YQlR2707RcTaQSo0CjIKF3NlcV9sZW5ndGgvdGV4dF9zdW1tYXJ5"
+            "Qg0IBxIEEgIIAUIDMTI4SggKBgoEdGV4dKI3Tas9AAAAAAAAAGBJ8ewJ8Nu9O0XE2kEqMgowChd3b3JsZF9zaXplL3Rl"
+            "eHRfc3VtbWFyeUILCAcSBBICCAFCATJKCAoGCgR0ZXh042Mzwh0AAAAAAAAAYC/fIwnB3L07RcTaQRABKhAKDgoHbG0g"
+            "bG9zcxVfB95A+6Wvah0AAAAAAAAAYC/fIwkG3b07RcTaQRACKhAKDgoHbG0gbG9zcxUAAMhAVSDNaCQAAAAAAAAAQiuA"
+            "TQk63b07RcTaQRACKhcKFQoOaXRlcmF0aW9uLXRpbWUVAAAAPrbmr8AgAAAAAAAAACntqVAJat29O0XE2kEQAioTChEK"
+            "CnRocm91Z2hwdXQVAABIQTQJX5ktAAAAAAAAADxBivsJtd29O0XE2kEQAiogCh4KF21lbS1tYXgtYWxsb2NhdGVkLWJ5"
+            "dGVzFQAAQE818vsNMQAAAAAAAACdg4PpCSrevTtFxNpBEAIqJAoiCglncmFkLW5vcm1CCAgBKgQAAMA/SgsKCQoHc2Nh"
+            "bGFyczDrHRE="
+        )
+    )
+)
 
 
 def test_reads_summary_writer_file(tmp_path):
@@ -34,8 +38,10 @@ def test_reads_summary_writer_file(tmp_path):
     path.write_bytes(SUMMARY_WRITER_FILE)
     run = E.read_run(str(tmp_path))
     assert run.texts == {"seq_length": "128", "world_size": "2"}
-    assert run.series("lm loss") == [(1, struct.unpack("<f", struct.pack("<f", 6.9384))[0]),
-                                     (2, 6.25)]
+    assert run.series("lm loss") == [
+        (1, struct.unpack("<f", struct.pack("<f", 6.9384))[0]),
+        (2, 6.25),
+    ]
     assert run.series("iteration-time") == [(2, 0.125)]
     assert run.series("throughput") == [(2, 12.5)]
     assert run.series("mem-max-allocated-bytes") == [(2, 3221225472.0)]
@@ -55,8 +61,10 @@ def test_writer_round_trip(tmp_path):
     rng = random.Random(seed)
     steps = sorted(rng.sample(range(1, 10_000), 20))
     values = [rng.uniform(-1e3, 1e3) for _ in steps]
-    events = [E.encode_event(step=s, wall_time=1.5e9 + s, scalars=[("lm loss", v)])
-              for s, v in zip(steps, values)]
+    events = [
+        E.encode_event(step=s, wall_time=1.5e9 + s, scalars=[("lm loss", v)])
+        for s, v in zip(steps, values)
+    ]
     events.append(E.encode_event(step=0, texts=[("seq_length", str(rng.randint(1, 1 << 17)))]))
     path = tmp_path / "events.out.tfevents.1.host"
     E.write_events(str(path), events)
@@ -68,8 +76,9 @@ def test_writer_round_trip(tmp_path):
 
 def test_corrupt_and_truncated_files(tmp_path):
     path = tmp_path / "events.out.tfevents.2.host"
-    E.write_events(str(path), [E.encode_event(step=i, scalars=[("lm loss", float(i))])
-                               for i in range(3)])
+    E.write_events(
+        str(path), [E.encode_event(step=i, scalars=[("lm loss", float(i))]) for i in range(3)]
+    )
     data = bytearray(path.read_bytes())
     path.write_bytes(bytes(data[:-5]))  # a writer still running: last record incomplete
     assert [s for s, _ in E.read_run(str(path)).series("lm loss")] == [0, 1]
@@ -94,8 +103,9 @@ def _megatron_like_dir(root, losses, seconds, tflops, mem_bytes, seq=4096, world
 
 
 def test_compare_reads_event_dirs_and_logs_together(tmp_path, capsys):
-    _megatron_like_dir(tmp_path / "tsp", [10.5, 9.0, 8.0], [0.9, 0.4, 0.6], [1.0, 100.0, 120.0],
-                       30 * 2**30)
+    _megatron_like_dir(
+        tmp_path / "tsp", [10.5, 9.0, 8.0], [0.9, 0.4, 0.6], [1.0, 100.0, 120.0], 30 * 2**30
+    )
     run = compare.parse_run(str(tmp_path / "tsp"), "tsp")
     assert run.iterations == [1, 2, 3] and run.loss == [10.5, 9.0, 8.0]
     assert math.isnan(run.ms_per_iter[0]) and run.ms_per_iter[1:] == pytest.approx([400.0, 600.0])
@@ -104,10 +114,13 @@ def test_compare_reads_event_dirs_and_logs_together(tmp_path, capsys):
     assert s["ms/iter"] == pytest.approx(500.0) and s["TFLOP/s/GPU"] == pytest.approx(110.0)
     assert s["tokens/s"] == pytest.approx(8 * 4096 / 0.5)
     log = tmp_path / "tp.log"
-    log.write_text("".join(
-        f" [2026-01-01] iteration {i:8d}/{3:8d} | elapsed time per iteration (ms): 500.0 | "
-        f"global batch size: {8:5d} | lm loss: {loss:.6E} | grad norm: 1.0 |\n"
-        for i, loss in enumerate([10.5, 9.5, 8.5], start=1)))
+    log.write_text(
+        "".join(
+            f" [2026-01-01] iteration {i:8d}/{3:8d} | elapsed time per iteration (ms): 500.0 | "
+            f"global batch size: {8:5d} | lm loss: {loss:.6E} | grad norm: 1.0 |\n"
+            for i, loss in enumerate([10.5, 9.5, 8.5], start=1)
+        )
+    )
     assert compare.main([f"tsp={tmp_path / 'tsp'}", f"tp={log}"]) == 0
     out = capsys.readouterr().out
     assert "lm loss at iteration 1: tp - tsp = +0.000e+00" in out

@@ -18,8 +18,10 @@ from tests.megatron_lm.common import REPO, megatron_lm_path
 
 CHECKOUT = megatron_lm_path()
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs CUDA with at least 2 GPUs"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs CUDA with at least 2 GPUs",
+    ),
     pytest.mark.skipif(CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout"),
 ]
 
@@ -27,17 +29,39 @@ pytestmark = [
 def _run(variant, log_path):
     cfg = configs.load_config("tiny-cpu", {"training.train_iters": 3})
     args = configs.to_megatron_args(cfg, variant) + [
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1",
-        "--log-throughput", "--eval-iters", "0", "--eval-interval", "1000"]
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--log-interval",
+        "1",
+        "--log-throughput",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "1000",
+    ]
     script = os.path.join(CHECKOUT, "pretrain_gpt.py")
     entry = ["-m", "megatron_tsp.megatron_lm.launch", script] if variant == "tsp" else [script]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), *entry, *args]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        *entry,
+        *args,
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900,
-                              cwd=CHECKOUT)
+        proc = subprocess.run(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, cwd=CHECKOUT
+        )
     assert proc.returncode == 0, open(log_path).read()[-4000:]
     return compare.parse_log(str(log_path), variant)
 

@@ -23,14 +23,33 @@ def _checkouts():
     venv = os.environ.get("VENV312")
     if path and venv and os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
         out.append(pytest.param(path, os.path.join(venv, "bin", "python"), id="0.19"))
-    return out or [pytest.param(None, None, marks=pytest.mark.skip(
-        reason="set MEGATRON_LM_PATH (or MEGATRON_LM_PATH_0_19 and VENV312) to a checkout"))]
+    return out or [
+        pytest.param(
+            None,
+            None,
+            marks=pytest.mark.skip(
+                reason="set MEGATRON_LM_PATH (or MEGATRON_LM_PATH_0_19 and VENV312) to a checkout"
+            ),
+        )
+    ]
 
 
 # Short run, no evaluation, every iteration logged, in-process data loading.
-LOOP_ARGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "4",
-             "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-             "--num-workers", "0"]
+LOOP_ARGS = [
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--train-iters",
+    "4",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--log-interval",
+    "1",
+    "--num-workers",
+    "0",
+]
 # Megatron's torch norms refuse --sequence-parallel without apex / TE: the TP+SP baseline runs
 # Megatron's local layers with sequence-parallel-tagged torch norms (only the norm class differs).
 TP_SP_CPU_SPEC = ["--spec", "megatron_tsp.megatron_lm.spec", "tp_sp_block_spec"]
@@ -44,10 +63,16 @@ def test_tsp_mlp_d2_equals_tp2_in_pretrain_gpt(checkout, python):
     common = configs.model_args(cfg) + configs.training_args(cfg) + LOOP_ARGS
     script = os.path.join(checkout, "pretrain_gpt.py")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    tp = run_training(script, common + configs.parallel_args(cfg, "tp", 2) + TP_SP_CPU_SPEC, 2,
-                      env=env, python=python)
-    hybrid = run_training(script, common + configs.parallel_args(cfg, "tsp_mlp", 2), 2,
-                          env=env, python=python)
+    tp = run_training(
+        script,
+        common + configs.parallel_args(cfg, "tp", 2) + TP_SP_CPU_SPEC,
+        2,
+        env=env,
+        python=python,
+    )
+    hybrid = run_training(
+        script, common + configs.parallel_args(cfg, "tsp_mlp", 2), 2, env=env, python=python
+    )
     assert "--tsp-mlp: TP+SP attention + TSP MLP ring" in hybrid.log
     assert "tsp_mlp_block_spec" not in tp.log
     print(f"TP=2+SP losses {tp.losses} grad norms {tp.grad_norms}")

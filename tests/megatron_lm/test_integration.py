@@ -20,7 +20,8 @@ from tests.megatron_lm.common import REPO, megatron_lm_path, run_launcher
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
-    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these")
+    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these"
+)
 
 
 def _script():
@@ -30,15 +31,22 @@ def _script():
 def _config_args(name, variant="tsp"):
     cfg = configs.load_config(name)
     return cfg, configs.to_megatron_args(cfg, variant) + [
-        "--mock-data", "--tokenizer-type", "NullTokenizer"]
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+    ]
 
 
 def _expected_params_per_rank(cfg, padded_vocab):
     """Parameters on one TSP rank (PP=1), from the shapes of Megatron's TP=D layers."""
     m = cfg["model"]
     d = cfg["parallel"]["tensor_sequence_parallel_size"]
-    h, f, heads, groups = (m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"],
-                           m["num_query_groups"])
+    h, f, heads, groups = (
+        m["hidden_size"],
+        m["ffn_hidden_size"],
+        m["num_attention_heads"],
+        m["num_query_groups"],
+    )
     head_dim = h // heads
     bias = not m.get("disable_bias_linear", False)
     qkv_out = (heads + 2 * groups) * head_dim
@@ -79,23 +87,37 @@ print("batch hook wrapped once:", wrapped_once)
 
 def test_help_lists_the_tsp_group():
     # The group is added by Megatron's own add_megatron_arguments (wrapped), next to its groups.
-    probe = subprocess.run([sys.executable, "-c", _GROUP_PROBE, REPO, CHECKOUT],
-                           capture_output=True, text=True, timeout=600)
+    probe = subprocess.run(
+        [sys.executable, "-c", _GROUP_PROBE, REPO, CHECKOUT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert probe.returncode == 0, probe.stderr[-3000:]
     counts, flags, parsed, hook = probe.stdout.strip().splitlines()[-4:]
     assert hook == "batch hook wrapped once: True"
     ours, groups = (int(x) for x in counts.split())
     assert ours == 1 and groups > 20
-    assert flags.split() == ["--tensor-sequence-parallel-size", "--tsp-mlp", "--tsp-dry-run",
-                             "--tsp-dry-run-world-size", "--tsp-dry-run-rank"]
+    assert flags.split() == [
+        "--tensor-sequence-parallel-size",
+        "--tsp-mlp",
+        "--tsp-dry-run",
+        "--tsp-dry-run-world-size",
+        "--tsp-dry-run-rank",
+    ]
     assert parsed.split() == ["4", "1"]  # translation happens in validate_args, not at parse
     proc = run_launcher([_script(), "--help"])
     if proc.returncode != 0:
         # core_v0.19.0's own --help crashes (a '%' in one of Megatron's help strings); it must
         # crash the same way without the TSP hooks for this to be acceptable.
-        stock = subprocess.run([sys.executable, _script(), "--help"], capture_output=True,
-                               text=True, timeout=600, cwd=CHECKOUT,
-                               env=dict(os.environ, PYTHONPATH=CHECKOUT))
+        stock = subprocess.run(
+            [sys.executable, _script(), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=CHECKOUT,
+            env=dict(os.environ, PYTHONPATH=CHECKOUT),
+        )
         assert stock.returncode != 0, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1] == stock.stderr.strip().splitlines()[-1]
         pytest.skip(f"this checkout's own --help fails: {stock.stderr.strip().splitlines()[-1]}")
@@ -107,8 +129,17 @@ def test_help_lists_the_tsp_group():
 @pytest.mark.parametrize("name", ["paper-7b-128k", "llama3-8b-128k"])
 def test_dry_run_end_to_end(name):
     cfg, args = _config_args(name)
-    proc = run_launcher([_script(), *args, "--tsp-dry-run", "--tsp-dry-run-world-size", "16",
-                         "--tsp-dry-run-rank", "9"])
+    proc = run_launcher(
+        [
+            _script(),
+            *args,
+            "--tsp-dry-run",
+            "--tsp-dry-run-world-size",
+            "16",
+            "--tsp-dry-run-rank",
+            "9",
+        ]
+    )
     out = proc.stdout
     assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
     assert "world size        : 16 = TSP 8 x PP 1 x DP 2" in out
@@ -116,8 +147,9 @@ def test_dry_run_end_to_end(name):
     assert "rank 9            : tp_rank=1 pp_rank=0 dp_rank=1" in out
     assert "TSPSelfAttention" in out and "TSPMLP" in out
     # the attention backend the layers chose for the GPU they will run on, and their mode
-    assert re.search(r"attention_kernel=\w+ \(attention_backward=(saved|recompute)\)", out), \
-        out[-2000:]
+    assert re.search(r"attention_kernel=\w+ \(attention_backward=(saved|recompute)\)", out), out[
+        -2000:
+    ]
     want_norm = cfg["model"]["normalization"]
     # SequenceParallelLayerNorm / SequenceParallelRMSNorm
     assert re.search(rf"final_layernorm=\S+\.\w*{want_norm}\b", out), out[-2000:]
@@ -135,18 +167,20 @@ def test_dry_run_end_to_end(name):
     listed = re.search(r"patches\s+: (\d+) applied", out)
     assert listed and int(listed.group(1)) >= 10, out[-3000:]
     for state, mode, target in (
-            ("active ", patches.LAUNCH, "megatron.training.arguments:validate_args"),
-            ("active ", patches.CPU_SUPPORT, "torch.cuda:current_device"),
-            ("removed", patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version"),
-            ("removed", patches.DRY_RUN, "torch.cuda:current_device")):
+        ("active ", patches.LAUNCH, "megatron.training.arguments:validate_args"),
+        ("active ", patches.CPU_SUPPORT, "torch.cuda:current_device"),
+        ("removed", patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version"),
+        ("removed", patches.DRY_RUN, "torch.cuda:current_device"),
+    ):
         line = f"{state} {mode:<11} {target}: {patches.find(mode, target).reason}"
         assert line in out, (line, out[-3000:])
 
 
 def test_dry_run_rejects_unsupported_flags_by_name():
     _, args = _config_args("tiny-cpu")
-    proc = run_launcher([_script(), *args, "--context-parallel-size", "2", "--tp-comm-overlap",
-                         "--tsp-dry-run"])
+    proc = run_launcher(
+        [_script(), *args, "--context-parallel-size", "2", "--tp-comm-overlap", "--tsp-dry-run"]
+    )
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     err = proc.stderr
     assert "megatron_tsp: error:" in err
@@ -156,10 +190,21 @@ def test_dry_run_rejects_unsupported_flags_by_name():
 
 def test_dry_run_rejects_bad_shapes_after_megatron_validation():
     _, args = _config_args("tiny-cpu")
-    proc = run_launcher([_script(), *args, "--seq-length", "126", "--max-position-embeddings",
-                         "128", "--tsp-dry-run"])
+    proc = run_launcher(
+        [
+            _script(),
+            *args,
+            "--seq-length",
+            "126",
+            "--max-position-embeddings",
+            "128",
+            "--tsp-dry-run",
+        ]
+    )
     assert proc.returncode == 2
-    assert "--seq-length=126 must be divisible by 2 x tensor-sequence-parallel size = 4" in proc.stderr
+    assert (
+        "--seq-length=126 must be divisible by 2 x tensor-sequence-parallel size = 4" in proc.stderr
+    )
 
 
 def test_patched_checkout_runs_the_dry_run(tmp_path):
@@ -171,13 +216,20 @@ def test_patched_checkout_runs_the_dry_run(tmp_path):
     proc = subprocess.run(apply, capture_output=True, text=True)
     assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
     _, args = _config_args("tiny-cpu")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [REPO, CHECKOUT, os.environ.get("PYTHONPATH")] if p),
-               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in [REPO, CHECKOUT, os.environ.get("PYTHONPATH")] if p),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
     env.pop("WORLD_SIZE", None)
-    run = subprocess.run([sys.executable, str(tmp_path / "pretrain_gpt.py"), *args,
-                          "--tsp-dry-run"], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "pretrain_gpt.py"), *args, "--tsp-dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TSP 2 x PP 1 x DP 1" in run.stdout and "TSPSelfAttention" in run.stdout
 
@@ -185,8 +237,12 @@ def test_patched_checkout_runs_the_dry_run(tmp_path):
 def test_megatron_builder_tsp_model_matches_stock_forward(tmp_path, seed):
     out = tmp_path / "builder.json"
     script = os.path.join(os.path.dirname(__file__), "mlm_builder_check.py")
-    proc = subprocess.run([sys.executable, script, CHECKOUT, str(out), str(seed)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, script, CHECKOUT, str(out), str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank_result in json.load(open(out)):
         for style in ("gpt2", "llama"):

@@ -19,29 +19,62 @@ from tests.megatron_lm.common import megatron_lm_path
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
-    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these")
+    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these"
+)
 CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "long_mask_check.py")
 
 
 def _args(seq):
-    return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-            "--ffn-hidden-size", "32", "--seq-length", str(seq), "--max-position-embeddings",
-            str(seq), "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters",
-            "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "255", "--transformer-impl", "local", "--no-persist-layer-norm"]
+    return [
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--ffn-hidden-size",
+        "32",
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "255",
+        "--transformer-impl",
+        "local",
+        "--no-persist-layer-norm",
+    ]
 
 
 def _results(run):
-    lines = [line.split("LONG_MASK_RESULT ", 1)[1] for line in run.log.splitlines()
-             if "LONG_MASK_RESULT " in line]
+    lines = [
+        line.split("LONG_MASK_RESULT ", 1)[1]
+        for line in run.log.splitlines()
+        if "LONG_MASK_RESULT " in line
+    ]
     assert len(lines) == 2, run.log[-4000:]
     return sorted((json.loads(x) for x in lines), key=lambda r: r["rank"])
 
 
 def test_128k_batch_allocates_o_of_s():
     seq = 131072
-    run = run_training(CHECK, _args(seq) + ["--tensor-sequence-parallel-size", "2"], 2,
-                       env={"MEGATRON_LM_PATH": CHECKOUT, "PYTHONPATH": CHECKOUT})
+    run = run_training(
+        CHECK,
+        _args(seq) + ["--tensor-sequence-parallel-size", "2"],
+        2,
+        env={"MEGATRON_LM_PATH": CHECKOUT, "PYTHONPATH": CHECKOUT},
+    )
     assert "--no-create-attention-mask-in-dataloader" in run.log  # the launcher says so
     for r in _results(run):
         assert r["create_attention_mask_in_dataloader"] is False
@@ -56,8 +89,13 @@ def test_128k_batch_allocates_o_of_s():
 
 def test_control_stock_mask_is_seen_by_the_measurement():
     seq = 8192
-    run = run_training(CHECK, _args(seq) + ["--tensor-model-parallel-size", "2"], 2,
-                       env={"MEGATRON_LM_PATH": CHECKOUT, "PYTHONPATH": CHECKOUT}, stock=True)
+    run = run_training(
+        CHECK,
+        _args(seq) + ["--tensor-model-parallel-size", "2"],
+        2,
+        env={"MEGATRON_LM_PATH": CHECKOUT, "PYTHONPATH": CHECKOUT},
+        stock=True,
+    )
     for r in _results(run):
         assert r["create_attention_mask_in_dataloader"] is True
         assert r["attention_mask_shape"] == [1, 1, seq, seq]

@@ -63,8 +63,12 @@ def _imported_names(path: str) -> dict:
     """{name: module} of the top-level ``from module import name`` of a script."""
     with open(path) as f:
         module = ast.parse(f.read())
-    return {a.asname or a.name: node.module for node in module.body
-            if isinstance(node, ast.ImportFrom) for a in node.names}
+    return {
+        a.asname or a.name: node.module
+        for node in module.body
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
 
 
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
@@ -74,8 +78,11 @@ def test_pretrain_gpt_imports_the_patched_names_from_patched_modules(version):
     tree = _tree_or_skip(version)
     imported = _imported_names(os.path.join(tree, "pretrain_gpt.py"))
     for name in ("get_batch_on_this_cp_rank", "pretrain"):
-        patched = {p.module for p in P.of_mode(P.LAUNCH) if p.attr_path == (name,)
-                   and version in p.versions}
+        patched = {
+            p.module
+            for p in P.of_mode(P.LAUNCH)
+            if p.attr_path == (name,) and version in p.versions
+        }
         assert imported.get(name) in patched, (version, name, imported.get(name), patched)
 
 
@@ -239,9 +246,9 @@ def test_stand_in_module_is_registered_and_removed():
 
 
 def test_cpu_support_is_removable():
-    from megatron_tsp.megatron_lm import cpu_support
-
     import torch
+
+    from megatron_tsp.megatron_lm import cpu_support
 
     if cpu_support.is_enabled():
         pytest.skip("CPU support is on in this process")
@@ -265,9 +272,11 @@ def test_cpu_support_and_cpu_runner_tables_match_the_registry():
     assert set(cpu_support._SHIMS) == {p.target for p in P.of_mode(P.CPU_SUPPORT)}
     answered = {a.target for a in cpu_runner.CUDA_ANSWERS}
     declared = {p.target for p in P.of_mode(P.CPU_RUNNER)}
-    applied_apart = {"megatron.training.training:training_log",
-                     f"{P.STAND_IN_MODULE}:{cpu_runner.FUSED_WEIGHT_GRADIENT}",
-                     f"{P.STAND_IN_MODULE}:{cpu_runner.BATCH_INVARIANT_KERNELS}"}
+    applied_apart = {
+        "megatron.training.training:training_log",
+        f"{P.STAND_IN_MODULE}:{cpu_runner.FUSED_WEIGHT_GRADIENT}",
+        f"{P.STAND_IN_MODULE}:{cpu_runner.BATCH_INVARIANT_KERNELS}",
+    }
     assert answered == declared - applied_apart
 
 
@@ -303,7 +312,8 @@ def test_docs_show_the_current_table():
         text = f.read()
     assert P.doc_block() in text, (
         "docs/megatron-lm.md is out of date: replace the block between the patches-table markers "
-        "with megatron_tsp.megatron_lm.patches.doc_block()")
+        "with megatron_tsp.megatron_lm.patches.doc_block()"
+    )
     for p in P.REGISTRY:
         assert f"`{p.target}`" in P.markdown_table()
 
@@ -341,6 +351,12 @@ assert P.active() == []
 print("OK", len(before))
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tree]), TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tree)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tree,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

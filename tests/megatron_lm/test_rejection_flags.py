@@ -2,14 +2,13 @@
 
 For each tree (``MEGATRON_LM_PATH`` on this interpreter; ``MEGATRON_LM_PATH_0_19`` on
 ``$VENV312/bin/python`` when that venv exists; scripts/test_core_0_19.sh also runs this file in the
-venv with ``MEGATRON_LM_PATH`` = the core_v0.19.0 tree), a subprocess builds Megatron-LM's own parser
-(``add_megatron_arguments`` with the TSP group, as the launcher does) and reports, per row: whether
-the flag exists, its dest and choices, and what the launcher's check of the row's mode
-(``unsupported_combinations`` / ``tsp_mlp_unsupported_combinations``) says when the row's example
-is parsed (rows checked after Megatron's validation: existence and dest only). A row must
-name a flag that exists exactly in the trees its ``versions`` list,
-with the row's dest, offering the values its condition names; its example must be refused by that
-row; and Megatron-LM's defaults must pass.
+venv with ``MEGATRON_LM_PATH`` = the core_v0.19.0 tree), a subprocess builds Megatron-LM's own
+parser (``add_megatron_arguments`` with the TSP group, as the launcher does) and reports, per row:
+whether the flag exists, its dest and choices, and what the launcher's check of the row's mode
+(``unsupported_combinations`` / ``tsp_mlp_unsupported_combinations``) says when the row's example is
+parsed (rows checked after Megatron's validation: existence and dest only). A row must name a flag
+that exists exactly in the trees its ``versions`` list, with the row's dest, offering the values its
+condition names; its example must be refused by that row; and Megatron-LM's defaults must pass.
 """
 
 from __future__ import annotations
@@ -78,8 +77,9 @@ def _trees():
     main CI run, core_v0.19.0 when scripts/test_core_0_19.sh runs this file in the 3.12 venv), and
     MEGATRON_LM_PATH_0_19 on the 3.12 venv's interpreter when that venv exists."""
     trees = [("MEGATRON_LM_PATH", os.environ.get("MEGATRON_LM_PATH"), sys.executable)]
-    venv_python = os.path.join(os.environ.get("VENV312", os.path.join(REPO, ".venv312")),
-                               "bin", "python")
+    venv_python = os.path.join(
+        os.environ.get("VENV312", os.path.join(REPO, ".venv312")), "bin", "python"
+    )
     if os.environ.get("MEGATRON_LM_PATH_0_19") and os.path.isfile(venv_python):
         trees.append(("MEGATRON_LM_PATH_0_19", os.environ["MEGATRON_LM_PATH_0_19"], venv_python))
     return trees
@@ -88,11 +88,12 @@ def _trees():
 def _probe(tree, python):
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([python, "-c", _PROBE, REPO, tree], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [python, "-c", _PROBE, REPO, tree], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE ")][-1]
-    return json.loads(line[len("PROBE "):])
+    return json.loads(line[len("PROBE ") :])
 
 
 @pytest.mark.parametrize("label,tree,python", _trees(), ids=[t[0] for t in _trees()])
@@ -108,8 +109,10 @@ def test_table_flags_match_megatron_lm_parser(label, tree, python):
     for mode, row in [(mode, row) for mode in (R.TSP, R.TSP_MLP) for row in R.rows(mode)]:
         entry = probe["rows"][mode + " " + row.flag]
         if entry["exists"] != (version in row.versions):
-            problems.append(f"{row.flag}: exists in core_v{version}: {entry['exists']}, "
-                            f"table says versions={row.versions}")
+            problems.append(
+                f"{row.flag}: exists in core_v{version}: {entry['exists']}, "
+                f"table says versions={row.versions}"
+            )
             continue
         if not entry["exists"]:
             continue
@@ -121,6 +124,8 @@ def test_table_flags_match_megatron_lm_parser(label, tree, python):
         if not row.example and entry["nargs"] != 0:
             problems.append(f"{row.flag} takes a value (nargs={entry['nargs']}): give an example")
         if "refusals" in entry and not any(p.startswith(row.flag) for p in entry["refusals"]):
-            problems.append(f"{mode}: {row.flag} {' '.join(row.example)} parsed by "
-                            f"core_v{version} is not refused: {entry['refusals']}")
+            problems.append(
+                f"{mode}: {row.flag} {' '.join(row.example)} parsed by "
+                f"core_v{version} is not refused: {entry['refusals']}"
+            )
     assert not problems, "\n".join(problems)

@@ -58,13 +58,33 @@ def stubs(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TSP_REPO"))}
-    for knob in ("DATA_PATH", "TOKENIZER_ARGS", "TOKENIZER_MODEL", "VOCAB_FILE", "MERGE_FILE",
-                 "CKPT_DIR", "LOAD_DIR", "TENSORBOARD_DIR", "EXTRA_ARGS", "SRUN_ARGS",
-                 "TORCHRUN_ARGS", "DIST_OPT", "VARIANTS", "NPROC", "CONFIG", "TSP_SIZE"):
+    for knob in (
+        "DATA_PATH",
+        "TOKENIZER_ARGS",
+        "TOKENIZER_MODEL",
+        "VOCAB_FILE",
+        "MERGE_FILE",
+        "CKPT_DIR",
+        "LOAD_DIR",
+        "TENSORBOARD_DIR",
+        "EXTRA_ARGS",
+        "SRUN_ARGS",
+        "TORCHRUN_ARGS",
+        "DIST_OPT",
+        "VARIANTS",
+        "NPROC",
+        "CONFIG",
+        "TSP_SIZE",
+    ):
         env.pop(knob, None)
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STUB_RECORD_DIR=str(record),
-               MEGATRON_LM_PATH=str(checkout), PYTHON=sys.executable, CONFIG="tiny-cpu",
-               LOG_DIR=str(tmp_path / "logs"))
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        STUB_RECORD_DIR=str(record),
+        MEGATRON_LM_PATH=str(checkout),
+        PYTHON=sys.executable,
+        CONFIG="tiny-cpu",
+        LOG_DIR=str(tmp_path / "logs"),
+    )
 
     def calls():
         path = record / "calls.jsonl"
@@ -74,51 +94,102 @@ def stubs(tmp_path):
 
 
 def _run(script, env, **extra):
-    proc = subprocess.run(["bash", os.path.join(REPO, script)], env=dict(env, **extra),
-                          capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(env["LOG_DIR"]))
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, script)],
+        env=dict(env, **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(env["LOG_DIR"]),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def _common(cfg, data, tokenizer, dist_opt=True, extra=()):
-    return (configs.model_args(cfg) + configs.training_args(cfg) + data
-            + ["--no-create-attention-mask-in-dataloader"] + tokenizer
-            + ["--log-interval", "1", "--log-throughput", "--eval-iters", "0",
-               "--eval-interval", "1000000"]
-            + (["--use-distributed-optimizer"] if dist_opt else []) + list(extra))
+    return (
+        configs.model_args(cfg)
+        + configs.training_args(cfg)
+        + data
+        + ["--no-create-attention-mask-in-dataloader"]
+        + tokenizer
+        + [
+            "--log-interval",
+            "1",
+            "--log-throughput",
+            "--eval-iters",
+            "0",
+            "--eval-interval",
+            "1000000",
+        ]
+        + (["--use-distributed-optimizer"] if dist_opt else [])
+        + list(extra)
+    )
 
 
-PARALLEL = {"tsp": ["--tensor-sequence-parallel-size", "2"],
-            "tp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-            "cp": ["--context-parallel-size", "2"]}
+PARALLEL = {
+    "tsp": ["--tensor-sequence-parallel-size", "2"],
+    "tp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "cp": ["--context-parallel-size", "2"],
+}
 
 
 def test_local_ab_with_data_tokenizer_checkpoints_tensorboard(stubs):
     env, checkout, calls, tmp = stubs
     ckpt, tb = tmp / "ckpt", tmp / "tb"
-    _run("scripts/run_ab_local.sh", env, NPROC="2", VARIANTS="tsp tp cp",
-         DATA_PATH="0.3 /data/a_text_document 0.7 /data/b_text_document",
-         TOKENIZER_MODEL="/tok/llama3", CKPT_DIR=str(ckpt), SAVE_INTERVAL="50",
-         TENSORBOARD_DIR=str(tb), EXTRA_ARGS="--seed 7", TORCHRUN_ARGS="--rdzv-backend c10d")
+    _run(
+        "scripts/run_ab_local.sh",
+        env,
+        NPROC="2",
+        VARIANTS="tsp tp cp",
+        DATA_PATH="0.3 /data/a_text_document 0.7 /data/b_text_document",
+        TOKENIZER_MODEL="/tok/llama3",
+        CKPT_DIR=str(ckpt),
+        SAVE_INTERVAL="50",
+        TENSORBOARD_DIR=str(tb),
+        EXTRA_ARGS="--seed 7",
+        TORCHRUN_ARGS="--rdzv-backend c10d",
+    )
     cfg = configs.load_config("tiny-cpu")
-    data = ["--data-path", "0.3", "/data/a_text_document", "0.7", "/data/b_text_document",
-            "--split", "949,50,1"]
+    data = [
+        "--data-path",
+        "0.3",
+        "/data/a_text_document",
+        "0.7",
+        "/data/b_text_document",
+        "--split",
+        "949,50,1",
+    ]
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/tok/llama3"]
     common = _common(cfg, data, tokenizer, extra=["--seed", "7"])
     recorded = calls()
     assert [c["cmd"] for c in recorded] == ["torchrun"] * 3
     for call, variant in zip(recorded, ("tsp", "tp", "cp")):
         entry = (["-m", "megatron_tsp.megatron_lm.launch"] if variant == "tsp" else []) + [
-            f"{checkout}/pretrain_gpt.py"]
-        outputs = ["--save", f"{ckpt}/{variant}", "--save-interval", "50",
-                   "--load", f"{ckpt}/{variant}",
-                   "--tensorboard-dir", f"{tb}/{variant}", "--tensorboard-log-interval", "1",
-                   "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-                   "--log-world-size-to-tensorboard"]
-        assert call["argv"] == (["--nproc-per-node", "2", "--master-port", "29500",
-                                 "--rdzv-backend", "c10d"] + entry + common + outputs
-                                + PARALLEL[variant]), variant
+            f"{checkout}/pretrain_gpt.py"
+        ]
+        outputs = [
+            "--save",
+            f"{ckpt}/{variant}",
+            "--save-interval",
+            "50",
+            "--load",
+            f"{ckpt}/{variant}",
+            "--tensorboard-dir",
+            f"{tb}/{variant}",
+            "--tensorboard-log-interval",
+            "1",
+            "--log-timers-to-tensorboard",
+            "--log-memory-to-tensorboard",
+            "--log-world-size-to-tensorboard",
+        ]
+        assert call["argv"] == (
+            ["--nproc-per-node", "2", "--master-port", "29500", "--rdzv-backend", "c10d"]
+            + entry
+            + common
+            + outputs
+            + PARALLEL[variant]
+        ), variant
     # the comparison at the end read the TensorBoard directories the stub wrote
     assert (tmp / "logs" / "loss.png").exists()
     assert (tmp / "logs" / "tsp.log").read_text().startswith("[ab] tsp: torchrun ")
@@ -126,76 +197,173 @@ def test_local_ab_with_data_tokenizer_checkpoints_tensorboard(stubs):
 
 def test_local_ab_defaults_and_load_dir(stubs):
     env, checkout, calls, tmp = stubs
-    proc = _run("scripts/run_ab_local.sh", env, NPROC="2", DIST_OPT="0", LOAD_DIR="/ckpt/tsp2",
-                VARIANTS="tp cp")
+    proc = _run(
+        "scripts/run_ab_local.sh",
+        env,
+        NPROC="2",
+        DIST_OPT="0",
+        LOAD_DIR="/ckpt/tsp2",
+        VARIANTS="tp cp",
+    )
     cfg = configs.load_config("tiny-cpu")
     tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
     common = _common(cfg, ["--mock-data"], tokenizer, dist_opt=False)
     tp, cp = (c["argv"] for c in calls())
-    assert tp == (["--nproc-per-node", "2", "--master-port", "29500",
-                   f"{checkout}/pretrain_gpt.py"] + common + ["--load", "/ckpt/tsp2"]
-                  + PARALLEL["tp"])
+    assert tp == (
+        ["--nproc-per-node", "2", "--master-port", "29500", f"{checkout}/pretrain_gpt.py"]
+        + common
+        + ["--load", "/ckpt/tsp2"]
+        + PARALLEL["tp"]
+    )
     # without DIST_OPT the cp variant keeps its own --use-distributed-optimizer
-    assert cp[-5:] == ["--load", "/ckpt/tsp2", "--context-parallel-size", "2",
-                       "--use-distributed-optimizer"]
+    assert cp[-5:] == [
+        "--load",
+        "/ckpt/tsp2",
+        "--context-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ]
     assert "lm loss" in proc.stdout  # the log comparison ran
 
 
 def test_gpt2_bpe_tokenizer_files(stubs):
     env, _, calls, _ = stubs
-    _run("scripts/run_ab_local.sh", env, NPROC="2", VARIANTS="tsp", VOCAB_FILE="/tok/vocab.json",
-         MERGE_FILE="/tok/merges.txt", DATA_PATH="/data/web_text_document", SPLIT="98,2,0")
+    _run(
+        "scripts/run_ab_local.sh",
+        env,
+        NPROC="2",
+        VARIANTS="tsp",
+        VOCAB_FILE="/tok/vocab.json",
+        MERGE_FILE="/tok/merges.txt",
+        DATA_PATH="/data/web_text_document",
+        SPLIT="98,2,0",
+    )
     argv = calls()[0]["argv"]
     i = argv.index("--data-path")
-    assert argv[i:i + 4] == ["--data-path", "/data/web_text_document", "--split", "98,2,0"]
+    assert argv[i : i + 4] == ["--data-path", "/data/web_text_document", "--split", "98,2,0"]
     i = argv.index("--tokenizer-type")
-    assert argv[i:i + 6] == ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                             "/tok/vocab.json", "--merge-file", "/tok/merges.txt"]
+    assert argv[i : i + 6] == [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        "/tok/vocab.json",
+        "--merge-file",
+        "/tok/merges.txt",
+    ]
     env_bad = dict(env, VOCAB_FILE="/tok/vocab.json")
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts/run_ab_local.sh")], env=env_bad,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts/run_ab_local.sh")],
+        env=env_bad,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "MERGE_FILE" in proc.stderr
 
 
 def test_slurm_submit_and_job_steps(stubs):
     env, checkout, calls, tmp = stubs
     logs = tmp / "logs"
-    _run("scripts/slurm/ab_submit.sh", env, NODES="2", GPUS_PER_NODE="2", PARTITION="gpu",
-         ACCOUNT="acct", TIME="00:10:00", SBATCH_EXTRA="--qos high")
+    _run(
+        "scripts/slurm/ab_submit.sh",
+        env,
+        NODES="2",
+        GPUS_PER_NODE="2",
+        PARTITION="gpu",
+        ACCOUNT="acct",
+        TIME="00:10:00",
+        SBATCH_EXTRA="--qos high",
+    )
     sbatch = calls()
     assert [c["cmd"] for c in sbatch] == ["sbatch", "sbatch"]
     for call, variant in zip(sbatch, ("tsp", "tp")):
         assert call["argv"] == [
-            "--parsable", "--nodes", "2", "--ntasks-per-node", "2", "--gpus-per-node", "2",
-            "--partition", "gpu", "--account", "acct", "--time", "00:10:00", "--qos", "high",
-            "--job-name", f"tsp-ab-{variant}", "--output", f"{logs}/{variant}.log",
-            f"--export=ALL,VARIANT={variant}", f"{REPO}/scripts/slurm/train.sbatch"]
+            "--parsable",
+            "--nodes",
+            "2",
+            "--ntasks-per-node",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--partition",
+            "gpu",
+            "--account",
+            "acct",
+            "--time",
+            "00:10:00",
+            "--qos",
+            "high",
+            "--job-name",
+            f"tsp-ab-{variant}",
+            "--output",
+            f"{logs}/{variant}.log",
+            f"--export=ALL,VARIANT={variant}",
+            f"{REPO}/scripts/slurm/train.sbatch",
+        ]
         assert call["env"]["VARIANT"] == variant
 
     # the job itself, as SLURM would start it on the first node
-    job = dict(env, TSP_REPO=REPO, VARIANT="tsp", SLURM_JOB_NODELIST="node[001-002]",
-               SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", GPUS_PER_NODE="2",
-               SRUN_ARGS="--container-image=megatron.sqsh --gpu-bind=closest",
-               TORCHRUN_ARGS="--max-restarts 0", CKPT_DIR="/ckpt", SAVE_INTERVAL="100")
+    job = dict(
+        env,
+        TSP_REPO=REPO,
+        VARIANT="tsp",
+        SLURM_JOB_NODELIST="node[001-002]",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        GPUS_PER_NODE="2",
+        SRUN_ARGS="--container-image=megatron.sqsh --gpu-bind=closest",
+        TORCHRUN_ARGS="--max-restarts 0",
+        CKPT_DIR="/ckpt",
+        SAVE_INTERVAL="100",
+    )
     cfg = configs.load_config("tiny-cpu")
-    common = _common(cfg, ["--mock-data"], ["--tokenizer-type", "NullTokenizer",
-                                            "--vocab-size", "1024"])
-    tail = (["-m", "megatron_tsp.megatron_lm.launch", f"{checkout}/pretrain_gpt.py"] + common
-            + ["--save", "/ckpt/tsp", "--save-interval", "100", "--load", "/ckpt/tsp"]
-            + PARALLEL["tsp"])
+    common = _common(
+        cfg, ["--mock-data"], ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+    )
+    tail = (
+        ["-m", "megatron_tsp.megatron_lm.launch", f"{checkout}/pretrain_gpt.py"]
+        + common
+        + ["--save", "/ckpt/tsp", "--save-interval", "100", "--load", "/ckpt/tsp"]
+        + PARALLEL["tsp"]
+    )
     _run("scripts/slurm/train.sbatch", job, LAUNCH_MODE="srun")
     srun = [c for c in calls() if c["cmd"] == "srun"][-1]
     argv = srun["argv"]
-    assert argv[:6] == ["--ntasks-per-node=2", "--kill-on-bad-exit=1",
-                        "--container-image=megatron.sqsh", "--gpu-bind=closest", "bash", "-c"]
+    assert argv[:6] == [
+        "--ntasks-per-node=2",
+        "--kill-on-bad-exit=1",
+        "--container-image=megatron.sqsh",
+        "--gpu-bind=closest",
+        "bash",
+        "-c",
+    ]
     assert "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in argv[6]
     assert argv[7:] == ["_", sys.executable] + tail
     assert srun["env"]["MASTER_ADDR"] == "node001" and srun["env"]["MASTER_PORT"] == "24242"
 
     _run("scripts/slurm/train.sbatch", job, LAUNCH_MODE="torchrun")
     argv = [c for c in calls() if c["cmd"] == "srun"][-1]["argv"]
-    assert argv == (["--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                     "--container-image=megatron.sqsh", "--gpu-bind=closest", sys.executable,
-                     "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", "node001:24242",
-                     "--rdzv-id", "4242", "--max-restarts", "0"] + tail)
+    assert argv == (
+        [
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--container-image=megatron.sqsh",
+            "--gpu-bind=closest",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node001:24242",
+            "--rdzv-id",
+            "4242",
+            "--max-restarts",
+            "0",
+        ]
+        + tail
+    )

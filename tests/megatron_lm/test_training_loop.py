@@ -24,24 +24,70 @@ from tests.megatron_lm.common import megatron_lm_path, relative_difference
 
 CHECKOUT = megatron_lm_path()
 pytestmark = pytest.mark.skipif(
-    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these")
+    CHECKOUT is None, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run these"
+)
 
 ITERATIONS = 3
 COMMON = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERATIONS),
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-    "--transformer-impl", "local", "--use-cpu-initialization", "--log-interval", "1",
-    "--eval-iters", "0", "--eval-interval", "1000", "--attention-dropout", "0",
-    "--hidden-dropout", "0", "--no-persist-layer-norm",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    str(ITERATIONS),
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "255",
+    "--transformer-impl",
+    "local",
+    "--use-cpu-initialization",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--no-persist-layer-norm",
 ]
 STYLES = {
     "gpt2": [],  # LayerNorm, learned absolute positions, biases, GeLU, tied embeddings
-    "llama": ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
-              "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-              "--untie-embeddings-and-output-weights", "--no-rope-fusion"],
+    "llama": [
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--swiglu",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--no-rope-fusion",
+    ],
 }
 # fp32: TSP and TP differ only in reduction order (measured: <= 6e-7 relative over 3 iterations)
 FP32_LOSS_RTOL, FP32_NORM_RTOL = 1e-5, 1e-4
@@ -54,8 +100,12 @@ def _script():
 
 
 def _run(nproc, seed, *args, script=None, check=True):
-    return run_training(script or _script(), COMMON + ["--seed", str(seed % 100000 + 1)]
-                        + list(args), nproc, check=check)
+    return run_training(
+        script or _script(),
+        COMMON + ["--seed", str(seed % 100000 + 1)] + list(args),
+        nproc,
+        check=check,
+    )
 
 
 def _rel(a, b):
@@ -64,14 +114,19 @@ def _rel(a, b):
 
 def _assert_same_curve(tsp, ref, loss_rtol, norm_rtol):
     assert tsp.iterations == ref.iterations == list(range(1, ITERATIONS + 1)), (
-        tsp.iterations, ref.iterations)
+        tsp.iterations,
+        ref.iterations,
+    )
     worst = {"loss": 0.0, "grad_norm": 0.0}
     for i in range(ITERATIONS):
         worst["loss"] = max(worst["loss"], _rel(tsp.losses[i], ref.losses[i]))
         worst["grad_norm"] = max(worst["grad_norm"], _rel(tsp.grad_norms[i], ref.grad_norms[i]))
-    table = "\n".join(f"  it {i + 1}: loss {t!r} vs {r!r}; grad norm {tn!r} vs {rn!r}"
-                      for i, (t, r, tn, rn) in enumerate(zip(tsp.losses, ref.losses,
-                                                             tsp.grad_norms, ref.grad_norms)))
+    table = "\n".join(
+        f"  it {i + 1}: loss {t!r} vs {r!r}; grad norm {tn!r} vs {rn!r}"
+        for i, (t, r, tn, rn) in enumerate(
+            zip(tsp.losses, ref.losses, tsp.grad_norms, ref.grad_norms)
+        )
+    )
     print(f"worst relative difference: {worst}\n{table}")
     assert worst["loss"] <= loss_rtol and worst["grad_norm"] <= norm_rtol, (worst, table)
     # training happened: the loss moves between iterations
@@ -97,9 +152,17 @@ def test_tsp4_matches_tp4(seed):
 def test_bf16_distributed_optimizer_overlap_recompute(seed):
     """bf16 + distributed optimizer + overlap-grad-reduce + gradient-accumulation fusion (the
     runner's fp32-accumulating stand-in) + full recompute."""
-    args = STYLES["gpt2"] + ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                             "--recompute-granularity", "full", "--recompute-method", "uniform",
-                             "--recompute-num-layers", "1"]
+    args = STYLES["gpt2"] + [
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
     tsp = _run(2, seed, *args, "--tensor-sequence-parallel-size", "2")
     ref = _run(2, seed, *args, "--tensor-model-parallel-size", "2")
     _assert_same_curve(tsp, ref, BF16_LOSS_RTOL, BF16_NORM_RTOL)
@@ -109,20 +172,37 @@ def test_dp2_tsp2_distributed_optimizer_and_overlap_param_gather(seed):
     """DP=2 x TSP=2, distributed optimizer, overlapped grad reduce with small buckets; and the
     same with --overlap-param-gather, which must give bit-identical iterations (TSP fires the
     param-gather waits of the modules whose weights it reads)."""
-    args = STYLES["llama"] + ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                              "--ddp-bucket-size", "4000", "--global-batch-size", "8"]
+    args = STYLES["llama"] + [
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "4000",
+        "--global-batch-size",
+        "8",
+    ]
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2")
     tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
-    gathered = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2",
-                    "--overlap-param-gather")
+    gathered = _run(
+        4, seed, *args, "--tensor-sequence-parallel-size", "2", "--overlap-param-gather"
+    )
     assert gathered.losses == tsp.losses and gathered.grad_norms == tsp.grad_norms, (
-        gathered.losses, tsp.losses, gathered.grad_norms, tsp.grad_norms)
+        gathered.losses,
+        tsp.losses,
+        gathered.grad_norms,
+        tsp.grad_norms,
+    )
 
 
 def test_pp2_tsp2(seed):
-    args = STYLES["llama"] + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                              "--global-batch-size", "8"]
+    args = STYLES["llama"] + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "4",
+        "--global-batch-size",
+        "8",
+    ]
     tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2")
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
@@ -140,8 +220,14 @@ def test_script_that_bypasses_the_batch_hook_is_refused(tmp_path, seed):
         if os.path.exists(os.path.join(CHECKOUT, name)):
             shutil.copy(os.path.join(CHECKOUT, name), tmp_path / name)
     os.symlink(os.path.join(CHECKOUT, "megatron"), tmp_path / "megatron")
-    run = _run(2, seed, "--tensor-sequence-parallel-size", "2",
-               script=str(tmp_path / "pretrain_gpt.py"), check=False)
+    run = _run(
+        2,
+        seed,
+        "--tensor-sequence-parallel-size",
+        "2",
+        script=str(tmp_path / "pretrain_gpt.py"),
+        check=False,
+    )
     assert run.returncode != 0 and not run.losses, run.log[-3000:]
     assert "UnpermutedBatchError" in run.log, run.log[-3000:]
     assert "did not pass through get_batch_on_this_tsp_rank" in run.log

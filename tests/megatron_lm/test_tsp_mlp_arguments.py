@@ -51,7 +51,8 @@ def test_without_sequence_parallel_is_refused():
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(args)
     assert "--sequence-parallel" in str(err.value) and "--tensor-model-parallel-size=4" in str(
-        err.value)
+        err.value
+    )
     assert args.spec is None
 
 
@@ -98,8 +99,9 @@ def test_every_rejection_row_is_tested():
     assert rows == tested
 
 
-@pytest.mark.parametrize("extra", [[], ["--attention-backend", "local"],
-                                   ["--reset-attention-mask"], ["--sft"]])
+@pytest.mark.parametrize(
+    "extra", [[], ["--attention-backend", "local"], ["--reset-attention-mask"], ["--sft"]]
+)
 def test_flags_megatron_handles_stay_accepted(extra):
     """The hybrid's attention, data path and batches are Megatron's: TSP-only refusals (masks,
     packed sequences, the local attention backend) do not apply."""
@@ -108,10 +110,13 @@ def test_flags_megatron_handles_stay_accepted(extra):
     assert args.spec == [A.SPEC_MODULE, A.TSP_MLP_SPEC_ATTR]
 
 
-@pytest.mark.parametrize("fields,named", [
-    (dict(sequence_parallel=False), "--sequence-parallel"),
-    (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
-])
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        (dict(sequence_parallel=False), "--sequence-parallel"),
+        (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
+    ],
+)
 def test_validated_args_errors(fields, named):
     args = parse(*HYBRID)
     A.translate_args(args)

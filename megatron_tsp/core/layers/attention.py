@@ -42,8 +42,18 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_tsp.core import rejections
 from megatron_tsp.core.batch_guard import check_attention_input
-from megatron_tsp.core.comm import (WORKSPACE, FlatShard, Pending, broadcast_from, done, labelled,
-                               post_all_gather, post_reduce_scatter, reduce_to, weight_bias_views)
+from megatron_tsp.core.comm import (
+    WORKSPACE,
+    FlatShard,
+    Pending,
+    broadcast_from,
+    done,
+    labelled,
+    post_all_gather,
+    post_reduce_scatter,
+    reduce_to,
+    weight_bias_views,
+)
 from megatron_tsp.core.layers import kernels
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
@@ -136,8 +146,9 @@ def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
     groups = k.shape[2]
     if seq_layout.group_size == 1:
         return done((k, v))
-    packed = WORKSPACE.get("kv_send", slot, k.shape[:2] + (2 * groups,) + k.shape[3:], k.dtype,
-                           k.device)
+    packed = WORKSPACE.get(
+        "kv_send", slot, k.shape[:2] + (2 * groups,) + k.shape[3:], k.dtype, k.device
+    )
     torch.cat([k, v], dim=2, out=packed)
 
     def natural(gathered):
@@ -223,8 +234,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, seq_layout, group, fuse,
-                kernel):
+    def forward(
+        ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, seq_layout, group, fuse, kernel
+    ):
         size = seq_layout.group_size
         has_bias = qkv_b is not None
         blocks = seq_layout.causal_blocks
@@ -249,11 +261,13 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 mixed, q, pw, gather = current
                 k_nat, v_nat = gather.wait()
                 if kernel.has_lse:
-                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, blocks,
-                                                        layout.softmax_scale)
+                    outs, lses = kernels.zigzag_forward(
+                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale
+                    )
                 else:
-                    rows = kernels.zigzag_attend(kernel, q, k_nat, v_nat, blocks,
-                                                 layout.softmax_scale, layout.dropout_p)
+                    rows = kernels.zigzag_attend(
+                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale, layout.dropout_p
+                    )
                     outs, lses = _block_rows(rows, blocks), []
                 del k_nat, v_nat
                 for block, rows in zip(blocks, outs):
@@ -278,7 +292,13 @@ class _TSPAttentionFunction(torch.autograd.Function):
             weight_grad_output(qkv_w, g_w, fuse),
             weight_grad_output(qkv_b, g_b, fuse),
             weight_grad_output(proj_w, g_pw, fuse),
-            None, None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -324,17 +344,21 @@ def _backward(ctx, grad_out):
         if saved_mode:
             base = r * per_group
             mixed = flat[base]
-            state["outs"] = flat[base + 1:base + 1 + n_blocks]
-            state["lses"] = flat[base + 1 + n_blocks:base + per_group]
+            state["outs"] = flat[base + 1 : base + 1 + n_blocks]
+            state["lses"] = flat[base + 1 + n_blocks : base + per_group]
         else:
             w, b, _ = weight_bias_views(stream.get(r).views(), has_bias)
             mixed = qkv_linear(x, w, b, layout)
         with torch.enable_grad():
             m_leaf = mixed.detach().requires_grad_(True)
             q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
-        state.update(m_leaf=m_leaf, q=q, k=k, v=v,
-                     gather=_post_kv_gather(k.detach(), v.detach(), group, seq_layout,
-                                            slot=r % 2))
+        state.update(
+            m_leaf=m_leaf,
+            q=q,
+            k=k,
+            v=v,
+            gather=_post_kv_gather(k.detach(), v.detach(), group, seq_layout, slot=r % 2),
+        )
         return state
 
     def proj_wgrad(state, g_pw):
@@ -346,8 +370,9 @@ def _backward(ctx, grad_out):
         d_kv = state["scatter"].wait().to(dtype)  # fp32 sum over ranks, rounded once
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
-        (d_mixed,) = torch.autograd.grad([state["q"], state["k"], state["v"]], [state["m_leaf"]],
-                                         [state["dq"], dk, dv])
+        (d_mixed,) = torch.autograd.grad(
+            [state["q"], state["k"], state["v"]], [state["m_leaf"]], [state["dq"], dk, dv]
+        )
         w, _, _ = weight_bias_views(stream_shard(state["r"]).views(), has_bias)
         d_rows = d_mixed.reshape(-1, w.shape[0])
         matmul_acc(d_rows, w, acc=grad_x.view(-1, hidden))
@@ -362,8 +387,7 @@ def _backward(ctx, grad_out):
     def stream_shard(r):
         return shards[r]
 
-    rng_ctx = (_replay_rng(ctx.rng, x.device) if ctx.rng is not None
-               else contextlib.nullcontext())
+    rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
     with labelled("tsp_attention"), rng_ctx:
         stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
         current, finishing = prepare(0), None
@@ -381,27 +405,44 @@ def _backward(ctx, grad_out):
             q = current["q"].detach()
             if kernel.has_lse:
                 if not saved_mode:
-                    outs, lses = kernels.zigzag_forward(kernel, q, k_nat, v_nat, blocks,
-                                                        layout.softmax_scale)
+                    outs, lses = kernels.zigzag_forward(
+                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale
+                    )
                     current.update(outs=outs, lses=lses)
                     proj_wgrad(current, g_pw)
-                dq, dkv = kernels.zigzag_backward(kernel, d_ctx, q, k_nat, v_nat, blocks,
-                                                  layout.softmax_scale, current["outs"],
-                                                  current["lses"])
+                dq, dkv = kernels.zigzag_backward(
+                    kernel,
+                    d_ctx,
+                    q,
+                    k_nat,
+                    v_nat,
+                    blocks,
+                    layout.softmax_scale,
+                    current["outs"],
+                    current["lses"],
+                )
             else:
                 with torch.enable_grad():
-                    inputs = [q.requires_grad_(True), k_nat.detach().requires_grad_(True),
-                              v_nat.detach().requires_grad_(True)]
-                    rows = kernels.zigzag_attend(kernel, *inputs, blocks, layout.softmax_scale,
-                                                 layout.dropout_p)
+                    inputs = [
+                        q.requires_grad_(True),
+                        k_nat.detach().requires_grad_(True),
+                        v_nat.detach().requires_grad_(True),
+                    ]
+                    rows = kernels.zigzag_attend(
+                        kernel, *inputs, blocks, layout.softmax_scale, layout.dropout_p
+                    )
                     dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
                 current["outs"] = _block_rows(rows.detach(), blocks)
                 proj_wgrad(current, g_pw)
                 dkv = torch.cat([dk, dv], dim=2)
             del k_nat, v_nat
-            current.update(dq=dq, partial=partial, outs=None, lses=None,
-                           scatter=_post_kv_grad_scatter(dkv, dtype, group, seq_layout,
-                                                         slot=r % 2))
+            current.update(
+                dq=dq,
+                partial=partial,
+                outs=None,
+                lses=None,
+                scatter=_post_kv_grad_scatter(dkv, dtype, group, seq_layout, slot=r % 2),
+            )
             del dkv
             if finishing is not None:
                 finish(finishing)
@@ -432,26 +473,48 @@ class _OwnerReduce:
         return self.own
 
 
-def tsp_self_attention(x, qkv_weight, qkv_bias, proj_weight, layout: HeadLayout, group,
-                       freqs_q=None, freqs_k=None, accumulate_into_main_grad: bool = False,
-                       kernel: Optional[kernels.AttentionKernel] = None,
-                       seq_layout: Optional[TSPLayout] = None):
+def tsp_self_attention(
+    x,
+    qkv_weight,
+    qkv_bias,
+    proj_weight,
+    layout: HeadLayout,
+    group,
+    freqs_q=None,
+    freqs_k=None,
+    accumulate_into_main_grad: bool = False,
+    kernel: Optional[kernels.AttentionKernel] = None,
+    seq_layout: Optional[TSPLayout] = None,
+):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
     its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions
     (``seq_layout.positions()``). ``kernel``: the attention backend (``kernels.select_kernel`` for
     ``x`` when None). ``seq_layout``: this rank's zigzag layout (built from ``group`` and the
     local token count when None)."""
     if kernel is None:
-        kernel = kernels.select_kernel(x.device, x.dtype, layout.head_dim,
-                                       layout.heads != layout.groups, layout.dropout_p)
+        kernel = kernels.select_kernel(
+            x.device, x.dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p
+        )
     if seq_layout is None:
         seq_layout = TSPLayout.of_group(group, x.shape[0] * dist.get_world_size(group))
     elif seq_layout.local_len != x.shape[0]:
-        raise ValueError(f"TSP attention got {x.shape[0]} local tokens but its layout holds "
-                         f"{seq_layout.local_len} per rank ({seq_layout})")
-    return _TSPAttentionFunction.apply(x, qkv_weight, qkv_bias, proj_weight, freqs_q, freqs_k,
-                                       layout, seq_layout, group, accumulate_into_main_grad,
-                                       kernel)
+        raise ValueError(
+            f"TSP attention got {x.shape[0]} local tokens but its layout holds "
+            f"{seq_layout.local_len} per rank ({seq_layout})"
+        )
+    return _TSPAttentionFunction.apply(
+        x,
+        qkv_weight,
+        qkv_bias,
+        proj_weight,
+        freqs_q,
+        freqs_k,
+        layout,
+        seq_layout,
+        group,
+        accumulate_into_main_grad,
+        kernel,
+    )
 
 
 def attention_backward_from_config(config, requested: Optional[str] = None) -> str:
@@ -461,8 +524,9 @@ def attention_backward_from_config(config, requested: Optional[str] = None) -> s
     otherwise "saved". An explicit ``requested`` mode wins."""
     if requested is not None:
         if requested not in ("saved", "recompute"):
-            raise ValueError(f"attention_backward must be 'saved' or 'recompute', "
-                             f"got {requested!r}")
+            raise ValueError(
+                f"attention_backward must be 'saved' or 'recompute', got {requested!r}"
+            )
         return requested
     modules = getattr(config, "recompute_modules", None) or ["core_attn"]
     if getattr(config, "recompute_granularity", None) == "selective" and "core_attn" in modules:
@@ -478,7 +542,8 @@ def check_offloading(config) -> None:
         raise ValueError(
             "--fine-grained-activation-offloading (offload_modules="
             f"{getattr(config, 'offload_modules', None)}) is not supported by TSP layers; use "
-            "--cpu-offloading or --recompute-activations")
+            "--cpu-offloading or --recompute-activations"
+        )
 
 
 class TSPSelfAttention(SelfAttention):
@@ -491,9 +556,17 @@ class TSPSelfAttention(SelfAttention):
     ``(output, proj_bias)`` like ``SelfAttention``.
     """
 
-    def __init__(self, config, submodules, layer_number: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type=None,
-                 pg_collection=None, attention_backward: Optional[str] = None, **kwargs):
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type=None,
+        pg_collection=None,
+        attention_backward: Optional[str] = None,
+        **kwargs,
+    ):
         attention_backward = attention_backward_from_config(config, attention_backward)
         check_offloading(config)
         if attn_mask_type != AttnMaskType.causal:
@@ -504,16 +577,28 @@ class TSPSelfAttention(SelfAttention):
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         size = dist.get_world_size(group)
-        check_model_shape(size, config.num_attention_heads, config.num_query_groups,
-                          hidden_size=config.hidden_size)
+        check_model_shape(
+            size,
+            config.num_attention_heads,
+            config.num_query_groups,
+            hidden_size=config.hidden_size,
+        )
         rejections.check_config(config, size, layer="attention")
-        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection, **kwargs)
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type=attn_mask_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
         if self.q_layernorm is not None or self.k_layernorm is not None:
             # A spec that adds q/k norms without config.qk_layernorm (e.g. a custom spec).
             raise rejections.TSPRejection(
                 rejections.row_for("qk_layernorm").message(True, size)
-                + f" (the spec gives {type(self).__name__} a q_layernorm / k_layernorm)")
+                + f" (the spec gives {type(self).__name__} a q_layernorm / k_layernorm)"
+            )
         self.tsp_group = group
         scale = config.softmax_scale
         if scale is None:
@@ -535,8 +620,13 @@ class TSPSelfAttention(SelfAttention):
         the module later runs on another device or dtype)."""
         layout = self.head_layout
         self.attention_kernel = kernels.select_kernel(
-            device, dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p,
-            transformer_impl=getattr(self.config, "transformer_impl", "local"))
+            device,
+            dtype,
+            layout.head_dim,
+            layout.heads != layout.groups,
+            layout.dropout_p,
+            transformer_impl=getattr(self.config, "transformer_impl", "local"),
+        )
         self._kernel_key = (torch.device(device).type, dtype)
 
     @property
@@ -556,11 +646,23 @@ class TSPSelfAttention(SelfAttention):
             raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
         return emb.index_select(0, seq_layout.positions(emb.device))
 
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
-                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
-                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
-                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
-                **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+        **kwargs,
+    ):
         check_attention_input()  # refuses micro-batches that bypassed the zigzag batch hook
         if key_value_states is not None:
             raise ValueError("TSP attention is self-attention only")
@@ -569,8 +671,9 @@ class TSPSelfAttention(SelfAttention):
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
             from megatron_tsp.core.layers.prefill_attention import prefill_attention
 
-            return prefill_attention(self, hidden_states, inference_context or inference_params,
-                                     rotary_pos_emb)
+            return prefill_attention(
+                self, hidden_states, inference_context or inference_params, rotary_pos_emb
+            )
         if packed_seq_params is not None:
             raise ValueError("TSP attention does not support packed (THD) sequences")
         if attention_bias is not None:
@@ -589,8 +692,9 @@ class TSPSelfAttention(SelfAttention):
                 f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
                 f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
             )
-        seq_layout = TSPLayout.of_group(self.tsp_group,
-                                        local_len * dist.get_world_size(self.tsp_group))
+        seq_layout = TSPLayout.of_group(
+            self.tsp_group, local_len * dist.get_world_size(self.tsp_group)
+        )
         freqs_q = self._local_freqs(q_emb, seq_layout)
         freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, seq_layout)
         layout = self.head_layout
@@ -602,8 +706,16 @@ class TSPSelfAttention(SelfAttention):
         run_forward_pre_hooks(self.linear_qkv)
         run_forward_pre_hooks(self.linear_proj)
         out = tsp_self_attention(
-            hidden_states, self.linear_qkv.weight, self.linear_qkv.bias,
-            self.linear_proj.weight, layout, self.tsp_group, freqs_q, freqs_k,
-            self.gradient_accumulation_fusion, self.attention_kernel, seq_layout,
+            hidden_states,
+            self.linear_qkv.weight,
+            self.linear_qkv.bias,
+            self.linear_proj.weight,
+            layout,
+            self.tsp_group,
+            freqs_q,
+            freqs_k,
+            self.gradient_accumulation_fusion,
+            self.attention_kernel,
+            seq_layout,
         )
         return out, self.linear_proj.bias

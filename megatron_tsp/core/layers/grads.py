@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 
 
-def weight_grad_output(param: Optional[torch.Tensor], grad: Optional[torch.Tensor],
-                       accumulate_into_main_grad: bool) -> Optional[torch.Tensor]:
+def weight_grad_output(
+    param: Optional[torch.Tensor], grad: Optional[torch.Tensor], accumulate_into_main_grad: bool
+) -> Optional[torch.Tensor]:
     """The value an autograd ``Function`` returns for ``param``'s gradient.
 
     ``accumulate_into_main_grad`` is Megatron's ``gradient_accumulation_fusion`` (named for

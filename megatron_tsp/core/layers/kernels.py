@@ -125,8 +125,7 @@ class _TopLeftKernel(AttentionKernel):
         if prefix < 0:
             raise ValueError(f"bottom-right alignment needs sq <= sk, got {sq} > {sk}")
         out_a, lse_a = self._fwd(q, k.narrow(2, 0, prefix), v.narrow(2, 0, prefix), False, scale)
-        out_b, lse_b = self._fwd(q, k.narrow(2, prefix, sq), v.narrow(2, prefix, sq), True,
-                                 scale)
+        out_b, lse_b = self._fwd(q, k.narrow(2, prefix, sq), v.narrow(2, prefix, sq), True, scale)
         return merge_blocks(out_a, lse_a, out_b, lse_b, q.dtype)
 
     def backward(self, d_out, q, k, v, out, lse, alignment, scale):
@@ -137,10 +136,12 @@ class _TopLeftKernel(AttentionKernel):
         if alignment == NO_MASK or alignment == TOP_LEFT or prefix == 0:
             dq, dk, dv = self._bwd(d_out, q, k, v, out, lse, alignment != NO_MASK, scale)
         else:
-            dq_a, dk_a, dv_a = self._bwd(d_out, q, k.narrow(2, 0, prefix), v.narrow(2, 0, prefix),
-                                         out, lse, False, scale)
-            dq_b, dk_b, dv_b = self._bwd(d_out, q, k.narrow(2, prefix, sq),
-                                         v.narrow(2, prefix, sq), out, lse, True, scale)
+            dq_a, dk_a, dv_a = self._bwd(
+                d_out, q, k.narrow(2, 0, prefix), v.narrow(2, 0, prefix), out, lse, False, scale
+            )
+            dq_b, dk_b, dv_b = self._bwd(
+                d_out, q, k.narrow(2, prefix, sq), v.narrow(2, prefix, sq), out, lse, True, scale
+            )
             acc = accumulation_dtype(q.dtype)
             dq = dq_a.to(acc).add_(dq_b).to(q.dtype)
             dk, dv = torch.cat([dk_a, dk_b], dim=2), torch.cat([dv_a, dv_b], dim=2)
@@ -157,7 +158,8 @@ class CpuFlashKernel(_TopLeftKernel):
 
     def _bwd(self, d_out, q, k, v, out, lse, causal, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+            d_out, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
 
 
 def _no_rng(device) -> torch.Tensor:
@@ -171,15 +173,31 @@ class CudnnKernel(_TopLeftKernel):
     name = "cudnn"
 
     def _fwd(self, q, k, v, causal, scale):
-        res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                       scale=scale)
+        res = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
         return res[0], res[1].squeeze(-1)
 
     def _bwd(self, d_out, q, k, v, out, lse, causal, scale):
         sq, sk = q.shape[2], k.shape[2]
         return aten._scaled_dot_product_cudnn_attention_backward(
-            d_out, q, k, v, out, lse.unsqueeze(-1), _no_rng(q.device), _no_rng(q.device), None,
-            None, None, sq, sk, 0.0, causal, scale=scale)
+            d_out,
+            q,
+            k,
+            v,
+            out,
+            lse.unsqueeze(-1),
+            _no_rng(q.device),
+            _no_rng(q.device),
+            None,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            scale=scale,
+        )
 
 
 class AtenFlashKernel(AttentionKernel):
@@ -193,15 +211,30 @@ class AtenFlashKernel(AttentionKernel):
     def forward(self, q, k, v, alignment, scale):
         if alignment == TOP_LEFT and q.shape[2] != k.shape[2]:
             raise ValueError("aten_flash's causal mask is bottom-right for sq != sk")
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, alignment != NO_MASK, False,
-                                                       scale=scale)
+        res = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, alignment != NO_MASK, False, scale=scale
+        )
         return res[0], res[1]
 
     def backward(self, d_out, q, k, v, out, lse, alignment, scale):
         sq, sk = q.shape[2], k.shape[2]
         return aten._scaled_dot_product_flash_attention_backward(
-            d_out, q, k, v, out, lse, None, None, sq, sk, 0.0, alignment != NO_MASK,
-            _no_rng(q.device), _no_rng(q.device), scale=scale)
+            d_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            alignment != NO_MASK,
+            _no_rng(q.device),
+            _no_rng(q.device),
+            scale=scale,
+        )
 
 
 class TeFusedKernel(_TopLeftKernel):
@@ -229,9 +262,21 @@ class TeFusedKernel(_TopLeftKernel):
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
         cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
         out, aux = te.fused_attn_fwd(
-            True, sq, sk, cu_q, cu_k, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            q.dtype, self._backend, attn_scale=scale, dropout=0.0,
-            qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")
+            True,
+            sq,
+            sk,
+            cu_q,
+            cu_k,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            q.dtype,
+            self._backend,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="bshd_bshd_bshd",
+            attn_mask_type="causal" if causal else "no_mask",
+        )
         lse = aux[0].reshape(b, h, sq)
         return out.view(b, sq, h, d).transpose(1, 2), lse
 
@@ -242,11 +287,24 @@ class TeFusedKernel(_TopLeftKernel):
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
         cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
         dq, dk, dv, *_ = te.fused_attn_bwd(
-            sq, sk, cu_q, cu_k, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            out.transpose(1, 2), d_out.transpose(1, 2), q.dtype, self._te_dtype[q.dtype],
-            [lse.unsqueeze(-1), _no_rng(q.device)], self._backend,
-            attn_scale=scale, dropout=0.0, qkv_layout="bshd_bshd_bshd",
-            attn_mask_type="causal" if causal else "no_mask")
+            sq,
+            sk,
+            cu_q,
+            cu_k,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            out.transpose(1, 2),
+            d_out.transpose(1, 2),
+            q.dtype,
+            self._te_dtype[q.dtype],
+            [lse.unsqueeze(-1), _no_rng(q.device)],
+            self._backend,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="bshd_bshd_bshd",
+            attn_mask_type="causal" if causal else "no_mask",
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -271,13 +329,25 @@ class SdpaRecomputeKernel(AttentionKernel):
             # CausalBias is a tensor subclass: build it outside any fake/tracing mode (no data).
             with _disable_current_modes():
                 mask = causal_lower_right(sq, sk)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
 
-_BACKENDS = {"aten_flash": AtenFlashKernel, "cudnn": CudnnKernel, "te_fused": TeFusedKernel,
-             "cpu_flash": CpuFlashKernel, "sdpa_recompute": SdpaRecomputeKernel}
+_BACKENDS = {
+    "aten_flash": AtenFlashKernel,
+    "cudnn": CudnnKernel,
+    "te_fused": TeFusedKernel,
+    "cpu_flash": CpuFlashKernel,
+    "sdpa_recompute": SdpaRecomputeKernel,
+}
 
 
 def _te_available() -> bool:
@@ -288,29 +358,46 @@ def _te_available() -> bool:
     return True
 
 
-def kernel_choice(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
-                  dropout_p: float = 0.0, capability: Optional[Tuple[int, int]] = None,
-                  transformer_impl: str = "local", te_available: Optional[bool] = None,
-                  override: Optional[str] = None) -> str:
+def kernel_choice(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    gqa: bool,
+    dropout_p: float = 0.0,
+    capability: Optional[Tuple[int, int]] = None,
+    transformer_impl: str = "local",
+    te_available: Optional[bool] = None,
+    override: Optional[str] = None,
+) -> str:
     """The backend name for these properties (pure function: the selection table of
     docs/attention-fast-path.md). ``override`` (or the ``TSP_ATTENTION_KERNEL`` environment
     variable, read by ``select_kernel``) forces a backend; it is refused by name if it cannot run
     this case."""
     low = dtype in (torch.float16, torch.bfloat16)
     flash_ok = device_type == "cuda" and low and head_dim <= 256 and head_dim % 8 == 0
-    cudnn_ok = (flash_ok and not gqa and head_dim in (64, 128) and capability is not None
-                and capability >= (9, 0))
+    cudnn_ok = (
+        flash_ok
+        and not gqa
+        and head_dim in (64, 128)
+        and capability is not None
+        and capability >= (9, 0)
+    )
     if override:
         if override not in _BACKENDS:
             raise ValueError(f"{ENV_OVERRIDE}={override!r}: choose one of {KERNEL_NAMES}")
-        ok = {"aten_flash": flash_ok, "cudnn": cudnn_ok,
-              "te_fused": flash_ok and bool(te_available), "cpu_flash": device_type == "cpu",
-              "sdpa_recompute": True}[override]
+        ok = {
+            "aten_flash": flash_ok,
+            "cudnn": cudnn_ok,
+            "te_fused": flash_ok and bool(te_available),
+            "cpu_flash": device_type == "cpu",
+            "sdpa_recompute": True,
+        }[override]
         if not ok or (dropout_p > 0 and override != "sdpa_recompute"):
             raise ValueError(
                 f"{ENV_OVERRIDE}={override} cannot run device={device_type} dtype={dtype} "
                 f"head_dim={head_dim} gqa={gqa} attention_dropout={dropout_p} "
-                f"capability={capability}")
+                f"capability={capability}"
+            )
         return override
     if dropout_p > 0:
         return "sdpa_recompute"
@@ -323,9 +410,15 @@ def kernel_choice(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool
     return "sdpa_recompute"
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool,
-                  dropout_p: float = 0.0, transformer_impl: str = "local",
-                  override: Optional[str] = None) -> AttentionKernel:
+def select_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    gqa: bool,
+    dropout_p: float = 0.0,
+    transformer_impl: str = "local",
+    override: Optional[str] = None,
+) -> AttentionKernel:
     """Build the kernel for a layer (called once, at construction). A model built on the meta
     device (Megatron's lazy init, the dry run) is bound for the GPU: it gets the CUDA choice
     (without cuDNN, whose selection needs the device's compute capability)."""
@@ -335,8 +428,17 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: 
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
     te = _te_available() if transformer_impl == "transformer_engine" else False
-    name = kernel_choice(device_type, dtype, head_dim, gqa, dropout_p, capability,
-                         transformer_impl, te, override or os.environ.get(ENV_OVERRIDE) or None)
+    name = kernel_choice(
+        device_type,
+        dtype,
+        head_dim,
+        gqa,
+        dropout_p,
+        capability,
+        transformer_impl,
+        te,
+        override or os.environ.get(ENV_OVERRIDE) or None,
+    )
     if name == "te_fused":
         try:
             return TeFusedKernel()
@@ -370,13 +472,16 @@ def chunk_rows(out_c: torch.Tensor) -> torch.Tensor:
 
 def _block_qkv(q, k_nat, v_nat, block: CausalBlock):
     """The [b, n, s, d] views of one block's queries and keys/values."""
-    return (_heads_view(q.narrow(0, block.query_start, block.query_len)),
-            _heads_view(k_nat.narrow(0, 0, block.key_len)),
-            _heads_view(v_nat.narrow(0, 0, block.key_len)))
+    return (
+        _heads_view(q.narrow(0, block.query_start, block.query_len)),
+        _heads_view(k_nat.narrow(0, 0, block.key_len)),
+        _heads_view(v_nat.narrow(0, 0, block.key_len)),
+    )
 
 
-def zigzag_forward(kernel: AttentionKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock],
-                   scale: float):
+def zigzag_forward(
+    kernel: AttentionKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock], scale: float
+):
     """q [sq, b, np, d] (the local queries, e.g. this rank's chunks in order); k_nat, v_nat
     [S, b, ng, d] natural order; ``blocks``: the causal blocks (``TSPLayout.causal_blocks``).
 
@@ -391,9 +496,18 @@ def zigzag_forward(kernel: AttentionKernel, q, k_nat, v_nat, blocks: Sequence[Ca
     return outs, lses
 
 
-def zigzag_backward(kernel: AttentionKernel, d_ctx, q, k_nat, v_nat,
-                    blocks: Sequence[CausalBlock], scale: float, outs, lses,
-                    dkv_acc: Optional[torch.Tensor] = None):
+def zigzag_backward(
+    kernel: AttentionKernel,
+    d_ctx,
+    q,
+    k_nat,
+    v_nat,
+    blocks: Sequence[CausalBlock],
+    scale: float,
+    outs,
+    lses,
+    dkv_acc: Optional[torch.Tensor] = None,
+):
     """Gradients from the saved ``(outs, lses)``: ``dq`` [sq, b, np, d] and dK/dV summed over the
     blocks in an accumulator of ``accumulation_dtype`` (fp32 for bf16/fp16).
 
@@ -403,16 +517,22 @@ def zigzag_backward(kernel: AttentionKernel, d_ctx, q, k_nat, v_nat,
     s, b, groups, dim = k_nat.shape
     heads = q.shape[2]
     if dkv_acc is None:
-        dkv_acc = torch.zeros((s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype),
-                              device=q.device)
+        dkv_acc = torch.zeros(
+            (s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device
+        )
     dq_parts = []
     for i, block in enumerate(blocks):
         rows_len = block.query_len
         rows = d_ctx.narrow(0, block.query_start, rows_len).reshape(rows_len, b, heads, dim)
         out = outs[i].view(rows_len, b, heads, dim)
         dq_c, dk_c, dv_c = kernel.backward(
-            _heads_view(rows), *_block_qkv(q, k_nat, v_nat, block), _heads_view(out), lses[i],
-            BOTTOM_RIGHT, scale)
+            _heads_view(rows),
+            *_block_qkv(q, k_nat, v_nat, block),
+            _heads_view(out),
+            lses[i],
+            BOTTOM_RIGHT,
+            scale,
+        )
         dq_parts.append(dq_c.permute(2, 0, 1, 3))
         window = dkv_acc.narrow(0, 0, block.key_len)
         window.narrow(2, 0, groups).add_(dk_c.permute(2, 0, 1, 3))
@@ -420,8 +540,15 @@ def zigzag_backward(kernel: AttentionKernel, d_ctx, q, k_nat, v_nat,
     return torch.cat(dq_parts, dim=0), dkv_acc
 
 
-def zigzag_attend(kernel: SdpaRecomputeKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock],
-                  scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+def zigzag_attend(
+    kernel: SdpaRecomputeKernel,
+    q,
+    k_nat,
+    v_nat,
+    blocks: Sequence[CausalBlock],
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Differentiable blockwise causal attention through public SDPA: [sq, b, np * d]."""
     outs = []
     for block in blocks:

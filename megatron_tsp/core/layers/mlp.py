@@ -10,10 +10,10 @@ Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gat
 No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
 only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
 again, recomputing the shard's fc1 output (by default nothing but X_p is saved; with
-``recompute_activation=False`` the per-shard fc1 outputs are kept instead), and a gradient accumulator
-rides the ring behind the weights: rank p+t adds its contribution to shard p's weight gradient at
-step t, and the last hop lands on the owner, who holds the full gradient of its shard exactly like
-a TP=D rank.
+``recompute_activation=False`` the per-shard fc1 outputs are kept instead), and a gradient
+accumulator rides the ring behind the weights: rank p+t adds its contribution to shard p's weight
+gradient at step t, and the last hop lands on the owner, who holds the full gradient of its shard
+exactly like a TP=D rank.
 
 Precision: in bf16/fp16 the D partial outputs, the D ``grad_x`` contributions and the D ranks'
 partial weight gradients are summed in fp32 (``accumulation_dtype``), so the accumulator rides the
@@ -35,8 +35,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron_tsp.core import rejections
 from megatron_tsp.core.comm import FlatShard, labelled, ring_exchange, wait_all, weight_bias_views
 from megatron_tsp.core.layers.grads import weight_grad_output
-from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
+from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
 from megatron_tsp.core.parallel_state import resolve_group
 
 
@@ -63,7 +63,8 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(
             "use_te_activation_func=True (--use-te-activation-func): TSP applies the MLP "
             "activation itself per weight shard and cannot use Transformer Engine's activation "
-            f"module; drop the flag (activation_func={_name(act)} is then applied directly)")
+            f"module; drop the flag (activation_func={_name(act)} is then applied directly)"
+        )
     if config.bias_activation_fusion:
         return _fused_activation(config, act)
     if not config.gated_linear_unit:
@@ -131,8 +132,6 @@ def _grad_buffer_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
     return acc
 
 
-
-
 class _TSPMLPFunction(torch.autograd.Function):
     """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
@@ -140,8 +139,17 @@ class _TSPMLPFunction(torch.autograd.Function):
     collectives."""
 
     @staticmethod
-    def forward(ctx, x, fc1_w, fc1_b, fc2_w, group, activation, accumulate_into_main_grad,
-                recompute_activation):
+    def forward(
+        ctx,
+        x,
+        fc1_w,
+        fc1_b,
+        fc2_w,
+        group,
+        activation,
+        accumulate_into_main_grad,
+        recompute_activation,
+    ):
         size = dist.get_world_size(group)
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
@@ -150,21 +158,26 @@ class _TSPMLPFunction(torch.autograd.Function):
         with labelled("tsp_mlp"):
             out = None  # [tokens, h] partial-output accumulator (fp32 for bf16/fp16)
             current = FlatShard.pack(params) if size > 1 else None
-            spare = [FlatShard.like(current), FlatShard.like(current)] if size > 2 else (
-                [FlatShard.like(current)] if size == 2 else [])
+            spare = (
+                [FlatShard.like(current), FlatShard.like(current)]
+                if size > 2
+                else ([FlatShard.like(current)] if size == 2 else [])
+            )
             for t in range(size):
                 requests, incoming = None, None
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
                     requests = ring_exchange(current.buffer, incoming.buffer, group)
-                w1, b1, w2 = (weight_bias_views(current.views(), has_bias) if size > 1
-                              else (fc1_w, fc1_b, fc2_w))
+                w1, b1, w2 = (
+                    weight_bias_views(current.views(), has_bias)
+                    if size > 1
+                    else (fc1_w, fc1_b, fc2_w)
+                )
                 pre = _fc1(x, w1, b1)
                 if not recompute_activation:
                     saved_pre.append(pre)
                 hidden = activation(pre)
-                out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out,
-                                 dtype=acc_dtype)
+                out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out, dtype=acc_dtype)
                 wait_all(requests)
                 if incoming is not None:
                     current = incoming
@@ -230,8 +243,9 @@ class _TSPMLPFunction(torch.autograd.Function):
                     current = spare[(t - 1) % len(spare)]
                     requests = None
                     if t < size - 1:  # post the next shard before this step's matmuls
-                        requests = ring_exchange(current.buffer, spare[t % len(spare)].buffer,
-                                                 group)
+                        requests = ring_exchange(
+                            current.buffer, spare[t % len(spare)].buffer, group
+                        )
                     # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
                     filled = acc_out[t % 2]
                     grad_x = shard_grads(current.views(), t, filled, grad_x)
@@ -251,20 +265,37 @@ class _TSPMLPFunction(torch.autograd.Function):
             weight_grad_output(fc1_w, g_w1, accumulate),
             weight_grad_output(fc1_b, g_b1, accumulate),
             weight_grad_output(fc2_w, g_w2, accumulate),
-            None, None, None, None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
-def tsp_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
-            fc2_weight: torch.Tensor, group, activation: Callable,
-            accumulate_into_main_grad: bool = False,
-            recompute_activation: bool = True) -> torch.Tensor:
-    """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over all D shards of the group, weights on a ring.
+def tsp_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: Optional[torch.Tensor],
+    fc2_weight: torch.Tensor,
+    group,
+    activation: Callable,
+    accumulate_into_main_grad: bool = False,
+    recompute_activation: bool = True,
+) -> torch.Tensor:
+    """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over the D shards of the group, on a ring.
 
     ``recompute_activation``: recompute each shard's fc1 output in backward (saves only x), or
     keep the per-shard fc1 outputs from the forward (no extra GEMM, TP+SP-sized memory)."""
-    return _TSPMLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, group, activation,
-                                 accumulate_into_main_grad, recompute_activation)
+    return _TSPMLPFunction.apply(
+        x,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        group,
+        activation,
+        accumulate_into_main_grad,
+        recompute_activation,
+    )
 
 
 _MLP_INIT_PARAMS = set(inspect.signature(MLP.__init__).parameters)
@@ -280,21 +311,41 @@ class TSPMLP(MLP):
     bias-dropout-add).
     """
 
-    def __init__(self, config, submodules, is_expert: bool = False, input_size=None,
-                 ffn_hidden_size=None, tp_group=None, pg_collection=None,
-                 recompute_activation: bool = True, **kwargs):
+    def __init__(
+        self,
+        config,
+        submodules,
+        is_expert: bool = False,
+        input_size=None,
+        ffn_hidden_size=None,
+        tp_group=None,
+        pg_collection=None,
+        recompute_activation: bool = True,
+        **kwargs,
+    ):
         if is_expert:
             reason = rejections.row_for("num_experts").reason
             raise rejections.TSPRejection(f"TSPMLP built as an expert (is_expert=True): {reason}")
         group = resolve_group(pg_collection, tp_group)
         if ffn_hidden_size is None:
             ffn_hidden_size = config.ffn_hidden_size
-        rejections.check_config(config, dist.get_world_size(group), layer="mlp",
-                                overrides={"ffn_hidden_size": ffn_hidden_size})
+        rejections.check_config(
+            config,
+            dist.get_world_size(group),
+            layer="mlp",
+            overrides={"ffn_hidden_size": ffn_hidden_size},
+        )
         # Newer cores pass extra keywords (name, is_mtp_layer, ...): forward those MLP accepts.
         extra = {k: v for k, v in kwargs.items() if k in _MLP_INIT_PARAMS}
-        super().__init__(config, submodules, is_expert=False, input_size=input_size,
-                         ffn_hidden_size=ffn_hidden_size, tp_group=group, **extra)
+        super().__init__(
+            config,
+            submodules,
+            is_expert=False,
+            input_size=input_size,
+            ffn_hidden_size=ffn_hidden_size,
+            tp_group=group,
+            **extra,
+        )
         self.tsp_group = group
         self.tsp_activation = make_activation(config)
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
@@ -307,7 +358,14 @@ class TSPMLP(MLP):
         # fc1 / fc2 are not called: fire their pre-hooks (DDP param-gather waits).
         run_forward_pre_hooks(fc1)
         run_forward_pre_hooks(fc2)
-        out = tsp_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, self.tsp_group,
-                      self.tsp_activation, self.gradient_accumulation_fusion,
-                      self.recompute_activation)
+        out = tsp_mlp(
+            hidden_states,
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            self.tsp_group,
+            self.tsp_activation,
+            self.gradient_accumulation_fusion,
+            self.recompute_activation,
+        )
         return out, fc2.bias

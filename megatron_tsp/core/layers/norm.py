@@ -42,16 +42,25 @@ class SequenceParallelNorm:
         config = bound.arguments["config"]
         normalization = bound.arguments.get("normalization") or config.normalization
         _check_supported(config, bound.arguments.get("zero_centered_gamma", False), normalization)
-        subclass = {"LayerNorm": SequenceParallelLayerNorm,
-                    "RMSNorm": SequenceParallelRMSNorm}[normalization]
+        subclass = {"LayerNorm": SequenceParallelLayerNorm, "RMSNorm": SequenceParallelRMSNorm}[
+            normalization
+        ]
         return super().__new__(subclass)  # Python then runs subclass.__init__(*args, **kwargs)
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
-                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
-                 normalization: str = None):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = None,
+    ):
         if normalization not in (None, self.normalization):
-            raise ValueError(f"normalization={normalization!r} given to "
-                             f"{type(self).__name__} (a {self.normalization})")
+            raise ValueError(
+                f"normalization={normalization!r} given to "
+                f"{type(self).__name__} (a {self.normalization})"
+            )
         _check_supported(config, zero_centered_gamma, self.normalization)
         self.torch_norm.__init__(self, hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():

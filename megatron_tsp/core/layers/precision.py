@@ -29,8 +29,12 @@ def _mm_out_dtype_supported(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and a.dtype in _LOW_PRECISION
 
 
-def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor] = None,
-               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def matmul_acc(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    acc: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """``acc + a @ b`` (2-D ``a``, ``b``) computed with an accumulator of ``acc.dtype`` (or
     ``dtype`` when ``acc`` is None), in place when ``acc`` is given. Returns the accumulator."""
     out_dtype = acc.dtype if acc is not None else (dtype or a.dtype)

@@ -30,7 +30,6 @@ megatron-core's RoPE; chunk ids, positions and causal blocks come from ``layout.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,10 +56,12 @@ def _static_cache(module, context, dtype, device):
         key_dim = getattr(module, "key_hidden_size", module.hidden_size_per_attention_head)
         val_dim = getattr(module, "val_hidden_size", module.hidden_size_per_attention_head)
         memory[module.layer_number] = (
-            module._allocate_memory(context.max_sequence_length, context.max_batch_size, key_dim,
-                                    dtype).to(device),
-            module._allocate_memory(context.max_sequence_length, context.max_batch_size, val_dim,
-                                    dtype).to(device),
+            module._allocate_memory(
+                context.max_sequence_length, context.max_batch_size, key_dim, dtype
+            ).to(device),
+            module._allocate_memory(
+                context.max_sequence_length, context.max_batch_size, val_dim, dtype
+            ).to(device),
         )
     return memory[module.layer_number]
 
@@ -70,18 +71,21 @@ def check_context(module, context) -> None:
     if not context.is_static_batching():
         raise ValueError(
             "TSP prefill supports megatron-core's StaticInferenceContext only; the dynamic "
-            "context (paged KV blocks, packed requests) is not supported")
+            "context (paged KV blocks, packed requests) is not supported"
+        )
     if context.is_decode_only():
         raise ValueError(
             "TSP attention runs the prefill only: decode with the tied TP=D model "
-            "(megatron_tsp.inference.TSPInferenceEngine)")
+            "(megatron_tsp.inference.TSPInferenceEngine)"
+        )
     if module.config.flash_decode:
-        raise ValueError("--flash-decode stores keys after RoPE; TSP prefill supports the "
-                         "default static cache (keys before RoPE) only")
+        raise ValueError(
+            "--flash-decode stores keys after RoPE; TSP prefill supports the "
+            "default static cache (keys before RoPE) only"
+        )
 
 
-def prefill_attention(module, hidden_states: torch.Tensor, context,
-                      rotary_pos_emb=None) -> tuple:
+def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_emb=None) -> tuple:
     """TSP prefill of one layer; returns ``(output, linear_proj.bias)`` like ``SelfAttention``.
 
     ``hidden_states``: this rank's zigzag tokens ``[S/D, b, h]`` of the prompt slice at cache
@@ -95,28 +99,35 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
     layout = module.head_layout
     local_len, batch = hidden_states.shape[0], hidden_states.shape[1]
     if local_len % 2 != 0:
-        raise ValueError(f"TSP prefill got {local_len} local tokens: the prompt slice must split "
-                         f"into 2 x {size} zigzag chunks")
+        raise ValueError(
+            f"TSP prefill got {local_len} local tokens: the prompt slice must split "
+            f"into 2 x {size} zigzag chunks"
+        )
     seq = local_len * size
     offset, b0 = context.sequence_len_offset, context.batch_size_offset
     if offset + seq > context.max_sequence_length:
-        raise ValueError(f"prefill of {seq} tokens at offset {offset} exceeds the inference "
-                         f"context's max_sequence_length={context.max_sequence_length}")
+        raise ValueError(
+            f"prefill of {seq} tokens at offset {offset} exceeds the inference "
+            f"context's max_sequence_length={context.max_sequence_length}"
+        )
     if module.config.no_rope_freq and module.config.no_rope_freq[module.layer_number - 1]:
         rotary_pos_emb = None
-    q_table, k_table = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
-                        else (rotary_pos_emb, rotary_pos_emb))
+    q_table, k_table = (
+        rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+    )
     seq_layout = TSPLayout(size, seq, rank)
     freqs_q = freqs_k = None
     if q_table is not None:
         positions = offset + seq_layout.positions(q_table.device)
         freqs_q = q_table.index_select(0, positions)
-        freqs_k = k_table[:offset + seq]
+        freqs_k = k_table[: offset + seq]
     key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
     has_bias = module.linear_qkv.bias is not None
-    own = FlatShard.pack([module.linear_qkv.weight]
-                         + ([module.linear_qkv.bias] if has_bias else [])
-                         + [module.linear_proj.weight])
+    own = FlatShard.pack(
+        [module.linear_qkv.weight]
+        + ([module.linear_qkv.bias] if has_bias else [])
+        + [module.linear_proj.weight]
+    )
     groups, head_dim = layout.groups, layout.head_dim
     out = None
     with torch.no_grad(), labelled("tsp_prefill_attention"):
@@ -132,11 +143,12 @@ def prefill_attention(module, hidden_states: torch.Tensor, context,
             if offset > 0:
                 _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r, group, rank)
             if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
-                key_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, :groups]
-                val_mem[offset:offset + seq, b0:b0 + batch] = kv[offset:, :, groups:]
+                key_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, :groups]
+                val_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, groups:]
             k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
-            ctx_r = chunk_attention(q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset,
-                                    layout)
+            ctx_r = chunk_attention(
+                q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset, layout
+            )
             del k_all, kv
             contrib = torch.matmul(ctx_r, proj_w.t())
             out = contrib if out is None else out.add_(contrib)
@@ -169,15 +181,16 @@ def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Te
     natural-order row blocks, so no permuted copy of the full-sequence K/V is ever made. Rows
     [0, offset) are left for the cached prefix."""
     size, chunk_len, seq = seq_layout.group_size, seq_layout.chunk_len, seq_layout.seq_length
-    kv = torch.empty((offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype,
-                     device=local_kv.device)
+    kv = torch.empty(
+        (offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype, device=local_kv.device
+    )
     new = kv[offset:]
     if size == 1:
         new.copy_(local_kv)
         return kv
     spans = [seq_layout.spans_of(r) for r in range(size)]  # per rank: (first, second) chunk
-    firsts = [new[first[0]:first[1]] for first, _ in spans]
-    seconds = [new[second[0]:second[1]] for _, second in spans]
+    firsts = [new[first[0] : first[1]] for first, _ in spans]
+    seconds = [new[second[0] : second[1]] for _, second in spans]
     dist.all_gather(firsts, local_kv[:chunk_len].contiguous(), group=group)
     dist.all_gather(seconds, local_kv[chunk_len:].contiguous(), group=group)
     return kv
@@ -190,8 +203,8 @@ def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, group, rank) ->
     groups = key_mem.shape[2]
     batch = kv.shape[1]
     if rank == owner:
-        prefix[:, :, :groups] = key_mem[:offset, b0:b0 + batch]
-        prefix[:, :, groups:] = val_mem[:offset, b0:b0 + batch]
+        prefix[:, :, :groups] = key_mem[:offset, b0 : b0 + batch]
+        prefix[:, :, groups:] = val_mem[:offset, b0 : b0 + batch]
     if dist.get_world_size(group) > 1:
         broadcast_from(prefix, owner, group, async_op=False)
 
@@ -223,7 +236,12 @@ def chunk_attention(q, k_nat, v_nat, blocks, offset, layout):
         k_c = k_nat[:kv_len].permute(1, 2, 0, 3)
         v_c = v_nat[:kv_len].permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(
-            q_c, k_c, v_c, attn_mask=_lower_right_causal(rows, kv_len),
-            scale=layout.softmax_scale, enable_gqa=layout.heads != layout.groups)
+            q_c,
+            k_c,
+            v_c,
+            attn_mask=_lower_right_causal(rows, kv_len),
+            scale=layout.softmax_scale,
+            enable_gqa=layout.heads != layout.groups,
+        )
         outs.append(o.permute(2, 0, 1, 3).reshape(rows, q.shape[1], -1))
     return torch.cat(outs, dim=0)

@@ -5,8 +5,8 @@ imported here."""
 
 from .formulas import (  # noqa: F401
     LayerShape,
-    crossover_seq_length,
     cp_layer_comm,
+    crossover_seq_length,
     layer_flops,
     tp_cp_layer_comm,
     tp_layer_comm,

@@ -18,8 +18,8 @@ of the fake-tensor number.
 Attention. Megatron's local ``DotProductAttention`` materialises the ``[b, np, s, s]`` score
 matrix (137 GB per layer at 128k) and rejects context parallelism; GPU runs use TE's flash
 attention. Every scheme here therefore runs the TSP layers' own attention-kernel interface
-(``megatron_tsp/core/layers/kernels.py``; on CPU and fake CPU tensors its ``cpu_flash`` backend, which
-saves only the output and the fp32 log-sum-exp and recomputes the probabilities in backward):
+(``megatron_tsp/core/layers/kernels.py``; on CPU and fake CPU tensors its ``cpu_flash`` backend,
+which saves only the output and the fp32 log-sum-exp and recomputes the probabilities in backward):
 
 * TSP: the layers themselves, unmodified (no stand-in).
 * TP / TP+SP: ``BaselineCoreAttention``, one causal call over the local heads and the sequence.
@@ -51,7 +51,7 @@ from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
 GB = 1e9
-GIB = 2 ** 30
+GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,19 +109,30 @@ class RunConfig:
         if self.scheme == "cp" and self.cp < 2:
             raise ValueError("scheme 'cp' needs --cp >= 2")
         if self.world_size % (self.tp * self.cp):
-            raise ValueError(f"world size {self.world_size} is not divisible by "
-                             f"TP*CP={self.tp * self.cp}")
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by TP*CP={self.tp * self.cp}"
+            )
         m = self.model
         # the rejection table's shape rows (TSP, the hybrid and plain TP shard alike)
-        mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme,
-                                                                         rejections.TP)
-        rejections.check_divisible(self.tp, mode, num_attention_heads=m.heads,
-                                   num_query_groups=m.groups, ffn_hidden_size=m.ffn_hidden)
-        split = {"tsp": 2 * self.tp, "cp": 2 * self.cp * self.tp, "tpsp": self.tp,
-                 "hybrid": self.tp, "tp": 1}[self.scheme]
+        mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme, rejections.TP)
+        rejections.check_divisible(
+            self.tp,
+            mode,
+            num_attention_heads=m.heads,
+            num_query_groups=m.groups,
+            ffn_hidden_size=m.ffn_hidden,
+        )
+        split = {
+            "tsp": 2 * self.tp,
+            "cp": 2 * self.cp * self.tp,
+            "tpsp": self.tp,
+            "hybrid": self.tp,
+            "tp": 1,
+        }[self.scheme]
         if self.seq % split:
-            raise ValueError(f"sequence length {self.seq} must be divisible by {split} "
-                             f"for {self.label}")
+            raise ValueError(
+                f"sequence length {self.seq} must be divisible by {split} for {self.label}"
+            )
         if self.tsp_attention_backward not in (None, "saved", "recompute"):
             raise ValueError("tsp_attention_backward must be 'saved' or 'recompute'")
         if self.recompute not in ("none", "full"):
@@ -169,8 +180,8 @@ def _gather_kv(k, v, group, size):
 
 class BaselineCoreAttention(torch.autograd.Function):
     """Core attention of the TP / TP+SP / TP x CP baselines, built from the TSP layers' own code:
-    the attention-kernel interface (``megatron_tsp.core.layers.kernels``, the backend the layers would
-    select for these tensors) and, for CP, the layers' packed K/V all-gather and dK/dV
+    the attention-kernel interface (``megatron_tsp.core.layers.kernels``, the backend the layers
+    would select for these tensors) and, for CP, the layers' packed K/V all-gather and dK/dV
     reduce-scatter (TE's ``cp_comm_type="all_gather"``).
 
     q: [sq, b, np, hn]; k, v: [sk, b, ng, hn], natural order, or with ``group`` this rank's
@@ -203,8 +214,9 @@ class BaselineCoreAttention(torch.autograd.Function):
         size = dist.get_world_size(group) if group is not None else 1
         k_nat, v_nat = _gather_kv(k, v, group, size) if group is not None else (k, v)
         outs = [out.narrow(0, block.query_start, block.query_len) for block in blocks]
-        dq, dkv = kernels.zigzag_backward(ctx.kernel, dout.contiguous(), q, k_nat, v_nat, blocks,
-                                          ctx.scale, outs, lses)
+        dq, dkv = kernels.zigzag_backward(
+            ctx.kernel, dout.contiguous(), q, k_nat, v_nat, blocks, ctx.scale, outs, lses
+        )
         del k_nat, v_nat
         if group is not None:
             from megatron_tsp.core import zigzag
@@ -227,9 +239,17 @@ except ImportError:  # pragma: no cover
 class FlashCoreAttention(_Base):
     """``core_attention`` for Megatron's local spec: flash-equivalent memory, CP via all-gather."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         from megatron.core import parallel_state as mpu
 
@@ -240,14 +260,22 @@ class FlashCoreAttention(_Base):
             cp_group = cp_group or mpu.get_context_parallel_group()
         else:
             cp_group = None
-        if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+        if attention_dropout if attention_dropout is not None else config.attention_dropout:
             raise ValueError("FlashCoreAttention (measurement stand-in) needs attention_dropout=0")
         self.cp_group = cp_group
         kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.scale = softmax_scale or (1.0 / math.sqrt(kv_channels))
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         from megatron_tsp.core.layout import TSPLayout, whole_sequence_blocks
 
         sq, b = query.shape[0], query.shape[1]
@@ -288,8 +316,9 @@ def _init_parallel(cfg: RunConfig) -> None:
     if cfg.scheme == "tsp":
         tsp_ps.initialize_model_parallel(tensor_sequence_parallel_size=cfg.tp, **kwargs)
     else:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,
-                                      context_parallel_size=cfg.cp, **kwargs)
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp, **kwargs
+        )
 
 
 def _transformer_config(cfg: RunConfig):
@@ -299,22 +328,35 @@ def _transformer_config(cfg: RunConfig):
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     extra = {}
     if cfg.recompute == "full":
-        extra = dict(recompute_granularity="full", recompute_method="uniform",
-                     recompute_num_layers=1)
+        extra = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads,
-        num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_hidden,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden,
+        num_attention_heads=m.heads,
+        num_query_groups=m.query_groups,
+        ffn_hidden_size=m.ffn_hidden,
         gated_linear_unit=m.gated,
         activation_func=torch.nn.functional.silu if m.gated else torch.nn.functional.gelu,
         normalization=m.normalization,
-        tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
+        tensor_model_parallel_size=cfg.tp,
+        context_parallel_size=cfg.cp,
         sequence_parallel=cfg.sequence_parallel,
-        params_dtype=dtype, bf16=cfg.dtype == "bf16", pipeline_dtype=dtype,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, perform_initialization=not cfg.fake,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
+        params_dtype=dtype,
+        bf16=cfg.dtype == "bf16",
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=not cfg.fake,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False,
         add_bias_linear=m.bias,
         **({"layernorm_epsilon": m.norm_epsilon} if m.norm_epsilon else {}),
         **extra,
@@ -338,8 +380,9 @@ def _layer_spec(cfg: RunConfig, config):
             opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
         if opts:
             layer = get_gpt_layer_tsp_spec(normalization=cfg.model.normalization, **opts)
-            block = TransformerBlockSubmodules(layer_specs=[layer] * len(block.layer_specs),
-                                               layer_norm=block.layer_norm)
+            block = TransformerBlockSubmodules(
+                layer_specs=[layer] * len(block.layer_specs), layer_norm=block.layer_norm
+            )
         return block
     if cfg.scheme == "hybrid":
         from megatron_tsp.core.specs import get_gpt_block_tsp_mlp_spec, get_gpt_layer_tsp_mlp_spec
@@ -350,25 +393,31 @@ def _layer_spec(cfg: RunConfig, config):
             opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
         layer = get_gpt_layer_tsp_mlp_spec(normalization=cfg.model.normalization, **opts)
         layer.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-        return TransformerBlockSubmodules(layer_specs=[layer] * cfg.model.num_layers,
-                                          layer_norm=SequenceParallelNorm)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * cfg.model.num_layers, layer_norm=SequenceParallelNorm
+        )
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; SequenceParallelNorm
     # is the same torch norm, its params tagged sequence_parallel (as TE/apex norms under SP).
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.model.num_layers,
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * cfg.model.num_layers, layer_norm=SequenceParallelNorm
+    )
 
 
 def _build_model(cfg: RunConfig, config):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
-        config=config, transformer_layer_spec=_layer_spec(cfg, config),
-        vocab_size=cfg.padded_vocab(), max_sequence_length=cfg.seq,
-        pre_process=True, post_process=True, parallel_output=True,
+        config=config,
+        transformer_layer_spec=_layer_spec(cfg, config),
+        vocab_size=cfg.padded_vocab(),
+        max_sequence_length=cfg.seq,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
         share_embeddings_and_output_weights=cfg.model.tied_embeddings,
         position_embedding_type="rope" if cfg.model.rope else "learned_absolute",
         **({"rotary_base": cfg.model.rotary_base} if cfg.model.rotary_base else {}),
@@ -386,10 +435,12 @@ def _no_rng_fork(enabled: bool):
 
     from megatron_tsp.megatron_lm import patches
 
-    with patches.applied(patches.FAKE_RUN,
-                         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
-                         lambda *a, **k: contextlib.nullcontext(),
-                         owner=tensor_parallel.get_cuda_rng_tracker()):
+    with patches.applied(
+        patches.FAKE_RUN,
+        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+        lambda *a, **k: contextlib.nullcontext(),
+        owner=tensor_parallel.get_cuda_rng_tracker(),
+    ):
         yield
 
 
@@ -400,18 +451,20 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     chunks = TSPLayout(cp_size, pos_emb.shape[seq_dim], cp_rank).chunk_ids  # CP's zigzag is TSP's
     idx = torch.tensor(chunks, device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     pos_emb = pos_emb.index_select(seq_dim, idx)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 @contextlib.contextmanager
 def _cpu_cp_rope():
     from megatron_tsp.megatron_lm import patches
 
-    with patches.applied(patches.FAKE_RUN, "megatron.core.models.common.embeddings."
-                         "rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
-                         _cpu_pos_emb_on_this_cp_rank):
+    with patches.applied(
+        patches.FAKE_RUN,
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+        _cpu_pos_emb_on_this_cp_rank,
+    ):
         yield
 
 
@@ -445,9 +498,11 @@ def _uncoalesced_grad_sync():
     def plain(*args, **kwargs):
         yield _Done()
 
-    with patches.applied(patches.FAKE_RUN,
-                         "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
-                         plain):
+    with patches.applied(
+        patches.FAKE_RUN,
+        "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+        plain,
+    ):
         yield
 
 
@@ -506,11 +561,11 @@ class MasterAdam:
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue
-            flat = param.data.view(-1)[a - start:b - start]
+            flat = param.data.view(-1)[a - start : b - start]
             if to_master:
-                master[a - lo:b - lo].copy_(flat)
+                master[a - lo : b - lo].copy_(flat)
             else:
-                flat.copy_(master[a - lo:b - lo])
+                flat.copy_(master[a - lo : b - lo])
 
     def tensors(self) -> List[torch.Tensor]:
         out = [m for _, m, *_ in self.entries]
@@ -527,8 +582,9 @@ class MasterAdam:
         for bucket, master, lo, hi, ranges in self.entries:
             self._copy(ranges, lo, hi, master, to_master=False)
             if self.distributed and self.dp_size > 1 and bucket.param_data is not None:
-                dist.all_gather_into_tensor(bucket.param_data, bucket.param_data[lo:hi],
-                                            group=self.dp_group)
+                dist.all_gather_into_tensor(
+                    bucket.param_data, bucket.param_data[lo:hi], group=self.dp_group
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,8 +640,9 @@ def _lean_mem_tracker():
                 self._register_global_optimizer_hook()
                 self._track_resize()
                 self._peak_mem_snap = self.get_tracker_snapshot()
-                self._peak_mem = {dev: snap[_TOTAL_KEY]
-                                  for dev, snap in self._peak_mem_snap.items()}
+                self._peak_mem = {
+                    dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()
+                }
             TorchDispatchMode.__enter__(self)
             self._depth += 1
             return self
@@ -652,11 +709,15 @@ def _build_training_state(cfg: RunConfig, config):
 
     model = _build_model(cfg, config)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.distributed_optimizer, bucket_size=None)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+        bucket_size=None,
+    )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = MasterAdam(ddp, mpu.get_data_parallel_group(with_context_parallel=True),
-                           cfg.distributed_optimizer)
+    optimizer = MasterAdam(
+        ddp, mpu.get_data_parallel_group(with_context_parallel=True), cfg.distributed_optimizer
+    )
     return model, ddp, optimizer
 
 
@@ -723,8 +784,11 @@ def _training_step(model, ddp, optimizer, tracker, batch, comm) -> List[int]:
 
 
 def _comm_by_phase(records, marks: List[int]) -> Dict[str, float]:
-    parts = {"forward": records[:marks[0]], "backward": records[marks[0]:marks[1]],
-             "grad_sync_and_step": records[marks[1]:]}
+    parts = {
+        "forward": records[: marks[0]],
+        "backward": records[marks[0] : marks[1]],
+        "grad_sync_and_step": records[marks[1] :],
+    }
     out = {f"recv_bytes_{k}": float(sum(r.recv_bytes for r in v)) for k, v in parts.items()}
     out.update({f"calls_{k}": len(v) for k, v in parts.items()})
     return out
@@ -760,11 +824,18 @@ def run_step(cfg: RunConfig) -> RunResult:
             batch = _local_batch(cfg)
             params_local = sum(p.numel() for p in ddp.parameters())
             tracker, static = _track_static(model, ddp, optimizer)
-            flop_counter = (flops_count.make_flop_counter() if cfg.count_flops
-                            else contextlib.nullcontext())
+            flop_counter = (
+                flops_count.make_flop_counter() if cfg.count_flops else contextlib.nullcontext()
+            )
             mem_tracker = tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()
-            with _no_rng_fork(cfg.fake), _uncoalesced_grad_sync(), _cpu_cp_rope(), \
-                    _comm_counter(cfg.count_comm) as comm, mem_tracker, flop_counter:
+            with (
+                _no_rng_fork(cfg.fake),
+                _uncoalesced_grad_sync(),
+                _cpu_cp_rope(),
+                _comm_counter(cfg.count_comm) as comm,
+                mem_tracker,
+                flop_counter,
+            ):
                 marks = _training_step(model, ddp, optimizer, tracker, batch, comm)
             peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     finally:
@@ -778,9 +849,14 @@ def run_step(cfg: RunConfig) -> RunResult:
         # so the check of the fake-tensor number is independent of the tracker.
         breakdown, peak = {}, None
     result = RunResult(
-        config=_config_dict(cfg), label=cfg.label, peak_bytes=peak, peak_breakdown=breakdown,
-        static_bytes=static, params_local=int(params_local),
-        peak_phase=tracker.peak_phase if cfg.fake else "")
+        config=_config_dict(cfg),
+        label=cfg.label,
+        peak_bytes=peak,
+        peak_breakdown=breakdown,
+        static_bytes=static,
+        params_local=int(params_local),
+        peak_phase=tracker.peak_phase if cfg.fake else "",
+    )
     if cfg.count_flops:
         result.flops = flops_count.summarize(flop_counter)
     if cfg.count_comm:
@@ -825,16 +901,20 @@ def run_step_isolated(cfg: RunConfig, timeout: float = 1800, threads: int = 1) -
     (~1.5 MB per thread at small shapes) that no dispatch-level tracker can see.
     """
     payload = json.dumps(dataclasses.asdict(cfg))
-    code = ("import json, sys, dataclasses, warnings; warnings.filterwarnings('ignore'); "
-            "from megatron_tsp.tools.estimator import fake_run as f; "
-            "r = f.run_step(f._config_from_dict(json.loads(sys.stdin.read()))); "
-            "print('@@RESULT@@' + json.dumps(dataclasses.asdict(r), default=str))")
-    return RunResult(**run_in_fresh_process(code, payload, timeout,
-                                            {"OMP_NUM_THREADS": str(threads)}))
+    code = (
+        "import json, sys, dataclasses, warnings; warnings.filterwarnings('ignore'); "
+        "from megatron_tsp.tools.estimator import fake_run as f; "
+        "r = f.run_step(f._config_from_dict(json.loads(sys.stdin.read()))); "
+        "print('@@RESULT@@' + json.dumps(dataclasses.asdict(r), default=str))"
+    )
+    return RunResult(
+        **run_in_fresh_process(code, payload, timeout, {"OMP_NUM_THREADS": str(threads)})
+    )
 
 
-def run_in_fresh_process(code: str, payload: str, timeout: float,
-                         env: Optional[Dict[str, str]] = None) -> dict:
+def run_in_fresh_process(
+    code: str, payload: str, timeout: float, env: Optional[Dict[str, str]] = None
+) -> dict:
     """Run ``code`` in a fresh interpreter with ``payload`` on stdin; ``code`` prints its result
     as one JSON line after ``@@RESULT@@``. This checkout comes first on ``PYTHONPATH``."""
     import subprocess
@@ -843,11 +923,18 @@ def run_in_fresh_process(code: str, payload: str, timeout: float,
     # the checkout: <root>/megatron_tsp/tools/estimator/fake_run.py
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = root + (os.pathsep + os.environ["PYTHONPATH"]
-                                     if os.environ.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    full_env["PYTHONPATH"] = root + (
+        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=payload,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@"):])
+            return json.loads(line[len("@@RESULT@@") :])
     raise RuntimeError(f"isolated run failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")

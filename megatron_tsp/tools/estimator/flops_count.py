@@ -1,12 +1,12 @@
 """FLOP accounting for the measured training step (``torch.utils.flop_counter.FlopCounterMode``).
 
-torch's counter knows the GEMM ops (mm, addmm, bmm, baddbmm; we add the in-place addmm_) and the CUDA attention kernels, but
-not the CPU flash-attention kernel our runs use (``_scaled_dot_product_flash_attention_for_cpu``
-and its backward). We register formulas for those two ops that count only the query/key pairs a
-causal kernel actually visits (torch's own SDPA formulas count the dense ``lq x lk`` rectangle
-even for causal attention). The stand-in attention (``fake_run``) always calls the CPU kernel
-either non-causally on a full rectangle or causally on a square block, so the count is exact for
-every scheme and comparable between them.
+torch's counter knows the GEMM ops (mm, addmm, bmm, baddbmm; we add the in-place addmm_) and the
+CUDA attention kernels, but not the CPU flash-attention kernel our runs use
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward). We register formulas for those
+two ops that count only the query/key pairs a causal kernel actually visits (torch's own SDPA
+formulas count the dense ``lq x lk`` rectangle even for causal attention). The stand-in attention
+(``fake_run``) always calls the CPU kernel either non-causally on a full rectangle or causally on a
+square block, so the count is exact for every scheme and comparable between them.
 """
 
 from __future__ import annotations
@@ -32,16 +32,18 @@ def causal_pairs(lq: int, lk: int, is_causal: bool) -> int:
     return lk * (lk + 1) // 2 + (lq - lk) * lk
 
 
-def _flash_cpu_fwd(q_shape, k_shape, v_shape, dropout_p=0.0, is_causal=False, *args,
-                   out_shape=None, **kwargs) -> int:
+def _flash_cpu_fwd(
+    q_shape, k_shape, v_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs
+) -> int:
     b, h, lq, d = q_shape
     lk, dv = k_shape[2], v_shape[3]
     pairs = causal_pairs(lq, lk, is_causal)
     return 2 * b * h * pairs * (d + dv)  # Q K^T and P V
 
 
-def _flash_cpu_bwd(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
-                   **kwargs) -> int:
+def _flash_cpu_bwd(
+    grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     # args: out_shape_tensor, logsumexp, dropout_p, is_causal
     is_causal = bool(args[3]) if len(args) > 3 else bool(kwargs.get("is_causal", False))
     b, h, lq, d = q_shape
@@ -58,8 +60,11 @@ def _addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs
     return 2 * m * k * b_shape[1]
 
 
-CUSTOM_FLOP_FORMULAS = {ATTENTION_FWD: _flash_cpu_fwd, ATTENTION_BWD: _flash_cpu_bwd,
-                        aten.addmm_: _addmm_inplace}
+CUSTOM_FLOP_FORMULAS = {
+    ATTENTION_FWD: _flash_cpu_fwd,
+    ATTENTION_BWD: _flash_cpu_bwd,
+    aten.addmm_: _addmm_inplace,
+}
 
 
 class _GlobalOnly:

@@ -1,8 +1,8 @@
 """Closed-form communication and FLOP counts for one transformer layer.
 
 Everything here is per rank and per micro-batch. Communication is counted as the bytes a rank
-RECEIVES, with the conventions of :mod:`megatron_tsp.tools.comm_counter` (n = payload bytes of the call,
-D = group size, f = (D-1)/D):
+RECEIVES, with the conventions of :mod:`megatron_tsp.tools.comm_counter` (n = payload bytes of
+the call, D = group size, f = (D-1)/D):
 
     all_gather  f * n_out       reduce_scatter  f * n_in       all_reduce  2 f * n
     broadcast / reduce  f * n (averaged over the ranks)         recv  n      send  0
@@ -15,15 +15,15 @@ g query groups (= a for MHA), hn = h / a, h_kv = g * hn, F ffn hidden.
 Schedules (per layer, per rank, in elements):
 
 TSP, group D (weights move, tokens stay)
-    attn fwd   broadcast of every owner's (qkv w, qkv b, proj w) shard      f * W_attn   [weight]
-               all-gather K, V per head-group shard                         f * 2BSh_kv  [activation]
-    mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)         f * W_mlp    [weight]
-    attn bwd   re-broadcast weights                                         f * W_attn   [weight]
-               re-gather K, V (not kept from the forward)                   f * 2BSh_kv  [activation]
-               reduce-scatter dK, dV back to the token owners               f * 2BSh_kv  [activation*]
-               reduce each weight-grad shard to its owner                   f * W_attn   [grad]
-    mlp bwd    ring again                                                   f * W_mlp    [weight]
-               gradient accumulator riding the ring one hop behind          f * W_mlp    [grad]
+    attn fwd   broadcast of every owner's (qkv w, qkv b, proj w) shard  f * W_attn   [weight]
+               all-gather K, V per head-group shard                     f * 2BSh_kv  [activation]
+    mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)     f * W_mlp    [weight]
+    attn bwd   re-broadcast weights                                     f * W_attn   [weight]
+               re-gather K, V (not kept from the forward)               f * 2BSh_kv  [activation]
+               reduce-scatter dK, dV back to the token owners           f * 2BSh_kv  [activation*]
+               reduce each weight-grad shard to its owner               f * W_attn   [grad]
+    mlp bwd    ring again                                               f * W_mlp    [weight]
+               gradient accumulator riding the ring one hop behind      f * W_mlp    [grad]
     W_attn = W_qkv (+ qkv bias) + W_proj;  W_mlp = W_fc1 (+ fc1 bias) + W_fc2.
     [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
     runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
@@ -143,15 +143,23 @@ class CommTerm:
     what: str = ""
 
 
-def _term(phase, op, category, elements, dtype_bytes, group, overlap, link="collective",
-          chunks=1, what=""):
-    return CommTerm(phase, op, category, elements, elements * dtype_bytes, group, overlap, link,
-                    chunks, what)
+def _term(
+    phase, op, category, elements, dtype_bytes, group, overlap, link="collective", chunks=1, what=""
+):
+    return CommTerm(
+        phase, op, category, elements, elements * dtype_bytes, group, overlap, link, chunks, what
+    )
 
 
-def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None,
-                    regather_kv_bwd: bool = True, kv_pipelined: bool = True,
-                    recompute_attn: bool = False) -> List[CommTerm]:
+def tsp_layer_terms(
+    shape: LayerShape,
+    D: int,
+    *,
+    grad_dtype_bytes: Optional[int] = None,
+    regather_kv_bwd: bool = True,
+    kv_pipelined: bool = True,
+    recompute_attn: bool = False,
+) -> List[CommTerm]:
     """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
     per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
     do).
@@ -173,29 +181,114 @@ def tsp_layer_terms(shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int
     kv_overlap = "pipelined" if kv_pipelined else "critical"
     ring = max(D - 1, 1)
     t = [
-        _term("attn_fwd", "broadcast", "weight", f * shape.w_attn, b, "tsp", "pipelined",
-              chunks=D, what="owner broadcasts qkv w/b + proj w shard (first one exposed)"),
-        _term("attn_fwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap, chunks=D,
-              what="all-gather K,V of one head group"),
-        _term("mlp_fwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
-              chunks=ring, what="ring of fc1 w/b + fc2 w shards"),
-        _term("attn_bwd", "broadcast", "weight", f * shape.w_attn, b, "tsp",
-              "pipelined" if recompute_attn else "prefetch", chunks=D,
-              what="re-broadcast attention weight shards"
-              + (" (first one exposed)" if recompute_attn else "")),
+        _term(
+            "attn_fwd",
+            "broadcast",
+            "weight",
+            f * shape.w_attn,
+            b,
+            "tsp",
+            "pipelined",
+            chunks=D,
+            what="owner broadcasts qkv w/b + proj w shard (first one exposed)",
+        ),
+        _term(
+            "attn_fwd",
+            "all_gather",
+            "activation",
+            f * kv,
+            b,
+            "tsp",
+            kv_overlap,
+            chunks=D,
+            what="all-gather K,V of one head group",
+        ),
+        _term(
+            "mlp_fwd",
+            "p2p",
+            "weight",
+            f * shape.w_mlp,
+            b,
+            "tsp",
+            "prefetch",
+            link="p2p",
+            chunks=ring,
+            what="ring of fc1 w/b + fc2 w shards",
+        ),
+        _term(
+            "attn_bwd",
+            "broadcast",
+            "weight",
+            f * shape.w_attn,
+            b,
+            "tsp",
+            "pipelined" if recompute_attn else "prefetch",
+            chunks=D,
+            what="re-broadcast attention weight shards"
+            + (" (first one exposed)" if recompute_attn else ""),
+        ),
     ]
     if regather_kv_bwd:
-        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "tsp", kv_overlap,
-                       chunks=D, what="re-gather K,V"))
+        t.append(
+            _term(
+                "attn_bwd",
+                "all_gather",
+                "activation",
+                f * kv,
+                b,
+                "tsp",
+                kv_overlap,
+                chunks=D,
+                what="re-gather K,V",
+            )
+        )
     t += [
-        _term("attn_bwd", "reduce_scatter", "activation", f * kv, accumulation_bytes(b), "tsp",
-              kv_overlap, chunks=D, what="reduce-scatter dK,dV to token owners (fp32 sum)"),
-        _term("attn_bwd", "reduce", "grad", f * shape.w_attn, gb, "tsp", "pipelined", chunks=D,
-              what="reduce weight-grad shard to owner (last one exposed)"),
-        _term("mlp_bwd", "p2p", "weight", f * shape.w_mlp, b, "tsp", "prefetch", link="p2p",
-              chunks=ring, what="ring of weight shards again"),
-        _term("mlp_bwd", "p2p", "grad", f * shape.w_mlp, gb, "tsp", "pipelined", link="p2p",
-              chunks=ring, what="grad accumulator one hop behind (last hop exposed)"),
+        _term(
+            "attn_bwd",
+            "reduce_scatter",
+            "activation",
+            f * kv,
+            accumulation_bytes(b),
+            "tsp",
+            kv_overlap,
+            chunks=D,
+            what="reduce-scatter dK,dV to token owners (fp32 sum)",
+        ),
+        _term(
+            "attn_bwd",
+            "reduce",
+            "grad",
+            f * shape.w_attn,
+            gb,
+            "tsp",
+            "pipelined",
+            chunks=D,
+            what="reduce weight-grad shard to owner (last one exposed)",
+        ),
+        _term(
+            "mlp_bwd",
+            "p2p",
+            "weight",
+            f * shape.w_mlp,
+            b,
+            "tsp",
+            "prefetch",
+            link="p2p",
+            chunks=ring,
+            what="ring of weight shards again",
+        ),
+        _term(
+            "mlp_bwd",
+            "p2p",
+            "grad",
+            f * shape.w_mlp,
+            gb,
+            "tsp",
+            "pipelined",
+            link="p2p",
+            chunks=ring,
+            what="grad accumulator one hop behind (last hop exposed)",
+        ),
     ]
     return t
 
@@ -208,22 +301,63 @@ def tp_sp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
     out = []
     for blk, col, row in (("attn", "qkv", "proj"), ("mlp", "fc1", "fc2")):
         out += [
-            _term(f"{blk}_fwd", "all_gather", "activation", f * x, b, "tp", "critical",
-                  what=f"all-gather before {col}"),
-            _term(f"{blk}_fwd", "reduce_scatter", "activation", f * x, b, "tp", "critical",
-                  what=f"reduce-scatter after {row}"),
-            _term(f"{blk}_bwd", "all_gather", "activation", f * x, b, "tp", "critical",
-                  what=f"all-gather of {row} output grad"),
-            _term(f"{blk}_bwd", "all_gather", "activation", f * x, b, "tp", "async",
-                  what=f"{col} re-gathers its saved input (async, before dgrad GEMM)"),
-            _term(f"{blk}_bwd", "reduce_scatter", "activation", f * x, b, "tp", "async",
-                  what=f"{col} dgrad reduce-scatter (async, behind wgrad GEMM)"),
+            _term(
+                f"{blk}_fwd",
+                "all_gather",
+                "activation",
+                f * x,
+                b,
+                "tp",
+                "critical",
+                what=f"all-gather before {col}",
+            ),
+            _term(
+                f"{blk}_fwd",
+                "reduce_scatter",
+                "activation",
+                f * x,
+                b,
+                "tp",
+                "critical",
+                what=f"reduce-scatter after {row}",
+            ),
+            _term(
+                f"{blk}_bwd",
+                "all_gather",
+                "activation",
+                f * x,
+                b,
+                "tp",
+                "critical",
+                what=f"all-gather of {row} output grad",
+            ),
+            _term(
+                f"{blk}_bwd",
+                "all_gather",
+                "activation",
+                f * x,
+                b,
+                "tp",
+                "async",
+                what=f"{col} re-gathers its saved input (async, before dgrad GEMM)",
+            ),
+            _term(
+                f"{blk}_bwd",
+                "reduce_scatter",
+                "activation",
+                f * x,
+                b,
+                "tp",
+                "async",
+                what=f"{col} dgrad reduce-scatter (async, behind wgrad GEMM)",
+            ),
         ]
     return out
 
 
-def hybrid_layer_terms(shape: LayerShape, D: int, *,
-                       grad_dtype_bytes: Optional[int] = None) -> List[CommTerm]:
+def hybrid_layer_terms(
+    shape: LayerShape, D: int, *, grad_dtype_bytes: Optional[int] = None
+) -> List[CommTerm]:
     """TP+SP attention + TSP MLP (``--tsp-mlp``): Megatron's attention collectives, TSP's MLP ring.
 
     attn fwd   all-gather before QKV, reduce-scatter after proj                  f * 2BSh
@@ -232,8 +366,11 @@ def hybrid_layer_terms(shape: LayerShape, D: int, *,
     mlp bwd    ring again + gradient accumulator one hop behind                 2 f * W_mlp
     """
     attention = [t for t in tp_sp_layer_terms(shape, D) if t.phase.startswith("attn")]
-    mlp = [t for t in tsp_layer_terms(shape, D, grad_dtype_bytes=grad_dtype_bytes)
-           if t.phase.startswith("mlp")]
+    mlp = [
+        t
+        for t in tsp_layer_terms(shape, D, grad_dtype_bytes=grad_dtype_bytes)
+        if t.phase.startswith("mlp")
+    ]
     return attention + mlp
 
 
@@ -245,34 +382,89 @@ def tp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
     out = []
     for blk, col, row in (("attn", "qkv", "proj"), ("mlp", "fc1", "fc2")):
         out += [
-            _term(f"{blk}_fwd", "all_reduce", "activation", 2 * f * x, b, "tp", "critical",
-                  what=f"all-reduce after {row}"),
-            _term(f"{blk}_bwd", "all_reduce", "activation", 2 * f * x, b, "tp", "async",
-                  what=f"{col} dgrad all-reduce (async, behind wgrad GEMM)"),
+            _term(
+                f"{blk}_fwd",
+                "all_reduce",
+                "activation",
+                2 * f * x,
+                b,
+                "tp",
+                "critical",
+                what=f"all-reduce after {row}",
+            ),
+            _term(
+                f"{blk}_bwd",
+                "all_reduce",
+                "activation",
+                2 * f * x,
+                b,
+                "tp",
+                "async",
+                what=f"{col} dgrad all-reduce (async, behind wgrad GEMM)",
+            ),
         ]
     return out
 
 
-def cp_layer_terms(shape: LayerShape, C: int, *, regather_kv_bwd: bool = True,
-                   kv_shard: int = 1) -> List[CommTerm]:
+def cp_layer_terms(
+    shape: LayerShape, C: int, *, regather_kv_bwd: bool = True, kv_shard: int = 1
+) -> List[CommTerm]:
     """Context parallelism, all-gather-K/V flavour. ``kv_shard``: TP degree sharding the heads."""
     f = ring_factor(C)
     b = shape.dtype_bytes
     kv = 2 * shape.tokens * shape.kv_hidden / kv_shard
-    t = [_term("attn_fwd", "all_gather", "activation", f * kv, b, "cp", "attn_core",
-               what="all-gather K,V")]
+    t = [
+        _term(
+            "attn_fwd",
+            "all_gather",
+            "activation",
+            f * kv,
+            b,
+            "cp",
+            "attn_core",
+            what="all-gather K,V",
+        )
+    ]
     if regather_kv_bwd:
-        t.append(_term("attn_bwd", "all_gather", "activation", f * kv, b, "cp", "attn_core",
-                       what="re-gather K,V"))
-    t.append(_term("attn_bwd", "reduce_scatter", "activation", f * kv, b, "cp", "attn_core",
-                   what="reduce-scatter dK,dV"))
+        t.append(
+            _term(
+                "attn_bwd",
+                "all_gather",
+                "activation",
+                f * kv,
+                b,
+                "cp",
+                "attn_core",
+                what="re-gather K,V",
+            )
+        )
+    t.append(
+        _term(
+            "attn_bwd",
+            "reduce_scatter",
+            "activation",
+            f * kv,
+            b,
+            "cp",
+            "attn_core",
+            what="reduce-scatter dK,dV",
+        )
+    )
     return t
 
 
-def tp_cp_layer_terms(shape: LayerShape, T: int, C: int, *, sequence_parallel: bool = True,
-                      regather_kv_bwd: bool = True) -> List[CommTerm]:
+def tp_cp_layer_terms(
+    shape: LayerShape,
+    T: int,
+    C: int,
+    *,
+    sequence_parallel: bool = True,
+    regather_kv_bwd: bool = True,
+) -> List[CommTerm]:
     """TP (x SP) of size T inside each CP rank's B*S/C tokens, plus CP over C."""
-    local = shape.with_seq(shape.seq // C) if shape.seq % C == 0 else _replace(shape, seq=shape.seq / C)
+    local = (
+        shape.with_seq(shape.seq // C) if shape.seq % C == 0 else _replace(shape, seq=shape.seq / C)
+    )
     tp = tp_sp_layer_terms(local, T) if sequence_parallel else tp_layer_terms(local, T)
     return tp + cp_layer_terms(shape, C, regather_kv_bwd=regather_kv_bwd, kv_shard=T)
 
@@ -295,7 +487,7 @@ def split_terms(terms: List[CommTerm]) -> Dict[str, Dict[str, float]]:
 
 
 def tsp_layer_comm(shape: LayerShape, D: int, **kw) -> Dict[str, float]:
-    """Bytes received per rank: {attn_fwd, attn_bwd, mlp_fwd, mlp_bwd}. Splits: ``tsp_layer_split``."""
+    """Bytes received per rank: {attn_fwd, attn_bwd, mlp_fwd, mlp_bwd} (see ``tsp_layer_split``)."""
     return sum_terms(tsp_layer_terms(shape, D, **kw))
 
 
@@ -336,16 +528,18 @@ def total(comm: Dict[str, float]) -> float:
     return fwd(comm) + bwd(comm)
 
 
-def replicated_grad_allreduce(shape: LayerShape, D: int, num_layers: int = 1,
-                              extra_params: int = 0, grad_dtype_bytes: int = 4) -> float:
+def replicated_grad_allreduce(
+    shape: LayerShape, D: int, num_layers: int = 1, extra_params: int = 0, grad_dtype_bytes: int = 4
+) -> float:
     """Per STEP: finalize_model_grads all-reduces the grads of params tagged sequence_parallel
     (norms, proj/fc2 biases; ``extra_params`` e.g. the final norm) over the TSP / TP+SP group."""
     n = num_layers * shape.replicated_params + extra_params
     return 2 * ring_factor(D) * n * grad_dtype_bytes
 
 
-def head_comm(shape: LayerShape, D: int, strategy: str = "tsp", *,
-              logits_dtype_bytes: int = 4) -> Dict[str, float]:
+def head_comm(
+    shape: LayerShape, D: int, strategy: str = "tsp", *, logits_dtype_bytes: int = 4
+) -> Dict[str, float]:
     """Embedding, output layer and vocab-parallel cross-entropy (per micro-batch, not per layer).
 
     TSP and TP+SP share Megatron's SP path: fwd embedding reduce-scatter f*BSh, output-layer
@@ -366,15 +560,23 @@ def head_comm(shape: LayerShape, D: int, strategy: str = "tsp", *,
     raise ValueError(strategy)
 
 
-def dp_step_comm(local_params: float, dp: int, *, distributed_optimizer: bool = True,
-                 grad_dtype_bytes: int = 4, param_dtype_bytes: int = 2) -> Dict[str, float]:
+def dp_step_comm(
+    local_params: float,
+    dp: int,
+    *,
+    distributed_optimizer: bool = True,
+    grad_dtype_bytes: int = 4,
+    param_dtype_bytes: int = 2,
+) -> Dict[str, float]:
     """Per STEP data-parallel traffic per rank over a group of ``dp`` ranks that each hold
     ``local_params`` parameters: distributed optimizer = grad reduce-scatter + param all-gather,
     otherwise a grad all-reduce."""
     f = ring_factor(dp)
     if distributed_optimizer:
-        return {"grad_reduce": f * local_params * grad_dtype_bytes,
-                "param_gather": f * local_params * param_dtype_bytes}
+        return {
+            "grad_reduce": f * local_params * grad_dtype_bytes,
+            "param_gather": f * local_params * param_dtype_bytes,
+        }
     return {"grad_reduce": 2 * f * local_params * grad_dtype_bytes, "param_gather": 0.0}
 
 
@@ -397,8 +599,14 @@ def _select(comm: Dict[str, float], direction: str) -> float:
 _CANDIDATES = {"tsp": tsp_layer_comm, "hybrid": hybrid_layer_comm}
 
 
-def crossover_seq_length(shape: LayerShape, D: int, direction: str = "fwd",
-                         baseline: str = "tp_sp", candidate: str = "tsp", **tsp_kw) -> float:
+def crossover_seq_length(
+    shape: LayerShape,
+    D: int,
+    direction: str = "fwd",
+    baseline: str = "tp_sp",
+    candidate: str = "tsp",
+    **tsp_kw,
+) -> float:
     """Smallest S (real number) with the candidate's bytes (TSP, or the ``hybrid`` TP+SP
     attention + TSP MLP) <= baseline bytes for ``shape.batch``.
 
@@ -423,9 +631,15 @@ def crossover_seq_length(shape: LayerShape, D: int, direction: str = "fwd",
 # ---------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------
-def layer_flops(shape: LayerShape, *, recompute_mlp_fc1: bool = False,
-                recompute_attn_core: bool = False, full_recompute: bool = False,
-                causal_fraction: float = 0.5, bwd_factor: float = 2.0) -> Dict[str, float]:
+def layer_flops(
+    shape: LayerShape,
+    *,
+    recompute_mlp_fc1: bool = False,
+    recompute_attn_core: bool = False,
+    full_recompute: bool = False,
+    causal_fraction: float = 0.5,
+    bwd_factor: float = 2.0,
+) -> Dict[str, float]:
     """FLOPs of one layer over all B*S tokens (divide by the group size for per-rank work).
 
     fwd matmul 2*B*S*(W_qkv + W_proj + W_fc1 + W_fc2); attention core 2 GEMMs (QK^T, PV) of
@@ -446,7 +660,9 @@ def layer_flops(shape: LayerShape, *, recompute_mlp_fc1: bool = False,
     if full_recompute:
         recompute = fwd_
     else:
-        recompute = (gemm["fc1"] if recompute_mlp_fc1 else 0.0) + (attn if recompute_attn_core else 0.0)
+        recompute = (gemm["fc1"] if recompute_mlp_fc1 else 0.0) + (
+            attn if recompute_attn_core else 0.0
+        )
     out = {
         "fwd": fwd_,
         "fwd_matmul": matmul_fwd,
@@ -477,10 +693,12 @@ def crossover_analysis(shape: LayerShape, D: int) -> Dict[str, float]:
     ``weights_for_8h`` is the per-layer moved weight count that would make the constant 8."""
     h = shape.hidden
     out = {}
-    for name, direction, baseline in (("fwd_vs_tp_sp", "fwd", "tp_sp"),
-                                      ("fwd_vs_tp", "fwd", "tp"),
-                                      ("total_vs_tp_sp", "total", "tp_sp"),
-                                      ("total_vs_tp", "total", "tp")):
+    for name, direction, baseline in (
+        ("fwd_vs_tp_sp", "fwd", "tp_sp"),
+        ("fwd_vs_tp", "fwd", "tp"),
+        ("total_vs_tp_sp", "total", "tp_sp"),
+        ("total_vs_tp", "total", "tp"),
+    ):
         out[name] = crossover_seq_length(shape.with_batch(1), D, direction, baseline) / h
     out["weights_over_h2"] = shape.w_layer / h**2
     # hypothesis: weights counted in full (D shards incl. the own one) instead of (D-1)/D of them

@@ -38,10 +38,19 @@ def _run_config(scheme: str, size: int, seq: int, model, batch: int, dtype: str,
 
     if scheme not in SCHEMES:
         raise ValueError(f"--scheme {scheme!r}: must be one of {SCHEMES}")
-    return RunConfig(scheme=scheme, model=model, world_size=size,
-                     tp=1 if scheme == "cp" else size, cp=size if scheme == "cp" else 1,
-                     seq=seq, micro_batch=batch, dtype=dtype, fake=fake, count_flops=False,
-                     count_comm=False)
+    return RunConfig(
+        scheme=scheme,
+        model=model,
+        world_size=size,
+        tp=1 if scheme == "cp" else size,
+        cp=size if scheme == "cp" else 1,
+        seq=seq,
+        micro_batch=batch,
+        dtype=dtype,
+        fake=fake,
+        count_flops=False,
+        count_comm=False,
+    )
 
 
 @contextlib.contextmanager
@@ -56,18 +65,21 @@ def _flash_prefill_attention(enabled: bool):
     def flash(q, k_nat, v_nat, blocks, offset, layout):
         """Each causal block's queries against the cached prefix plus keys up to the block's
         end, bottom-right aligned, through the layers' kernel interface (forward only)."""
-        kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1],
-                                       q.shape[2] != k_nat.shape[2])
-        out = torch.empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3], dtype=q.dtype,
-                          device=q.device)
+        kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k_nat.shape[2])
+        out = torch.empty(
+            q.shape[0], q.shape[1], q.shape[2] * q.shape[3], dtype=q.dtype, device=q.device
+        )
         heads = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
         for block in blocks:
             kv_len = offset + block.key_len
             rows = (block.query_start, block.query_len)
-            o, _ = kernel.forward(heads(q.narrow(0, *rows)),
-                                  heads(k_nat.narrow(0, 0, kv_len)),
-                                  heads(v_nat.narrow(0, 0, kv_len)), kernels.BOTTOM_RIGHT,
-                                  layout.softmax_scale)
+            o, _ = kernel.forward(
+                heads(q.narrow(0, *rows)),
+                heads(k_nat.narrow(0, 0, kv_len)),
+                heads(v_nat.narrow(0, 0, kv_len)),
+                kernels.BOTTOM_RIGHT,
+                layout.softmax_scale,
+            )
             out.narrow(0, *rows).copy_(kernels.chunk_rows(o))
             del o
         return out
@@ -80,8 +92,9 @@ def _flash_prefill_attention(enabled: bool):
         inf_attn.chunk_attention = saved
 
 
-def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
-                 dtype: str = "bf16") -> dict:
+def prefill_peak(
+    scheme: str, size: int, seq: int, model=None, batch: int = 1, dtype: str = "bf16"
+) -> dict:
     """Peak bytes of one rank prefilling ``seq`` tokens (fake tensors); see the module docstring.
 
     Returns ``{"peak": bytes, "breakdown": {category: bytes}, "kv_cache": bytes, "params": ...}``.
@@ -91,9 +104,9 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_tsp.core.layout import TSPLayout
+    from megatron_tsp.inference.engine import prefill_slice
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.tools.estimator import fake_run as fr
-    from megatron_tsp.inference.engine import prefill_slice
 
     cfg = _run_config(scheme, size, seq, model or load_model("7b"), batch, dtype, True)
     cfg.validate()
@@ -123,49 +136,89 @@ def prefill_peak(scheme: str, size: int, seq: int, model=None, batch: int = 1,
         else:
             positions = torch.arange(seq)
         positions = positions.unsqueeze(0).expand(batch, -1)
-        with torch.no_grad(), fr._no_rng_fork(True), fr._cpu_cp_rope(), \
-                _flash_prefill_attention(scheme == "tsp"), tracker:
+        with (
+            torch.no_grad(),
+            fr._no_rng_fork(True),
+            fr._cpu_cp_rope(),
+            _flash_prefill_attention(scheme == "tsp"),
+            tracker,
+        ):
             table = gpt.rotary_pos_emb(seq)
             if scheme == "cp":
                 # a CP rank caches K/V of all heads for its own S/D tokens, allocated up front
                 params_dtype = config.params_dtype
-                cache = [torch.empty(cache_tokens, batch, cache_groups, head_dim,
-                                     dtype=params_dtype) for _ in range(2 * shape.num_layers)]
+                cache = [
+                    torch.empty(cache_tokens, batch, cache_groups, head_dim, dtype=params_dtype)
+                    for _ in range(2 * shape.num_layers)
+                ]
                 assert len(cache) == 2 * shape.num_layers  # held (measured) through the decoder
                 hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
-                hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
-                                     rotary_pos_emb=table)
+                hidden = gpt.decoder(
+                    hidden_states=hidden, attention_mask=None, rotary_pos_emb=table
+                )
             else:
                 context = StaticInferenceContext(batch, seq)
                 if scheme == "tsp":
                     hidden = prefill_slice(gpt, tokens, positions, context, table, size)
                 else:
                     hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
-                    hidden = gpt.decoder(hidden_states=hidden, attention_mask=None,
-                                         inference_context=context, rotary_pos_emb=table)
+                    hidden = gpt.decoder(
+                        hidden_states=hidden,
+                        attention_mask=None,
+                        inference_context=context,
+                        rotary_pos_emb=table,
+                    )
             # tied embeddings: the output layer holds no weight of its own
-            weight = (gpt.shared_embedding_or_output_weight()
-                      if gpt.share_embeddings_and_output_weights else None)
+            weight = (
+                gpt.shared_embedding_or_output_weight()
+                if gpt.share_embeddings_and_output_weights
+                else None
+            )
             logits, _ = gpt.output_layer(hidden[-1:], weight=weight)
             del hidden, logits
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()}
     peak = breakdown.pop("Total", sum(breakdown.values()))
-    return {"scheme": scheme, "size": size, "seq": seq, "batch": batch, "peak": peak,
-            "breakdown": breakdown, "kv_cache": kv_bytes, "params": params}
+    return {
+        "scheme": scheme,
+        "size": size,
+        "seq": seq,
+        "batch": batch,
+        "peak": peak,
+        "breakdown": breakdown,
+        "kv_cache": kv_bytes,
+        "params": params,
+    }
 
 
-def prefill_peak_isolated(scheme: str, size: int, seq: int, model=None, batch: int = 1,
-                          dtype: str = "bf16", timeout: float = 3600) -> dict:
+def prefill_peak_isolated(
+    scheme: str,
+    size: int,
+    seq: int,
+    model=None,
+    batch: int = 1,
+    dtype: str = "bf16",
+    timeout: float = 3600,
+) -> dict:
     """``prefill_peak`` in a fresh process (no module caches shared between measurements)."""
-    payload = json.dumps(dict(scheme=scheme, size=size, seq=seq, batch=batch, dtype=dtype,
-                              model=(model or load_model("7b")).to_json()))
-    code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
-            "from megatron_tsp.core.model_shape import ModelShape; "
-            "from megatron_tsp.tools.estimator import inference_memory as m; "
-            "a = json.loads(sys.stdin.read()); "
-            "a['model'] = ModelShape.from_json(a['model']); "
-            "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))")
+    payload = json.dumps(
+        dict(
+            scheme=scheme,
+            size=size,
+            seq=seq,
+            batch=batch,
+            dtype=dtype,
+            model=(model or load_model("7b")).to_json(),
+        )
+    )
+    code = (
+        "import json, sys, warnings; warnings.filterwarnings('ignore'); "
+        "from megatron_tsp.core.model_shape import ModelShape; "
+        "from megatron_tsp.tools.estimator import inference_memory as m; "
+        "a = json.loads(sys.stdin.read()); "
+        "a['model'] = ModelShape.from_json(a['model']); "
+        "print('@@RESULT@@' + json.dumps(m.prefill_peak(**a)))"
+    )
     from megatron_tsp.tools.estimator.fake_run import run_in_fresh_process
 
     dynamo = {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
@@ -176,24 +229,32 @@ LABELS = {"tsp": "TSP prefill D={d}", "tp": "TP={d} prefill", "cp": "CP={d} pref
 
 
 def format_rows(rows, units: str = "GiB") -> str:
-    div = 2 ** 30 if units == "GiB" else 1e9
-    head = (f"{'prefill':<18}{'tokens':>10}{'params':>9}{'KV cache':>10}{'activ+temp':>12}"
-            f"{'peak':>9}  ({units}, one rank)")
+    div = 2**30 if units == "GiB" else 1e9
+    head = (
+        f"{'prefill':<18}{'tokens':>10}{'params':>9}{'KV cache':>10}{'activ+temp':>12}"
+        f"{'peak':>9}  ({units}, one rank)"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         b = r["breakdown"]
         other = r["peak"] - b.get("Parameter", 0) - r["kv_cache"]
-        lines.append(f"{LABELS[r['scheme']].format(d=r['size']):<18}{r['seq']:>10}"
-                     f"{b.get('Parameter', 0) / div:>9.2f}{r['kv_cache'] / div:>10.2f}"
-                     f"{other / div:>12.2f}{r['peak'] / div:>9.2f}")
+        lines.append(
+            f"{LABELS[r['scheme']].format(d=r['size']):<18}{r['seq']:>10}"
+            f"{b.get('Parameter', 0) / div:>9.2f}{r['kv_cache'] / div:>10.2f}"
+            f"{other / div:>12.2f}{r['peak'] / div:>9.2f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-tsp prefill-memory",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="7b",
-                   help="model name (megatron_tsp/models: 7b, small, tiny, ...) or a .json")
+    p = argparse.ArgumentParser(
+        prog="megatron-tsp prefill-memory", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--model",
+        default="7b",
+        help="model name (megatron_tsp/models: 7b, small, tiny, ...) or a .json",
+    )
     p.add_argument("--size", type=int, default=8, help="GPUs: D for TSP, TP size, CP size")
     p.add_argument("--seqs", default="131072,524288,1048576", help="prompt lengths")
     p.add_argument("--schemes", default="tsp,tp,cp")
@@ -212,8 +273,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for scheme in [s for s in args.schemes.split(",") if s]:
             if scheme not in SCHEMES:
                 p.error(f"--schemes: {scheme!r} is not one of {SCHEMES}")
-            rows.append(prefill_peak_isolated(scheme, args.size, seq, model,
-                                              args.batch, args.dtype))
+            rows.append(
+                prefill_peak_isolated(scheme, args.size, seq, model, args.batch, args.dtype)
+            )
             print(format_rows(rows[-1:], args.units).splitlines()[-1], flush=True)
     print(format_rows(rows, args.units))
     if args.json:

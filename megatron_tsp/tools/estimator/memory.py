@@ -2,8 +2,8 @@
 
 Runs one rank of the real model code for a full training step (forward, backward, gradient
 finalisation, optimizer step) under ``FakeTensorMode`` with torch's ``fake`` process group, and
-reports torch ``MemTracker``'s peak by category. See ``megatron_tsp/tools/estimator/fake_run.py`` for
-what is allocated and ``docs/memory.md`` for the assumptions and the 7B table.
+reports torch ``MemTracker``'s peak by category. See ``megatron_tsp/tools/estimator/fake_run.py``
+for what is allocated and ``docs/memory.md`` for the assumptions and the 7B table.
 
 Examples::
 
@@ -26,26 +26,44 @@ from typing import Optional, Sequence
 # The paper's per-GPU peaks (GB), 7B, one 8-GPU node, training. The two "TP x SP" 2-D layouts
 # are listed beside our TP4xCP2 and TP2xCP4 runs (the paper does not name their split).
 PAPER_GB = {
-    ("tsp", 8, 1, 16384): 31.0, ("tp", 8, 1, 16384): 31.5,
-    ("tsp", 8, 1, 131072): 38.8, ("tp", 8, 1, 131072): 70.0,
-    ("cp", 4, 2, 131072): 85.0, ("cp", 2, 4, 131072): 140.0,
+    ("tsp", 8, 1, 16384): 31.0,
+    ("tp", 8, 1, 16384): 31.5,
+    ("tsp", 8, 1, 131072): 38.8,
+    ("tp", 8, 1, 131072): 70.0,
+    ("cp", 4, 2, 131072): 85.0,
+    ("cp", 2, 4, 131072): 140.0,
 }
 
-TABLE_LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tpsp", 8, 1), ("hybrid", 8, 1), ("cp", 4, 2),
-                 ("cp", 2, 4)]
-CATEGORIES = [("Parameter", "params"), ("Gradient", "grads"), ("Optstate", "optim"),
-              ("Activation", "activ"), ("Temp", "temp")]
+TABLE_LAYOUTS = [
+    ("tsp", 8, 1),
+    ("tp", 8, 1),
+    ("tpsp", 8, 1),
+    ("hybrid", 8, 1),
+    ("cp", 4, 2),
+    ("cp", 2, 4),
+]
+CATEGORIES = [
+    ("Parameter", "params"),
+    ("Gradient", "grads"),
+    ("Optstate", "optim"),
+    ("Activation", "activ"),
+    ("Temp", "temp"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-tsp memory",
         description="Measure one rank's peak memory, FLOPs and communication for a full training "
-                    "step with fake tensors (no GPU needed).")
+        "step with fake tensors (no GPU needed).",
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="7b",
-                   help="model name (megatron_tsp/models: 7b, llama3-8b, small, tiny, ...) or a "
-                        "model .json; the flags below change single fields")
+    m.add_argument(
+        "--model",
+        default="7b",
+        help="model name (megatron_tsp/models: 7b, llama3-8b, small, tiny, ...) or a "
+        "model .json; the flags below change single fields",
+    )
     m.add_argument("--hidden-size", type=int)
     m.add_argument("--num-layers", type=int)
     m.add_argument("--num-attention-heads", type=int)
@@ -54,39 +72,69 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, help="before Megatron's padding (7b: 32000)")
     m.add_argument("--swiglu", action="store_true", help="gated fc1 (SwiGLU) instead of GELU")
     m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    m.add_argument("--tie-embeddings", action="store_true",
-                   help="share embedding and output weights (default: untied)")
+    m.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share embedding and output weights (default: untied)",
+    )
     r = p.add_argument_group("run")
-    r.add_argument("--scheme", choices=["tsp", "tp", "tpsp", "hybrid", "cp"], default="tsp",
-                   help="tsp (TSP, D=--tp), tp (Megatron TP), tpsp (TP + sequence parallel), "
-                        "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
-                        "cp (TP x CP with SP)")
+    r.add_argument(
+        "--scheme",
+        choices=["tsp", "tp", "tpsp", "hybrid", "cp"],
+        default="tsp",
+        help="tsp (TSP, D=--tp), tp (Megatron TP), tpsp (TP + sequence parallel), "
+        "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
+        "cp (TP x CP with SP)",
+    )
     r.add_argument("--tp", type=int, default=8, help="TP size, or the TSP group size D")
     r.add_argument("--cp", type=int, default=1)
     r.add_argument("--world-size", type=int, default=8)
     r.add_argument("--seq", type=int, default=16384, help="sequence length")
     r.add_argument("--micro-batch", type=int, default=1)
     r.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    r.add_argument("--recompute", choices=["none", "full"], default="none",
-                   help="full = Megatron recompute_granularity=full, method=uniform, 1 layer")
-    r.add_argument("--distributed-optimizer", action="store_true",
-                   help="shard fp32 master weights and Adam state over data parallelism")
-    r.add_argument("--tsp-attention-backward", choices=["saved", "recompute"],
-                   help="TSP attention: keep per-head-group q/k/v, out, lse (saved, the layer "
-                        "default) or only the input and recompute (lowest memory)")
-    r.add_argument("--tsp-keep-fc1", action="store_true",
-                   help="TSP / hybrid MLP: keep the per-shard fc1 outputs instead of recomputing "
-                        "them")
-    r.add_argument("--table-tsp-variants", action="store_true",
-                   help="--table: also TSP with attention recompute")
-    r.add_argument("--real", action="store_true",
-                   help="real tensors (small shapes only); also reports the CPU allocator's peak")
-    r.add_argument("--validate", action="store_true",
-                   help="run fake and real for the same configuration and compare the peaks")
+    r.add_argument(
+        "--recompute",
+        choices=["none", "full"],
+        default="none",
+        help="full = Megatron recompute_granularity=full, method=uniform, 1 layer",
+    )
+    r.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="shard fp32 master weights and Adam state over data parallelism",
+    )
+    r.add_argument(
+        "--tsp-attention-backward",
+        choices=["saved", "recompute"],
+        help="TSP attention: keep per-head-group q/k/v, out, lse (saved, the layer "
+        "default) or only the input and recompute (lowest memory)",
+    )
+    r.add_argument(
+        "--tsp-keep-fc1",
+        action="store_true",
+        help="TSP / hybrid MLP: keep the per-shard fc1 outputs instead of recomputing them",
+    )
+    r.add_argument(
+        "--table-tsp-variants",
+        action="store_true",
+        help="--table: also TSP with attention recompute",
+    )
+    r.add_argument(
+        "--real",
+        action="store_true",
+        help="real tensors (small shapes only); also reports the CPU allocator's peak",
+    )
+    r.add_argument(
+        "--validate",
+        action="store_true",
+        help="run fake and real for the same configuration and compare the peaks",
+    )
     r.add_argument("--tolerance", type=float, default=0.10, help="--validate: allowed rel. error")
-    r.add_argument("--table", action="store_true",
-                   help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP=8+SP+TSP-MLP, TP4xCP2, "
-                        "TP2xCP4 at --seqs")
+    r.add_argument(
+        "--table",
+        action="store_true",
+        help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP=8+SP+TSP-MLP, TP4xCP2, TP2xCP4 at --seqs",
+    )
     r.add_argument("--seqs", default="16384,131072", help="--table: sequence lengths")
     r.add_argument("--no-flops", action="store_true")
     r.add_argument("--no-comm", action="store_true")
@@ -100,10 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _model(args):
     from megatron_tsp.core.model_shape import load_model
 
-    changes = {k: v for k, v in dict(
-        hidden=args.hidden_size, num_layers=args.num_layers, heads=args.num_attention_heads,
-        query_groups=args.num_query_groups, ffn=args.ffn_hidden_size, vocab=args.vocab_size,
-        normalization=args.normalization).items() if v is not None}
+    changes = {
+        k: v
+        for k, v in dict(
+            hidden=args.hidden_size,
+            num_layers=args.num_layers,
+            heads=args.num_attention_heads,
+            query_groups=args.num_query_groups,
+            ffn=args.ffn_hidden_size,
+            vocab=args.vocab_size,
+            normalization=args.normalization,
+        ).items()
+        if v is not None
+    }
     if args.swiglu:
         changes["gated"] = True
     if args.tie_embeddings:
@@ -117,23 +174,42 @@ def _model(args):
 def _config(args, scheme, tp, cp, seq, fake=True):
     from megatron_tsp.tools.estimator.fake_run import RunConfig
 
-    return RunConfig(scheme=scheme, model=_model(args), world_size=args.world_size, tp=tp, cp=cp,
-                     seq=seq, micro_batch=args.micro_batch, dtype=args.dtype,
-                     recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
-                     fake=fake, count_flops=not args.no_flops, count_comm=not args.no_comm,
-                     tsp_attention_backward=(args.tsp_attention_backward if scheme == "tsp"
-                                             else None),
-                     tsp_mlp_recompute_activation=(False if args.tsp_keep_fc1
-                                                   and scheme in ("tsp", "hybrid") else None))
+    return RunConfig(
+        scheme=scheme,
+        model=_model(args),
+        world_size=args.world_size,
+        tp=tp,
+        cp=cp,
+        seq=seq,
+        micro_batch=args.micro_batch,
+        dtype=args.dtype,
+        recompute=args.recompute,
+        distributed_optimizer=args.distributed_optimizer,
+        fake=fake,
+        count_flops=not args.no_flops,
+        count_comm=not args.no_comm,
+        tsp_attention_backward=(args.tsp_attention_backward if scheme == "tsp" else None),
+        tsp_mlp_recompute_activation=(
+            False if args.tsp_keep_fc1 and scheme in ("tsp", "hybrid") else None
+        ),
+    )
 
 
 def format_table(results, units: str = "GB", paper: bool = True) -> str:
-    div = 1e9 if units == "GB" else 2 ** 30
-    head = (f"{'layout':<16}{'S':>8}{'rec':>5}" + "".join(f"{c:>8}" for _, c in CATEGORIES)
-            + f"{'peak':>8}{'at':>10}" + (f"{'paper':>7}" if paper else "")
-            + f"{'GEMM TF':>9}{'attn TF':>9}{'comm GB':>9}{'time s':>8}")
-    lines = [f"peak memory per rank in {units}; FLOPs = per rank per step (TFLOP = 1e12); "
-             "comm = bytes received per rank per step", head, "-" * len(head)]
+    div = 1e9 if units == "GB" else 2**30
+    head = (
+        f"{'layout':<16}{'S':>8}{'rec':>5}"
+        + "".join(f"{c:>8}" for _, c in CATEGORIES)
+        + f"{'peak':>8}{'at':>10}"
+        + (f"{'paper':>7}" if paper else "")
+        + f"{'GEMM TF':>9}{'attn TF':>9}{'comm GB':>9}{'time s':>8}"
+    )
+    lines = [
+        f"peak memory per rank in {units}; FLOPs = per rank per step (TFLOP = 1e12); "
+        "comm = bytes received per rank per step",
+        head,
+        "-" * len(head),
+    ]
     for r in results:
         c = r.config
         row = f"{r.label:<16}{c['seq']:>8}{c['recompute'][:4]:>5}"
@@ -195,19 +271,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     say(format_table(results[-1:], args.units, paper=args.model == "7b"))
         elif args.validate:
             fake = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=True))
-            real = run_step_isolated(_config(args, args.scheme, args.tp, args.cp, args.seq,
-                                             fake=False))
+            real = run_step_isolated(
+                _config(args, args.scheme, args.tp, args.cp, args.seq, fake=False)
+            )
             results = [fake, real]
             err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
             ok = err <= args.tolerance
             status = 0 if ok else 1
-            say(f"fake-tensor MemTracker peak {fake.peak_bytes} B, real-tensor run's CPU-allocator "
+            say(
+                f"fake-tensor MemTracker peak {fake.peak_bytes} B, real-tensor run's CPU-allocator "
                 f"peak {real.real_peak_bytes} B: "
                 f"rel. error {err:.2%} -> {'OK' if ok else 'FAIL'} "
-                f"(tolerance {args.tolerance:.0%})")
+                f"(tolerance {args.tolerance:.0%})"
+            )
         elif args.real:
-            results.append(run_step_isolated(_config(args, args.scheme, args.tp, args.cp,
-                                                     args.seq, fake=False)))
+            results.append(
+                run_step_isolated(
+                    _config(args, args.scheme, args.tp, args.cp, args.seq, fake=False)
+                )
+            )
         else:
             results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq)))
     finally:

@@ -21,7 +21,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field, asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -116,13 +116,20 @@ def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
     d = json.loads(_resolve("hardware", name_or_path).read_text())
     intra, nic, eff = d["intra_node"], d["nic"], d["efficiency"]
     return HardwareSpec(
-        name=d["name"], peak_bf16_tflops=d["peak_bf16_tflops"], hbm_gb=d["hbm_gb"],
-        gpus_per_node=d["gpus_per_node"], topology=intra["topology"],
-        link_GBps=intra["link_GBps"], links_per_gpu=intra["links_per_gpu"],
-        nic_per_node=nic["per_node"], nic_gbps=nic["gbps"],
-        compute_efficiency=eff["compute"], comm_efficiency=eff["comm"],
+        name=d["name"],
+        peak_bf16_tflops=d["peak_bf16_tflops"],
+        hbm_gb=d["hbm_gb"],
+        gpus_per_node=d["gpus_per_node"],
+        topology=intra["topology"],
+        link_GBps=intra["link_GBps"],
+        links_per_gpu=intra["links_per_gpu"],
+        nic_per_node=nic["per_node"],
+        nic_gbps=nic["gbps"],
+        compute_efficiency=eff["compute"],
+        comm_efficiency=eff["comm"],
         description=d.get("description", ""),
-        assumptions=d.get("assumptions", []) + ([intra["note"]] if "note" in intra else []))
+        assumptions=d.get("assumptions", []) + ([intra["note"]] if "note" in intra else []),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,9 +147,14 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        return {"tsp": f"TSP{self.tp}", "tp_sp": f"TP{self.tp}+SP",
-                "hybrid": f"TP{self.tp}+SP+TSP-MLP", "tp": f"TP{self.tp}",
-                "cp": f"CP{self.cp}", "tp_cp": f"TP{self.tp}+SPxCP{self.cp}"}[self.kind]
+        return {
+            "tsp": f"TSP{self.tp}",
+            "tp_sp": f"TP{self.tp}+SP",
+            "hybrid": f"TP{self.tp}+SP+TSP-MLP",
+            "tp": f"TP{self.tp}",
+            "cp": f"CP{self.cp}",
+            "tp_cp": f"TP{self.tp}+SPxCP{self.cp}",
+        }[self.kind]
 
     @property
     def weight_shards(self) -> int:
@@ -161,14 +173,17 @@ def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
     raise ValueError(f"unknown strategy {kind!r}")
 
 
-def default_strategies(degree: int,
-                       kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp")
-                       ) -> List[Strategy]:
+def default_strategies(
+    degree: int, kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp")
+) -> List[Strategy]:
     out = []
     for k in kinds:
         if k == "tp_cp":
-            out += [make_strategy(k, degree, t) for t in range(2, degree)
-                    if degree % t == 0 and degree // t >= 2]
+            out += [
+                make_strategy(k, degree, t)
+                for t in range(2, degree)
+                if degree % t == 0 and degree // t >= 2
+            ]
         else:
             out.append(make_strategy(k, degree))
     return out
@@ -220,8 +235,9 @@ class Options:
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
 
 
-def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
-                            rope: bool = True) -> Dict[str, float]:
+def _layer_activation_bytes(
+    shape: LayerShape, s: Strategy, o: Options, rope: bool = True
+) -> Dict[str, float]:
     """Bytes one layer keeps for its backward on one rank (no full recompute), tensor by tensor,
     as the code saves them (measured with saved-tensor hooks and the fake-tensor tool).
 
@@ -241,8 +257,11 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
     norm_stats = 2 if shape.normalization == "LayerNorm" else 1  # mean + rstd, or rstd
     if s.kind == "tsp":
         t = bs / s.tp
-        out = {"norm_in_out": 4 * t * h * b, "norm_stats": 2 * norm_stats * t * b,
-               "rope_table": t * hn * 4 if rope else 0.0}
+        out = {
+            "norm_in_out": 4 * t * h * b,
+            "norm_stats": 2 * norm_stats * t * b,
+            "rope_table": t * hn * 4 if rope else 0.0,
+        }
         if not o.tsp_recompute_attn:
             out["attn_qkv"] = t * (h + 2 * hkv) * b
             out["attn_out"] = t * h * b  # saved once (the chunks' output rows)
@@ -255,11 +274,16 @@ def _layer_activation_bytes(shape: LayerShape, s: Strategy, o: Options,
     rep = t / s.tp if sp else t  # tensors in the residual-stream layout
     T = s.tp
     mid = rows + F_ + (F_ if shape.gated else 0)
-    out = {"norm_in_out": 4 * rep * h * b, "norm_stats": 2 * norm_stats * rep * b,
-           "qkv_gemm_out": t * (h + 2 * hkv) / T * b, "rotated_qk": t * (h + hkv) / T * b
-           if rope else 0.0, "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
-           "attn_out": t * h / T * b, "attn_lse": t * shape.heads / T * 4,
-           "mlp_mid": t * mid / T * b}
+    out = {
+        "norm_in_out": 4 * rep * h * b,
+        "norm_stats": 2 * norm_stats * rep * b,
+        "qkv_gemm_out": t * (h + 2 * hkv) / T * b,
+        "rotated_qk": t * (h + hkv) / T * b if rope else 0.0,
+        "rope_cos_sin": 4 * t * hn * b if rope else 0.0,
+        "attn_out": t * h / T * b,
+        "attn_lse": t * shape.heads / T * 4,
+        "mlp_mid": t * mid / T * b,
+    }
     if s.kind == "hybrid":
         # The TSP MLP keeps only its (local) input, already counted in norm_in_out, unless it
         # keeps the per-shard fc1 outputs (B*S/D tokens x every shard's fc1 rows).
@@ -293,8 +317,10 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     moment of the cat); a kernel without native GQA computes dK/dV per query head from K/V
     repeated to the query heads, then folds them to the key/value heads."""
     if kernel not in _TOP_LEFT_KERNELS + ("aten_flash", "sdpa_recompute"):
-        raise ValueError(f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
-                         "cpu_flash or sdpa_recompute")
+        raise ValueError(
+            f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
+            "cpu_flash or sdpa_recompute"
+        )
     b = shape.dtype_bytes
     per_head_group = 2 * shape.tokens / D * b  # K+V (or dK+dV) of one hidden unit over S keys
     repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
@@ -313,13 +339,15 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         D = s.tp
         gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
         t = bs / D
-        out = {"weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
-               "grad_accumulators": 4 * shape.w_mlp / D * gb,
-               "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
-               # one head group's dK/dV over the full sequence in the accumulation dtype (sent as
-               # is by the reduce-scatter); the gathered K/V and the send/receive buffers live
-               # in the persistent comm workspace (``_tsp_comm_workspace``)
-               "head_group_dkv": (2 * bs * hkv / D) * fm.accumulation_bytes(b)}
+        out = {
+            "weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
+            "grad_accumulators": 4 * shape.w_mlp / D * gb,
+            "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
+            # one head group's dK/dV over the full sequence in the accumulation dtype (sent as
+            # is by the reduce-scatter); the gathered K/V and the send/receive buffers live
+            # in the persistent comm workspace (``_tsp_comm_workspace``)
+            "head_group_dkv": (2 * bs * hkv / D) * fm.accumulation_bytes(b),
+        }
         out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
@@ -330,10 +358,12 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         # accumulators and one shard's intermediate
         D = s.tp
         gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
-        out = {"gathered_input_and_dgrad": 2 * t * h * b,
-               "weight_shard_buffers": 2 * shape.w_mlp / D * b,
-               "grad_accumulators": 4 * shape.w_mlp / D * gb,
-               "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b)}
+        out = {
+            "gathered_input_and_dgrad": 2 * t * h * b,
+            "weight_shard_buffers": 2 * shape.w_mlp / D * b,
+            "grad_accumulators": 4 * shape.w_mlp / D * gb,
+            "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b),
+        }
         if o.tsp_recompute_mlp:
             out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
         return out
@@ -348,10 +378,18 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
     return out
 
 
-def analytic_memory(model: Union[str, ModelShape], strategy: Union[str, Strategy], seq: int,
-                    micro_batch: int = 1, *, degree: Optional[int] = None, dp: int = 1,
-                    recompute: str = "none", distributed_optimizer: bool = True,
-                    options: Optional[Options] = None) -> Dict[str, float]:
+def analytic_memory(
+    model: Union[str, ModelShape],
+    strategy: Union[str, Strategy],
+    seq: int,
+    micro_batch: int = 1,
+    *,
+    degree: Optional[int] = None,
+    dp: int = 1,
+    recompute: str = "none",
+    distributed_optimizer: bool = True,
+    options: Optional[Options] = None,
+) -> Dict[str, float]:
     """Peak-memory model of one GPU in BYTES, by category (sum the values for the total).
 
     params      bf16 weights held by the rank (1/T of the sharded matrices and vocab-parallel
@@ -407,13 +445,15 @@ def analytic_memory(model: Union[str, ModelShape], strategy: Union[str, Strategy
     # (the logits are gone by then). The peak is the larger of the two.
     head_tokens = shape.tokens / s.cp
     stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
-    logits = (head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
-              + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
-              # last layer's output, final-norm output, the norm's normalised intermediate
-              + 3 * stream_tokens * m.hidden * b
-              # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
-              # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
-              + 47 * head_tokens)
+    logits = (
+        head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
+        + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
+        # last layer's output, final-norm output, the norm's normalised intermediate
+        + 3 * stream_tokens * m.hidden * b
+        # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
+        # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
+        + 47 * head_tokens
+    )
     if s.kind == "tsp":
         ws_fwd, ws_bwd = _tsp_comm_workspace(shape, s.tp)
         logits += ws_fwd
@@ -434,10 +474,14 @@ def analytic_memory(model: Union[str, ModelShape], strategy: Union[str, Strategy
 # ---------------------------------------------------------------------------------------------
 def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
     if s.kind == "tsp":
-        return fm.tsp_layer_terms(shape, s.tp, grad_dtype_bytes=o.tsp_grad_comm_bytes,
-                                  regather_kv_bwd=o.tsp_regather_kv,
-                                  kv_pipelined=o.tsp_kv_pipelined,
-                                  recompute_attn=o.tsp_recompute_attn)
+        return fm.tsp_layer_terms(
+            shape,
+            s.tp,
+            grad_dtype_bytes=o.tsp_grad_comm_bytes,
+            regather_kv_bwd=o.tsp_regather_kv,
+            kv_pipelined=o.tsp_kv_pipelined,
+            recompute_attn=o.tsp_recompute_attn,
+        )
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
     if s.kind == "hybrid":
@@ -479,21 +523,25 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
 
 
 def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
-    return dict(recompute_mlp_fc1=(s.kind in ("tsp", "hybrid") and o.tsp_recompute_mlp),
-                recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
-                full_recompute=full, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
+    return dict(
+        recompute_mlp_fc1=(s.kind in ("tsp", "hybrid") and o.tsp_recompute_mlp),
+        recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
+        full_recompute=full,
+        causal_fraction=o.causal_fraction,
+        bwd_factor=o.bwd_factor,
+    )
 
 
-def _layer_time(shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
-                full: bool) -> dict:
+def _layer_time(shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options, full: bool) -> dict:
     """One layer on one rank: compute (every strategy splits a layer's work evenly over its D
     ranks), communication, and what of it the compute cannot hide."""
     D = s.degree
     fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
-    compute = {"fwd": fl["fwd"] / D / hw.flops,
-               "bwd": (fl["bwd"] + fl["recompute"]) / D / hw.flops}
-    attn_core = {"fwd": fl["fwd_attn_core"] / D / hw.flops,
-                 "bwd": (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops}
+    compute = {"fwd": fl["fwd"] / D / hw.flops, "bwd": (fl["bwd"] + fl["recompute"]) / D / hw.flops}
+    attn_core = {
+        "fwd": fl["fwd_attn_core"] / D / hw.flops,
+        "bwd": (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops,
+    }
     terms = layer_terms(shape, s, o)
     times = {"fwd": [], "bwd": []}
     comm_time = {"fwd": 0.0, "bwd": 0.0}
@@ -503,50 +551,97 @@ def _layer_time(shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
         times[d].append((sec, t.overlap, t.chunks))
         comm_time[d] += sec
     exposed = {d: exposed_comm(times[d], compute[d], attn_core[d]) for d in ("fwd", "bwd")}
-    return {"terms": terms, "compute": compute, "comm_time": comm_time, "exposed": exposed,
-            "fwd": compute["fwd"] + exposed["fwd"], "bwd": compute["bwd"] + exposed["bwd"]}
+    return {
+        "terms": terms,
+        "compute": compute,
+        "comm_time": comm_time,
+        "exposed": exposed,
+        "fwd": compute["fwd"] + exposed["fwd"],
+        "bwd": compute["bwd"] + exposed["bwd"],
+    }
 
 
-def _head_time(m: ModelShape, shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
-               seq: int, full: bool):
+def _head_time(
+    m: ModelShape,
+    shape: LayerShape,
+    s: Strategy,
+    hw: HardwareSpec,
+    o: Options,
+    seq: int,
+    full: bool,
+):
     """The output layer's GEMM over the group and its (critical) collectives; returns its FLOPs
     and seconds per micro-batch."""
     hf = fm.head_flops(shape, m.padded_vocab(s.weight_shards), o.bwd_factor)
-    head_kind = {"tsp": "tsp", "tp_sp": "tp_sp", "hybrid": "tp_sp", "tp": "tp", "cp": "cp",
-                 "tp_cp": "tp_sp"}[s.kind]
+    head_kind = {
+        "tsp": "tsp",
+        "tp_sp": "tp_sp",
+        "hybrid": "tp_sp",
+        "tp": "tp",
+        "cp": "cp",
+        "tp_cp": "tp_sp",
+    }[s.kind]
     head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
     hc = fm.head_comm(head_shape, s.tp, head_kind)
     head_bw = hw.bandwidth(s.tp, 1)
-    seconds = (hf["total"] / s.degree / hw.flops + (hc["fwd"] + hc["bwd"]) / head_bw
-               + (hf["fwd"] / s.degree / hw.flops if full else 0.0))
+    seconds = (
+        hf["total"] / s.degree / hw.flops
+        + (hc["fwd"] + hc["bwd"]) / head_bw
+        + (hf["fwd"] / s.degree / hw.flops if full else 0.0)
+    )
     return hf, seconds
 
 
-def _step_comm(m: ModelShape, shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options,
-               local_params: float, dp: int, layer: dict) -> dict:
+def _step_comm(
+    m: ModelShape,
+    shape: LayerShape,
+    s: Strategy,
+    hw: HardwareSpec,
+    o: Options,
+    local_params: float,
+    dp: int,
+    layer: dict,
+) -> dict:
     """Once per step: the replicated-grad all-reduce (SP-tagged params) and the data-parallel
     gradient reduce / parameter gather, with what the layers' compute does not hide."""
     repl = 0.0
     if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
-        repl = fm.replicated_grad_allreduce(shape, s.tp, m.num_layers, m.final_norm_params(),
-                                            o.grad_reduce_bytes) / hw.bandwidth(s.tp, 1)
+        repl = fm.replicated_grad_allreduce(
+            shape, s.tp, m.num_layers, m.final_norm_params(), o.grad_reduce_bytes
+        ) / hw.bandwidth(s.tp, 1)
     dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
     dp_stride = s.tp if s.kind in ("cp", "tp_cp") else s.degree
-    dpc = fm.dp_step_comm(local_params, dp_group, distributed_optimizer=o.distributed_optimizer,
-                          grad_dtype_bytes=o.grad_reduce_bytes, param_dtype_bytes=m.dtype_bytes)
+    dpc = fm.dp_step_comm(
+        local_params,
+        dp_group,
+        distributed_optimizer=o.distributed_optimizer,
+        grad_dtype_bytes=o.grad_reduce_bytes,
+        param_dtype_bytes=m.dtype_bytes,
+    )
     dp_bw = hw.bandwidth(dp_group, dp_stride)
     t_rs, t_ag = dpc["grad_reduce"] / dp_bw, dpc["param_gather"] / dp_bw
     if o.overlap_dp:
-        dp_exposed = (max(0.0, t_rs - m.num_layers * layer["bwd"])
-                      + max(0.0, t_ag - m.num_layers * layer["fwd"]))
+        dp_exposed = max(0.0, t_rs - m.num_layers * layer["bwd"]) + max(
+            0.0, t_ag - m.num_layers * layer["fwd"]
+        )
     else:
         dp_exposed = t_rs + t_ag
-    return {"replicated_allreduce_s": repl, "dp_comm_bytes": dpc,
-            "dp_comm_s": {"grad_reduce": t_rs, "param_gather": t_ag}, "dp_exposed_s": dp_exposed}
+    return {
+        "replicated_allreduce_s": repl,
+        "dp_comm_bytes": dpc,
+        "dp_comm_s": {"grad_reduce": t_rs, "param_gather": t_ag},
+        "dp_exposed_s": dp_exposed,
+    }
 
 
-def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Strategy, seq: int,
-             gpus: int, o: Optional[Options] = None) -> dict:
+def evaluate(
+    model: Union[str, ModelShape],
+    hw: Union[str, HardwareSpec],
+    s: Strategy,
+    seq: int,
+    gpus: int,
+    o: Optional[Options] = None,
+) -> dict:
     """All numbers for one strategy at one sequence length."""
     m, hw, o = load_model(model), load_hardware(hw), o or Options()
     D = s.degree
@@ -555,9 +650,19 @@ def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Str
     dp = gpus // D
     nmb = num_microbatches(o, dp, seq)
     shape = LayerShape.of(m, o.micro_batch, seq)
-    mem = {r: analytic_memory(m, s, seq, o.micro_batch, dp=dp, recompute=r,
-                              distributed_optimizer=o.distributed_optimizer, options=o)
-           for r in ("none", "full")}
+    mem = {
+        r: analytic_memory(
+            m,
+            s,
+            seq,
+            o.micro_batch,
+            dp=dp,
+            recompute=r,
+            distributed_optimizer=o.distributed_optimizer,
+            options=o,
+        )
+        for r in ("none", "full")
+    }
     tot = {r: sum(v.values()) for r, v in mem.items()}
     recompute = o.recompute
     if recompute == "auto":
@@ -570,20 +675,41 @@ def evaluate(model: Union[str, ModelShape], hw: Union[str, HardwareSpec], s: Str
     per_step = _step_comm(m, shape, s, hw, o, mem["none"]["params"] / m.dtype_bytes, dp, layer)
     step = nmb * micro + per_step["replicated_allreduce_s"] + per_step["dp_exposed_s"]
     tokens = dp * nmb * o.micro_batch * seq
-    model_flops = (m.num_layers * fm.layer_flops(shape, causal_fraction=o.causal_fraction,
-                                                 bwd_factor=o.bwd_factor)["total"]
-                   + hf["total"]) * nmb * dp
+    model_flops = (
+        (
+            m.num_layers
+            * fm.layer_flops(shape, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)[
+                "total"
+            ]
+            + hf["total"]
+        )
+        * nmb
+        * dp
+    )
     comm = fm.sum_terms(layer["terms"])
     return {
-        "strategy": s.label, "kind": s.kind, "tp": s.tp, "cp": s.cp, "dp": dp, "seq": seq,
+        "strategy": s.label,
+        "kind": s.kind,
+        "tp": s.tp,
+        "cp": s.cp,
+        "dp": dp,
+        "seq": seq,
         "num_microbatches": nmb,
-        "memory_bytes": mem, "memory_total_bytes": tot, "recompute": recompute,
+        "memory_bytes": mem,
+        "memory_total_bytes": tot,
+        "recompute": recompute,
         "fits": tot[recompute] <= hw.hbm_gb * GB,
-        "layer_comm_bytes": comm, "layer_comm_fwd": fm.fwd(comm), "layer_comm_bwd": fm.bwd(comm),
+        "layer_comm_bytes": comm,
+        "layer_comm_fwd": fm.fwd(comm),
+        "layer_comm_bwd": fm.bwd(comm),
         "layer_comm_split": fm.split_terms(layer["terms"]),
         "layer_compute_s": layer["compute"],
-        "layer_comm_s": layer["comm_time"], "layer_exposed_s": layer["exposed"],
-        "head_s": head_time, **per_step, "step_s": step, "tokens_per_s": tokens / step,
+        "layer_comm_s": layer["comm_time"],
+        "layer_exposed_s": layer["exposed"],
+        "head_s": head_time,
+        **per_step,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
         "layer_fwd_tokens_per_s": dp * o.micro_batch * seq / layer["fwd"],
         "mfu": model_flops / step / (gpus * hw.peak_bf16_tflops * 1e12),
     }
@@ -595,23 +721,33 @@ def num_microbatches(o: Options, dp: int, seq: int) -> int:
     return max(1, -(-o.global_batch_tokens // (dp * o.micro_batch * seq)))
 
 
-def throughput_regions(model, hw, a: Strategy, b: Strategy, gpus: int, o: Options,
-                       lo: int = 1024, hi: int = 4 * 1048576, key: str = "tokens_per_s",
-                       points_per_octave: int = 4) -> List[tuple]:
+def throughput_regions(
+    model,
+    hw,
+    a: Strategy,
+    b: Strategy,
+    gpus: int,
+    o: Options,
+    lo: int = 1024,
+    hi: int = 4 * 1048576,
+    key: str = "tokens_per_s",
+    points_per_octave: int = 4,
+) -> List[tuple]:
     """Intervals [S0, S1] of sequence length (log grid, sign changes refined by bisection) where
     strategy ``a`` is at least as fast as ``b``. S1 = None: up to ``hi``."""
+
     def ahead(sq: float) -> bool:
         sq = int(round(sq))
         return evaluate(model, hw, a, sq, gpus, o)[key] >= evaluate(model, hw, b, sq, gpus, o)[key]
 
-    def refine(l: float, r: float, left_state: bool) -> float:
+    def refine(lo_s: float, hi_s: float, left_state: bool) -> float:
         for _ in range(25):
-            mid = math.sqrt(l * r)
+            mid = math.sqrt(lo_s * hi_s)
             if ahead(mid) == left_state:
-                l = mid
+                lo_s = mid
             else:
-                r = mid
-        return r
+                hi_s = mid
+        return hi_s
 
     n = int(points_per_octave * math.log2(hi / lo))
     grid = [lo * 2 ** (i / points_per_octave) for i in range(n + 1)]
@@ -630,8 +766,9 @@ def throughput_regions(model, hw, a: Strategy, b: Strategy, gpus: int, o: Option
     return regions
 
 
-def throughput_crossover(model, hw, a: Strategy, b: Strategy, gpus: int, o: Options,
-                         **kw) -> Optional[float]:
+def throughput_crossover(
+    model, hw, a: Strategy, b: Strategy, gpus: int, o: Options, **kw
+) -> Optional[float]:
     """Start of the last region where ``a`` is at least as fast as ``b`` and stays so up to the
     top of the range; None if ``a`` is slower at the top."""
     regions = throughput_regions(model, hw, a, b, gpus, o, **kw)
@@ -643,8 +780,9 @@ def throughput_crossover(model, hw, a: Strategy, b: Strategy, gpus: int, o: Opti
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def assumptions(m: ModelShape, hw: HardwareSpec, o: Options, degree: int, gpus: int,
-                seq: int) -> List[str]:
+def assumptions(
+    m: ModelShape, hw: HardwareSpec, o: Options, degree: int, gpus: int, seq: int
+) -> List[str]:
     s = LayerShape.of(m, o.micro_batch, 1)
     a = [
         f"model {m.name}: h={m.hidden} layers={m.num_layers} heads={m.heads} "
@@ -660,9 +798,12 @@ def assumptions(m: ModelShape, hw: HardwareSpec, o: Options, degree: int, gpus: 
         *[f"hardware: {x}" for x in hw.assumptions],
         f"group size D={degree} inside a node (stride 1), data parallel DP={gpus // degree} "
         f"across nodes; micro-batch {o.micro_batch}; micro-batches per step: "
-        + (f"{o.num_microbatches}" if o.num_microbatches else
-           f"ceil({o.global_batch_tokens:,} global-batch tokens / (DP*B*S)) = "
-           f"{num_microbatches(o, gpus // degree, seq)}"),
+        + (
+            f"{o.num_microbatches}"
+            if o.num_microbatches
+            else f"ceil({o.global_batch_tokens:,} global-batch tokens / (DP*B*S)) = "
+            f"{num_microbatches(o, gpus // degree, seq)}"
+        ),
         "comm bytes = bytes RECEIVED per rank per layer per micro-batch (CommCounter conventions: "
         "all_gather f*n_out, reduce_scatter f*n_in, all_reduce 2f*n, broadcast/reduce f*n, recv n)",
         "TSP schedule: fwd bcast attn weights + all-gather K/V per head group + MLP weight ring; "
@@ -681,8 +822,12 @@ def assumptions(m: ModelShape, hw: HardwareSpec, o: Options, degree: int, gpus: 
         "of the phase) except the first forward weight broadcast (and with attention recompute "
         "the first backward one), the last attention weight-grad reduce and the MLP gradient "
         "ring's last hop; TSP K/V all-gathers / dK/dV reduce-scatters are "
-        + ("pipelined one head group ahead (first group exposed)" if o.tsp_kv_pipelined
-           else "BLOCKING (what-if: the code before issue 12)") + "; TP/SP "
+        + (
+            "pipelined one head group ahead (first group exposed)"
+            if o.tsp_kv_pipelined
+            else "BLOCKING (what-if: the code before issue 12)"
+        )
+        + "; TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
@@ -712,12 +857,13 @@ def _unit(values: List[float]) -> tuple:
 def format_table(rows: List[dict]) -> str:
     mu, ms = _unit([v for r in rows for v in r["memory_total_bytes"].values()])
     cu, cs_ = _unit([r["layer_comm_fwd"] + r["layer_comm_bwd"] for r in rows])
-    t_all = [v for r in rows for k in ("layer_compute_s", "layer_comm_s")
-             for v in r[k].values()]
+    t_all = [v for r in rows for k in ("layer_compute_s", "layer_comm_s") for v in r[k].values()]
     tu, ts = ("ms", 1e3) if max(t_all) >= 1e-3 else ("us", 1e6)
-    hdr = (f"{'strategy':<16}{'DP':>5}{f'mem {mu} none/full':>18}{'rc':>6}{'fits':>5}"
-           f"{f'comm/layer {cu} fwd+bwd':>23}{f'compute {tu} f/b':>16}{f'comm {tu} f/b':>14}"
-           f"{f'exposed {tu} f/b':>16}{'step s':>8}{'tok/s':>10}{'layer-fwd tok/s':>17}{'MFU':>6}")
+    hdr = (
+        f"{'strategy':<16}{'DP':>5}{f'mem {mu} none/full':>18}{'rc':>6}{'fits':>5}"
+        f"{f'comm/layer {cu} fwd+bwd':>23}{f'compute {tu} f/b':>16}{f'comm {tu} f/b':>14}"
+        f"{f'exposed {tu} f/b':>16}{'step s':>8}{'tok/s':>10}{'layer-fwd tok/s':>17}{'MFU':>6}"
+    )
     out = [hdr, "-" * len(hdr)]
     for r in rows:
         mt = r["memory_total_bytes"]
@@ -731,7 +877,8 @@ def format_table(rows: List[dict]) -> str:
             f"{cm['fwd'] * ts:>6.1f}/{cm['bwd'] * ts:<7.1f}"
             f"{ex['fwd'] * ts:>8.1f}/{ex['bwd'] * ts:<7.1f}"
             f"{r['step_s']:>8.2f}{r['tokens_per_s'] / 1e6:>9.2f}M"
-            f"{r['layer_fwd_tokens_per_s'] / 1e6:>16.1f}M{r['mfu']:>6.2f}")
+            f"{r['layer_fwd_tokens_per_s'] / 1e6:>16.1f}M{r['mfu']:>6.2f}"
+        )
     return "\n".join(out)
 
 
@@ -740,34 +887,42 @@ def crossover_report(m: ModelShape, degree: int, o: Options) -> List[str]:
     h = m.hidden
     ca = fm.crossover_analysis(shape, degree)
     lines = []
-    for key, txt in (("fwd_vs_tp_sp", "forward, TSP vs TP+SP"), ("fwd_vs_tp", "forward, TSP vs TP"),
-                     ("total_vs_tp_sp", "fwd+bwd, TSP vs TP+SP"), ("total_vs_tp", "fwd+bwd, TSP vs TP")):
+    for key, txt in (
+        ("fwd_vs_tp_sp", "forward, TSP vs TP+SP"),
+        ("fwd_vs_tp", "forward, TSP vs TP"),
+        ("total_vs_tp_sp", "fwd+bwd, TSP vs TP+SP"),
+        ("total_vs_tp", "fwd+bwd, TSP vs TP"),
+    ):
         c = ca[key]
         if math.isinf(c):
             lines.append(f"  {txt:<24}: never (TSP per-token traffic not below the baseline's)")
         else:
-            lines.append(f"  {txt:<24}: B*S >= {c:.3g} h = {c * h:,.0f} tokens "
-                         f"(S >= {c * h / o.micro_batch:,.0f} at B={o.micro_batch})")
+            lines.append(
+                f"  {txt:<24}: B*S >= {c:.3g} h = {c * h:,.0f} tokens "
+                f"(S >= {c * h / o.micro_batch:,.0f} at B={o.micro_batch})"
+            )
     w, kvh = ca["weights_over_h2"], shape.kv_hidden / h
     lines.append(
         f"  derivation (forward): f*(W + 2*B*S*h_kv) <= f*4*B*S*h  <=>  B*S >= W / (4h - 2h_kv) "
-        f"= {w:.4g} h^2 / ({4 - 2 * kvh:.4g} h) = {w / (4 - 2 * kvh):.4g} h")
+        f"= {w:.4g} h^2 / ({4 - 2 * kvh:.4g} h) = {w / (4 - 2 * kvh):.4g} h"
+    )
     pub = (m.published or {}).get("forward_crossover_bs_over_h")
     if pub is not None:
         lines.append(
             f"  paper: B*S > {pub}h. The counted bytes give {ca['fwd_vs_tp_sp']:.4g}h for this "
             f"model (W = {w:.4g} h^2 moved per layer); fwd+bwd gives {ca['total_vs_tp_sp']:.4g}h "
-            f"(TP+SP) / {ca['total_vs_tp']:.4g}h (TP). {pub}h falls out of the same inequality only "
-            f"if (a) W = {pub * (4 - 2 * kvh):.4g} h^2 is counted per layer (e.g. a 3-matrix "
+            f"(TP+SP) / {ca['total_vs_tp']:.4g}h (TP). {pub}h falls out of the same inequality "
+            f"only if (a) W = {pub * (4 - 2 * kvh):.4g} h^2 is counted per layer (e.g. a 3-matrix "
             f"gated MLP at F=4h: 4h^2 + 12h^2), or (b) the weight term is counted without the "
             f"(D-1)/D factor: {ca['fwd_vs_tp_sp']:.4g}h * D/(D-1) = "
             f"{ca['fwd_weights_without_f']:.4g}h at D={degree} (8h at D=4). Both are printed; "
-            f"the planner uses the counted {ca['fwd_vs_tp_sp']:.4g}h.")
+            f"the planner uses the counted {ca['fwd_vs_tp_sp']:.4g}h."
+        )
     return lines
 
 
 def paper_check(m: ModelShape, o: Options) -> List[str]:
-    pub = (m.published or {})
+    pub = m.published or {}
     mem = pub.get("memory_gb")
     if not mem:
         return []
@@ -775,22 +930,33 @@ def paper_check(m: ModelShape, o: Options) -> List[str]:
     for seq, vals in mem.items():
         seq = int(seq)
         for kind, key in (("tsp", "tsp"), ("tp", "tp"), ("tp_sp", None)):
-            ours = {r: sum(analytic_memory(m, kind, seq, o.micro_batch, degree=8, dp=1,
-                                           recompute=r, options=o).values()) / GB
-                    for r in ("none", "full")}
+            ours = {
+                r: sum(
+                    analytic_memory(
+                        m, kind, seq, o.micro_batch, degree=8, dp=1, recompute=r, options=o
+                    ).values()
+                )
+                / GB
+                for r in ("none", "full")
+            }
             if key:
                 pub_txt = f"{vals[key]}" if key in vals else "-"
             else:
                 lay = vals.get("tp_x_sp_layouts")
-                pub_txt = (f"- (paper's 2-D TPxSP layouts: {' / '.join(map(str, lay))})"
-                           if lay else "-")
-            lines.append(f"    S={seq:>6} {kind:<6} ours none/full = {ours['none']:5.1f} / "
-                         f"{ours['full']:5.1f} GB   published: {pub_txt}")
+                pub_txt = (
+                    f"- (paper's 2-D TPxSP layouts: {' / '.join(map(str, lay))})" if lay else "-"
+                )
+            lines.append(
+                f"    S={seq:>6} {kind:<6} ours none/full = {ours['none']:5.1f} / "
+                f"{ours['full']:5.1f} GB   published: {pub_txt}"
+            )
     thr = pub.get("throughput_tokens_per_s")
     if thr:
-        lines.append(f"  published throughput on {thr['gpus']} {thr['hardware']} at S={thr['seq']}: "
-                     f"TSP {thr['tsp'] / 1e6:.0f}M tok/s vs TP+SP "
-                     f"{' / '.join(f'{x / 1e6:.1f}M' for x in thr['tp_sp'])} ({thr.get('note', '')})")
+        lines.append(
+            f"  published throughput on {thr['gpus']} {thr['hardware']} at S={thr['seq']}: "
+            f"TSP {thr['tsp'] / 1e6:.0f}M tok/s vs TP+SP "
+            f"{' / '.join(f'{x / 1e6:.1f}M' for x in thr['tp_sp'])} ({thr.get('note', '')})"
+        )
     return lines
 
 
@@ -798,30 +964,50 @@ def sweep(model, hw, strategies: List[Strategy], seqs: List[int], gpus: int, o: 
     return {s.label: [evaluate(model, hw, s, sq, gpus, o) for sq in seqs] for s in strategies}
 
 
-def plan(model, hardware, seq: int, gpus: int, degree: int = 8,
-         strategies: Optional[List[Strategy]] = None, options: Optional[Options] = None) -> dict:
+def plan(
+    model,
+    hardware,
+    seq: int,
+    gpus: int,
+    degree: int = 8,
+    strategies: Optional[List[Strategy]] = None,
+    options: Optional[Options] = None,
+) -> dict:
     """Structured result of a plan (what the CLI prints)."""
     m, hw, o = load_model(model), load_hardware(hardware), options or Options()
     strategies = strategies or default_strategies(degree)
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
     shape = LayerShape.of(m, o.micro_batch, seq)
     cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp") for d in ("fwd", "total")}
-    hybrid_cross = {d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
-                    for d in ("fwd", "total")}
+    hybrid_cross = {
+        d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
+        for d in ("fwd", "total")
+    }
     tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
     regions = throughput_regions(m, hw, tsp, tpsp, gpus, o)
     thr = regions[-1][0] if regions and regions[-1][1] is None else None
-    return {"model": m, "hardware": hw, "options": o, "seq": seq, "gpus": gpus, "degree": degree,
-            "rows": rows, "bytes_crossover_seq": cross, "throughput_crossover_seq": thr,
-            "hybrid_bytes_crossover_seq": hybrid_cross,
-            "hybrid_throughput_regions": throughput_regions(
-                m, hw, make_strategy("hybrid", degree), tpsp, gpus, o),
-            "throughput_regions": regions,
-            "strategies": strategies}
+    return {
+        "model": m,
+        "hardware": hw,
+        "options": o,
+        "seq": seq,
+        "gpus": gpus,
+        "degree": degree,
+        "rows": rows,
+        "bytes_crossover_seq": cross,
+        "throughput_crossover_seq": thr,
+        "hybrid_bytes_crossover_seq": hybrid_cross,
+        "hybrid_throughput_regions": throughput_regions(
+            m, hw, make_strategy("hybrid", degree), tpsp, gpus, o
+        ),
+        "throughput_regions": regions,
+        "strategies": strategies,
+    }
 
 
-def cheapest_fitting_layer_time(model, hw, kind: str, seq: int, gpus: int, degree: int,
-                                o: Options) -> dict:
+def cheapest_fitting_layer_time(
+    model, hw, kind: str, seq: int, gpus: int, degree: int, o: Options
+) -> dict:
     """Per-layer step time (fwd + bwd incl. exposed comm, one micro-batch) of ``kind`` at the
     cheapest recompute setting whose analytic peak fits in the GPU's HBM. Settings, cheapest
     first: TSP saved attention, TSP attention recompute, full recompute; TP+SP / others: none,
@@ -833,36 +1019,58 @@ def cheapest_fitting_layer_time(model, hw, kind: str, seq: int, gpus: int, degre
     for recompute, attn in settings:
         oo = replace(o, recompute=recompute, tsp_recompute_attn=attn)
         r = evaluate(m, hw, s, seq, gpus, oo)
-        mem = sum(analytic_memory(m, s, seq, o.micro_batch, dp=gpus // degree, recompute=recompute,
-                                  distributed_optimizer=o.distributed_optimizer,
-                                  options=oo).values())
+        mem = sum(
+            analytic_memory(
+                m,
+                s,
+                seq,
+                o.micro_batch,
+                dp=gpus // degree,
+                recompute=recompute,
+                distributed_optimizer=o.distributed_optimizer,
+                options=oo,
+            ).values()
+        )
         layer = sum(r["layer_compute_s"].values()) + sum(r["layer_exposed_s"].values())
         label = recompute + (" (attention recompute)" if attn else "")
-        candidates.append({"setting": label, "mem_bytes": mem, "layer_s": layer,
-                           "exposed_s": sum(r["layer_exposed_s"].values()),
-                           "fits": mem <= hw.hbm_gb * GB})
+        candidates.append(
+            {
+                "setting": label,
+                "mem_bytes": mem,
+                "layer_s": layer,
+                "exposed_s": sum(r["layer_exposed_s"].values()),
+                "fits": mem <= hw.hbm_gb * GB,
+            }
+        )
     fitting = [c for c in candidates if c["fits"]]
     best = min(fitting, key=lambda c: c["layer_s"]) if fitting else None
     return {"strategy": s.label, "best": best, "candidates": candidates}
 
 
-def layer_time_report(m: ModelShape, hw: HardwareSpec, seq: int, gpus: int, degree: int,
-                      o: Options) -> List[str]:
+def layer_time_report(
+    m: ModelShape, hw: HardwareSpec, seq: int, gpus: int, degree: int, o: Options
+) -> List[str]:
     """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
-    res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o)
-           for k in ("tsp", "tp_sp")}
-    kv = ("pipelined (fill/drain exposed)" if o.tsp_kv_pipelined
-          else "blocking: what-if, the code before issue 12")
-    lines = [f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
-             f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"]
+    res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o) for k in ("tsp", "tp_sp")}
+    kv = (
+        "pipelined (fill/drain exposed)"
+        if o.tsp_kv_pipelined
+        else "blocking: what-if, the code before issue 12"
+    )
+    lines = [
+        f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
+        f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"
+    ]
     for k, r in res.items():
         b = r["best"]
         if b is None:
             lines.append(f"  {r['strategy']:<7} nothing fits")
             continue
-        lines.append(f"  {r['strategy']:<7} recompute {b['setting']:<24} mem {b['mem_bytes'] / GB:6.1f}"
-                     f" GB  layer {1e3 * b['layer_s']:7.1f} ms (exposed comm "
-                     f"{1e3 * b['exposed_s']:.1f} ms)")
+        lines.append(
+            f"  {r['strategy']:<7} recompute {b['setting']:<24} mem {b['mem_bytes'] / GB:6.1f}"
+            f" GB  layer {1e3 * b['layer_s']:7.1f} ms (exposed comm "
+            f"{1e3 * b['exposed_s']:.1f} ms)"
+        )
     if res["tsp"]["best"] and res["tp_sp"]["best"]:
         ratio = res["tsp"]["best"]["layer_s"] / res["tp_sp"]["best"]["layer_s"]
         lines.append(f"  TSP / TP+SP per-layer time: {ratio:.2f}x")
@@ -871,29 +1079,44 @@ def layer_time_report(m: ModelShape, hw: HardwareSpec, seq: int, gpus: int, degr
 
 def render(p: dict) -> str:
     m, hw, o = p["model"], p["hardware"], p["options"]
-    lines = [f"megatron-tsp plan: model {m.name}, S={p['seq']:,}, {p['gpus']} x {hw.name} "
-             f"({p['gpus'] // hw.gpus_per_node} nodes), group D={p['degree']}, "
-             f"micro-batch {o.micro_batch}", ""]
+    lines = [
+        f"megatron-tsp plan: model {m.name}, S={p['seq']:,}, {p['gpus']} x {hw.name} "
+        f"({p['gpus'] // hw.gpus_per_node} nodes), group D={p['degree']}, "
+        f"micro-batch {o.micro_batch}",
+        "",
+    ]
     lines.append(format_table(p["rows"]))
-    lines.append("  mem = analytic peak per GPU without / with full recompute; rc = recompute used; "
-                 "comm = received bytes per layer per micro-batch; times per layer per micro-batch")
+    lines.append(
+        "  mem = analytic peak per GPU without / with full recompute; rc = recompute used; "
+        "comm = received bytes per layer per micro-batch; times per layer per micro-batch"
+    )
     lines.append("")
     lines.append("Crossover (counted bytes, TSP <= baseline):")
     lines += crossover_report(m, p["degree"], o)
     c = p["bytes_crossover_seq"]
-    lines.append(f"  at B={o.micro_batch}: S* fwd = {c['fwd']:,.0f}, fwd+bwd = {c['total']:,.0f} tokens")
+    lines.append(
+        f"  at B={o.micro_batch}: S* fwd = {c['fwd']:,.0f}, fwd+bwd = {c['total']:,.0f} tokens"
+    )
     regs = p["throughput_regions"]
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
-    lines.append("  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
-                 + (txt if regs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    lines.append(
+        "  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
+        + (txt if regs else "nowhere in [1k, 4M]")
+        + f" (B={o.micro_batch})"
+    )
     hc = p["hybrid_bytes_crossover_seq"]
-    lines.append(f"  hybrid (TP+SP attention + TSP MLP, --tsp-mlp) <= TP+SP bytes at B={o.micro_batch}: "
-                 f"S* fwd = {hc['fwd']:,.0f}, fwd+bwd = {hc['total']:,.0f} tokens "
-                 "(forward: B*S >= W_mlp / 2h)")
+    lines.append(
+        f"  hybrid (TP+SP attention + TSP MLP, --tsp-mlp) <= TP+SP bytes at B={o.micro_batch}: "
+        f"S* fwd = {hc['fwd']:,.0f}, fwd+bwd = {hc['total']:,.0f} tokens "
+        "(forward: B*S >= W_mlp / 2h)"
+    )
     hregs = p["hybrid_throughput_regions"]
     txt = ", ".join(f"[{a:,.0f}, {'4M+' if b is None else f'{b:,.0f}'}]" for a, b in hregs)
-    lines.append("  predicted tokens/s, hybrid >= TP+SP on this hardware for S in: "
-                 + (txt if hregs else "nowhere in [1k, 4M]") + f" (B={o.micro_batch})")
+    lines.append(
+        "  predicted tokens/s, hybrid >= TP+SP on this hardware for S in: "
+        + (txt if hregs else "nowhere in [1k, 4M]")
+        + f" (B={o.micro_batch})"
+    )
     if "tsp" in [r["kind"] for r in p["rows"]] and p["seq"] % (2 * p["degree"]) == 0:
         lines += [""] + layer_time_report(m, hw, p["seq"], p["gpus"], p["degree"], o)
     pc = paper_check(m, o)
@@ -903,13 +1126,19 @@ def render(p: dict) -> str:
         for kind in ("tsp", "tp_sp"):
             if kind in by:
                 r = by[kind]
-                pc.append(f"    ours {r['strategy']:<7}: layer-fwd {r['layer_fwd_tokens_per_s'] / 1e6:6.1f}M "
-                          f"tok/s, end-to-end training {r['tokens_per_s'] / 1e6:5.2f}M tok/s")
+                layer_fwd = r["layer_fwd_tokens_per_s"] / 1e6
+                pc.append(
+                    f"    ours {r['strategy']:<7}: layer-fwd {layer_fwd:6.1f}M "
+                    f"tok/s, end-to-end training {r['tokens_per_s'] / 1e6:5.2f}M tok/s"
+                )
         if "tsp" in by and "tp_sp" in by:
             a, b = by["tsp"], by["tp_sp"]
-            pc.append(f"    ratio TSP/TP+SP: ours layer-fwd {a['layer_fwd_tokens_per_s'] / b['layer_fwd_tokens_per_s']:.2f}x, "
-                      f"end-to-end {a['tokens_per_s'] / b['tokens_per_s']:.2f}x; published "
-                      + " / ".join(f"{thr['tsp'] / x:.2f}x" for x in thr["tp_sp"]))
+            layer_fwd_ratio = a["layer_fwd_tokens_per_s"] / b["layer_fwd_tokens_per_s"]
+            pc.append(
+                f"    ratio TSP/TP+SP: ours layer-fwd {layer_fwd_ratio:.2f}x, "
+                f"end-to-end {a['tokens_per_s'] / b['tokens_per_s']:.2f}x; published "
+                + " / ".join(f"{thr['tsp'] / x:.2f}x" for x in thr["tp_sp"])
+            )
     if pc:
         lines += ["", "Published numbers (for comparison, not used by the model):", *pc]
     lines += ["", "Assumptions:"]
@@ -922,7 +1151,9 @@ def _to_jsonable(p: dict) -> dict:
     out["model"] = asdict(p["model"])
     out["hardware"] = asdict(p["hardware"])
     out["options"] = asdict(p["options"])
-    out["assumptions"] = assumptions(p["model"], p["hardware"], p["options"], p["degree"], p["gpus"], p["seq"])
+    out["assumptions"] = assumptions(
+        p["model"], p["hardware"], p["options"], p["degree"], p["gpus"], p["seq"]
+    )
     return out
 
 
@@ -930,35 +1161,58 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="megatron-tsp plan",
         description="Analytic memory / communication / throughput plan for TSP vs TP+SP, CP, "
-                    "TPxCP and plain TP.")
-    ap.add_argument("--model", default="7b", help=f"name ({', '.join(available('models'))}) or .json")
-    ap.add_argument("--hardware", default="mi300x",
-                    help=f"name ({', '.join(available('hardware'))}) or .json")
+        "TPxCP and plain TP.",
+    )
+    ap.add_argument(
+        "--model", default="7b", help=f"name ({', '.join(available('models'))}) or .json"
+    )
+    ap.add_argument(
+        "--hardware", default="mi300x", help=f"name ({', '.join(available('hardware'))}) or .json"
+    )
     ap.add_argument("--seq-length", type=int, required=True)
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--degree", type=int, default=8, help="group size D of every strategy")
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--num-microbatches", type=int, default=None,
-                    help="micro-batches per step (default: from --global-batch-tokens)")
+    ap.add_argument(
+        "--num-microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step (default: from --global-batch-tokens)",
+    )
     ap.add_argument("--global-batch-tokens", type=int, default=2**24)
-    ap.add_argument("--strategies", default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
-                    help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
-                         "--tsp-mlp), cp, tp_cp, tp")
+    ap.add_argument(
+        "--strategies",
+        default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
+        help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
+        "--tsp-mlp), cp, tp_cp, tp",
+    )
     ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
-    ap.add_argument("--tsp-no-recompute-mlp", action="store_true",
-                    help="TSP / hybrid MLP keeps the per-shard fc1 outputs")
-    ap.add_argument("--tsp-recompute-attn", action="store_true",
-                    help="TSP attention_backward='recompute' (default: 'saved', as the layers)")
-    ap.add_argument("--tsp-kv-blocking", action="store_true",
-                    help="WHAT-IF (not what the layers do): TSP's K/V all-gathers and dK/dV "
-                         "reduce-scatters waited on right behind their own head group's QKV "
-                         "GEMM, as before issue 12 (default: pipelined one head group ahead)")
+    ap.add_argument(
+        "--tsp-no-recompute-mlp",
+        action="store_true",
+        help="TSP / hybrid MLP keeps the per-shard fc1 outputs",
+    )
+    ap.add_argument(
+        "--tsp-recompute-attn",
+        action="store_true",
+        help="TSP attention_backward='recompute' (default: 'saved', as the layers)",
+    )
+    ap.add_argument(
+        "--tsp-kv-blocking",
+        action="store_true",
+        help="WHAT-IF (not what the layers do): TSP's K/V all-gathers and dK/dV "
+        "reduce-scatters waited on right behind their own head group's QKV "
+        "GEMM, as before issue 12 (default: pipelined one head group ahead)",
+    )
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
-    ap.add_argument("--sweep", default="",
-                    help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))")
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))",
+    )
     ap.add_argument("--json", default="", help="also write the result as JSON here")
     ap.add_argument("--verbose", action="store_true", help="per-term communication breakdown")
     return ap
@@ -971,20 +1225,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hw.compute_efficiency = args.efficiency
     if args.comm_efficiency is not None:
         hw.comm_efficiency = args.comm_efficiency
-    o = Options(micro_batch=args.micro_batch, num_microbatches=args.num_microbatches,
-                global_batch_tokens=args.global_batch_tokens,
-                recompute=args.recompute, distributed_optimizer=not args.no_distributed_optimizer,
-                tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
-                tsp_recompute_attn=args.tsp_recompute_attn,
-                tsp_kv_pipelined=not args.tsp_kv_blocking)
+    o = Options(
+        micro_batch=args.micro_batch,
+        num_microbatches=args.num_microbatches,
+        global_batch_tokens=args.global_batch_tokens,
+        recompute=args.recompute,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
+        tsp_recompute_attn=args.tsp_recompute_attn,
+        tsp_kv_pipelined=not args.tsp_kv_blocking,
+    )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
     if args.seq_length % (2 * args.degree):
-        print(f"warning: S={args.seq_length} not divisible by 2D={2 * args.degree} "
-              "(zigzag TSP/CP need it)", file=sys.stderr)
+        print(
+            f"warning: S={args.seq_length} not divisible by 2D={2 * args.degree} "
+            "(zigzag TSP/CP need it)",
+            file=sys.stderr,
+        )
     if args.gpus % args.degree:
-        print(f"megatron-tsp plan: --gpus {args.gpus} is not a multiple of --degree {args.degree}",
-              file=sys.stderr)
+        print(
+            f"megatron-tsp plan: --gpus {args.gpus} is not a multiple of --degree {args.degree}",
+            file=sys.stderr,
+        )
         return 2
     p = plan(m, hw, args.seq_length, args.gpus, args.degree, strategies, o)
     print(render(p))
@@ -993,11 +1256,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s in strategies:
             print(f"\n{s.label} per-layer terms (received MB per rank):")
             for t in layer_terms(shape, s, o):
-                print(f"  {t.phase:<9}{t.op:<15}{t.category:<11}{t.overlap:<10}"
-                      f"{t.nbytes / 2**20:>11.1f}  {t.what}")
+                print(
+                    f"  {t.phase:<9}{t.op:<15}{t.category:<11}{t.overlap:<10}"
+                    f"{t.nbytes / 2**20:>11.1f}  {t.what}"
+                )
     if args.plot or args.json:
-        seqs = ([int(x) for x in args.sweep.split(",")] if args.sweep else
-                [4096 * 2**i for i in range(int(math.log2(max(262144, 2 * args.seq_length) / 4096)) + 1)])
+        seqs = (
+            [int(x) for x in args.sweep.split(",")]
+            if args.sweep
+            else [
+                4096 * 2**i
+                for i in range(int(math.log2(max(262144, 2 * args.seq_length) / 4096)) + 1)
+            ]
+        )
         sw = sweep(m, hw, strategies, seqs, args.gpus, o)
     if args.plot:
         from .plot import plot_sweep

@@ -22,19 +22,34 @@ def plot_sweep(sweep: dict, seqs: List[int], plan: dict, path: str) -> Optional[
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for label, rows in sweep.items():
         style = "-" if rows[0]["kind"] == "tsp" else "--"
-        axes[0].plot(seqs, [r["memory_total_bytes"][r["recompute"]] / GB for r in rows], style,
-                     marker="o", ms=3, label=label)
-        axes[1].plot(seqs, [(r["layer_comm_fwd"] + r["layer_comm_bwd"]) / GB for r in rows], style,
-                     marker="o", ms=3, label=label)
-        axes[2].plot(seqs, [r["tokens_per_s"] / 1e6 for r in rows], style, marker="o", ms=3,
-                     label=label)
+        axes[0].plot(
+            seqs,
+            [r["memory_total_bytes"][r["recompute"]] / GB for r in rows],
+            style,
+            marker="o",
+            ms=3,
+            label=label,
+        )
+        axes[1].plot(
+            seqs,
+            [(r["layer_comm_fwd"] + r["layer_comm_bwd"]) / GB for r in rows],
+            style,
+            marker="o",
+            ms=3,
+            label=label,
+        )
+        axes[2].plot(
+            seqs, [r["tokens_per_s"] / 1e6 for r in rows], style, marker="o", ms=3, label=label
+        )
     axes[0].axhline(hw.hbm_gb, color="k", lw=0.8, ls=":", label=f"HBM {hw.hbm_gb} GB")
     axes[0].set_ylabel("memory per GPU [GB] (recompute auto)")
     axes[1].set_ylabel("received bytes per layer fwd+bwd [GB]")
     axes[2].set_ylabel(f"predicted tokens/s on {plan['gpus']} x {hw.name} [M]")
     cross = plan["bytes_crossover_seq"]
-    marks = [(cross["fwd"], "bytes crossover fwd", "tab:red"),
-             (cross["total"], "bytes crossover fwd+bwd", "tab:purple")]
+    marks = [
+        (cross["fwd"], "bytes crossover fwd", "tab:red"),
+        (cross["total"], "bytes crossover fwd+bwd", "tab:purple"),
+    ]
     if plan.get("throughput_crossover_seq"):
         marks.append((plan["throughput_crossover_seq"], "tokens/s crossover", "tab:green"))
     for ax in axes:
@@ -48,8 +63,10 @@ def plot_sweep(sweep: dict, seqs: List[int], plan: dict, path: str) -> Optional[
     axes[1].set_yscale("log")
     axes[1].legend(fontsize=7)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"megatron-tsp plan: {m.name}, D={plan['degree']}, micro-batch "
-                 f"{plan['options'].micro_batch}, {hw.name} (analytic model; see printed assumptions)")
+    fig.suptitle(
+        f"megatron-tsp plan: {m.name}, D={plan['degree']}, micro-batch "
+        f"{plan['options'].micro_batch}, {hw.name} (analytic model; see printed assumptions)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
