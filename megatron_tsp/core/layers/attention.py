@@ -284,7 +284,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
-        grad_x, own_grad = _backward(ctx, grad_out.contiguous())
+        grad_x, own_grad = _AttentionBackward(ctx, grad_out.contiguous()).run()
         g_w, g_b, g_pw = weight_bias_views(own_grad.views(), qkv_b is not None)
         fuse = ctx.fuse
         return (
@@ -312,143 +312,198 @@ def _pack_own(qkv_w, qkv_b, proj_w) -> FlatShard:
     return FlatShard.pack([qkv_w] + ([qkv_b] if qkv_b is not None else []) + [proj_w])
 
 
-def _backward(ctx, grad_out):
-    """Per head group r, software-pipelined (see ``_TSPAttentionFunction``):
+@dataclass
+class _HeadGroup:
+    """One head group's tensors while they move through the backward pipeline."""
 
-    1. (saved mode) output-projection weight gradient from the saved output (needs no weights);
-    2. wait shard r; d_ctx = dY @ W_proj_r;
-    3. prepare group r+1: its local K/V (saved qkv, or the QKV GEMM in recompute mode) and post
-       its re-gather;
-    4. wait group r's K/V; attention backward (recompute mode: the kernel's forward first) with
-       dK/dV summed over the chunks in fp32; post group r's dK/dV reduce-scatter;
-    5. finish group r-1: wait its reduce-scatter, one dgrad into the fp32 grad_x and one wgrad
-       into its fp32 partial, post its reduce onto the owner.
+    r: int  # head group index = weight shard index = the shard owner's rank
+    m_leaf: torch.Tensor  # local qkv [s/D, b, ng/D, ...], the leaf of q/k/v's split + RoPE graph
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gather: Pending  # the all-gather of this group's K/V
+    outs: Optional[list] = None  # per causal block: attention output rows (then lses: log-sum-exp)
+    lses: Optional[list] = None
+    dq: Optional[torch.Tensor] = None  # set by the attention backward, with partial and scatter
+    partial: Optional[FlatShard] = None  # this rank's part of shard r's weight gradient
+    scatter: Optional[Pending] = None  # the reduce-scatter of this group's dK/dV
+
+
+class _AttentionBackward:
+    """Backward of ``_TSPAttentionFunction``, software-pipelined over the D head groups. Each
+    step r of ``run`` does, in this order:
+
+    1. (saved mode) ``output_projection_wgrad`` of group r from its saved output (needs no
+       weights, so it runs while shard r's broadcast may still be in flight);
+    2. ``context_grad``: wait shard r; d_ctx = dY @ W_proj_r;
+    3. ``prepare_group(r + 1)``: its local q/k/v (saved qkv, or the QKV GEMM in recompute mode)
+       and the post of its K/V re-gather;
+    4. ``attention_backward`` of group r: wait its K/V; attention backward (recompute mode: the
+       kernel's forward first) with dK/dV summed over the chunks in fp32; post its dK/dV
+       reduce-scatter;
+    5. ``finish_group(r - 1)``: wait its reduce-scatter, one dgrad into the fp32 grad_x and one
+       wgrad into its fp32 partial, post its reduce onto the owner.
+
+    Weight shards come from a ``_ShardStream`` (shard r+1's broadcast posted when shard r is
+    waited); at most two consecutive shards are read at once in saved mode (r in step 2, r-1 in
+    step 5), three in recompute mode (also r+1 in step 3), which sets its ``hold``.
     """
-    x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *flat = ctx.saved_tensors
-    layout, seq_layout, group, kernel = ctx.layout, ctx.seq_layout, ctx.group, ctx.kernel
-    size = seq_layout.group_size
-    blocks = seq_layout.causal_blocks
-    n_blocks, hidden = len(blocks), x.shape[-1]
-    has_bias, dtype = qkv_b is not None, x.dtype
-    acc_dtype = accumulation_dtype(dtype)
-    per_group = _save_layout(n_blocks)
-    saved_mode = bool(flat)
-    own = _pack_own(qkv_w, qkv_b, proj_w)
-    reducer = _OwnerReduce(group)
-    grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
-    tokens_x = x.reshape(-1, hidden)
-    dy_rows = [rows.reshape(-1, hidden) for rows in _block_rows(grad_out, blocks)]
 
-    def prepare(r):
-        state = {"r": r}
-        if saved_mode:
+    def __init__(self, ctx, grad_out):
+        x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *flat = ctx.saved_tensors
+        self.x, self.freqs_q, self.freqs_k, self.flat = x, freqs_q, freqs_k, flat
+        self.grad_out, self.rng = grad_out, ctx.rng
+        self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
+        self.group, self.kernel = ctx.group, ctx.kernel
+        self.blocks = self.seq_layout.causal_blocks
+        self.hidden = x.shape[-1]
+        self.has_bias, self.dtype = qkv_b is not None, x.dtype
+        self.acc_dtype = accumulation_dtype(self.dtype)
+        self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
+        self.own = _pack_own(qkv_w, qkv_b, proj_w)
+        self.reducer = _OwnerReduce(self.group)
+        self.grad_x = torch.zeros(x.shape, dtype=self.acc_dtype, device=x.device)
+        self.tokens_x = x.reshape(-1, self.hidden)
+        self.dy_rows = [
+            rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
+        ]
+        self.shards = {}  # the weight shards being read: r -> FlatShard (at most r-1 .. r+1)
+        self.stream = None
+
+    def run(self):
+        """The pipeline; returns (grad_x in the input dtype, this rank's summed weight-gradient
+        shard)."""
+        rng_ctx = (
+            _replay_rng(self.rng, self.x.device)
+            if self.rng is not None
+            else contextlib.nullcontext()
+        )  # attention dropout: the recomputed forward draws the forward's masks
+        with labelled("tsp_attention"), rng_ctx:
+            hold = 2 if self.saved_mode else 3
+            self.stream = _ShardStream(self.own, self.group, hold=hold)  # posts shard 0
+            current, finishing = self.prepare_group(0), None
+            size = self.seq_layout.group_size
+            for r in range(size):
+                partial = FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
+                g_pw = weight_bias_views(partial.views(), self.has_bias)[2]
+                if self.saved_mode:
+                    self.output_projection_wgrad(current, g_pw)
+                d_ctx = self.context_grad(r)
+                upcoming = self.prepare_group(r + 1) if r + 1 < size else None
+                self.attention_backward(current, d_ctx, partial, g_pw)
+                if finishing is not None:
+                    self.finish_group(finishing)
+                finishing, current = current, upcoming
+            self.finish_group(finishing)
+            return self.grad_x.to(self.dtype), self.reducer.finish()
+
+    def prepare_group(self, r: int) -> _HeadGroup:
+        """Group r's local q/k/v (from the saved qkv, or recomputed with shard r's QKV weight:
+        waits shard r's broadcast in recompute mode) and the post of its K/V all-gather."""
+        outs = lses = None
+        if self.saved_mode:
+            per_group, n_blocks = _save_layout(len(self.blocks)), len(self.blocks)
             base = r * per_group
-            mixed = flat[base]
-            state["outs"] = flat[base + 1 : base + 1 + n_blocks]
-            state["lses"] = flat[base + 1 + n_blocks : base + per_group]
+            mixed = self.flat[base]
+            outs = self.flat[base + 1 : base + 1 + n_blocks]
+            lses = self.flat[base + 1 + n_blocks : base + per_group]
         else:
-            w, b, _ = weight_bias_views(stream.get(r).views(), has_bias)
-            mixed = qkv_linear(x, w, b, layout)
+            w, b, _ = weight_bias_views(self.stream.get(r).views(), self.has_bias)
+            mixed = qkv_linear(self.x, w, b, self.layout)
         with torch.enable_grad():
             m_leaf = mixed.detach().requires_grad_(True)
-            q, k, v = split_rope(m_leaf, layout, freqs_q, freqs_k)
-        state.update(
-            m_leaf=m_leaf,
-            q=q,
-            k=k,
-            v=v,
-            gather=_post_kv_gather(k.detach(), v.detach(), group, seq_layout, slot=r % 2),
+            q, k, v = split_rope(m_leaf, self.layout, self.freqs_q, self.freqs_k)
+        gather = _post_kv_gather(k.detach(), v.detach(), self.group, self.seq_layout, slot=r % 2)
+        return _HeadGroup(r, m_leaf, q, k, v, gather, outs=outs, lses=lses)
+
+    def output_projection_wgrad(self, group: _HeadGroup, g_pw: torch.Tensor) -> None:
+        """g_pw += dY^T @ attention output of ``group``, block by block. No communication."""
+        for dy_rows, rows in zip(self.dy_rows, group.outs):
+            matmul_acc(dy_rows.t(), rows.reshape(-1, rows.shape[-1]), acc=g_pw)
+
+    def context_grad(self, r: int) -> torch.Tensor:
+        """d_ctx = dY @ W_proj_r: waits shard r's broadcast (``_ShardStream.get`` posts shard
+        r+1's first). Shard r-1 stays readable for ``finish_group``; shard r-2 is let go."""
+        self.shards[r] = self.stream.get(r)
+        self.shards.pop(r - 2, None)
+        pw = weight_bias_views(self.shards[r].views(), self.has_bias)[2]
+        return torch.matmul(self.grad_out, pw)
+
+    def attention_backward(self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw) -> None:
+        """Waits ``group``'s K/V all-gather, runs the attention backward (in recompute mode also
+        the output-projection wgrad, from the recomputed output) and posts the reduce-scatter of
+        its dK/dV; ``group`` then holds dq, its weight-gradient ``partial`` and that
+        reduce-scatter."""
+        k_nat, v_nat = group.gather.wait()
+        q = group.q.detach()
+        if self.kernel.has_lse:
+            dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
+        else:
+            dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
+        del k_nat, v_nat  # views of the shared K/V workspace, which the next group reuses
+        scatter = _post_kv_grad_scatter(
+            dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2
         )
-        return state
+        group.dq, group.partial, group.scatter = dq, partial, scatter
+        group.outs = group.lses = None
+        del dkv
 
-    def proj_wgrad(state, g_pw):
-        for i, rows in enumerate(state["outs"]):
-            matmul_acc(dy_rows[i].t(), rows.reshape(-1, rows.shape[-1]), acc=g_pw)
+    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
+        """(dq, packed dK/dV in fp32) from a kernel with a log-sum-exp: its backward on the saved
+        (or, in recompute mode, just recomputed) outputs."""
+        if not self.saved_mode:
+            group.outs, group.lses = kernels.zigzag_forward(
+                self.kernel, q, k_nat, v_nat, self.blocks, self.layout.softmax_scale
+            )
+            self.output_projection_wgrad(group, g_pw)
+        return kernels.zigzag_backward(
+            self.kernel,
+            d_ctx,
+            q,
+            k_nat,
+            v_nat,
+            self.blocks,
+            self.layout.softmax_scale,
+            group.outs,
+            group.lses,
+        )
 
-    def finish(state):
-        """Group r's dK/dV are back: dgrad and wgrad of its QKV projection, reduce to owner."""
-        d_kv = state["scatter"].wait().to(dtype)  # fp32 sum over ranks, rounded once
+    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
+        """(dq, packed dK/dV) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
+        saved mode): its forward recomputed under autograd (the RNG replays the forward's
+        dropout), then the output-projection wgrad from that output."""
+        with torch.enable_grad():
+            inputs = [
+                q.requires_grad_(True),
+                k_nat.detach().requires_grad_(True),
+                v_nat.detach().requires_grad_(True),
+            ]
+            rows = kernels.zigzag_attend(
+                self.kernel, *inputs, self.blocks, self.layout.softmax_scale, self.layout.dropout_p
+            )
+            dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
+        group.outs = _block_rows(rows.detach(), self.blocks)
+        self.output_projection_wgrad(group, g_pw)
+        return dq, torch.cat([dk, dv], dim=2)
+
+    def finish_group(self, group: _HeadGroup) -> None:
+        """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
+        its partial) of its QKV projection, and posts the reduce of that partial onto the
+        shard's owner (``_OwnerReduce`` waits the previous reduce first)."""
+        d_kv = group.scatter.wait().to(self.dtype)  # fp32 sum over ranks, rounded once
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
         (d_mixed,) = torch.autograd.grad(
-            [state["q"], state["k"], state["v"]], [state["m_leaf"]], [state["dq"], dk, dv]
+            [group.q, group.k, group.v], [group.m_leaf], [group.dq, dk, dv]
         )
-        w, _, _ = weight_bias_views(stream_shard(state["r"]).views(), has_bias)
+        w, _, _ = weight_bias_views(self.shards[group.r].views(), self.has_bias)
         d_rows = d_mixed.reshape(-1, w.shape[0])
-        matmul_acc(d_rows, w, acc=grad_x.view(-1, hidden))
-        g_w, g_b, _ = weight_bias_views(state["partial"].views(), has_bias)
-        matmul_acc(d_rows.t(), tokens_x, acc=g_w)
-        if has_bias:
-            g_b.add_(d_rows.sum(dim=0, dtype=acc_dtype))
-        reducer.submit(state["r"], state["partial"])
-
-    shards = {}
-
-    def stream_shard(r):
-        return shards[r]
-
-    rng_ctx = _replay_rng(ctx.rng, x.device) if ctx.rng is not None else contextlib.nullcontext()
-    with labelled("tsp_attention"), rng_ctx:
-        stream = _ShardStream(own, group, hold=2 if saved_mode else 3)
-        current, finishing = prepare(0), None
-        for r in range(size):
-            partial = FlatShard(own.shapes, acc_dtype, x.device).zero_()
-            g_pw = weight_bias_views(partial.views(), has_bias)[2]
-            if saved_mode:
-                proj_wgrad(current, g_pw)
-            shards[r] = stream.get(r)
-            shards.pop(r - 2, None)
-            pw = weight_bias_views(shards[r].views(), has_bias)[2]
-            d_ctx = torch.matmul(grad_out, pw)
-            upcoming = prepare(r + 1) if r + 1 < size else None
-            k_nat, v_nat = current["gather"].wait()
-            q = current["q"].detach()
-            if kernel.has_lse:
-                if not saved_mode:
-                    outs, lses = kernels.zigzag_forward(
-                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale
-                    )
-                    current.update(outs=outs, lses=lses)
-                    proj_wgrad(current, g_pw)
-                dq, dkv = kernels.zigzag_backward(
-                    kernel,
-                    d_ctx,
-                    q,
-                    k_nat,
-                    v_nat,
-                    blocks,
-                    layout.softmax_scale,
-                    current["outs"],
-                    current["lses"],
-                )
-            else:
-                with torch.enable_grad():
-                    inputs = [
-                        q.requires_grad_(True),
-                        k_nat.detach().requires_grad_(True),
-                        v_nat.detach().requires_grad_(True),
-                    ]
-                    rows = kernels.zigzag_attend(
-                        kernel, *inputs, blocks, layout.softmax_scale, layout.dropout_p
-                    )
-                    dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
-                current["outs"] = _block_rows(rows.detach(), blocks)
-                proj_wgrad(current, g_pw)
-                dkv = torch.cat([dk, dv], dim=2)
-            del k_nat, v_nat
-            current.update(
-                dq=dq,
-                partial=partial,
-                outs=None,
-                lses=None,
-                scatter=_post_kv_grad_scatter(dkv, dtype, group, seq_layout, slot=r % 2),
-            )
-            del dkv
-            if finishing is not None:
-                finish(finishing)
-            finishing, current = current, upcoming
-        finish(finishing)
-        return grad_x.to(dtype), reducer.finish()
+        matmul_acc(d_rows, w, acc=self.grad_x.view(-1, self.hidden))
+        g_w, g_b, _ = weight_bias_views(group.partial.views(), self.has_bias)
+        matmul_acc(d_rows.t(), self.tokens_x, acc=g_w)
+        if self.has_bias:
+            g_b.add_(d_rows.sum(dim=0, dtype=self.acc_dtype))
+        self.reducer.submit(group.r, group.partial)
 
 
 class _OwnerReduce:
