@@ -322,8 +322,8 @@ class _HeadGroup:
     k: torch.Tensor
     v: torch.Tensor
     gather: Pending  # the all-gather of this group's K/V
-    outs: Optional[list] = None  # per causal block: attention output rows (then lses: log-sum-exp)
-    lses: Optional[list] = None
+    outs: Optional[list] = None  # per causal block: its attention output rows
+    lses: Optional[list] = None  # per causal block: its log-sum-exp (kernels that have one)
     dq: Optional[torch.Tensor] = None  # set by the attention backward, with partial and scatter
     partial: Optional[FlatShard] = None  # this rank's part of shard r's weight gradient
     scatter: Optional[Pending] = None  # the reduce-scatter of this group's dK/dV
@@ -433,20 +433,19 @@ class _AttentionBackward:
         """Waits ``group``'s K/V all-gather, runs the attention backward (in recompute mode also
         the output-projection wgrad, from the recomputed output) and posts the reduce-scatter of
         its dK/dV; ``group`` then holds dq, its weight-gradient ``partial`` and that
-        reduce-scatter."""
+        reduce-scatter. Everything else made here (the full-sequence K/V views, dK/dV, the
+        recomputed outputs) is dropped on return, before ``finish_group(r - 1)``."""
         k_nat, v_nat = group.gather.wait()
         q = group.q.detach()
         if self.kernel.has_lse:
             dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
         else:
             dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
-        del k_nat, v_nat  # views of the shared K/V workspace, which the next group reuses
         scatter = _post_kv_grad_scatter(
             dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
-        group.outs = group.lses = None
-        del dkv
+        group.outs = group.lses = None  # the outputs are no longer needed
 
     def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
         """(dq, packed dK/dV in fp32) from a kernel with a log-sum-exp: its backward on the saved
