@@ -134,9 +134,22 @@ def test_fake_peak_matches_real_run(scheme, kw):
     assert fake.static_bytes == real.static_bytes
 
 
+def _tiny_params_per_rank(tp: int) -> int:
+    """TINY's parameters on one TP / TSP rank, counted by hand from the architecture (not from
+    the tool): per layer the qkv (3h x h), proj (h x h), fc1 (4h x h) and fc2 (h x 4h) matrices
+    sharded over ``tp``, two replicated LayerNorms (weight + bias); the embedding and the untied
+    output layer (vocab 512, already a multiple of 128 x tp, sharded); the final LayerNorm; RoPE,
+    no bias, no position table."""
+    h, layers, vocab = 128, 2, 512
+    assert vocab % (128 * tp) == 0, "vocab padding would change the count"
+    per_layer = (3 * h * h + h * h + 4 * h * h + 4 * h * h) // tp + 2 * 2 * h
+    return layers * per_layer + 2 * vocab * h // tp + 2 * h
+
+
 def test_static_state_is_18_bytes_per_param():
     r = run_step(_cfg("tsp", count_flops=False))
-    n = r.params_local
+    n = _tiny_params_per_rank(4)
+    assert r.params_local == n
     assert r.static_bytes["Parameter"] == 2 * n
     assert r.static_bytes["Gradient"] == 4 * n  # fp32 main_grad buffer
     assert abs(r.static_bytes["Optstate"] - 12 * n) <= 16  # master + m + v (+ step scalars)
