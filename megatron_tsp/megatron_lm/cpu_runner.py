@@ -174,7 +174,44 @@ def _fork_rng(original):
     return warmup_without_drawing_from_the_training_generator
 
 
+# Storages of stage outputs that Megatron's interleaved schedule pseudo-freed (``out.data =
+# empty(1)``) right after posting their overlapped isend, before waiting on it. NCCL's send work
+# keeps the sent storage alive until the transfer completes; gloo's holds only the tensor, whose
+# storage the pseudo-free swaps out, so the CPU allocator could hand the memory to a new tensor
+# while gloo's thread is still sending it and the next stage would receive partly overwritten
+# activations (seen as run-to-run different losses with --num-virtual-stages-per-pipeline-rank).
+# They are released when the next step's schedule starts: every send of a step has been received
+# by then (the optimizer's collectives over the model-parallel ranks follow each schedule).
+_HELD_STAGE_OUTPUTS: List = []
+_IN_INTERLEAVED_SCHEDULE = False
+
+
+def _hold_sent_output_storage(original):
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        import torch
+
+        if _IN_INTERLEAVED_SCHEDULE and deallocate_pipeline_outputs and torch.is_tensor(out):
+            _HELD_STAGE_OUTPUTS.append(out.data)  # shares (and so keeps) the sent storage
+        return original(out, deallocate_pipeline_outputs)
+
+    return deallocate_output_tensor
+
+
+def _release_held_outputs_each_step(original):
+    def forward_backward_pipelining_with_interleaving(*args, **kwargs):
+        global _IN_INTERLEAVED_SCHEDULE
+        _HELD_STAGE_OUTPUTS.clear()
+        _IN_INTERLEAVED_SCHEDULE = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _IN_INTERLEAVED_SCHEDULE = False
+
+    return forward_backward_pipelining_with_interleaving
+
+
 RUNNER_MODULE = "megatron_tsp.megatron_lm.cpu_runner"
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 
 def _spawn_children_import_the_runner(original):
@@ -278,6 +315,12 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner),
     # the jit warm-up's random draws
     Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng),
+    # overlapped pipeline sends over gloo (interleaved schedule)
+    Answer(f"{SCHEDULES}:deallocate_output_tensor", _hold_sent_output_storage),
+    Answer(
+        f"{SCHEDULES}:forward_backward_pipelining_with_interleaving",
+        _release_held_outputs_each_step,
+    ),
 )
 
 
