@@ -208,6 +208,31 @@ def test_pp2_tsp2(seed):
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
+# The TP+SP baseline on CPU: Megatron's local layers with sequence-parallel-tagged torch norms
+# (Megatron's own norms refuse --sequence-parallel without apex / TE).
+TP_SP_CPU = ["--sequence-parallel", "--spec", "megatron_tsp.megatron_lm.spec", "tp_sp_block_spec"]
+
+
+def test_interleaved_pp2_tsp2_matches_tp2_sp(seed):
+    """Interleaved (virtual) pipeline stages: PP=2 with a layout of 2 virtual stages per rank,
+    uneven (rank 0: embedding + 2 layers, then 1 layer; rank 1: 1 layer, then only the final norm
+    and the loss), so the TSP block spec is resolved per (pp rank, vp stage) and the interleaved
+    schedule overlaps its sends with TSP's own communication."""
+    args = STYLES["llama"] + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-layout",
+        "Ett|t|t|L",
+        "--num-layers",
+        "4",
+        "--global-batch-size",
+        "8",
+    ]
+    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
+    ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2", *TP_SP_CPU)
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
 def test_script_that_bypasses_the_batch_hook_is_refused(tmp_path, seed):
     """A copy of pretrain_gpt.py whose get_batch no longer calls get_batch_on_this_cp_rank:
     TSP attention must refuse the natural-order micro-batch, naming the hook."""
