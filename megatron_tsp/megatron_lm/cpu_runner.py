@@ -9,10 +9,11 @@ A test tool, also useful to users who want to see a TSP run next to a stock one 
 torchrun's environment variables and ``--distributed-backend gloo`` appended; each runs the script
 through ``megatron_tsp.megatron_lm.launch`` (``--stock``: plain ``runpy``, no TSP hooks) after
 ``apply_cuda_answers()``. Nothing else is changed: the script, Megatron's arguments, its data
-path, model builder, optimizer, DDP, schedules and logging are the checkout's own.
+path, model builder, optimizer, DDP, schedules and logging are the checkout's own (the interleaved
+schedule only has its pseudo-freed outputs held longer, see below).
 
 Every CUDA-only call the loop makes is answered in one place, ``CUDA_ANSWERS`` (below), each
-entry saying why it is needed. Three answers are not plain replacements:
+entry saying why it is needed. Four answers are not plain replacements:
 
 * ``device='cuda'`` tensors, ``Tensor.cuda()`` and ``.to('cuda')`` are redirected to the CPU by a
   ``TorchFunctionMode`` (``CudaToCpuMode``) kept active for the whole run;
@@ -23,7 +24,10 @@ entry saying why it is needed. Three answers are not plain replacements:
 * apex's ``fused_weight_gradient_mlp_cuda`` (gradient-accumulation fusion, on by default in
   Megatron) is replaced by a torch module with the same two functions: ``main_grad +=
   grad_output^T @ input`` computed in fp32 from the (bf16/fp16/fp32) operands, as the CUDA kernel
-  accumulates in fp32.
+  accumulates in fp32;
+* interleaved pipeline stages: the schedule pseudo-frees a stage output while its overlapped send
+  may still run; NCCL keeps a sent storage alive until the transfer is done, gloo does not, so
+  the runner holds those storages until the next step (see ``_HELD_STAGE_OUTPUTS``).
 
 Nothing here is applied on import: only the worker processes call ``apply_cuda_answers()``.
 ``TORCHDYNAMO_DISABLE=1`` is set in the workers (Megatron's jit fusions would otherwise be

@@ -68,3 +68,33 @@ def test_spawned_children_import_the_runner_not_the_script():
     import importlib.util
 
     assert importlib.util.find_spec(data["init_main_from_name"]) is not None
+
+
+def test_stage_outputs_pseudo_freed_mid_send_are_held_until_the_next_interleaved_step(seed):
+    """Megatron's interleaved schedule pseudo-frees a stage output (``out.data = empty(1)``) right
+    after posting its overlapped isend; gloo's send work does not keep the storage, so the runner
+    holds it (values intact) until the next interleaved step starts, and only inside that
+    schedule (the other schedules wait on their sends before freeing)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    deallocate = cpu_runner._hold_sent_output_storage(schedules.deallocate_output_tensor)
+    seen = []
+
+    def one_step(output):
+        deallocate(output, True)
+        assert output.numel() == 1  # Megatron's pseudo-free itself still happens
+        seen.append(list(cpu_runner._HELD_STAGE_OUTPUTS))
+
+    step = cpu_runner._release_held_outputs_each_step(one_step)
+    gen = torch.Generator().manual_seed(seed)
+    first, second = torch.randn(8, 2, 4, generator=gen), torch.randn(8, 2, 4, generator=gen)
+    expected = [first.clone(), second.clone()]
+    try:
+        step(first)
+        assert len(seen[0]) == 1 and torch.equal(seen[0][0], expected[0]), seed
+        deallocate(torch.randn(3, generator=gen), True)  # outside the interleaved schedule
+        assert len(cpu_runner._HELD_STAGE_OUTPUTS) == 1
+        step(second)  # releases the previous step's storage, holds this one's
+        assert len(seen[1]) == 1 and torch.equal(seen[1][0], expected[1]), seed
+    finally:
+        cpu_runner._HELD_STAGE_OUTPUTS.clear()

@@ -11,7 +11,8 @@ The stock baseline is TP=D without ``--sequence-parallel`` (Megatron's CPU norm 
 SP changes no parameter and no value beyond reduction order).
 
 Needs MEGATRON_LM_PATH (CI sets it, see scripts/megatron_lm_sources.sh). Runtime on 2 free cores:
-about 4-5 minutes for the file (each 2-rank run ~8 s, each 4-rank run ~15-20 s).
+about 5-6 minutes for the file (each 2-rank run ~8 s, each 4-rank run ~15-20 s; the interleaved
+test ~40-80 s).
 """
 
 import os
