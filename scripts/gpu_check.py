@@ -115,10 +115,11 @@ def _run_config(scheme, d, model, seq, dtype, init):
 def setup_groups(scheme: str, d: int, model, seq: int) -> None:
     """A fake world of ``d`` ranks (this process is rank 0) and the scheme's Megatron groups.
     Outside FakeTensorMode: group creation checks its configuration with a real collective."""
+    from megatron_tsp.megatron_lm.fake_world import init_fake_world
     from megatron_tsp.tools.estimator import fake_run as fr
 
     cfg = _run_config(scheme, d, model, seq, torch.bfloat16, False)
-    fr._ensure_fake_world(d)
+    init_fake_world(d)
     fr._init_parallel(cfg)
 
 

@@ -50,8 +50,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
 WORKER_FLAG = "--cpu-runner-worker"
@@ -508,6 +509,31 @@ def _worker(argv: List[str]) -> int:
     return launch.main([script] + argv[1:])
 
 
+def _wait_for_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> Tuple[int, Optional[int]]:
+    """``(returncode, failed_rank)`` of a group of rank processes: the first rank seen to exit
+    non-zero (the others are then killed: they would wait for it in a collective until gloo's own
+    timeout, and the rank that exits first with an error is the one whose log says why), or 124
+    and the lowest rank still running when ``timeout`` s pass; ``(0, None)`` when all succeed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        running = [rank for rank, code in enumerate(codes) if code is None]
+        if failed:
+            rank, code = failed[0]
+        elif not running:
+            return 0, None
+        elif time.monotonic() > deadline:
+            rank, code = running[0], 124
+        else:
+            time.sleep(0.1)
+            continue
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        return code, rank
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -600,19 +626,8 @@ def run_training(
             procs.append(
                 (subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out)
             )
-        returncode = 0
-        failed_rank = None
         try:
-            for rank, (proc, _) in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    code = 124
-                if code != 0 and returncode == 0:
-                    returncode, failed_rank = code, rank
-                    for other, _ in procs:  # one rank failed: the others would hang
-                        if other.poll() is None:
-                            other.kill()
+            returncode, failed_rank = _wait_for_ranks([proc for proc, _ in procs], timeout)
         finally:
             for proc, out in procs:
                 if proc.poll() is None:

@@ -11,7 +11,10 @@ NCCL, the dry run
 3. builds that rank's model with the script's own model provider / builder, every tensor on the
    ``meta`` device (a 7B model at D=8 needs no RAM);
 4. prints the parallel layout (TSP / DP / PP sizes and the ranks of every group), the per-rank
-   parameter count and the zigzag chunks of every TSP rank, then exits with status 0.
+   parameter count and the zigzag chunks of every TSP rank;
+5. checks every target of the patch registry in the imported megatron-core and torch and in the
+   Megatron-LM checkout the script runs from (``patches.check_everywhere``), then exits with
+   status 0, or 1 when a target is missing or lacks a parameter the patch relies on.
 
 CUDA is never initialized (checked and printed at the end).
 """
@@ -121,7 +124,12 @@ def dry_run_from_pretrain(pos_args, kwargs):
     report = run(args, builder)
     report["builder"] = version_path
     print_report(report)
-    raise SystemExit(0)
+    raise SystemExit(exit_status(report))
+
+
+def exit_status(report: dict) -> int:
+    """1 when a patch target does not match this installation (the real run would break), else 0."""
+    return 1 if report["patch_check"]["problems"] else 0
 
 
 def _provider_builder(model_provider) -> Callable:
@@ -165,15 +173,6 @@ def _meta_device():
         torch.device("meta"),
     ):
         yield
-
-
-def _init_fake_world(world_size: int, rank: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("the dry run needs a fresh process: torch.distributed is initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def _init_model_parallel(args) -> None:
@@ -272,10 +271,11 @@ def run(args, build: Callable) -> dict:
     from megatron.core import tensor_parallel
 
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.fake_world import destroy_fake_world, init_fake_world
 
     rank = getattr(args, "tsp_dry_run_rank", 0)
     enable_cpu_support(force=torch.cuda.is_available())  # the shims never call into CUDA
-    _init_fake_world(args.world_size, rank)
+    init_fake_world(args.world_size, rank)
     try:
         _init_model_parallel(args)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
@@ -317,10 +317,13 @@ def run(args, build: Callable) -> dict:
             report["zigzag"] = zigzag_chunks(args.seq_length, d)
         report["cuda_initialized"] = torch.cuda.is_initialized()
         report["patches"] = patches.report_lines()
+        tree = patches.imported_megatron_lm_tree()
+        checked, problems = patches.check_everywhere([tree] if tree else [])
+        report["patch_check"] = {"checked": checked, "problems": problems}
         return report
     finally:
         mpu.destroy_model_parallel()
-        dist.destroy_process_group()
+        destroy_fake_world()
 
 
 def _fmt_groups(groups: List[List[int]]) -> str:
@@ -328,6 +331,20 @@ def _fmt_groups(groups: List[List[int]]) -> str:
     if len(groups) > _MAX_GROUPS_SHOWN:
         shown += f"  ... ({len(groups)} groups)"
     return shown
+
+
+def _patch_check_lines(check: dict) -> List[str]:
+    problems = check["problems"]
+    verdict = (
+        f"{len(problems)} PROBLEM(S): the run would patch what is not there"
+        if problems
+        else f"all {len(patches.REGISTRY)} declared targets present, with the parameters they "
+        "rely on"
+    )
+    lines = [f"  patch targets     : {verdict}"]
+    lines += [f"    checked in {where}" for where in check["checked"]]
+    lines += [f"    {problem}" for problem in problems]
+    return lines
 
 
 def print_report(report: dict) -> None:
@@ -382,5 +399,6 @@ def print_report(report: dict) -> None:
         "(megatron_tsp/megatron_lm/patches.py)"
     )
     lines.extend(f"    {line}" for line in report.get("patches", []))
+    lines.extend(_patch_check_lines(report["patch_check"]))
     lines.append("=" * 78)
     print("\n".join(lines), flush=True)

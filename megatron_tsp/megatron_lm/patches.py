@@ -8,6 +8,7 @@ test_patches.py``) and the Megatron versions whose source holds it. Code applies
 through ``apply(mode, target, ...)``, which refuses a target the table does not declare, records the
 original object and is idempotent; ``remove`` / ``remove_mode`` put the original back (the very
 same object). ``--tsp-dry-run`` prints the patches applied in its process (``report_lines``) and
+checks every target (``check_everywhere``; also ``megatron-tsp check-patches``), and
 ``docs/megatron-lm.md`` shows the table (``markdown_table``; a test keeps the page current).
 
 Supported: megatron-core 0.16.x and 0.19.x (``MEGATRON_VERSIONS``), the Megatron-LM trees
@@ -858,6 +859,83 @@ def check_tree(tree: str, patches: Sequence[Patch] = REGISTRY) -> List[str]:
             problems.append(f"{label}: a class; expected a function with {patch.params}")
         # "value" / "external": bound to an object defined elsewhere (torch): checked installed
     return problems
+
+
+def imported_megatron_lm_tree() -> Optional[str]:
+    """The Megatron-LM checkout whose ``megatron.training`` this process imports (None: none)."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("megatron.training")
+    except ImportError:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    tree = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))))
+    return tree if tree_version(tree) else None
+
+
+def _imported_from(module: str) -> str:
+    """Where ``module`` is imported from (its package folder), without importing it."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except ImportError:
+        spec = None
+    if spec is None or not spec.origin:
+        return "not importable"
+    return os.path.dirname(os.path.abspath(spec.origin))
+
+
+def check_everywhere(trees: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
+    """``(checked, problems)``: every declared target against the installed megatron-core and
+    torch and against the source of each Megatron-LM tree in ``trees``; ``checked`` names where."""
+    import importlib.metadata
+
+    checked = [
+        f"megatron-core {megatron_version()} ({_imported_from('megatron.core')}) and torch "
+        f"{importlib.metadata.version('torch')} (as imported here)"
+    ]
+    problems = check_installed()
+    for tree in trees:
+        checked.append(f"Megatron-LM tree {tree} (core_v{tree_version(tree)})")
+        problems += check_tree(tree)
+    return checked, problems
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-tsp check-patches``: does every patch target exist, with the parameters it
+    relies on, in this installation (and the given Megatron-LM checkouts)? Exit 1 if not."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="megatron-tsp check-patches", description=main.__doc__)
+    parser.add_argument(
+        "--megatron-lm",
+        action="append",
+        default=[],
+        metavar="TREE",
+        help="a Megatron-LM checkout to check by source (repeatable; default: the checkout whose "
+        "megatron.training this interpreter imports, if any)",
+    )
+    args = parser.parse_args(argv)
+    trees = [os.path.abspath(t) for t in args.megatron_lm]
+    if not trees and imported_megatron_lm_tree():
+        trees = [imported_megatron_lm_tree()]
+    checked, problems = check_everywhere(trees)
+    print(f"{len(REGISTRY)} declared patch targets, checked in:")
+    print("\n".join(f"  {where}" for where in checked))
+    if not trees:
+        print("  (no Megatron-LM tree: pass --megatron-lm PATH to check its targets too)")
+    if problems:
+        print(f"{len(problems)} problem(s):")
+        print("\n".join(f"  {problem}" for problem in problems))
+        return 1
+    print("all present, with the parameters they rely on")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,4 @@
-"""``megatron-tsp`` console entry point: ``demo``, ``plan``, ``memory``, ``bench``, ``cpu-run``
-subcommands."""
+"""``megatron-tsp`` console entry point: one subcommand per tool (``COMMANDS``)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,10 @@ COMMANDS = {
     "prefill-memory": (
         "megatron_tsp.tools.estimator.inference_memory",
         "one rank's peak memory of a long-prompt prefill: TSP / TP / CP",
+    ),
+    "check-patches": (
+        "megatron_tsp.megatron_lm.patches",
+        "check every patch target in this installation and Megatron-LM checkout",
     ),
     "cpu-run": (
         "megatron_tsp.megatron_lm.cpu_runner",

@@ -98,3 +98,47 @@ def test_stage_outputs_pseudo_freed_mid_send_are_held_until_the_next_interleaved
         assert len(seen[1]) == 1 and torch.equal(seen[1][0], expected[1]), seed
     finally:
         cpu_runner._HELD_STAGE_OUTPUTS.clear()
+
+
+_ONE_RANK_FAILS = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+failing = int(os.environ["FAILING_RANK"])
+if dist.get_rank() == failing:
+    time.sleep(1.0)  # the other ranks are already waiting in the barrier
+    print("planted failure on rank", failing, flush=True)
+    sys.exit(7)
+dist.barrier()  # never completes: the failing rank does not arrive
+"""
+
+
+def test_a_failing_rank_is_named_and_the_others_do_not_hang(tmp_path):
+    """One rank exits 7 while the other ranks (rank 0 among them) wait for it in a barrier: the
+    run must stop the waiting ranks, report exit 7 and name that rank. A runner that waits on rank
+    0 first would sit until the timeout and report 124 on rank 0."""
+    import random
+
+    nproc = 3
+    failing = random.randrange(1, nproc)
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(_ONE_RANK_FAILS)
+    run = cpu_runner.run_training(
+        str(script),
+        [],
+        nproc=nproc,
+        env={"FAILING_RANK": str(failing)},
+        stock=True,
+        timeout=120,
+        check=False,
+    )
+    assert (run.returncode, run.failed_rank) == (7, failing), (failing, run.log[-3000:])
+    assert "planted failure on rank" in run.rank_log(failing)
+    try:
+        run.check()
+    except RuntimeError as e:
+        assert f"training run failed (exit 7), rank {failing}:" in str(e)
+    else:
+        raise AssertionError("check() accepted a failed run")

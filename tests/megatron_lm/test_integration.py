@@ -174,6 +174,12 @@ def test_dry_run_end_to_end(name):
     ):
         line = f"{state} {mode:<11} {target}: {patches.find(mode, target).reason}"
         assert line in out, (line, out[-3000:])
+    # every declared target checked in the imported megatron-core and the script's checkout
+    declared = len(patches.REGISTRY)
+    assert f"patch targets     : all {declared} declared targets present" in out, out[-3000:]
+    tree = os.path.dirname(os.path.abspath(_script()))
+    version = patches.tree_version(tree)
+    assert f"checked in Megatron-LM tree {tree} (core_v{version})" in out, out[-3000:]
 
 
 def test_dry_run_rejects_unsupported_flags_by_name():

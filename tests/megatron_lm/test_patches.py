@@ -125,6 +125,49 @@ def test_planted_errors_fail_the_tree_check_naming_the_target(version):
     assert "present" in problems[2]
 
 
+@pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
+def test_check_patches_command_passes_on_a_supported_tree(version, capsys):
+    tree = _tree_or_skip(version)
+    assert P.main(["--megatron-lm", tree]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(P.REGISTRY)} declared patch targets, checked in:" in out
+    assert f"Megatron-LM tree {tree} (core_v{version})" in out
+    assert out.rstrip().endswith("all present, with the parameters they rely on"), out
+
+
+def test_check_patches_command_fails_naming_every_missing_target(tmp_path, capsys):
+    """A checkout that says core_v0.16 but holds none of the source: every Megatron target the
+    registry expects there is reported missing, by name, and the command exits 1."""
+    info = tmp_path / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    assert P.main(["--megatron-lm", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    expected = [
+        p
+        for p in P.REGISTRY
+        if p.owner_kind in ("megatron-lm", "megatron-core")
+        and "0.16" in p.versions
+        and not p.optional
+    ]
+    assert f"{len(expected)} problem(s):" in out, out[-2000:]
+    for p in expected:
+        assert f"{p.target} ({p.mode}, core_v0.16 tree): missing" in out, p.target
+
+
+def test_dry_run_reports_patch_problems_and_fails():
+    from megatron_tsp.megatron_lm import dry_run
+
+    problem = "megatron.training.arguments:validate_args (launch, core_v0.16 tree): missing"
+    bad = {"checked": ["Megatron-LM tree /x (core_v0.16)"], "problems": [problem]}
+    lines = dry_run._patch_check_lines(bad)
+    assert "1 PROBLEM(S)" in lines[0]
+    assert lines[1].strip() == "checked in Megatron-LM tree /x (core_v0.16)"
+    assert lines[-1].strip() == problem
+    assert dry_run.exit_status({"patch_check": bad}) == 1
+    assert dry_run.exit_status({"patch_check": {"checked": [], "problems": []}}) == 0
+
+
 def test_undeclared_patches_are_refused():
     with pytest.raises(P.UndeclaredPatchError, match="torch.cuda:is_available"):
         P.apply(P.LAUNCH, "torch.cuda:is_available", lambda: True)

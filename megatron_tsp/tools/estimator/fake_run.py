@@ -293,18 +293,6 @@ class FlashCoreAttention(_Base):
 # process groups and model
 
 
-def _ensure_fake_world(world_size: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
-            return
-        if dist.get_backend() != "fake":
-            raise RuntimeError("a non-fake process group is already initialised in this process")
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-
 def _init_parallel(cfg: RunConfig) -> None:
     from megatron.core import parallel_state as mpu
 
@@ -690,10 +678,11 @@ def _prepare(cfg: RunConfig):
 
     from megatron_tsp.core.comm import WORKSPACE
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.fake_world import init_fake_world
 
     WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
     enable_cpu_support()
-    _ensure_fake_world(cfg.world_size)
+    init_fake_world(cfg.world_size)
     _init_parallel(cfg)
     config = _transformer_config(cfg)
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
