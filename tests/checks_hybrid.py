@@ -1,5 +1,11 @@
 """Checks run inside every rank for the hybrid: Megatron's TP+SP attention + TSP's MLP ring
-(``get_gpt_block_tsp_mlp_spec``, Megatron-LM ``--tsp-mlp``)."""
+(``get_gpt_block_tsp_mlp_spec``, Megatron-LM ``--tsp-mlp``).
+
+References are stock megatron-core: the TP=1 local spec (``reference_single_layer_spec``) and,
+for the fp64 parity with TP=D+SP, ``reference_tp_sp_block_spec`` (stock local spec, norms from
+their formula), not the package's own TP+SP spec, whose norm the hybrid shares. The bf16
+comparison runs the package's TP+SP spec as the *baseline* (same norm implementation on both
+sides, so only the MLP's arithmetic differs), against the stock fp64 reference."""
 
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from tests.common import (
     FUSIONS_OFF,
     make_config,
     reference_single_layer_spec,
+    reference_tp_sp_block_spec,
     rel_err,
     setup_megatron_tp,
 )
@@ -41,6 +48,7 @@ MEGATRON_DEFAULT_FUSIONS = dict(
     bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True
 )
 
+# the bf16 runs: the hybrid and the package's TP+SP baseline (same norm class as the hybrid)
 SPECS = {"hybrid": get_gpt_block_tsp_mlp_spec, "tp_sp": get_gpt_block_local_sp_spec}
 
 
@@ -114,7 +122,7 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False, lo
     setup_megatron_tp(d, seed)
     group, _, _ = _tp_group_info()
     config = _hybrid_config(d, dtype, style, fusion)
-    tp_model = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
+    tp_model = _model(config, reference_tp_sp_block_spec(config), style, 128, 32, po)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss = _step(tp_model, data, loss_path)
     sharding.allreduce_sequence_parallel_grads(tp_model, group)
@@ -133,7 +141,7 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False, lo
     setup_megatron_tp(d, init_seed)
     hybrid_init = _model(config, get_gpt_block_tsp_mlp_spec(config), style, 128, 32, po)
     setup_megatron_tp(d, init_seed)
-    tp_init = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
+    tp_init = _model(config, reference_tp_sp_block_spec(config), style, 128, 32, po)
     for (n1, p1), (n2, p2) in zip(hybrid_init.named_parameters(), tp_init.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"{n1}: hybrid init differs from TP=D init"
         for attr in (
@@ -143,7 +151,7 @@ def check_hybrid_vs_tp_sp(d, seed, style, dtype_name="float64", fusion=False, lo
             "sequence_parallel",
         ):
             assert getattr(p1, attr, None) == getattr(p2, attr, None), (n1, attr)
-    fresh = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, po)
+    fresh = _model(config, reference_tp_sp_block_spec(config), style, 128, 32, po)
     fresh.load_state_dict(hybrid_init.state_dict(), strict=True)
     for (n1, p1), (_, p2) in zip(fresh.named_parameters(), hybrid_init.named_parameters()):
         assert torch.equal(p1, p2), n1
@@ -160,7 +168,9 @@ def check_bf16_accuracy(d, seed, style):
     rounded = {k: v.to(torch.bfloat16).to(torch.float64) for k, v in ref_params.items()}
     setup_megatron_tp(1, seed)
     config = _hybrid_config(1, torch.float64, style, False)
-    model = _model(config, get_gpt_block_local_sp_spec(config), style, 128, 32, True)
+    model = _norms_to(
+        _model(config, reference_single_layer_spec(config), style, 128, 32, True), torch.float64
+    )
     _copy_params(model, rounded)
     ref_loss = _step(model, data, "megatron")
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

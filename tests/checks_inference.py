@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 
 from megatron_tsp.core import sharding
-from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
+from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 from megatron_tsp.inference import SamplingParams, TSPInferenceEngine
-from tests.checks_gpt import STYLES, _config
-from tests.common import DTYPES, group_info, rel_err, setup_megatron_tp, setup_tsp
+from tests.checks_gpt import STYLES, _config, _norms_to
+from tests.common import (
+    DTYPES,
+    group_info,
+    reference_single_layer_spec,
+    rel_err,
+    setup_megatron_tp,
+    setup_tsp,
+)
 
 SIZES = dict(layers=2, hidden=32, heads=8, ffn=64)
 VOCAB, MAX_POS = 96, 64
@@ -29,12 +36,13 @@ def _gpt(config, spec, style):
 
 
 def _reference(style, seed, dtype):
-    """Single-process stock megatron-core GPTModel (TP=1, local spec), eval mode."""
+    """Single-process stock megatron-core GPTModel (TP=1, Megatron's local spec and CPU norms,
+    not the package's specs), eval mode."""
     setup_megatron_tp(1, seed)
     config = _config(
         1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"]
     )
-    model = _gpt(config, get_gpt_block_local_sp_spec(config), style).eval()
+    model = _norms_to(_gpt(config, reference_single_layer_spec(config), style), dtype).eval()
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -1,4 +1,8 @@
-"""Per-layer checks run inside every rank: TSP layer vs a single-process reference."""
+"""Per-layer checks run inside every rank: TSP layer vs a single-process reference.
+
+Each rank's tokens and the reference rows it is compared with are taken with
+``tests.common.zigzag_rows`` (the zigzag written from its definition), not with the package's
+``zigzag`` / ``TSPLayout``, which the attention layer itself uses."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 
-from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core import sharding
 from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layers.mlp import TSPMLP
 from tests.common import (
@@ -25,6 +29,7 @@ from tests.common import (
     make_config,
     setup_tsp,
     stock_mlp,
+    zigzag_rows,
 )
 
 
@@ -100,14 +105,14 @@ def check_mlp(
     yr = out_r + bias_r if bias_r is not None else out_r
     yr.backward(dy_full)
 
-    x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
+    x = zigzag_rows(x_full, size, rank).requires_grad_(True)
     out, out_bias = layer(x)
     y = out + out_bias if out_bias is not None else out
-    y.backward(zigzag.split(dy_full, size, rank, dim=0))
+    y.backward(zigzag_rows(dy_full, size, rank))
     actual = {"output": y, "grad:input": x.grad}
     expected = {
-        "output": zigzag.split(yr, size, rank, dim=0),
-        "grad:input": zigzag.split(xr.grad, size, rank, dim=0),
+        "output": zigzag_rows(yr, size, rank),
+        "grad:input": zigzag_rows(xr.grad, size, rank),
     }
     _grad_pairs(
         layer, {n: p.grad for n, p in reference.named_parameters()}, group, actual, expected
@@ -203,14 +208,14 @@ def check_attention(
     )
     yr.backward(dy_full)
 
-    x = zigzag.split(x_full, size, rank, dim=0).requires_grad_(True)
+    x = zigzag_rows(x_full, size, rank).requires_grad_(True)
     out, out_bias = layer(x, attention_mask=None, rotary_pos_emb=freqs)
     y = out + out_bias if out_bias is not None else out
-    y.backward(zigzag.split(dy_full, size, rank, dim=0))
+    y.backward(zigzag_rows(dy_full, size, rank))
     actual = {"output": y, "grad:input": x.grad}
     expected = {
-        "output": zigzag.split(yr, size, rank, dim=0),
-        "grad:input": zigzag.split(xr.grad, size, rank, dim=0),
+        "output": zigzag_rows(yr, size, rank),
+        "grad:input": zigzag_rows(xr.grad, size, rank),
     }
     _grad_pairs(layer, {n: t.grad for n, t in ref.items()}, group, actual, expected)
     return assert_close(
@@ -445,8 +450,8 @@ def check_attention_eval_disables_dropout(d, seed, dropout=0.5):
         None,
         config,
     )
-    expected = zigzag.split(ref, size, rank, dim=0)
-    x = zigzag.split(x_full, size, rank, dim=0)
+    expected = zigzag_rows(ref, size, rank)
+    x = zigzag_rows(x_full, size, rank)
 
     def output():
         with torch.no_grad():

@@ -15,7 +15,14 @@ import torch
 from megatron_tsp.core import sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
 from tests.checks_gpt import _batch, _config, _model, _tp_group_info
-from tests.common import group_info, reference_single_layer_spec, setup_megatron_tp, setup_tsp
+from tests.common import (
+    group_info,
+    natural_order,
+    reference_single_layer_spec,
+    setup_megatron_tp,
+    setup_tsp,
+    zigzag_rows,
+)
 
 
 def _norm_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -78,8 +85,8 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     sharding.allreduce_sequence_parallel_grads(model, group)
     rank = torch.distributed.get_rank(group)
     if kind == "tsp":
-        token_losses = zigzag.unpermute(token_losses, d, dim=1)
-        local_slice = lambda t: zigzag.split(t, d, rank, dim=0)  # noqa: E731
+        token_losses = natural_order(token_losses, d, dim=1)
+        local_slice = lambda t: zigzag_rows(t, d, rank)  # noqa: E731
     else:
         local_slice = lambda t: t.chunk(d, dim=0)[rank]  # noqa: E731
     return (
@@ -191,8 +198,8 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-    from megatron_tsp.core.layers.mlp import TSPMLP, make_activation
-    from tests.common import make_config
+    from megatron_tsp.core.layers.mlp import TSPMLP
+    from tests.common import make_config, stock_mlp
 
     act = F.silu if gated else F.gelu
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -201,15 +208,14 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
     for kind in ("tp_sp", "tsp"):
         (setup_tsp if kind == "tsp" else setup_megatron_tp)(d)
         group, size, rank = group_info() if kind == "tsp" else _tp_group_info()
-        config = make_config(
-            d,
-            torch.bfloat16,
+        fields = dict(
             hidden_size=hidden,
             ffn_hidden_size=ffn,
             gated_linear_unit=gated,
             add_bias_linear=bias,
             activation_func=act,
         )
+        config = make_config(d, torch.bfloat16, **fields)
         layer = (TSPMLP if kind == "tsp" else MLP)(config, submodules)
         if kind == "tp_sp":  # same full weights / data for both kinds
             gen.manual_seed(seed)
@@ -222,16 +228,19 @@ def mlp_bf16_errors_vs_fp64(d, seed, gated, bias, seq=64, batch=2, hidden=64, ff
                 full[n] = (torch.randn(shape, generator=gen) * 0.1).to(torch.bfloat16).double()
             x_full = torch.randn(seq, batch, hidden, generator=gen).to(torch.bfloat16).double()
             dy_full = torch.randn(seq, batch, hidden, generator=gen).to(torch.bfloat16).double()
-            ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
+            # fp64 reference: megatron-core's stock MLP at TP=1 (its own activation and fusion
+            # choice, not the TSP layer's ``make_activation``), on the same rounded weights
+            reference = stock_mlp(make_config(1, torch.float64, **fields))
+            with torch.no_grad():
+                for n, p in reference.named_parameters():
+                    p.copy_(full[n])
+            ref = dict(reference.named_parameters())
             xr = x_full.clone().requires_grad_(True)
-            pre = xr @ ref["linear_fc1.weight"].t()
-            if bias:
-                pre = pre + ref["linear_fc1.bias"]
-            yr = make_activation(config)(pre) @ ref["linear_fc2.weight"].t()
+            yr, _ = reference(xr)
             yr.backward(dy_full)  # fc2 bias is added outside both layers
         sharding.load_full_state(layer, {n: t.to(torch.bfloat16) for n, t in full.items()}, group)
         if kind == "tsp":
-            split = lambda t: zigzag.split(t, size, rank, dim=0)  # noqa: E731
+            split = lambda t: zigzag_rows(t, size, rank)  # noqa: E731
         else:
             split = lambda t: t.chunk(size, dim=0)[rank]  # noqa: E731
         x = split(x_full).to(torch.bfloat16).requires_grad_(True)

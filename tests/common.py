@@ -355,6 +355,35 @@ def stock_mlp(config):
     )
 
 
+def zigzag_positions(seq: int, group_size: int, rank=None) -> list:
+    """Token positions in zigzag order, from the chunk definition alone (independent of
+    ``megatron_tsp.core.layout`` / ``zigzag``): ``seq`` tokens form 2D chunks of C = S/(2D)
+    tokens, rank r holds chunk r then chunk 2D-1-r. With ``rank``: that rank's positions; without:
+    every rank's, concatenated in rank order (the gathered order)."""
+    d = group_size
+    if seq % (2 * d):
+        raise ValueError(f"{seq} tokens cannot form {2 * d} chunks")
+    chunk = seq // (2 * d)
+    ranks = range(d) if rank is None else [rank]
+    return [c * chunk + i for r in ranks for c in (r, 2 * d - 1 - r) for i in range(chunk)]
+
+
+def zigzag_rows(full: torch.Tensor, group_size: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s local slice of a full-sequence tensor (sequence along ``dim``), by the
+    definition in ``zigzag_positions``: the reference side of a layer check."""
+    positions = zigzag_positions(full.shape[dim], group_size, rank)
+    return full.index_select(dim, torch.tensor(positions, device=full.device))
+
+
+def natural_order(gathered: torch.Tensor, group_size: int, dim: int) -> torch.Tensor:
+    """A tensor in gathered (zigzag) order along ``dim`` put back into natural order, by the
+    definition in ``zigzag_positions``."""
+    positions = torch.tensor(zigzag_positions(gathered.shape[dim], group_size))
+    out = torch.empty_like(gathered)
+    out.index_copy_(dim, positions, gathered)
+    return out
+
+
 def expected_zigzag_batch(batch: dict, group_size: int) -> dict:
     """The TSP-permuted batch, built from the chunk definition alone (independent of
     ``megatron_tsp.core.zigzag``): the sequence is cut into 2D chunks of S/(2D) tokens and rank r

@@ -89,8 +89,8 @@ def test_merge_is_exact(seed):
 def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     """Local chunks (r, 2D-1-r) against natural-order K/V equal the causal attention of the full
     sequence at those rows; dK/dV come back summed over the chunks in the accumulation dtype."""
-    from megatron_tsp.core import zigzag
     from megatron_tsp.core.layout import TSPLayout
+    from tests.common import zigzag_rows  # the rank's rows by the definition, not the package's
 
     gen = torch.Generator().manual_seed(seed)
     c_len, b, d = 3, 2, 8
@@ -99,8 +99,8 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     q_full, k_nat, v_nat = mk(s, b, heads, d), mk(s, b, groups, d), mk(s, b, groups, d)
     dy_full = mk(s, b, heads * d)
     blocks = TSPLayout(size, s, rank).causal_blocks
-    q_loc = zigzag.split(q_full, size, rank, dim=0)
-    dy_loc = zigzag.split(dy_full, size, rank, dim=0)
+    q_loc = zigzag_rows(q_full, size, rank)
+    dy_loc = zigzag_rows(dy_full, size, rank)
     kernel = kernels.CpuFlashKernel()
     outs, lses = kernels.zigzag_forward(
         kernel, q_loc.to(dtype), k_nat.to(dtype), v_nat.to(dtype), blocks, 0.4
@@ -122,11 +122,11 @@ def test_zigzag_chunks(seed, dtype, size, rank, heads, groups):
     perm = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
     ref, _ = reference(perm(qr), perm(kr), perm(vr), kernels.TOP_LEFT, 0.4)
     ref_rows = ref.permute(2, 0, 1, 3).reshape(s, b, -1)
-    local_ref = zigzag.split(ref_rows, size, rank, dim=0)
+    local_ref = zigzag_rows(ref_rows, size, rank)
     (local_ref * dy_loc).sum().backward()
     tol = TOL[dtype]
     assert _rel(torch.cat(outs), local_ref) <= tol, f"seed={seed}"
-    assert _rel(dq, zigzag.split(qr.grad, size, rank, dim=0)) <= 4 * tol, f"seed={seed}"
+    assert _rel(dq, zigzag_rows(qr.grad, size, rank)) <= 4 * tol, f"seed={seed}"
     assert _rel(dkv[:, :, :groups], kr.grad) <= 4 * tol, f"seed={seed}"
     assert _rel(dkv[:, :, groups:], vr.grad) <= 4 * tol, f"seed={seed}"
 

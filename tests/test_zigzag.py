@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_tsp.core import zigzag
-from tests.common import expected_zigzag_batch
+from tests.common import expected_zigzag_batch, natural_order, zigzag_rows
 
 
 def _batch(seed, batch=2, seq=48, vocab=97):
@@ -48,6 +48,9 @@ def test_split_is_the_contiguous_shard_of_the_permutation(seed, d):
         positions = list(range(r * chunk, (r + 1) * chunk))
         positions += list(range((2 * d - 1 - r) * chunk, (2 * d - r) * chunk))
         assert torch.equal(part, x[:, positions]), f"seed={seed}"
+        # the tests' own reference helper agrees with the definition written out here
+        assert torch.equal(zigzag_rows(x, d, r, dim=1), x[:, positions]), f"seed={seed}"
+    assert torch.equal(natural_order(permuted, d, dim=1), x), f"seed={seed}"
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 4])

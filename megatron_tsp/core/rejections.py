@@ -191,12 +191,6 @@ _FSDP = (
     "optimizer state and gradients) instead"
 )
 
-_INTERLEAVED = (
-    "interleaved (virtual) pipeline stages are not supported with TSP yet: the real training loop "
-    "on CPU gives losses that differ from TP's from iteration 1 (plain "
-    "--pipeline-model-parallel-size works and is tested)"
-)
-
 ROWS: Tuple[Rejection, ...] = (
     # --- parallel layout -------------------------------------------------------------------------
     Rejection(
@@ -277,27 +271,6 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         _CUDA_GRAPHS,
         config_field="external_cuda_graph",
-    ),
-    Rejection(
-        "--num-layers-per-virtual-pipeline-stage",
-        "num_layers_per_virtual_pipeline_stage",
-        SET,
-        _INTERLEAVED,
-        example=("1",),
-    ),
-    Rejection(
-        "--num-virtual-stages-per-pipeline-rank",
-        "num_virtual_stages_per_pipeline_rank",
-        above(1),
-        _INTERLEAVED,
-        example=("2",),
-    ),
-    Rejection(
-        "--pipeline-model-parallel-layout",
-        "pipeline_model_parallel_layout",
-        SET,
-        "a layout can define virtual (interleaved) stages; " + _INTERLEAVED,
-        example=("Et|tL",),
     ),
     # --- MoE -------------------------------------------------------------------------------------
     Rejection(

@@ -226,12 +226,6 @@ def _check_validated_args(args, d: int) -> None:
             f"Megatron changed --tensor-model-parallel-size to {args.tensor_model_parallel_size} "
             f"during validation; TSP needs it equal to {TSP_FLAG}={d}"
         )
-    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if virtual not in (None, 1):
-        raise TSPArgumentError(
-            f"virtual_pipeline_model_parallel_size={virtual} (interleaved pipeline stages) cannot "
-            f"be combined with {TSP_FLAG}={d}: not supported with TSP yet"
-        )
     if d > 1 and not args.sequence_parallel:
         raise TSPArgumentError(
             f"Megatron turned --sequence-parallel off during validation; TSP with {TSP_FLAG}={d} "

@@ -9,10 +9,11 @@ A test tool, also useful to users who want to see a TSP run next to a stock one 
 torchrun's environment variables and ``--distributed-backend gloo`` appended; each runs the script
 through ``megatron_tsp.megatron_lm.launch`` (``--stock``: plain ``runpy``, no TSP hooks) after
 ``apply_cuda_answers()``. Nothing else is changed: the script, Megatron's arguments, its data
-path, model builder, optimizer, DDP, schedules and logging are the checkout's own.
+path, model builder, optimizer, DDP, schedules and logging are the checkout's own (the interleaved
+schedule only has its pseudo-freed outputs held longer, see below).
 
 Every CUDA-only call the loop makes is answered in one place, ``CUDA_ANSWERS`` (below), each
-entry saying why it is needed. Three answers are not plain replacements:
+entry saying why it is needed. Four answers are not plain replacements:
 
 * ``device='cuda'`` tensors, ``Tensor.cuda()`` and ``.to('cuda')`` are redirected to the CPU by a
   ``TorchFunctionMode`` (``CudaToCpuMode``) kept active for the whole run;
@@ -23,7 +24,10 @@ entry saying why it is needed. Three answers are not plain replacements:
 * apex's ``fused_weight_gradient_mlp_cuda`` (gradient-accumulation fusion, on by default in
   Megatron) is replaced by a torch module with the same two functions: ``main_grad +=
   grad_output^T @ input`` computed in fp32 from the (bf16/fp16/fp32) operands, as the CUDA kernel
-  accumulates in fp32.
+  accumulates in fp32;
+* interleaved pipeline stages: the schedule pseudo-frees a stage output while its overlapped send
+  may still run; NCCL keeps a sent storage alive until the transfer is done, gloo does not, so
+  the runner holds those storages until the next step (see ``_HELD_STAGE_OUTPUTS``).
 
 Nothing here is applied on import: only the worker processes call ``apply_cuda_answers()``.
 ``TORCHDYNAMO_DISABLE=1`` is set in the workers (Megatron's jit fusions would otherwise be
@@ -46,8 +50,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
 WORKER_FLAG = "--cpu-runner-worker"
@@ -174,7 +179,44 @@ def _fork_rng(original):
     return warmup_without_drawing_from_the_training_generator
 
 
+# Storages of stage outputs that Megatron's interleaved schedule pseudo-freed (``out.data =
+# empty(1)``) right after posting their overlapped isend, before waiting on it. NCCL's send work
+# keeps the sent storage alive until the transfer completes; gloo's holds only the tensor, whose
+# storage the pseudo-free swaps out, so the CPU allocator could hand the memory to a new tensor
+# while gloo's thread is still sending it and the next stage would receive partly overwritten
+# activations (seen as run-to-run different losses with --num-virtual-stages-per-pipeline-rank).
+# They are released when the next step's schedule starts: every send of a step has been received
+# by then (the optimizer's collectives over the model-parallel ranks follow each schedule).
+_HELD_STAGE_OUTPUTS: List = []
+_IN_INTERLEAVED_SCHEDULE = False
+
+
+def _hold_sent_output_storage(original):
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        import torch
+
+        if _IN_INTERLEAVED_SCHEDULE and deallocate_pipeline_outputs and torch.is_tensor(out):
+            _HELD_STAGE_OUTPUTS.append(out.data)  # shares (and so keeps) the sent storage
+        return original(out, deallocate_pipeline_outputs)
+
+    return deallocate_output_tensor
+
+
+def _release_held_outputs_each_step(original):
+    def forward_backward_pipelining_with_interleaving(*args, **kwargs):
+        global _IN_INTERLEAVED_SCHEDULE
+        _HELD_STAGE_OUTPUTS.clear()
+        _IN_INTERLEAVED_SCHEDULE = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _IN_INTERLEAVED_SCHEDULE = False
+
+    return forward_backward_pipelining_with_interleaving
+
+
 RUNNER_MODULE = "megatron_tsp.megatron_lm.cpu_runner"
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 
 def _spawn_children_import_the_runner(original):
@@ -278,6 +320,12 @@ CUDA_ANSWERS: Sequence[Answer] = (
     Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner),
     # the jit warm-up's random draws
     Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng),
+    # overlapped pipeline sends over gloo (interleaved schedule)
+    Answer(f"{SCHEDULES}:deallocate_output_tensor", _hold_sent_output_storage),
+    Answer(
+        f"{SCHEDULES}:forward_backward_pipelining_with_interleaving",
+        _release_held_outputs_each_step,
+    ),
 )
 
 
@@ -461,6 +509,31 @@ def _worker(argv: List[str]) -> int:
     return launch.main([script] + argv[1:])
 
 
+def _wait_for_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> Tuple[int, Optional[int]]:
+    """``(returncode, failed_rank)`` of a group of rank processes: the first rank seen to exit
+    non-zero (the others are then killed: they would wait for it in a collective until gloo's own
+    timeout, and the rank that exits first with an error is the one whose log says why), or 124
+    and the lowest rank still running when ``timeout`` s pass; ``(0, None)`` when all succeed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        running = [rank for rank, code in enumerate(codes) if code is None]
+        if failed:
+            rank, code = failed[0]
+        elif not running:
+            return 0, None
+        elif time.monotonic() > deadline:
+            rank, code = running[0], 124
+        else:
+            time.sleep(0.1)
+            continue
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        return code, rank
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -553,19 +626,8 @@ def run_training(
             procs.append(
                 (subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out)
             )
-        returncode = 0
-        failed_rank = None
         try:
-            for rank, (proc, _) in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    code = 124
-                if code != 0 and returncode == 0:
-                    returncode, failed_rank = code, rank
-                    for other, _ in procs:  # one rank failed: the others would hang
-                        if other.poll() is None:
-                            other.kill()
+            returncode, failed_rank = _wait_for_ranks([proc for proc, _ in procs], timeout)
         finally:
             for proc, out in procs:
                 if proc.poll() is None:

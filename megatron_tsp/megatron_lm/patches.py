@@ -98,6 +98,7 @@ def _p(mode, target, reason, params=None, versions=MEGATRON_VERSIONS, optional=F
 _DEVICE = ("device",)
 _TRAINING = "megatron.training"
 _GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 _LAUNCH_PATCHES = [
     _p(
@@ -265,6 +266,20 @@ _CPU_RUNNER_PATCHES = [
         CPU_RUNNER,
         f"{_TRAINING}.initialize:_warmup_jit_function",
         "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights",
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{_SCHEDULES}:deallocate_output_tensor",
+        "the interleaved schedule pseudo-frees a stage output while its overlapped isend may still "
+        "be running; gloo (unlike NCCL) does not keep the storage alive, so the allocator could "
+        "reuse it mid-send: the storage is held until the next step's schedule starts",
+        ("out", "deallocate_pipeline_outputs"),
+    ),
+    _p(
+        CPU_RUNNER,
+        f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving",
+        "marks the steps whose pseudo-freed outputs are held (see deallocate_output_tensor)",
+        (),
     ),
     _p(
         CPU_RUNNER,

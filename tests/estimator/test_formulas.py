@@ -15,8 +15,10 @@ def _shape(**kw):
     return LayerShape(**base)
 
 
-def _random_shapes(n=20, rng=None):
-    rng = rng or random.Random(1234)
+def _random_shapes(seed, n=20):
+    """``n`` random valid layer shapes (fresh per run: ``seed`` comes from the ``seed`` fixture,
+    which prints it on failure)."""
+    rng = random.Random(seed)
     for _ in range(n):
         heads = rng.choice([2, 4, 8])
         groups = rng.choice([g for g in (1, 2, 4, 8) if heads % g == 0])
@@ -128,14 +130,14 @@ def test_cp_and_tp_cp():
 
 
 # --- invariances ------------------------------------------------------------------------------
-def test_group_of_one_moves_nothing():
-    for s in _random_shapes(5):
+def test_group_of_one_moves_nothing(seed):
+    for s in _random_shapes(seed, 5):
         for fn in (fm.tsp_layer_comm, fm.tp_sp_layer_comm, fm.tp_layer_comm, fm.cp_layer_comm):
             assert set(fn(s, 1).values()) == {0.0}
 
 
-def test_tsp_activation_traffic_is_cp_traffic_and_weights_ignore_tokens():
-    for s in _random_shapes():
+def test_tsp_activation_traffic_is_cp_traffic_and_weights_ignore_tokens(seed):
+    for s in _random_shapes(seed):
         D = 4
         split = fm.tsp_layer_split(s, D)
         cp = fm.cp_layer_comm(s, D)
@@ -212,8 +214,8 @@ def test_paper_model_crossover_constants(D):
     assert ca["fwd_weights_without_f"] == pytest.approx(6 / ((D - 1) / D))
 
 
-def test_crossover_solves_the_inequality():
-    for s in _random_shapes(30, random.Random(99)):
+def test_crossover_solves_the_inequality(seed):
+    for s in _random_shapes(seed, 30):
         for D in (2, 4, 8):
             for direction, baseline in (
                 ("fwd", "tp_sp"),
@@ -222,7 +224,6 @@ def test_crossover_solves_the_inequality():
                 ("total", "tp"),
             ):
                 x = fm.crossover_seq_length(s, D, direction, baseline)
-                assert math.isfinite(x) and x > 0
                 sel = {"fwd": fm.fwd, "bwd": fm.bwd, "total": fm.total}[direction]
                 base = {"tp_sp": fm.tp_sp_layer_comm, "tp": fm.tp_layer_comm}[baseline]
 
@@ -230,9 +231,17 @@ def test_crossover_solves_the_inequality():
                     shp = LayerShape(**{**s.__dict__, "seq": seq})
                     return sel(fm.tsp_layer_comm(shp, D)) - sel(base(shp, D))
 
+                case = f"{s} D={D} {direction} vs {baseline}: crossover {x}"
+                if math.isinf(x):
+                    # documented: TSP's per-token traffic is not below the baseline's (e.g. the
+                    # backward of MHA, where the fp32 dK/dV reduce-scatter outweighs TP+SP), so
+                    # TSP moves more bytes at every length
+                    assert gap(1.0) > 0 and gap(1e12) > 0, case
+                    continue
+                assert x > 0, case
                 scale = sel(fm.tsp_layer_comm(s.with_seq(1), D))
-                assert abs(gap(x)) <= 1e-9 * scale
-                assert gap(x * 1.01) < 0 < gap(x * 0.99)
+                assert abs(gap(x)) <= 1e-9 * scale, case
+                assert gap(x * 1.01) < 0 < gap(x * 0.99), case
             # closed form of the forward crossover
             fwd_x = fm.crossover_seq_length(s, D, "fwd")
             assert fwd_x * s.batch == pytest.approx(s.w_layer / (4 * s.hidden - 2 * s.kv_hidden))

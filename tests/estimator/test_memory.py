@@ -19,12 +19,12 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
-from megatron_tsp.core import zigzag  # noqa: E402
 from megatron_tsp.core.layout import TSPLayout, whole_sequence_blocks  # noqa: E402
 from megatron_tsp.core.model_shape import ModelShape, load_model  # noqa: E402
 from megatron_tsp.tools.estimator import fake_run  # noqa: E402
 from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
+from tests.common import zigzag_rows  # noqa: E402
 
 # h=128, 2 layers, 8 heads, vocab 512: every scheme runs in seconds.
 TINY = ModelShape(name="tiny-h128", hidden=128, num_layers=2, heads=8, vocab=512)
@@ -67,8 +67,11 @@ def _dense_lower_right(q, k, v):
     )
 
 
-def test_baseline_attention_matches_dense_zigzag():
-    torch.manual_seed(0)
+def test_baseline_attention_matches_dense_zigzag(seed):
+    """Each CP rank's zigzag rows (taken by the chunk definition, ``zigzag_rows``) attend to the
+    whole natural-order K/V; outputs equal the dense causal attention's rows, gradients summed
+    over the ranks equal the dense gradients."""
+    torch.manual_seed(seed)
     cp, s, b, n, d = 3, 48, 2, 4, 8
     q, k, v = (torch.randn(s, b, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
@@ -77,19 +80,19 @@ def test_baseline_attention_matches_dense_zigzag():
     ref_grads = torch.autograd.grad(ref, (q, k, v), go)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     for rank in range(cp):
-        q_loc = zigzag.split(q, cp, rank, dim=0)
+        q_loc = zigzag_rows(q, cp, rank)
         blocks = TSPLayout(cp, s, rank).causal_blocks
         out = fake_run.BaselineCoreAttention.apply(q_loc, k, v, d**-0.5, blocks, None)
-        torch.testing.assert_close(out, zigzag.split(ref, cp, rank, dim=0))
-        g = torch.autograd.grad(out, (q, k, v), zigzag.split(go, cp, rank, dim=0))
+        torch.testing.assert_close(out, zigzag_rows(ref, cp, rank))
+        g = torch.autograd.grad(out, (q, k, v), zigzag_rows(go, cp, rank))
         grads = [a + bb for a, bb in zip(grads, g)]
     # every rank's contribution summed equals the dense gradient
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want)
 
 
-def test_baseline_attention_gqa_square():
-    torch.manual_seed(1)
+def test_baseline_attention_gqa_square(seed):
+    torch.manual_seed(seed)
     q = torch.randn(1, 4, 16, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
@@ -131,9 +134,22 @@ def test_fake_peak_matches_real_run(scheme, kw):
     assert fake.static_bytes == real.static_bytes
 
 
+def _tiny_params_per_rank(tp: int) -> int:
+    """TINY's parameters on one TP / TSP rank, counted by hand from the architecture (not from
+    the tool): per layer the qkv (3h x h), proj (h x h), fc1 (4h x h) and fc2 (h x 4h) matrices
+    sharded over ``tp``, two replicated LayerNorms (weight + bias); the embedding and the untied
+    output layer (vocab 512, already a multiple of 128 x tp, sharded); the final LayerNorm; RoPE,
+    no bias, no position table."""
+    h, layers, vocab = 128, 2, 512
+    assert vocab % (128 * tp) == 0, "vocab padding would change the count"
+    per_layer = (3 * h * h + h * h + 4 * h * h + 4 * h * h) // tp + 2 * 2 * h
+    return layers * per_layer + 2 * vocab * h // tp + 2 * h
+
+
 def test_static_state_is_18_bytes_per_param():
     r = run_step(_cfg("tsp", count_flops=False))
-    n = r.params_local
+    n = _tiny_params_per_rank(4)
+    assert r.params_local == n
     assert r.static_bytes["Parameter"] == 2 * n
     assert r.static_bytes["Gradient"] == 4 * n  # fp32 main_grad buffer
     assert abs(r.static_bytes["Optstate"] - 12 * n) <= 16  # master + m + v (+ step scalars)

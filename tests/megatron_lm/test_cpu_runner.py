@@ -68,3 +68,77 @@ def test_spawned_children_import_the_runner_not_the_script():
     import importlib.util
 
     assert importlib.util.find_spec(data["init_main_from_name"]) is not None
+
+
+def test_stage_outputs_pseudo_freed_mid_send_are_held_until_the_next_interleaved_step(seed):
+    """Megatron's interleaved schedule pseudo-frees a stage output (``out.data = empty(1)``) right
+    after posting its overlapped isend; gloo's send work does not keep the storage, so the runner
+    holds it (values intact) until the next interleaved step starts, and only inside that
+    schedule (the other schedules wait on their sends before freeing)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    deallocate = cpu_runner._hold_sent_output_storage(schedules.deallocate_output_tensor)
+    seen = []
+
+    def one_step(output):
+        deallocate(output, True)
+        assert output.numel() == 1  # Megatron's pseudo-free itself still happens
+        seen.append(list(cpu_runner._HELD_STAGE_OUTPUTS))
+
+    step = cpu_runner._release_held_outputs_each_step(one_step)
+    gen = torch.Generator().manual_seed(seed)
+    first, second = torch.randn(8, 2, 4, generator=gen), torch.randn(8, 2, 4, generator=gen)
+    expected = [first.clone(), second.clone()]
+    try:
+        step(first)
+        assert len(seen[0]) == 1 and torch.equal(seen[0][0], expected[0]), seed
+        deallocate(torch.randn(3, generator=gen), True)  # outside the interleaved schedule
+        assert len(cpu_runner._HELD_STAGE_OUTPUTS) == 1
+        step(second)  # releases the previous step's storage, holds this one's
+        assert len(seen[1]) == 1 and torch.equal(seen[1][0], expected[1]), seed
+    finally:
+        cpu_runner._HELD_STAGE_OUTPUTS.clear()
+
+
+_ONE_RANK_FAILS = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+failing = int(os.environ["FAILING_RANK"])
+if dist.get_rank() == failing:
+    time.sleep(1.0)  # the other ranks are already waiting in the barrier
+    print("planted failure on rank", failing, flush=True)
+    sys.exit(7)
+dist.barrier()  # never completes: the failing rank does not arrive
+"""
+
+
+def test_a_failing_rank_is_named_and_the_others_do_not_hang(tmp_path):
+    """One rank exits 7 while the other ranks (rank 0 among them) wait for it in a barrier: the
+    run must stop the waiting ranks, report exit 7 and name that rank. A runner that waits on rank
+    0 first would sit until the timeout and report 124 on rank 0."""
+    import random
+
+    nproc = 3
+    failing = random.randrange(1, nproc)
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(_ONE_RANK_FAILS)
+    run = cpu_runner.run_training(
+        str(script),
+        [],
+        nproc=nproc,
+        env={"FAILING_RANK": str(failing)},
+        stock=True,
+        timeout=120,
+        check=False,
+    )
+    assert (run.returncode, run.failed_rank) == (7, failing), (failing, run.log[-3000:])
+    assert "planted failure on rank" in run.rank_log(failing)
+    try:
+        run.check()
+    except RuntimeError as e:
+        assert f"training run failed (exit 7), rank {failing}:" in str(e)
+    else:
+        raise AssertionError("check() accepted a failed run")

@@ -11,7 +11,8 @@ The stock baseline is TP=D without ``--sequence-parallel`` (Megatron's CPU norm 
 SP changes no parameter and no value beyond reduction order).
 
 Needs MEGATRON_LM_PATH (CI sets it, see scripts/megatron_lm_sources.sh). Runtime on 2 free cores:
-about 4-5 minutes for the file (each 2-rank run ~8 s, each 4-rank run ~15-20 s).
+about 5-6 minutes for the file (each 2-rank run ~8 s, each 4-rank run ~15-20 s; the interleaved
+test ~40-80 s).
 """
 
 import os
@@ -205,6 +206,31 @@ def test_pp2_tsp2(seed):
     ]
     tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2")
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
+# The TP+SP baseline on CPU: Megatron's local layers with sequence-parallel-tagged torch norms
+# (Megatron's own norms refuse --sequence-parallel without apex / TE).
+TP_SP_CPU = ["--sequence-parallel", "--spec", "megatron_tsp.megatron_lm.spec", "tp_sp_block_spec"]
+
+
+def test_interleaved_pp2_tsp2_matches_tp2_sp(seed):
+    """Interleaved (virtual) pipeline stages: PP=2 with a layout of 2 virtual stages per rank,
+    uneven (rank 0: embedding + 2 layers, then 1 layer; rank 1: 1 layer, then only the final norm
+    and the loss), so the TSP block spec is resolved per (pp rank, vp stage) and the interleaved
+    schedule overlaps its sends with TSP's own communication."""
+    args = STYLES["llama"] + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-layout",
+        "Ett|t|t|L",
+        "--num-layers",
+        "4",
+        "--global-batch-size",
+        "8",
+    ]
+    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
+    ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2", *TP_SP_CPU)
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
