@@ -106,12 +106,13 @@ def prefill_peak(
     from megatron_tsp.core.layout import TSPLayout
     from megatron_tsp.inference.engine import prefill_slice
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.fake_world import init_fake_world
     from megatron_tsp.tools.estimator import fake_run as fr
 
     cfg = _run_config(scheme, size, seq, model or load_model("7b"), batch, dtype, True)
     cfg.validate()
     enable_cpu_support()
-    fr._ensure_fake_world(cfg.world_size)
+    init_fake_world(cfg.world_size)
     fr._init_parallel(cfg)
     config = fr._transformer_config(cfg)
     model_parallel_cuda_manual_seed(1234)
