@@ -120,7 +120,7 @@ def setup_groups(scheme: str, d: int, model, seq: int) -> None:
 
     cfg = _run_config(scheme, d, model, seq, torch.bfloat16, False)
     init_fake_world(d)
-    fr._init_parallel(cfg)
+    fr.init_parallel(cfg)
 
 
 def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device: str, init: bool):
@@ -137,7 +137,7 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     # On the GPU the parameters are created there (Megatron's default); torch modules (the norms)
     # follow the default-device context below.
     config = dataclasses.replace(
-        fr._transformer_config(config_cfg), use_cpu_initialization=device == "cpu"
+        fr.transformer_config(config_cfg), use_cpu_initialization=device == "cpu"
     )
     if scheme == "tpsp":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -149,7 +149,7 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
         spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
         spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
     else:
-        spec = fr._layer_spec(cfg, config).layer_specs[0]
+        spec = fr.layer_spec(cfg, config).layer_specs[0]
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(1234)

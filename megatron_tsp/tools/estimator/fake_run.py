@@ -293,7 +293,7 @@ class FlashCoreAttention(_Base):
 # process groups and model
 
 
-def _init_parallel(cfg: RunConfig) -> None:
+def init_parallel(cfg: RunConfig) -> None:
     from megatron.core import parallel_state as mpu
 
     from megatron_tsp.core import parallel_state as tsp_ps
@@ -309,7 +309,7 @@ def _init_parallel(cfg: RunConfig) -> None:
         )
 
 
-def _transformer_config(cfg: RunConfig):
+def transformer_config(cfg: RunConfig):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = cfg.model
@@ -351,7 +351,7 @@ def _transformer_config(cfg: RunConfig):
     )
 
 
-def _layer_spec(cfg: RunConfig, config):
+def layer_spec(cfg: RunConfig, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -395,12 +395,12 @@ def _layer_spec(cfg: RunConfig, config):
     )
 
 
-def _build_model(cfg: RunConfig, config):
+def build_model(cfg: RunConfig, config):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(cfg, config),
+        transformer_layer_spec=layer_spec(cfg, config),
         vocab_size=cfg.padded_vocab(),
         max_sequence_length=cfg.seq,
         pre_process=True,
@@ -413,7 +413,7 @@ def _build_model(cfg: RunConfig, config):
 
 
 @contextlib.contextmanager
-def _no_rng_fork(enabled: bool):
+def no_rng_fork(enabled: bool):
     """Fake runs only: Megatron's RNG-tracker ``fork`` compares CPU RNG states with ``.item()``,
     which a fake tensor cannot answer. Dropout is 0 in these runs, so forking is a no-op."""
     if not enabled:
@@ -445,7 +445,7 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 
 @contextlib.contextmanager
-def _cpu_cp_rope():
+def cpu_cp_rope():
     from megatron_tsp.megatron_lm import patches
 
     with patches.applied(
@@ -589,7 +589,7 @@ class _EnginePhase:
         return torch._C._current_graph_task_id() != -1
 
 
-def _lean_mem_tracker():
+def lean_mem_tracker():
     """torch's MemTracker without module hooks, keeping only the global peak.
 
     Stock ``MemTracker`` enters a ``ModTracker`` whose hooks (``register_multi_grad_hook`` on
@@ -683,8 +683,8 @@ def _prepare(cfg: RunConfig):
     WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
     enable_cpu_support()
     init_fake_world(cfg.world_size)
-    _init_parallel(cfg)
-    config = _transformer_config(cfg)
+    init_parallel(cfg)
+    config = transformer_config(cfg)
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
     torch.manual_seed(1234)
     return config
@@ -696,7 +696,7 @@ def _build_training_state(cfg: RunConfig, config):
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model = _build_model(cfg, config)
+    model = build_model(cfg, config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -737,7 +737,7 @@ def _track_static(model, ddp, optimizer):
     so far; returns it with their sizes by category."""
     from torch.distributed._tools.mem_tracker import _MemRefType
 
-    tracker = _lean_mem_tracker()
+    tracker = lean_mem_tracker()
     tracker.track_external(model, optimizer.optimizer)
     for buffer in ddp.buffers:
         _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
@@ -818,9 +818,9 @@ def run_step(cfg: RunConfig) -> RunResult:
             )
             mem_tracker = tracker if cfg.fake or cfg.track_real else contextlib.nullcontext()
             with (
-                _no_rng_fork(cfg.fake),
+                no_rng_fork(cfg.fake),
                 _uncoalesced_grad_sync(),
-                _cpu_cp_rope(),
+                cpu_cp_rope(),
                 _comm_counter(cfg.count_comm) as comm,
                 mem_tracker,
                 flop_counter,

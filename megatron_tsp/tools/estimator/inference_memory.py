@@ -113,8 +113,8 @@ def prefill_peak(
     cfg.validate()
     enable_cpu_support()
     init_fake_world(cfg.world_size)
-    fr._init_parallel(cfg)
-    config = fr._transformer_config(cfg)
+    fr.init_parallel(cfg)
+    config = fr.transformer_config(cfg)
     model_parallel_cuda_manual_seed(1234)
     shape = cfg.model
     head_dim = shape.hidden // shape.heads
@@ -123,9 +123,9 @@ def prefill_peak(
     element = 2 if dtype == "bf16" else 4
     kv_bytes = 2 * shape.num_layers * cache_tokens * batch * cache_groups * head_dim * element
     with FakeTensorMode(allow_non_fake_inputs=True):
-        gpt = fr._build_model(cfg, config).eval()
+        gpt = fr.build_model(cfg, config).eval()
         params = sum(p.numel() for p in gpt.parameters()) * element
-        tracker = fr._lean_mem_tracker()
+        tracker = fr.lean_mem_tracker()
         tracker.track_external(gpt)
         local = seq // size if scheme == "cp" else seq
         tokens = torch.randint(0, shape.vocab, (batch, local))
@@ -139,8 +139,8 @@ def prefill_peak(
         positions = positions.unsqueeze(0).expand(batch, -1)
         with (
             torch.no_grad(),
-            fr._no_rng_fork(True),
-            fr._cpu_cp_rope(),
+            fr.no_rng_fork(True),
+            fr.cpu_cp_rope(),
             _flash_prefill_attention(scheme == "tsp"),
             tracker,
         ):
