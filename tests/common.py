@@ -397,13 +397,7 @@ def expected_zigzag_batch(batch: dict, group_size: int) -> dict:
             out[key] = value
             continue
         seq = value.shape[-1] if key == "attention_mask" else value.shape[1]
-        if seq % (2 * d):
-            raise ValueError(f"{key}: {seq} tokens cannot form {2 * d} chunks")
-        chunk = seq // (2 * d)
-        order = []
-        for rank in range(d):
-            order += [rank, 2 * d - 1 - rank]
-        positions = [c * chunk + i for c in order for i in range(chunk)]
+        positions = zigzag_positions(seq, d)  # every rank's, in rank order
         if key == "attention_mask":
             out[key] = value[..., positions, :][..., positions]
         else:

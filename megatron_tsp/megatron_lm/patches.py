@@ -863,30 +863,24 @@ def check_tree(tree: str, patches: Sequence[Patch] = REGISTRY) -> List[str]:
 
 def imported_megatron_lm_tree() -> Optional[str]:
     """The Megatron-LM checkout whose ``megatron.training`` this process imports (None: none)."""
-    import importlib.util
     import os
 
-    try:
-        spec = importlib.util.find_spec("megatron.training")
-    except ImportError:
-        return None
-    if spec is None or not spec.origin:
-        return None
-    tree = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))))
-    return tree if tree_version(tree) else None
+    package = _imported_from("megatron.training")  # <tree>/megatron/training
+    tree = os.path.dirname(os.path.dirname(package)) if package else None
+    return tree if tree and tree_version(tree) else None
 
 
-def _imported_from(module: str) -> str:
-    """Where ``module`` is imported from (its package folder), without importing it."""
+def _imported_from(module: str) -> Optional[str]:
+    """The folder ``module`` is imported from (None: not importable); imports only its parents."""
     import importlib.util
     import os
 
     try:
         spec = importlib.util.find_spec(module)
     except ImportError:
-        spec = None
+        return None
     if spec is None or not spec.origin:
-        return "not importable"
+        return None
     return os.path.dirname(os.path.abspath(spec.origin))
 
 
@@ -895,8 +889,9 @@ def check_everywhere(trees: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
     torch and against the source of each Megatron-LM tree in ``trees``; ``checked`` names where."""
     import importlib.metadata
 
+    core_folder = _imported_from("megatron.core") or "not importable"
     checked = [
-        f"megatron-core {megatron_version()} ({_imported_from('megatron.core')}) and torch "
+        f"megatron-core {megatron_version()} ({core_folder}) and torch "
         f"{importlib.metadata.version('torch')} (as imported here)"
     ]
     problems = check_installed()

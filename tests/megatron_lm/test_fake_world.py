@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.megatron_lm.common import REPO
 
 _CHECKS = textwrap.dedent(
     """
