@@ -46,7 +46,9 @@ only when named in ``TSP_ATTENTION_KERNEL`` (or ``override``):
 
 Slicing uses ``narrow`` and accumulation ``add_`` (never ``copy_``, ``contiguous`` or ``[...]``
 indexing): those are what fake CUDA tensors support on a CPU-only torch, so the CUDA call sequence
-can be traced without a GPU (``tests/test_kernels.py``).
+can be traced without a GPU (``tests/test_kernels.py``). ``te_fused`` is the exception: TE reads
+its inputs as contiguous, so it copies them; its call sequence is checked on CPU against a
+contract emulator of TE instead (``tests/emulators/transformer_engine_emulator.py``).
 """
 
 from __future__ import annotations
