@@ -21,7 +21,8 @@ torch's bundled headers (~2 s, cached per torch version) and loaded with ``ctype
 torch reads the CUDA hooks once, while ``import torch`` initialises its C module, so the shim
 must be loaded *before torch is imported*: :func:`load` refuses otherwise. This module therefore
 imports nothing from torch; the traffic benchmark loads it first in a fresh interpreter. No
-kernel ever runs on the stand-in: every CUDA tensor in such a process is a fake tensor.
+kernel ever runs on the stand-in: every CUDA tensor in such a process is a fake tensor. A CUDA
+build of torch (``libc10_cuda.so`` present) gets nothing loaded: its own guard and hooks serve.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ extern "C" void megatron_tsp_cuda_standin_set_active(int on) { active.store(on !
 """
 
 _LIB: Optional[ctypes.CDLL] = None
+_NATIVE = False  # a CUDA build of torch: its own guard and hooks serve, nothing is loaded
 
 
 class StandinUnavailable(RuntimeError):
@@ -116,8 +118,8 @@ def build(torch_dir: Optional[str] = None) -> str:
 
 def load() -> None:
     """Load the shim into this process (before ``import torch``); idempotent."""
-    global _LIB
-    if _LIB is not None:
+    global _LIB, _NATIVE
+    if _LIB is not None or _NATIVE:
         return
     if "torch" in sys.modules:
         raise StandinUnavailable(
@@ -125,6 +127,10 @@ def load() -> None:
             "hooks once, at import); run the measurement in a fresh interpreter"
         )
     torch_dir = _torch_dir()
+    if os.path.exists(os.path.join(torch_dir, "lib", "libc10_cuda.so")):
+        # Registering a second CUDA guard would replace the real one: use torch's own.
+        _NATIVE = True
+        return
     path = build(torch_dir)
     for name in ("libc10.so", "libtorch_cpu.so"):  # the shim's dependencies, torch's copies
         ctypes.CDLL(os.path.join(torch_dir, "lib", name), mode=ctypes.RTLD_GLOBAL)
@@ -132,10 +138,12 @@ def load() -> None:
 
 
 def loaded() -> bool:
-    return _LIB is not None
+    return _LIB is not None or _NATIVE
 
 
 def set_active(on: bool) -> None:
+    if _NATIVE:
+        return
     if _LIB is None:
         raise StandinUnavailable("the CUDA stand-in is not loaded (call load() before torch)")
     _LIB.megatron_tsp_cuda_standin_set_active(1 if on else 0)

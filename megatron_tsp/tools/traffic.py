@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
@@ -107,6 +108,7 @@ class OpRecord:
     written: int = 0
     flops: int = 0
     flop_kind: str = ""  # "gemm" | "attention" | ""
+    source: str = ""  # the innermost Megatron / megatron_tsp function that issued it
 
     @property
     def bytes(self) -> int:
@@ -238,6 +240,22 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     return rec
 
 
+_SOURCE_DIRS = (os.sep + "megatron_tsp" + os.sep, os.sep + "megatron" + os.sep)
+_SKIP = os.path.abspath(__file__)
+
+
+def _source(frame) -> str:
+    """``module.function`` of the innermost frame in Megatron or megatron_tsp (this file
+    excluded); "autograd" for the backward of a built-in op, which runs in the C++ engine."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != _SKIP and any(d in path for d in _SOURCE_DIRS):
+            module = os.path.splitext(os.path.basename(path))[0]
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "autograd"
+
+
 def make_recorder(device_type: str = "cuda"):
     """A ``TorchDispatchMode`` appending one :class:`OpRecord` per aten op to ``.records``;
     kernels are the ops on ``device_type`` (the rest is host work)."""
@@ -253,7 +271,9 @@ def make_recorder(device_type: str = "cuda"):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            self.records.append(op_record(func, args, kwargs, out, phase, device_type))
+            rec = op_record(func, args, kwargs, out, phase, device_type)
+            rec.source = _source(sys._getframe(1))
+            self.records.append(rec)
             return out
 
     return TrafficRecorder()
@@ -287,6 +307,14 @@ def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
             :top
         ],
     }
+    by_source: Dict[str, Dict[str, int]] = {}
+    for r in kernels:
+        e = by_source.setdefault(r.source, {"launches": 0, "bytes": 0})
+        e["launches"] += 1
+        e["bytes"] += r.bytes
+    out["top_sources"] = sorted(
+        ({"source": k, **v} for k, v in by_source.items()), key=lambda e: -e["launches"]
+    )[:top]
     out["bytes"] = out["bytes_read"] + out["bytes_written"]
     out["flops"] = out["gemm_flops"] + out["attention_flops"]
     for phase in ("forward", "backward"):
@@ -612,6 +640,21 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         f"Command: `{command}`",
         "",
     ]
+    q = seqs[0]
+    for s in schemes:
+        r = results[q][s]
+        lines += [
+            f"Top sources by launches, {LABELS[s]} {_seq_label(q)} (the innermost Megatron / "
+            "megatron_tsp function that issued the op; `autograd`: the backward of built-in ops):",
+            "",
+            "| source | launches | bytes |",
+            "|---|---:|---:|",
+            *[
+                f"| `{e['source']}` | {e['launches']} | {_gb(e['bytes'])} |"
+                for e in r["top_sources"]
+            ],
+            "",
+        ]
     for q in seqs:
         for s in schemes:
             r = results[q][s]
