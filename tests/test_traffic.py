@@ -168,3 +168,14 @@ def test_host_ops_are_not_kernels():
         torch.arange(8) + 1
     assert [r.kind for r in rec.records] == ["host", "host"]
     assert all(r.bytes == 0 for r in rec.records)
+
+
+def test_upload_counts_device_bytes_only():
+    """An upload reads host memory (PCIe), writes device memory: only the write is counted
+    (``meta`` stands for the device here)."""
+    rec = traffic.make_recorder(device_type="meta")
+    x = torch.ones(4, 8)
+    with rec:
+        x.to("meta")
+    r = _only(rec.records, "_to_copy")
+    assert r.kind == "kernel" and (r.read, r.written) == (0, 32 * 4)

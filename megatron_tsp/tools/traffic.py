@@ -21,7 +21,8 @@ layer issues with a ``TorchDispatchMode``. Per op it counts:
   reading it (``copy_``, ``fill_``, ``zero_``, ``index_copy_``) do not count it as read; gathers
   (``index_select``, ``embedding``, ``gather``, ``index``) read as many source bytes as they
   write. A tensor's bytes are its distinct elements (broadcast, stride-0 dims count once) times
-  its element size. Views, metadata ops and collectives count 0.
+  its element size; only device tensors count (an upload reads host memory, not HBM). Views,
+  metadata ops, host ops and collectives count 0.
 * **FLOPs** - GEMMs (mm, addmm, bmm, baddbmm and their out / in-place / dtype forms):
   2 m n k; attention kernels: 2 b h (d_qk + d_v) per visited (query, key) pair forward and
   2 b h (3 d_qk + 2 d_v) backward (the scores are recomputed), the pairs a causal kernel visits
@@ -221,6 +222,9 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     results = _unique(_tensors(out))
     if not any(t.device.type == device_type for t in inputs + results + outs):
         return OpRecord(name, phase, "host")
+    # device memory only: a host tensor an op uploads or downloads crosses PCIe, not HBM
+    inputs = [t for t in inputs if t.device.type == device_type]
+    results = [t for t in results if t.device.type == device_type]
     if name in OVERWRITES:  # the destination (first argument) is written, not read
         inputs = [t for t in inputs if t is not args[0]]
     written = sum(tensor_bytes(t) for t in results)
