@@ -56,6 +56,12 @@ def _int_list(text: str) -> List[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-tsp bench", description=__doc__.splitlines()[0])
     p.add_argument(
+        "--traffic",
+        action="store_true",
+        help="instead: one rank's layer fwd+bwd op by op on shape-only CUDA tensors (kernel "
+        "launches, bytes read + written, FLOPs, TSP vs TP+SP); see 'bench --traffic --help'",
+    )
+    p.add_argument(
         "--world-sizes",
         type=_int_list,
         default=[2, 4],
@@ -695,6 +701,11 @@ def render(report: Dict[str, object]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--traffic" in argv:  # a different benchmark: one layer's kernels, bytes and FLOPs
+        from megatron_tsp.tools import traffic
+
+        return traffic.main([a for a in argv if a != "--traffic"])
     args = parse_args(argv)
     _quiet()
     load_start = load_average()

@@ -1,0 +1,771 @@
+"""Memory traffic, kernel launches and FLOPs of one rank's transformer layer, op by op (no GPU).
+
+``megatron-tsp bench --traffic`` builds one transformer layer of a model for one rank of a TSP
+group and of Megatron TP+SP (both of size D), at full shapes, on shape-only CUDA tensors
+(``FakeTensorMode`` with ``device="cuda"`` fake tensors, torch's ``fake`` process group: every
+collective returns at once), runs its forward and backward once, and records every aten op the
+layer issues with a ``TorchDispatchMode``. Per op it counts:
+
+* **kernel launches** - an op is a kernel unless it only changes metadata or allocates:
+  aliasing views (``OpOverload.is_view``: view, t, transpose, slice, select, expand, split, ...),
+  metadata-only ops (``_unsafe_view``, ``detach``, ``alias``, in-place ``t_`` / ``squeeze_`` /
+  ``as_strided_`` ...) and uninitialised allocations (``empty*``, ``new_empty*``,
+  ``resize_``). Everything else is one launch (``zeros`` and ``fill_`` are memsets, ``copy_`` and
+  ``_to_copy`` are copy kernels). Collectives (``c10d``) are counted apart, not as kernels, and
+  so is host work: an op none of whose tensors is on the CUDA device (index tables the layers
+  build on the CPU with ``arange`` / ``cat`` / ``index_put_``; their upload is a ``_to_copy``
+  kernel).
+* **bytes read + written** - reads: every tensor argument, except an ``out=`` argument; writes:
+  every tensor the op returns (an in-place op returns the tensor it mutates, so ``x.add_(y)``
+  reads x and y and writes x: x counts twice). Ops that overwrite their destination without
+  reading it (``copy_``, ``fill_``, ``zero_``, ``index_copy_``) do not count it as read; gathers
+  (``index_select``, ``embedding``, ``gather``, ``index``) read as many source bytes as they
+  write. A tensor's bytes are its distinct elements (broadcast, stride-0 dims count once) times
+  its element size; only device tensors count (an upload reads host memory, not HBM). Views,
+  metadata ops, host ops and collectives count 0.
+* **FLOPs** - GEMMs (mm, addmm, bmm, baddbmm and their out / in-place / dtype forms):
+  2 m n k; attention kernels: 2 b h (d_qk + d_v) per visited (query, key) pair forward and
+  2 b h (3 d_qk + 2 d_v) backward (the scores are recomputed), the pairs a causal kernel visits
+  with its own alignment (flash: bottom-right; cuDNN: top-left). The GEMM FLOPs are checked
+  exactly against 2 x tokens x parameters of the layer's linear layers (forward, and twice that
+  backward, plus the recomputed fc1 where the layer recomputes it).
+
+The measurement needs the stand-in CUDA device of :mod:`megatron_tsp.tools.cuda_standin`, which
+must be loaded before torch: it runs in a fresh interpreter (:func:`measure_isolated`).
+What is recorded is the layer only: the RoPE table is computed once before (as ``GPTModel``
+does once per step), the output gradient is given, and weight gradients land in ``.grad`` (no DDP
+``main_grad`` buffer, for both schemes alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
+
+SCHEMES = ("tsp", "tpsp")
+LABELS = {"tsp": "TSP", "tpsp": "TP+SP"}
+GB = 1e9
+
+# ops that are not kernels: metadata-only, allocation without initialisation
+NOT_KERNELS = frozenset(
+    {
+        "_unsafe_view",
+        "detach",
+        "detach_",
+        "alias",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "resize_",
+        "resize_as_",
+        "set_",
+        "as_strided_",
+        "t_",
+        "transpose_",
+        "squeeze_",
+        "unsqueeze_",
+        "_reshape_alias",
+        "record_stream",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "_has_compatible_shallow_copy_type",
+    }
+)
+# in-place / out ops that overwrite their destination without reading it
+OVERWRITES = frozenset({"copy_", "fill_", "zero_", "index_copy_", "normal_", "uniform_"})
+# gathers: they read as many source bytes as they write (plus the index)
+GATHERS = frozenset({"index_select", "embedding", "gather", "index"})
+GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})
+FLASH = frozenset({"_scaled_dot_product_flash_attention", "_flash_attention_forward"})
+FLASH_BWD = frozenset({"_scaled_dot_product_flash_attention_backward", "_flash_attention_backward"})
+CUDNN = frozenset({"_scaled_dot_product_cudnn_attention"})
+CUDNN_BWD = frozenset({"_scaled_dot_product_cudnn_attention_backward"})
+
+
+# --------------------------------------------------------------------------------------------
+# the counting rule
+
+
+@dataclass
+class OpRecord:
+    """One aten op as the recorder saw it."""
+
+    name: str  # overload packet name, e.g. "addmm"
+    phase: str  # "forward" | "backward"
+    kind: str  # "kernel" | "view" (metadata / allocation) | "collective" | "host"
+    read: int = 0
+    written: int = 0
+    flops: int = 0
+    flop_kind: str = ""  # "gemm" | "attention" | ""
+    source: str = ""  # the innermost Megatron / megatron_tsp function that issued it
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+def tensor_bytes(t) -> int:
+    """Distinct elements times element size (a broadcast, stride-0 dimension counts once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= int(size)
+    return n * t.element_size()
+
+
+def _tensors(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _unique(tensors):
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _out_arguments(func, args, kwargs) -> List:
+    """Tensors passed as ``out=`` arguments (written, not read)."""
+    outs = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.is_out:
+            value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+            outs += _tensors(value)
+    return outs
+
+
+def _gemm_flops(name: str, args) -> int:
+    import torch
+
+    mats = [a for a in args if isinstance(a, torch.Tensor)]
+    a, b = (mats[1], mats[2]) if name in ("addmm", "addmm_", "baddbmm", "baddbmm_") else mats[:2]
+    batch = 1
+    for s in a.shape[:-2]:
+        batch *= int(s)
+    return 2 * batch * int(a.shape[-2]) * int(a.shape[-1]) * int(b.shape[-1])
+
+
+def visited_pairs(lq: int, lk: int, causal: bool, bottom_right: bool) -> int:
+    """(query, key) pairs a causal attention kernel visits."""
+    if not causal:
+        return lq * lk
+    if bottom_right:  # query i sees keys [0, lk - lq + i]
+        if lq <= lk:
+            return lq * (lk - lq) + lq * (lq + 1) // 2
+        return lk * (lk + 1) // 2
+    if lq <= lk:  # top-left: query i sees keys [0, i]
+        return lq * (lq + 1) // 2
+    return lk * (lk + 1) // 2 + (lq - lk) * lk
+
+
+def _attention_flops(name: str, args, kwargs) -> int:
+    """[b, h, s, d] layouts (SDPA's); causal flag at the schema's ``is_causal``."""
+    if name in FLASH | CUDNN:
+        q, k, v = args[0], args[1], args[2]
+    else:  # backward: grad_out, q, k, v, ...
+        q, k, v = args[1], args[2], args[3]
+    causal = bool(_argument(name, args, kwargs, "is_causal"))
+    b, h, lq, d = (int(s) for s in q.shape)
+    lk, dv = int(k.shape[2]), int(v.shape[3])
+    pairs = visited_pairs(lq, lk, causal, bottom_right=name in FLASH | FLASH_BWD)
+    per_pair = (d + dv) if name in FLASH | CUDNN else (3 * d + 2 * dv)
+    return 2 * b * h * pairs * per_pair
+
+
+_SCHEMAS: Dict[str, object] = {}
+
+
+def _argument(name, args, kwargs, arg_name):
+    schema = _SCHEMAS[name]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == arg_name:
+            if arg_name in kwargs:
+                return kwargs[arg_name]
+            return args[i] if i < len(args) else arg.default_value
+    raise KeyError(f"{name} has no argument {arg_name!r}")
+
+
+def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") -> OpRecord:
+    """The counting rule (see the module docstring) for one dispatched op; an op none of whose
+    tensors is on ``device_type`` is host work (``kind="host"``, no kernel, no bytes)."""
+    name = func.overloadpacket.__name__
+    namespace = func.namespace
+    if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        return OpRecord(name, phase, "collective")
+    if namespace == "prim" or func.is_view or name in NOT_KERNELS:  # prim.device: metadata
+        return OpRecord(name, phase, "view")
+    outs = _out_arguments(func, args, kwargs)
+    out_ids = {id(t) for t in outs}
+    inputs = _unique(
+        t for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in out_ids
+    )
+    results = _unique(_tensors(out))
+    if not any(t.device.type == device_type for t in inputs + results + outs):
+        return OpRecord(name, phase, "host")
+    # device memory only: a host tensor an op uploads or downloads crosses PCIe, not HBM
+    inputs = [t for t in inputs if t.device.type == device_type]
+    results = [t for t in results if t.device.type == device_type]
+    if name in OVERWRITES:  # the destination (first argument) is written, not read
+        inputs = [t for t in inputs if t is not args[0]]
+    written = sum(tensor_bytes(t) for t in results)
+    if name in GATHERS:
+        source = args[1] if name == "embedding" else args[0]
+        read = sum(tensor_bytes(t) for t in inputs if t is not source) + written
+    else:
+        read = sum(tensor_bytes(t) for t in inputs)
+    rec = OpRecord(name, phase, "kernel", read=read, written=written)
+    if name in GEMMS:
+        rec.flops, rec.flop_kind = _gemm_flops(name, args), "gemm"
+    elif name in FLASH | FLASH_BWD | CUDNN | CUDNN_BWD:
+        _SCHEMAS.setdefault(name, func._schema)
+        rec.flops, rec.flop_kind = _attention_flops(name, args, kwargs), "attention"
+    elif "attention" in name:
+        raise NotImplementedError(f"no FLOP formula for attention op {func}; add one")
+    return rec
+
+
+_SOURCE_DIRS = (os.sep + "megatron_tsp" + os.sep, os.sep + "megatron" + os.sep)
+_SKIP = os.path.abspath(__file__)
+
+
+def _source(frame) -> str:
+    """``module.function`` of the innermost frame in Megatron or megatron_tsp (this file
+    excluded); "autograd" for the backward of a built-in op, which runs in the C++ engine."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != _SKIP and any(d in path for d in _SOURCE_DIRS):
+            module = os.path.splitext(os.path.basename(path))[0]
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "autograd"
+
+
+def make_recorder(device_type: str = "cuda"):
+    """A ``TorchDispatchMode`` appending one :class:`OpRecord` per aten op to ``.records``;
+    kernels are the ops on ``device_type`` (the rest is host work)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class TrafficRecorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.records: List[OpRecord] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            rec = op_record(func, args, kwargs, out, phase, device_type)
+            rec.source = _source(sys._getframe(1))
+            self.records.append(rec)
+            return out
+
+    return TrafficRecorder()
+
+
+# --------------------------------------------------------------------------------------------
+# summary
+
+
+def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
+    """Totals, by phase, and the top ops (by name) by bytes."""
+    kernels = [r for r in records if r.kind == "kernel"]
+    by_op: Dict[str, Dict[str, int]] = {}
+    for r in kernels:
+        e = by_op.setdefault(r.name, {"launches": 0, "bytes": 0, "read": 0, "written": 0})
+        e["launches"] += 1
+        e["bytes"] += r.bytes
+        e["read"] += r.read
+        e["written"] += r.written
+    out = {
+        "kernels": len(kernels),
+        "bytes_read": sum(r.read for r in kernels),
+        "bytes_written": sum(r.written for r in kernels),
+        "collectives": sum(r.kind == "collective" for r in records),
+        "views": sum(r.kind == "view" for r in records),
+        "host_ops": sum(r.kind == "host" for r in records),
+        "gemm_flops": sum(r.flops for r in kernels if r.flop_kind == "gemm"),
+        "attention_flops": sum(r.flops for r in kernels if r.flop_kind == "attention"),
+        "by_phase": {},
+        "top_ops": sorted(({"op": k, **v} for k, v in by_op.items()), key=lambda e: -e["bytes"])[
+            :top
+        ],
+    }
+    by_source: Dict[str, Dict[str, int]] = {}
+    for r in kernels:
+        e = by_source.setdefault(r.source, {"launches": 0, "bytes": 0})
+        e["launches"] += 1
+        e["bytes"] += r.bytes
+    out["top_sources"] = sorted(
+        ({"source": k, **v} for k, v in by_source.items()), key=lambda e: -e["launches"]
+    )[:top]
+    out["bytes"] = out["bytes_read"] + out["bytes_written"]
+    out["flops"] = out["gemm_flops"] + out["attention_flops"]
+    for phase in ("forward", "backward"):
+        rs = [r for r in kernels if r.phase == phase]
+        out["by_phase"][phase] = {
+            "kernels": len(rs),
+            "bytes": sum(r.bytes for r in rs),
+            "gemm_flops": sum(r.flops for r in rs if r.flop_kind == "gemm"),
+            "attention_flops": sum(r.flops for r in rs if r.flop_kind == "attention"),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# one layer of one rank
+
+
+@dataclass
+class TrafficConfig:
+    model: str = "7b"  # a name under megatron_tsp/models or a JSON path
+    seq: int = 32768
+    world_size: int = 8  # D
+    micro_batch: int = 1
+    dtype: str = "bf16"
+    schemes: List[str] = field(default_factory=lambda: list(SCHEMES))
+    top: int = 8
+
+
+def linear_params_per_rank(shape, d: int) -> Dict[str, int]:
+    """Weights of the layer's linear layers on one rank (1/D of each)."""
+    h, hd = shape.hidden, shape.hidden // shape.heads
+    qkv = h * (shape.heads + 2 * shape.groups) * hd
+    proj = shape.heads * hd * h
+    fc1 = h * shape.ffn_hidden * (2 if shape.gated else 1)
+    fc2 = shape.ffn_hidden * h
+    return {"qkv": qkv // d, "proj": proj // d, "fc1": fc1 // d, "fc2": fc2 // d}
+
+
+def _to_cuda(module) -> None:
+    """Move parameters and buffers to the CUDA fake device, keeping the Parameter attributes
+    Megatron tags (``Module.to`` would swap the fake tensors in place, which they refuse)."""
+    import torch
+
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type != "cuda":
+                q = torch.nn.Parameter(p.detach().to("cuda"), requires_grad=p.requires_grad)
+                # Megatron's tags only: a FakeTensor keeps its own state (its device) there too
+                q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
+                m._parameters[name] = q
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device.type != "cuda":
+                m._buffers[name] = b.to("cuda")
+
+
+def _whole_sequence_attention():
+    """The TP+SP core attention as users run it on GPUs (Transformer Engine's flash attention):
+    one causal flash kernel forward and one backward over the whole sequence, on [s, b, n, d]
+    views, gradients straight in the compute dtype. (``fake_run.FlashCoreAttention``, the memory
+    tool's stand-in, sums dK/dV in an fp32 buffer through the zigzag helpers: ~0.7 GB of extra
+    traffic per layer at 7B / 32k that TE does not have.)"""
+    import torch
+
+    from megatron_tsp.core.layers import kernels
+    from megatron_tsp.tools.estimator.fake_run import FlashCoreAttention
+
+    class _Flash(torch.autograd.Function):
+        """Forward: one flash call; saves q, k, v, out and the fp32 log-sum-exp. Backward: one
+        flash backward call. No communication either way (TP+SP holds whole heads)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
+            o, lse = kernel.forward(*map(kernels._heads_view, (q, k, v)), kernels.TOP_LEFT, scale)
+            out = o.permute(2, 0, 1, 3)  # [s, b, n, d]: a view (flash allocates like q)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.kernel, ctx.scale = kernel, scale
+            return out
+
+        @staticmethod
+        def backward(ctx, d_out):
+            q, k, v, out, lse = ctx.saved_tensors
+            heads = kernels._heads_view
+            grads = ctx.kernel.backward(
+                heads(d_out),
+                heads(q),
+                heads(k),
+                heads(v),
+                heads(out),
+                lse,
+                kernels.TOP_LEFT,
+                ctx.scale,
+            )
+            return (*(g.permute(2, 0, 1, 3) for g in grads), None)
+
+    class WholeSequenceFlashAttention(FlashCoreAttention):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
+            if self.cp_group is not None:
+                raise ValueError("the traffic benchmark's TP+SP attention has no CP")
+            sq, b = query.shape[0], query.shape[1]
+            return _Flash.apply(query, key, value, self.scale).reshape(sq, b, -1)
+
+    return WholeSequenceFlashAttention
+
+
+def _layer_and_inputs(cfg, scheme: str, shape):
+    """Build one layer of ``scheme`` (fake_run's building blocks) on the CUDA fake device, its
+    input, RoPE table and output gradient. Runs inside ``FakeTensorMode``."""
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from megatron_tsp.tools.estimator import fake_run
+
+    run_cfg = fake_run.RunConfig(
+        scheme=scheme,
+        model=dataclasses.replace(shape, num_layers=1),
+        world_size=cfg.world_size,
+        tp=cfg.world_size,
+        seq=cfg.seq,
+        micro_batch=cfg.micro_batch,
+        dtype=cfg.dtype,
+        fake=True,
+    )
+    run_cfg.validate()
+    with unset_fake_temporarily():  # the process groups are real (fake-backend) objects
+        fake_run.init_parallel(run_cfg)
+    config = fake_run.transformer_config(run_cfg)
+    spec = fake_run.layer_spec(run_cfg, config)
+    if scheme == "tpsp":
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = _whole_sequence_attention()
+    block = TransformerBlock(config=config, spec=spec, pre_process=True, post_process=False)
+    _to_cuda(block)
+    dtype = config.params_dtype
+    local = cfg.seq // cfg.world_size
+    x = torch.empty(local, cfg.micro_batch, shape.hidden, dtype=dtype, device="cuda")
+    x.requires_grad_(True)
+    rope = RotaryEmbedding(
+        kv_channels=shape.hidden // shape.heads,
+        rotary_percent=1.0,
+        rotary_base=shape.rotary_base or 10000,
+        use_cpu_initialization=True,
+    )(cfg.seq).to("cuda")
+    return block, x, rope
+
+
+@contextlib.contextmanager
+def _cuda_queries():
+    """The CUDA queries a layer makes, answered without initialising CUDA: the current device is
+    CUDA device 0 (Megatron allocates its buffers there; ``enable_cpu_support`` routes it to the
+    CPU for CPU runs), and a device's compute capability (torch.distributed asks for its FP8
+    workaround) is an H100/H200's (9, 0)."""
+    from unittest import mock
+
+    import torch
+
+    with (
+        mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
+        mock.patch.object(torch.cuda, "current_device", lambda: 0),
+    ):
+        yield
+
+
+def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
+    """One layer's forward + backward of one rank, recorded (needs the stand-in, see module)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_tsp.core.comm import WORKSPACE
+    from megatron_tsp.core.model_shape import load_model
+    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+    from megatron_tsp.megatron_lm.fake_world import init_fake_world
+    from megatron_tsp.tools import cuda_standin
+    from megatron_tsp.tools.estimator import fake_run
+
+    shape = load_model(cfg.model)
+    enable_cpu_support()
+    init_fake_world(cfg.world_size)
+    WORKSPACE.clear()
+    with cuda_standin.active(), _cuda_queries(), FakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
+        block, x, rope = _layer_and_inputs(cfg, scheme, shape)
+        grad = torch.empty_like(x)  # the output gradient (the layer keeps the input's shape)
+        recorder = make_recorder()
+        with fake_run.no_rng_fork(True), recorder:
+            out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+            out.backward(grad)
+    WORKSPACE.clear()
+    summary = summarize(recorder.records, cfg.top)
+    params = linear_params_per_rank(shape, cfg.world_size)
+    tokens = cfg.seq * cfg.micro_batch
+    summary["linear_params_per_rank"] = params
+    summary["gemm_flops_expected"] = {
+        "forward": 2 * tokens * sum(params.values()),
+        "backward": 4 * tokens * sum(params.values()),
+        "recompute_fc1": 2 * tokens * params["fc1"],
+    }
+    summary["records"] = [dataclasses.asdict(r) for r in recorder.records]
+    return summary
+
+
+def measure(cfg: TrafficConfig) -> Dict[str, object]:
+    """Every scheme of ``cfg`` in this process (the stand-in must be loaded)."""
+    return {scheme: measure_layer(cfg, scheme) for scheme in cfg.schemes}
+
+
+def measure_isolated(cfg: TrafficConfig, timeout: float = 1800) -> Dict[str, object]:
+    """:func:`measure` in a fresh interpreter that loads the CUDA stand-in before torch."""
+    from megatron_tsp.tools.estimator.fake_run import run_in_fresh_process
+
+    code = (
+        "import json, sys, warnings; warnings.filterwarnings('ignore'); "
+        "from megatron_tsp.tools import cuda_standin; cuda_standin.load(); "
+        "from megatron_tsp.tools import traffic as t; "
+        "r = t.measure(t.TrafficConfig(**json.loads(sys.stdin.read()))); "
+        "print('@@RESULT@@' + json.dumps(r))"
+    )
+    return run_in_fresh_process(code, json.dumps(dataclasses.asdict(cfg)), timeout)
+
+
+def gemm_check(summary: Dict[str, object]) -> Dict[str, object]:
+    """GEMM FLOPs against 2 x tokens x linear parameters: forward must equal it exactly,
+    backward twice it (dgrad + wgrad), plus 2 x tokens x fc1 parameters when fc1 is recomputed."""
+    exp = summary["gemm_flops_expected"]
+    fwd = summary["by_phase"]["forward"]["gemm_flops"]
+    bwd = summary["by_phase"]["backward"]["gemm_flops"]
+    if bwd == exp["backward"]:
+        recompute = "none"
+    elif bwd == exp["backward"] + exp["recompute_fc1"]:
+        recompute = "fc1"
+    else:
+        recompute = None
+    return {"forward_exact": fwd == exp["forward"], "backward_recompute": recompute}
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def _gb(n: float) -> str:
+    if n == 0:
+        return "0"
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+
+
+def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: str) -> str:
+    """Markdown: the per-layer table (kernels, bytes, FLOPs, TSP / TP+SP) and the top ops."""
+    seqs = sorted(results)
+    schemes = [s for s in SCHEMES if s in cfg.schemes]
+    both = "tsp" in schemes and "tpsp" in schemes
+    head = ["per layer"] + [f"{LABELS[s]} {_seq_label(q)}" for q in seqs for s in schemes]
+
+    def ratio(q, key):
+        r = results[q]
+        return f" ({r['tsp'][key] / r['tpsp'][key]:.2f}×)" if both else ""
+
+    rows = []
+    for label, key, fmt in (
+        ("aten kernels (fwd + bwd)", "kernels", None),
+        ("bytes read + written", "bytes", _gb),
+        ("GEMM TFLOP", "gemm_flops", None),
+        ("attention TFLOP", "attention_flops", None),
+    ):
+        row = [label]
+        for q in seqs:
+            for s in schemes:
+                r = results[q][s]
+                if key == "kernels":
+                    ph = r["by_phase"]
+                    cell = f"{r['kernels']} ({ph['forward']['kernels']} + "
+                    cell += f"{ph['backward']['kernels']})"
+                elif fmt is not None:
+                    cell = fmt(r[key])
+                else:
+                    cell = f"{r[key] / 1e12:.3f}"
+                if s == "tsp" and both:
+                    cell += ratio(q, key)
+                row.append(cell)
+        rows.append(row)
+    row = ["FLOPs TSP / TP+SP"]
+    for q in seqs:
+        for s in schemes:
+            r = results[q]
+            row.append(f"{r['tsp']['flops'] / r['tpsp']['flops']:.3f}×" if s == "tsp" else "1")
+    rows.append(row)
+    row = ["GEMM FLOPs = 2·T·P fwd / bwd"]
+    for q in seqs:
+        for s in schemes:
+            c = gemm_check(results[q][s])
+            bwd = {"none": "4·T·P", "fc1": "4·T·P + fc1 recompute", None: "MISMATCH"}
+            row.append(
+                ("exact" if c["forward_exact"] else "MISMATCH")
+                + " / "
+                + bwd[c["backward_recompute"]]
+            )
+    rows.append(row)
+    shape = results[seqs[0]][schemes[0]]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+        *["| " + " | ".join(r) + " |" for r in rows],
+        "",
+        f"One rank, D = {cfg.world_size}, micro-batch {cfg.micro_batch}, {cfg.dtype}, model "
+        f"`{cfg.model}`; T = tokens of the sequence, P = linear weights per rank "
+        f"({sum(shape['linear_params_per_rank'].values()):,}). Collectives issued (no-ops, "
+        "not counted): "
+        + ", ".join(
+            f"{LABELS[s]} {results[q][s]['collectives']}" for q in seqs[:1] for s in schemes
+        )
+        + ".",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    q = seqs[0]
+    for s in schemes:
+        r = results[q][s]
+        lines += [
+            f"Top sources by launches, {LABELS[s]} {_seq_label(q)} (the innermost Megatron / "
+            "megatron_tsp function that issued the op; `autograd`: the backward of built-in ops):",
+            "",
+            "| source | launches | bytes |",
+            "|---|---:|---:|",
+            *[
+                f"| `{e['source']}` | {e['launches']} | {_gb(e['bytes'])} |"
+                for e in r["top_sources"]
+            ],
+            "",
+        ]
+    for q in seqs:
+        for s in schemes:
+            r = results[q][s]
+            lines += [
+                f"Top ops by bytes, {LABELS[s]} {_seq_label(q)} "
+                f"(of {_gb(r['bytes'])} in {r['kernels']} kernels):",
+                "",
+                "| op | launches | read | written | share |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for e in r["top_ops"]:
+                lines.append(
+                    f"| `{e['op']}` | {e['launches']} | {_gb(e['read'])} | {_gb(e['written'])} "
+                    f"| {100 * e['bytes'] / max(r['bytes'], 1):.0f}% |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _seq_label(seq: int) -> str:
+    return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
+
+
+def _int_list(text: str) -> List[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="megatron-tsp bench --traffic",
+        description="one rank's transformer layer, fwd + bwd, op by op on shape-only CUDA "
+        "tensors: kernel launches, bytes read + written, FLOPs, TSP vs Megatron TP+SP",
+    )
+    p.add_argument("--model", default="7b", help="megatron_tsp/models name or JSON path")
+    p.add_argument("--seq-lengths", type=_int_list, default=[32768, 131072])
+    p.add_argument("--world-size", type=int, default=8, help="D (TSP group = TP group)")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list among tsp,tpsp")
+    p.add_argument("--top", type=int, default=8, help="top ops by bytes to list")
+    p.add_argument("--out", default=None, help="write the markdown report here too")
+    p.add_argument("--json", dest="json_path", default=None, help="write the summaries here")
+    args = p.parse_args(argv)
+    args.schemes = [s for s in args.schemes.split(",") if s]
+    bad = [s for s in args.schemes if s not in SCHEMES]
+    if bad:
+        p.error(f"--schemes: unknown {bad}; choose among {','.join(SCHEMES)}")
+    if args.world_size < 2:
+        p.error(f"--world-size {args.world_size}: D must be >= 2")
+    for s in args.seq_lengths:
+        if s % (2 * args.world_size):
+            p.error(f"--seq-lengths: S={s} is not divisible by 2*D={2 * args.world_size}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    results = {}
+    for seq in args.seq_lengths:
+        cfg = TrafficConfig(
+            model=args.model,
+            seq=seq,
+            world_size=args.world_size,
+            micro_batch=args.micro_batch_size,
+            dtype=args.dtype,
+            schemes=args.schemes,
+            top=args.top,
+        )
+        print(f"[traffic] S={seq}: recording ...", file=sys.stderr, flush=True)
+        res = measure_isolated(cfg)
+        for r in res.values():
+            r.pop("records", None)
+        results[seq] = res
+    command = "megatron-tsp bench --traffic " + " ".join(argv)
+    text = render(results, cfg, command.strip())
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({str(k): v for k, v in results.items()}, f, indent=1)
+    bad = [
+        (q, s)
+        for q, res in results.items()
+        for s, r in res.items()
+        if not gemm_check(r)["forward_exact"] or gemm_check(r)["backward_recompute"] is None
+    ]
+    if bad:
+        print(f"error: GEMM FLOPs differ from 2·T·P for {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def layer_traffic(
+    model: str, seq: int, world_size: int, micro_batch: int = 1, dtype: str = "bf16"
+) -> Dict[str, Dict[str, float]]:
+    """Measured kernel launches and bytes read + written of one layer (fwd + bwd) of one rank,
+    per scheme ("tsp", "tpsp"), for the planner: ``{"tsp": {"kernels": ..., "bytes": ...,
+    "flops": ...}, ...}``. Runs :func:`measure_isolated` (a fresh interpreter, ~seconds)."""
+    res = measure_isolated(
+        TrafficConfig(
+            model=model, seq=seq, world_size=world_size, micro_batch=micro_batch, dtype=dtype
+        )
+    )
+    return {
+        s: {"kernels": r["kernels"], "bytes": r["bytes"], "flops": r["flops"]}
+        for s, r in res.items()
+    }

@@ -1,0 +1,181 @@
+"""The traffic benchmark (``megatron_tsp.tools.traffic``, ``megatron-tsp bench --traffic``).
+
+* the counting rule on hand-computable ops (CPU tensors under the recorder): a GEMM reads
+  (m k + k n) and writes m n elements, an in-place add reads both operands and writes its
+  destination (the destination counts twice), ``out=`` and overwriting destinations are not read,
+  broadcast inputs count their distinct elements, views are neither kernels nor bytes;
+* one tiny layer of TSP and of TP+SP recorded on shape-only CUDA tensors in a fresh interpreter
+  (the CUDA stand-in): the GEMMs' launches, bytes and FLOPs equal the values computed from the
+  layer's shapes, and the totals equal the sums of the recorded ops.
+Counts are deterministic; nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_tsp.tools import cuda_standin, traffic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BF16 = 2
+
+
+def _record(fn):
+    rec = traffic.make_recorder(device_type="cpu")
+    with rec:
+        fn()
+    return rec.records
+
+
+def _only(records, name):
+    rs = [r for r in records if r.name == name]
+    assert len(rs) == 1, [r.name for r in records]
+    return rs[0]
+
+
+def test_gemm_bytes_and_flops():
+    m, k, n = 6, 5, 7
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    b = torch.randn(k, n, dtype=torch.bfloat16)
+    r = _only(_record(lambda: a @ b), "mm")
+    assert r.kind == "kernel"
+    assert (r.read, r.written) == ((m * k + k * n) * BF16, m * n * BF16)
+    assert r.flops == 2 * m * n * k and r.flop_kind == "gemm"
+    # addmm with an fp32 accumulator input: the accumulator is read too
+    acc = torch.zeros(m, n)
+    r = _only(_record(lambda: torch.addmm(acc, a.float(), b.float())), "addmm")
+    assert (r.read, r.written) == ((m * n + m * k + k * n) * 4, m * n * 4)
+    assert r.flops == 2 * m * n * k
+
+
+def test_inplace_counts_read_and_write_out_does_not_read():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    r = _only(_record(lambda: x.add_(y)), "add_")
+    assert (r.read, r.written) == (2 * 32 * 4, 32 * 4)  # x read and written, y read
+    out = torch.empty(4, 8)
+    r = _only(_record(lambda: torch.add(x, y, out=out)), "add")
+    assert (r.read, r.written) == (2 * 32 * 4, 32 * 4)  # out= is written only
+    r = _only(_record(lambda: x.copy_(y)), "copy_")
+    assert (r.read, r.written) == (32 * 4, 32 * 4)  # copy_ overwrites: its destination unread
+
+
+def test_views_broadcast_and_gathers():
+    x = torch.randn(4, 8)
+    records = _record(lambda: x.t().narrow(1, 0, 2).unsqueeze(0).expand(3, 8, 2))
+    assert len(records) == 4 and all(r.kind == "view" and r.bytes == 0 for r in records)
+    # reshaping a transposed tensor is no view: a copy kernel
+    r = _only(_record(lambda: x.t().reshape(32)), "clone")
+    assert r.kind == "kernel" and (r.read, r.written) == (32 * 4, 32 * 4)
+    row = torch.randn(1, 8)
+    r = _only(_record(lambda: x * row.expand(4, 8)), "mul")
+    assert r.read == (32 + 8) * 4  # the broadcast row is read once
+    idx = torch.tensor([0, 2])
+    r = _only(_record(lambda: x.index_select(0, idx)), "index_select")
+    assert (r.read, r.written) == (16 * 4 + 2 * 8, 16 * 4)
+
+
+def test_standin_refuses_after_torch_import():
+    if cuda_standin.loaded():
+        pytest.skip("stand-in already loaded in this process")
+    with pytest.raises(cuda_standin.StandinUnavailable, match="before torch is imported"):
+        cuda_standin.load()
+
+
+# --------------------------------------------------------------------------------------------
+# one tiny layer, both schemes, in a fresh interpreter
+
+H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
+
+
+@pytest.fixture(scope="module")
+def layer(tmp_path_factory):
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
+    path = tmp_path_factory.mktemp("traffic") / "tiny.json"
+    model = dict(
+        name="tiny",
+        hidden=H,
+        num_layers=1,
+        heads=HEADS,
+        ffn=FFN,
+        vocab=128,
+        gated=False,
+        bias=False,
+        normalization="LayerNorm",
+        rope=True,
+    )
+    path.write_text(json.dumps(model))
+    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=D, top=100)
+    return traffic.measure_isolated(cfg, timeout=600)
+
+
+def _gemms(summary):
+    return [r for r in summary["records"] if r["flop_kind"] == "gemm"]
+
+
+def test_layer_totals_are_sums_of_ops(layer):
+    for scheme in ("tsp", "tpsp"):
+        s = layer[scheme]
+        kernels = [r for r in s["records"] if r["kind"] == "kernel"]
+        assert s["kernels"] == len(kernels) > 0
+        assert s["bytes"] == sum(r["read"] + r["written"] for r in kernels) > 0
+        assert s["bytes_read"] == sum(r["read"] for r in kernels)
+        assert all(r["read"] == r["written"] == 0 for r in s["records"] if r["kind"] != "kernel")
+        ph = s["by_phase"]
+        assert ph["forward"]["kernels"] + ph["backward"]["kernels"] == s["kernels"]
+        assert ph["forward"]["bytes"] + ph["backward"]["bytes"] == s["bytes"]
+        assert sum(e["bytes"] for e in s["top_ops"]) == s["bytes"]  # top=100: every op
+        assert sum(e["launches"] for e in s["top_sources"]) == s["kernels"]
+        assert s["collectives"] > 0  # the layers communicate (as no-ops)
+
+
+def test_layer_gemm_flops_are_two_tokens_params(layer):
+    params = H * 3 * H // D + H * H // D + 2 * H * FFN // D  # qkv, proj, fc1, fc2 per rank
+    for scheme in ("tsp", "tpsp"):
+        s = layer[scheme]
+        assert sum(s["linear_params_per_rank"].values()) == params
+        assert s["by_phase"]["forward"]["gemm_flops"] == 2 * SEQ * params
+        check = traffic.gemm_check(s)
+        assert check["forward_exact"] and check["backward_recompute"] is not None
+    assert layer["tpsp"]["by_phase"]["backward"]["gemm_flops"] == 4 * SEQ * params
+
+
+def test_tpsp_gemm_launches_and_bytes(layer):
+    """Megatron's TP+SP layer: 4 GEMMs forward, a dgrad and a wgrad each backward, on the
+    all-gathered sequence; bytes = (m k + k n + m n) x 2 per GEMM."""
+    s, h = SEQ, H
+    shapes = [(s, h, 3 * h // D), (s, h // D, h), (s, h, FFN // D), (s, FFN // D, h)]  # m, k, n
+    expected = 0
+    for m, k, n in shapes:
+        expected += (m * k + k * n + m * n) * BF16  # forward y = x W^T
+        expected += (m * n + n * k + m * k) * BF16  # dgrad dx = dy W
+        expected += (n * m + m * k + n * k) * BF16  # wgrad dW = dy^T x
+    gemms = _gemms(layer["tpsp"])
+    assert len(gemms) == 12
+    assert sum(r["read"] + r["written"] for r in gemms) == expected
+
+
+def test_host_ops_are_not_kernels():
+    """The layers build index tables on the CPU: with CUDA as the device those are host work."""
+    rec = traffic.make_recorder(device_type="cuda")
+    with rec:
+        torch.arange(8) + 1
+    assert [r.kind for r in rec.records] == ["host", "host"]
+    assert all(r.bytes == 0 for r in rec.records)
+
+
+def test_upload_counts_device_bytes_only():
+    """An upload reads host memory (PCIe), writes device memory: only the write is counted
+    (``meta`` stands for the device here)."""
+    rec = traffic.make_recorder(device_type="meta")
+    x = torch.ones(4, 8)
+    with rec:
+        x.to("meta")
+    r = _only(rec.records, "_to_copy")
+    assert r.kind == "kernel" and (r.read, r.written) == (0, 32 * 4)
