@@ -28,6 +28,14 @@ real layer code on ONE GPU.
     reduce-to-owner); D=4 bf16 accuracy against TP+SP is tested on CPU by tests/test_precision.py.
 (c) ``DIR/gpu_check.json`` and ``DIR/gpu_check.md``.
 
+Before anything is timed, every attention backend available on the machine (aten_flash, cudnn
+on sm90+, te_fused when Transformer Engine imports, sdpa_recompute; on CPU cpu_flash and
+sdpa_recompute, and te_fused through the TE contract emulator with ``--te-emulator``) is checked
+against an fp32 SDPA-math reference on the same inputs (``megatron_tsp/tools/kernel_check.py``:
+forward and backward, both zigzag chunks, GQA, micro-batch 2); the errors go to the report, and
+the TSP layers are pinned (``TSP_ATTENTION_KERNEL``) to a verified backend, the default choice
+when it passed, whose name is recorded.
+
 Timings are reported as ratios and absolute medians, never asserted. Total run time on an H200:
 a few minutes (7B-layer builds on CPU dominate); ``--iters`` / ``--seq`` shorten it.
 """
@@ -303,6 +311,7 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
     layer.zero_grad(set_to_none=True)
     kernels = _count_kernels(layer, x, dy, freqs, device)
     params = sum(p.numel() for p in layer.parameters())
+    kernel_name = getattr(layer.self_attention, "attention_kernel_name", None)  # TSP only
     del layer, x, dy
     WORKSPACE.clear()
     if device == "cuda":
@@ -322,6 +331,7 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
         "workspace_bytes_at_step_start": workspace_at_start,
         "workspace_bytes_after_step": workspace_after,
         "layer_params": params,
+        "attention_kernel": kernel_name,
     }
 
 
@@ -360,6 +370,71 @@ def precision_check(model, seq, device) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# attention backends: checked before timing, one pinned
+
+
+def verify_attention_backends(model, device, dtype, te_emulator=None) -> dict:
+    """Check each available backend (``kernel_check``), then pin the one the TSP layers will
+    run: the default choice for this layer when verified, else the first verified one."""
+    import contextlib
+
+    from megatron_tsp.core.layers import kernels
+    from megatron_tsp.tools import kernel_check
+
+    names = kernel_check.candidates(device)
+    stack = contextlib.ExitStack()
+    if te_emulator:  # CPU smoke only: te_fused's call sequence through the TE contract emulator
+        import megatron.core  # noqa: F401  it probes for TE when first imported: not the emulator
+
+        from tests.emulators import transformer_engine_emulator
+
+        stack.enter_context(transformer_engine_emulator.install(te_emulator))
+        names.insert(-1, "te_fused")
+    with stack:
+        report = kernel_check.verify_backends(device, dtype, names, **_check_case(device))
+    head_dim = model.hidden // model.heads
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    gqa = (model.query_groups or model.heads) != model.heads
+    default = kernels.kernel_choice(device, dtype, head_dim, gqa, 0.0, capability)
+    report["default"] = default
+    report["timed"] = kernel_check.pin_backend(report, default)
+    report["te_emulator"] = te_emulator
+    os.environ[kernels.ENV_OVERRIDE] = report["timed"]
+    return report
+
+
+def _check_case(device) -> dict:
+    if device == "cpu":
+        return dict(size=2, rank=1, chunk=8, head_dim=16, batch=2)
+    return dict(size=4, rank=1, chunk=256, head_dim=128, batch=2)
+
+
+def _backend_lines(bk: dict) -> list:
+    case = bk["case"]
+    lines = [
+        "## attention backends, checked before timing",
+        "",
+        f"fp32 SDPA-math reference on the same inputs: D={case['size']}, rank {case['rank']} "
+        f"(both zigzag chunks, bottom-right blocks), chunk {case['chunk']} tokens, head_dim "
+        f"{case['head_dim']}, micro-batch {case['batch']}, GQA 4:2 (cuDNN: MHA); relative "
+        f"errors, verified if all <= {bk['tolerance']:g}"
+        + (f"; te_fused through the TE {bk['te_emulator']} emulator" if bk["te_emulator"] else ""),
+        "",
+        "| backend | out | lse | dq | dk | dv | verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in bk["checked"].items():
+        if r["error"]:
+            lines.append(f"| {name} | {r['error'][:120]} | | | | | no |")
+            continue
+        errs = [r["errors"].get(k) for k in ("out", "lse", "dq", "dk", "dv")]
+        cells = " | ".join("n/a" if e is None else f"{e:.2e}" for e in errs)
+        lines.append(f"| {name} | {cells} | {'yes' if r['verified'] else '**no**'} |")
+    lines += ["", f"Timed with: **{bk['timed']}** (default choice: {bk['default']}).", ""]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
 # report
 
 
@@ -380,6 +455,7 @@ def write_report(result: dict, out_dir: str) -> None:
         f"h={s['hidden']}, heads={s['heads']}, FFN={s['ffn']}, S={s['seq']}, D={s['d']}, "
         f"micro-batch 1, {s['dtype']}, fake process group (no communication).",
         "",
+        *_backend_lines(result["attention_backends"]),
         "## (a) one rank's layer step, forward + backward",
         "",
         "| scheme | step ms (median) | kernels / layer step | allocated before the step GB "
@@ -443,6 +519,13 @@ def parse_args(argv=None):
         help="group size D (TSP) = TP size (TP+SP) (default 8; 2 with --cpu-smoke)",
     )
     p.add_argument("--skip-fake", action="store_true", help="skip the fake-tensor prediction")
+    p.add_argument(
+        "--te-emulator",
+        choices=("2.8", "2.15"),
+        default=None,
+        help="with --cpu-smoke: also check te_fused through the Transformer Engine contract "
+        "emulator of this TE signature (tests/emulators)",
+    )
     args = p.parse_args(argv)
     for flag, value, least in (
         ("--d", args.d, 1),
@@ -460,6 +543,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     args = parse_args(argv)
+    if args.te_emulator and not args.cpu_smoke:
+        print("--te-emulator is a CPU stand-in for TE: use it with --cpu-smoke", file=sys.stderr)
+        return 2
     from megatron_tsp.core.model_shape import ModelShape, load_model
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
@@ -485,6 +571,14 @@ def main(argv=None) -> int:
     model = dataclasses.replace(model, num_layers=1)
     dtype = torch.bfloat16
     t0 = time.time()
+    backends = verify_attention_backends(model, device, dtype, args.te_emulator)
+    print(
+        "[backends]",
+        {n: (r["verified"], r["error"] or r["errors"]) for n, r in backends["checked"].items()},
+        "-> timing",
+        backends["timed"],
+        flush=True,
+    )
     timing = {}
     for scheme in SCHEMES:
         timing[scheme] = time_scheme(scheme, d, model, seq, dtype, device, iters, args.warmup)
@@ -501,6 +595,11 @@ def main(argv=None) -> int:
             f"fake {timing[scheme]['fake_peak_bytes']} - "
             f"{timing[scheme]['fake_before_step_bytes']}",
             flush=True,
+        )
+    if timing["tsp"]["attention_kernel"] != backends["timed"]:
+        raise RuntimeError(
+            f"the TSP layer ran {timing['tsp']['attention_kernel']}, not the verified "
+            f"{backends['timed']} it was pinned to"
         )
     timing["ratio_tsp_over_tpsp"] = timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
     prec_seq = seq if args.cpu_smoke else min(seq, 8192)
@@ -538,6 +637,7 @@ def main(argv=None) -> int:
             "iters": iters,
             "wall_s": None,
         },
+        "attention_backends": backends,
         "timing": timing,
         "precision": precision,
     }

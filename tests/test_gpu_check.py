@@ -1,10 +1,12 @@
 """``scripts/gpu_check.py --cpu-smoke``: the GPU check's code path at tiny shapes on CPU (fake
 process group). Checks the files it writes, with every option of the script: the defaults (D=2,
-fake-tensor prediction) and ``--skip-fake --d 4 --seq 32 --iters 1 --warmup 0``; timings are only
-checked to be positive. Memory: each scheme's step peak minus what was allocated before it, TSP's
-persistent communication buffers counted in TSP's step and absent from TP+SP's (on CPU the
-fake-tensor tool's tracker on the real tensors stands in for the CUDA allocator).
-Runtime: about 30-90 s (three subprocesses)."""
+fake-tensor prediction, te_fused through the TE 2.15 contract emulator) and ``--skip-fake --d 4
+--seq 32 --iters 1 --warmup 0 --te-emulator 2.8``; the attention-backend table checked before
+timing; timings are only checked to be positive. Memory: each scheme's step peak minus what was
+allocated before it, TSP's persistent communication buffers counted in TSP's step and absent from
+TP+SP's (on CPU the fake-tensor tool's tracker on the real tensors stands in for the CUDA
+allocator).
+Runtime: about 1-2 min (three subprocesses)."""
 
 import json
 import os
@@ -63,9 +65,10 @@ def _check_memory(timing, fake):
 @pytest.mark.parametrize(
     "argv,d,seq,iters,fake",
     [
-        ((), 2, 64, 2, True),
+        (("--te-emulator", "2.15"), 2, 64, 2, True),
         (
-            ("--skip-fake", "--d", "4", "--seq", "32", "--iters", "1", "--warmup", "0"),
+            ("--skip-fake", "--d", "4", "--seq", "32", "--iters", "1", "--warmup", "0")
+            + ("--te-emulator", "2.8"),
             4,
             32,
             1,
@@ -110,6 +113,22 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     for text in ("## (a)", "## (b)", "| TSP |", "| Megatron TP+SP |", "TSP / TP+SP step time"):
         assert text in md
     assert ("skipped (--skip-fake)" in md) is not fake
+    # the attention backends were checked before timing, and the timed one is a verified one
+    bk = report["attention_backends"]
+    assert bk["te_emulator"] == argv[argv.index("--te-emulator") + 1]
+    assert set(bk["checked"]) == {"cpu_flash", "te_fused", "sdpa_recompute"}
+    for name, r in bk["checked"].items():
+        assert r["error"] is None and r["verified"], (name, r)
+        keys = {"out", "dq", "dk", "dv"} | ({"lse"} if name != "sdpa_recompute" else set())
+        assert {k for k, e in r["errors"].items() if e is not None} == keys
+        assert all(0 < e < bk["tolerance"] for e in r["errors"].values() if e is not None)
+    assert bk["timed"] == bk["default"] == "cpu_flash"
+    assert timing["tsp"]["attention_kernel"] == "cpu_flash"
+    assert (
+        "## attention backends, checked before timing" in md and "Timed with: **cpu_flash**" in md
+    )
+    for name in bk["checked"]:
+        assert f"| {name} |" in md
 
 
 def test_gpu_check_refuses_a_layout_it_cannot_split(tmp_path):
@@ -118,3 +137,36 @@ def test_gpu_check_refuses_a_layout_it_cannot_split(tmp_path):
     assert "--seq=64 is not a multiple of 2 x --d=3" in proc.stderr, proc.stderr
     assert "4 attention heads are not divisible by --d=3" in proc.stderr
     assert not (tmp_path / "gpu_check.md").exists()
+
+
+def test_backend_check_rejects_a_wrong_backend_and_pins_a_verified_one(monkeypatch):
+    """The pre-timing check (``megatron_tsp/tools/kernel_check.py``) on the previous te_fused
+    call, through the TE emulator: on 2.8 its errors are far over tolerance (not verified), on
+    2.15 its TypeError is recorded; the pin then skips it, and with nothing verified it refuses.
+    """
+    import megatron.core  # noqa: F401  (probes for TE at first import: before the emulator)
+    import pytest
+    import torch
+
+    from megatron_tsp.core.layers import kernels
+    from megatron_tsp.tools import kernel_check
+    from tests.emulators import transformer_engine_emulator as te_emu
+    from tests.test_kernels import OldTeFusedKernel
+
+    monkeypatch.setitem(kernels._BACKENDS, "te_fused", OldTeFusedKernel)
+    case = dict(size=2, rank=1, chunk=8, head_dim=16, batch=2)
+    with te_emu.install("2.8"):
+        report = kernel_check.verify_backends("cpu", torch.bfloat16, ["te_fused"], **case)
+    old = report["checked"]["te_fused"]
+    assert not old["verified"] and old["error"] is None
+    assert max(old["errors"].values()) > 0.1, old["errors"]
+    with te_emu.install("2.15"):
+        report = kernel_check.verify_backends(
+            "cpu", torch.bfloat16, ["cpu_flash", "te_fused"], **case
+        )
+    assert report["checked"]["te_fused"]["error"].startswith("TypeError")
+    assert report["checked"]["cpu_flash"]["verified"]
+    assert kernel_check.pin_backend(report, "te_fused") == "cpu_flash"
+    del report["checked"]["cpu_flash"]
+    with pytest.raises(RuntimeError, match="no attention backend passed"):
+        kernel_check.pin_backend(report, "te_fused")

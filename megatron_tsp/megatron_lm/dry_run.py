@@ -255,7 +255,8 @@ def _layer_classes(models) -> List[str]:
             if getattr(mod, "attention_kernel_name", None):  # TSP attention: backend and mode
                 names.append(
                     f"attention_kernel={mod.attention_kernel_name} "
-                    f"(attention_backward={mod.head_layout.backward})"
+                    f"(attention_backward={mod.head_layout.backward}, "
+                    f"selected_by={mod.attention_kernel.selected_by})"
                 )
         final = getattr(decoder, "final_layernorm", None)
         if final is not None:

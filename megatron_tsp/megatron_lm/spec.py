@@ -94,6 +94,32 @@ def _pp_rank_of(pg_collection) -> Optional[int]:
 GPT_MODEL_INIT = "megatron.core.models.gpt.gpt_model:GPTModel.__init__"
 
 
+def describe_attention_backends(model) -> Optional[str]:
+    """ "attention backend: aten_flash (default) in 32 TSP attention layers" for the TSP attention
+    layers of ``model`` (None when it has none): the kernel each layer chose and why (default,
+    or the ``TSP_ATTENTION_KERNEL`` override)."""
+    counts = {}
+    for module in model.modules():
+        text = getattr(module, "attention_kernel_description", None)
+        if text is not None:
+            counts[text] = counts.get(text, 0) + 1
+    if not counts:
+        return None
+    parts = [
+        f"{text} in {n} TSP attention layer{'s' if n > 1 else ''}" for text, n in counts.items()
+    ]
+    return "attention backend: " + "; ".join(parts)
+
+
+def _log_attention_backends(model) -> None:
+    """Name the attention backend in the training log when the model is built (rank 0)."""
+    import os
+
+    text = describe_attention_backends(model)
+    if text is not None and os.environ.get("RANK", "0") == "0":
+        print(f"[megatron_tsp] {text}", flush=True)
+
+
 def _resolve_tsp_spec(original):
     signature = inspect.signature(original)
 
@@ -108,8 +134,11 @@ def _resolve_tsp_spec(original):
                 vp_stage=bound.arguments.get("vp_stage"),
                 pp_rank=_pp_rank_of(bound.arguments.get("pg_collection")),
             )
-            return original(*bound.args, **bound.kwargs)
-        return original(self, *args, **kwargs)
+            result = original(*bound.args, **bound.kwargs)
+        else:  # 0.19 resolves a callable spec itself: the layers may still be TSP's
+            result = original(self, *args, **kwargs)
+        _log_attention_backends(self)
+        return result
 
     return __init__
 

@@ -147,9 +147,8 @@ def test_dry_run_end_to_end(name):
     assert "rank 9            : tp_rank=1 pp_rank=0 dp_rank=1" in out
     assert "TSPSelfAttention" in out and "TSPMLP" in out
     # the attention backend the layers chose for the GPU they will run on, and their mode
-    assert re.search(r"attention_kernel=\w+ \(attention_backward=(saved|recompute)\)", out), out[
-        -2000:
-    ]
+    pattern = r"attention_kernel=\w+ \(attention_backward=(saved|recompute), selected_by=default\)"
+    assert re.search(pattern, out), out[-2000:]
     want_norm = cfg["model"]["normalization"]
     # SequenceParallelLayerNorm / SequenceParallelRMSNorm
     assert re.search(rf"final_layernorm=\S+\.\w*{want_norm}\b", out), out[-2000:]

@@ -140,6 +140,11 @@ def test_tsp2_matches_tp2(seed, style):
     tsp = _run(2, seed, *STYLES[style], "--tensor-sequence-parallel-size", "2")
     ref = _run(2, seed, *STYLES[style], "--tensor-model-parallel-size", "2")
     assert "--no-create-attention-mask-in-dataloader" in tsp.log  # the launcher says it did
+    # the log names the attention backend the layers run, and why (2 layers on this rank 0)
+    assert "[megatron_tsp] attention backend: cpu_flash (default) in 2 TSP attention layers" in (
+        tsp.rank_log(0)
+    ), tsp.rank_log(0)[-3000:]
+    assert "attention backend" not in ref.log  # stock TP: no TSP attention layers
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 

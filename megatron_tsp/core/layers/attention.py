@@ -679,7 +679,6 @@ class TSPSelfAttention(SelfAttention):
             layout.head_dim,
             layout.heads != layout.groups,
             layout.dropout_p,
-            transformer_impl=getattr(self.config, "transformer_impl", "local"),
         )
         self._kernel_key = (torch.device(device).type, dtype)
 
@@ -687,6 +686,11 @@ class TSPSelfAttention(SelfAttention):
     def attention_kernel_name(self) -> str:
         """The attention backend this layer runs (for the log and the dry run)."""
         return self.attention_kernel.name
+
+    @property
+    def attention_kernel_description(self) -> str:
+        """The backend and why it was chosen, e.g. "aten_flash (default)"."""
+        return self.attention_kernel.describe()
 
     @staticmethod
     def _local_freqs(emb: Optional[torch.Tensor], seq_layout: TSPLayout):

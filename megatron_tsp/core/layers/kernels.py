@@ -19,20 +19,26 @@ square causal diagonal, merged exactly in fp32 by their log-sum-exps
 backward runs both blocks' backward with the MERGED ``(out, lse)`` (the identity ring attention
 uses) and sums dq in fp32.
 
-Backends (``select_kernel`` picks one when a layer is built; the name is in the log and dry run):
+Backends (``select_kernel`` picks one when a layer is built; the name and why it was chosen are in
+the training log and the dry run). Only verified backends are chosen by default; the others run
+only when named in ``TSP_ATTENTION_KERNEL`` (or ``override``):
 
 =================  ===============================================================================
-``aten_flash``     CUDA fp16/bf16, head_dim <= 256: ``aten._scaled_dot_product_flash_attention``
-                   (FA2; FA3/FA4 when the user activated one with
-                   ``torch.nn.attention.activate_flash_attention_impl``). Its causal mask is
-                   bottom-right for sq < sk: one call per zigzag chunk; GQA native (no repeat).
-``cudnn``          CUDA sm90+, fp16/bf16, MHA, head_dim in {64, 128}, opt-in
-                   (``TSP_ATTENTION_KERNEL=cudnn``): ``aten._scaled_dot_product_cudnn_attention``
-                   with ``compute_log_sumexp``; top-left causal only, so two calls + fp32 merge.
-``te_fused``       Transformer Engine 2.x fused attention (softmax stats via its ``FusedAttnFunc``),
-                   only with ``--transformer-impl transformer_engine`` and TE importable.
-``cpu_flash``      CPU (any float dtype; also the path the fake-tensor memory tool measures):
-                   ``aten._scaled_dot_product_flash_attention_for_cpu``; two calls + merge.
+``aten_flash``     CUDA default, fp16/bf16, head_dim <= 256:
+                   ``aten._scaled_dot_product_flash_attention`` (FA2; FA3/FA4 when the user
+                   activated one with ``torch.nn.attention.activate_flash_attention_impl``). Its
+                   causal mask is bottom-right for sq < sk: one call per zigzag chunk; GQA native.
+``cudnn``          opt-in, CUDA sm90+, fp16/bf16, MHA, head_dim in {64, 128}:
+                   ``aten._scaled_dot_product_cudnn_attention`` with ``compute_log_sumexp``;
+                   top-left causal only, so two calls + fp32 merge.
+``te_fused``       opt-in, CUDA fp16/bf16 with Transformer Engine 2.8-2.18 importable: TE's
+                   ``fused_attn_fwd/bwd`` (``TeFusedKernel``): one ``causal_bottom_right`` call per
+                   chunk on contiguous bshd copies, keywords chosen from TE's signatures; GQA
+                   native. Checked on CPU against a contract emulator of TE (tests), not yet on a
+                   GPU: ``scripts/gpu_check.py`` verifies it before it is ever timed.
+``cpu_flash``      CPU default (any float dtype; also the path the fake-tensor memory tool
+                   measures): ``aten._scaled_dot_product_flash_attention_for_cpu``; two calls +
+                   merge.
 ``sdpa_recompute`` anything else (attention dropout, fp32 on CUDA, head_dim > 256): public SDPA
                    with a bottom-right ``causal_lower_right`` bias, no log-sum-exp, so the layer
                    recomputes the attention forward in backward under autograd.
@@ -40,11 +46,14 @@ Backends (``select_kernel`` picks one when a layer is built; the name is in the 
 
 Slicing uses ``narrow`` and accumulation ``add_`` (never ``copy_``, ``contiguous`` or ``[...]``
 indexing): those are what fake CUDA tensors support on a CPU-only torch, so the CUDA call sequence
-can be traced without a GPU (``tests/test_kernels.py``).
+can be traced without a GPU (``tests/test_kernels.py``). ``te_fused`` is the exception: TE reads
+its inputs as contiguous, so it copies them; its call sequence is checked on CPU against a
+contract emulator of TE instead (``tests/emulators/transformer_engine_emulator.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -91,12 +100,17 @@ class AttentionKernel:
     name = "abstract"
     native_gqa = False
     has_lse = True  # False: no (out, lse) forward; the layer recomputes under autograd
+    selected_by = "direct"  # how select_kernel chose it: default / override / TSP_ATTENTION_KERNEL
 
     def forward(self, q, k, v, alignment: str, scale: float):
         raise NotImplementedError
 
     def backward(self, d_out, q, k, v, out, lse, alignment: str, scale: float):
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """``name (why)``, e.g. "aten_flash (default)", for the log and the dry run."""
+        return f"{self.name} ({self.selected_by})"
 
     def __repr__(self) -> str:
         return f"<attention kernel {self.name}>"
@@ -237,74 +251,196 @@ class AtenFlashKernel(AttentionKernel):
         )
 
 
-class TeFusedKernel(_TopLeftKernel):
-    """Transformer Engine's fused attention (cuDNN inside TE) with softmax statistics, through
-    TE 2.x's ``fused_attn_fwd`` / ``fused_attn_bwd`` in the "bshd" layout. Imported lazily: a
-    machine without TE never touches it. Top-left causal ("causal" mask type), so bottom-right
-    blocks are split and merged like cuDNN's. NOT verified on a GPU yet (see
-    docs/attention-fast-path.md)."""
+TE_LAYOUT = "bshd_bshd_bshd"
+TE_FORMAT = "bshd"
+# TE's mask names: "causal" is aligned top-left, "causal_bottom_right" bottom-right.
+TE_MASK = {NO_MASK: "no_mask", TOP_LEFT: "causal", BOTTOM_RIGHT: "causal_bottom_right"}
+_TE_FWD_POSITIONAL = (
+    "is_training",
+    "max_seqlen_q",
+    "max_seqlen_kv",
+    "cu_seqlens_q",
+    "cu_seqlens_kv",
+    "q",
+    "k",
+    "v",
+    "fake_dtype",
+    "fused_attention_backend",
+)
+_TE_BWD_POSITIONAL = (
+    "max_seqlen_q",
+    "max_seqlen_kv",
+    "cu_seqlens_q",
+    "cu_seqlens_kv",
+    "q",
+    "k",
+    "v",
+    "o",
+    "d_o",
+    "fake_dtype",
+    "dqkv_dtype",
+    "aux_ctx_tensors",
+    "fused_attention_backend",
+)
+_TE_USED_KEYWORDS = ("attn_scale", "dropout", "qkv_layout", "attn_mask_type")
+
+
+def te_call_keywords(fwd, bwd):
+    """The version-dependent keyword arguments of TE's ``fused_attn_fwd`` / ``fused_attn_bwd``,
+    read from their signatures: ``(fwd_extra, bwd_extra, needs_dqkv_dtype)``.
+
+    Every argument is passed by keyword, so a parameter added, removed or moved between TE
+    releases cannot shift another (TE 2.15 removed ``fused_attn_bwd``'s positional
+    ``dqkv_dtype``). The layout keywords TE 2.15 added (``o_format``, ``do_format``,
+    ``dqkv_layout``) default to sbhd / a packed sbh3d buffer, so they are always passed, naming
+    the separate bshd tensors this kernel hands over. Raises RuntimeError naming the parameters
+    when the signature has a required parameter this kernel does not know or lacks one it uses.
+    """
+    problems = []
+    extras = []
+    for fn, known in ((fwd, _TE_FWD_POSITIONAL), (bwd, _TE_BWD_POSITIONAL)):
+        params = inspect.signature(fn).parameters
+        required = [
+            n for n, p in params.items() if p.default is inspect.Parameter.empty and n != "self"
+        ]
+        unknown = [n for n in required if n not in known]
+        missing = [n for n in known + _TE_USED_KEYWORDS if n not in params and n != "dqkv_dtype"]
+        if unknown:
+            problems.append(f"{fn.__name__} requires unknown parameters {unknown}")
+        if missing:
+            problems.append(f"{fn.__name__} lacks parameters {missing}")
+        extras.append(params)
+    if problems:
+        raise RuntimeError(
+            "TSP_ATTENTION_KERNEL=te_fused: this Transformer Engine's fused attention API is not "
+            "one the te_fused kernel supports (TE 2.8-2.18 style): " + "; ".join(problems)
+        )
+    fwd_params, bwd_params = extras
+    fwd_extra = {"o_format": TE_FORMAT} if "o_format" in fwd_params else {}
+    bwd_extra = {
+        name: value
+        for name, value in (
+            ("o_format", TE_FORMAT),
+            ("do_format", TE_FORMAT),
+            ("dqkv_layout", TE_LAYOUT),
+        )
+        if name in bwd_params
+    }
+    return fwd_extra, bwd_extra, "dqkv_dtype" in bwd_params
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] -> [b, s, n, d] with contiguous memory: TE's C++ side wraps each tensor from
+    its data pointer and sizes only and derives the strides from ``qkv_layout``, so a strided view
+    (a K/V ``narrow`` of the packed buffer, q inside the QKV output, an sbhd output) would be read
+    at the wrong offsets. A copy only where the view is not already laid out that way."""
+    return t.transpose(1, 2).contiguous()
+
+
+class TeFusedKernel(AttentionKernel):
+    """Transformer Engine's fused attention (cuDNN inside TE, F16 arbitrary-seqlen backend)
+    through ``transformer_engine.pytorch.cpp_extensions.fused_attn``. Imported lazily; opt-in
+    only (``TSP_ATTENTION_KERNEL=te_fused``) until verified on a GPU by ``scripts/gpu_check.py``.
+
+    One call per zigzag chunk with TE's ``causal_bottom_right`` mask (TE's "causal" is top-left);
+    GQA native. Q/K/V (and O/dO in backward) are handed over as separate contiguous
+    ``[b, s, n, d]`` tensors in the "bshd_bshd_bshd" layout; the output comes back
+    ``[b, sq, h, d]``, the softmax statistics (the log-sum-exp of the scaled scores)
+    ``[b, h, sq, 1]`` fp32, the gradients ``[b, s, n, d]`` each. The keyword arguments are
+    chosen from the installed TE's signatures (``te_call_keywords``) when the kernel is built, so
+    an unsupported TE fails at construction, not in the first backward. The contiguous copies
+    cost one extra pass over a chunk's K/V (and q, O, dO) where the layer's views are strided."""
 
     name = "te_fused"
     native_gqa = True
 
     def __init__(self):
-        import transformer_engine_torch as tex
-        from transformer_engine.pytorch.constants import TE_DType
         from transformer_engine.pytorch.cpp_extensions import fused_attn as te_fa
 
-        self._te, self._te_dtype = te_fa, TE_DType
-        self._backend = tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen
+        self._te = te_fa
+        self._backend = te_fa.FusedAttnBackend["F16_arbitrary_seqlen"]
+        self._fwd_extra, self._bwd_extra, needs_dtype = te_call_keywords(
+            te_fa.fused_attn_fwd, te_fa.fused_attn_bwd
+        )
+        self._te_dtype = None
+        if needs_dtype:  # TE <= 2.14: dQ/dK/dV dtype as a TE DType
+            from transformer_engine.pytorch.constants import TE_DType
 
-    def _fwd(self, q, k, v, causal, scale):
-        te = self._te
+            self._te_dtype = TE_DType
+
+    @staticmethod
+    def _cu_seqlens(b, sq, sk, device):
+        """Cumulative sequence lengths [b + 1] (int32): TE takes the batch size from them."""
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
+        return cu_q, cu_k
+
+    @staticmethod
+    def _expect(what, t, shape, dtype=None):
+        if tuple(t.shape) != tuple(shape) or not t.is_contiguous() or (dtype and t.dtype != dtype):
+            raise RuntimeError(
+                f"te_fused: Transformer Engine returned {what} {tuple(t.shape)} {t.dtype} "
+                f"(contiguous={t.is_contiguous()}), expected contiguous {tuple(shape)}"
+                + (f" {dtype}" if dtype else "")
+            )
+
+    def forward(self, q, k, v, alignment, scale):
         b, h, sq, d = q.shape
         sk = k.shape[2]
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-        out, aux = te.fused_attn_fwd(
-            True,
-            sq,
-            sk,
-            cu_q,
-            cu_k,
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            q.dtype,
-            self._backend,
+        cu_q, cu_k = self._cu_seqlens(b, sq, sk, q.device)
+        out, aux = self._te.fused_attn_fwd(
+            is_training=True,
+            max_seqlen_q=sq,
+            max_seqlen_kv=sk,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k,
+            q=_bshd(q),
+            k=_bshd(k),
+            v=_bshd(v),
+            fake_dtype=q.dtype,
+            fused_attention_backend=self._backend,
             attn_scale=scale,
             dropout=0.0,
-            qkv_layout="bshd_bshd_bshd",
-            attn_mask_type="causal" if causal else "no_mask",
+            qkv_layout=TE_LAYOUT,
+            attn_mask_type=TE_MASK[alignment],
+            **self._fwd_extra,
         )
-        lse = aux[0].reshape(b, h, sq)
-        return out.view(b, sq, h, d).transpose(1, 2), lse
+        self._expect("out", out, (b, sq, h, v.shape[-1]), q.dtype)
+        self._expect("softmax stats", aux[0], (b, h, sq, 1), torch.float32)
+        return out.transpose(1, 2), aux[0].view(b, h, sq)
 
-    def _bwd(self, d_out, q, k, v, out, lse, causal, scale):
-        te = self._te
+    def backward(self, d_out, q, k, v, out, lse, alignment, scale):
         b, h, sq, d = q.shape
-        sk = k.shape[2]
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-        dq, dk, dv, *_ = te.fused_attn_bwd(
-            sq,
-            sk,
-            cu_q,
-            cu_k,
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            out.transpose(1, 2),
-            d_out.transpose(1, 2),
-            q.dtype,
-            self._te_dtype[q.dtype],
-            [lse.unsqueeze(-1), _no_rng(q.device)],
-            self._backend,
+        g, sk = k.shape[1], k.shape[2]
+        cu_q, cu_k = self._cu_seqlens(b, sq, sk, q.device)
+        stats = lse.to(torch.float32).unsqueeze(-1).contiguous()
+        # [softmax stats, rng_state]: the Philox seed/offset pair is read only with dropout > 0.
+        aux = [stats, torch.zeros(2, dtype=torch.int64, device=q.device)]
+        extra = dict(self._bwd_extra)
+        if self._te_dtype is not None:
+            extra["dqkv_dtype"] = self._te_dtype[q.dtype]
+        dq, dk, dv, *_ = self._te.fused_attn_bwd(
+            max_seqlen_q=sq,
+            max_seqlen_kv=sk,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k,
+            q=_bshd(q),
+            k=_bshd(k),
+            v=_bshd(v),
+            o=_bshd(out),
+            d_o=_bshd(d_out),
+            fake_dtype=q.dtype,
+            aux_ctx_tensors=aux,
+            fused_attention_backend=self._backend,
             attn_scale=scale,
             dropout=0.0,
-            qkv_layout="bshd_bshd_bshd",
-            attn_mask_type="causal" if causal else "no_mask",
+            qkv_layout=TE_LAYOUT,
+            attn_mask_type=TE_MASK[alignment],
+            **extra,
         )
+        self._expect("dq", dq, (b, sq, h, d), q.dtype)
+        self._expect("dk", dk, (b, sk, g, d), q.dtype)
+        self._expect("dv", dv, (b, sk, g, v.shape[-1]), q.dtype)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -365,14 +501,15 @@ def kernel_choice(
     gqa: bool,
     dropout_p: float = 0.0,
     capability: Optional[Tuple[int, int]] = None,
-    transformer_impl: str = "local",
     te_available: Optional[bool] = None,
     override: Optional[str] = None,
 ) -> str:
     """The backend name for these properties (pure function: the selection table of
-    docs/attention-fast-path.md). ``override`` (or the ``TSP_ATTENTION_KERNEL`` environment
-    variable, read by ``select_kernel``) forces a backend; it is refused by name if it cannot run
-    this case."""
+    docs/attention-fast-path.md). Without ``override`` only verified backends are chosen:
+    dropout -> ``sdpa_recompute``; CPU -> ``cpu_flash``; CUDA fp16/bf16 with a head_dim flash
+    supports -> ``aten_flash``; otherwise ``sdpa_recompute``. ``cudnn`` and ``te_fused`` run only
+    when named by ``override`` (or the ``TSP_ATTENTION_KERNEL`` environment variable, read by
+    ``select_kernel``); an override that cannot run this case is refused by name."""
     low = dtype in (torch.float16, torch.bfloat16)
     flash_ok = device_type == "cuda" and low and head_dim <= 256 and head_dim % 8 == 0
     cudnn_ok = (
@@ -393,18 +530,17 @@ def kernel_choice(
             "sdpa_recompute": True,
         }[override]
         if not ok or (dropout_p > 0 and override != "sdpa_recompute"):
+            te_note = f" transformer_engine_importable={bool(te_available)}"
             raise ValueError(
                 f"{ENV_OVERRIDE}={override} cannot run device={device_type} dtype={dtype} "
                 f"head_dim={head_dim} gqa={gqa} attention_dropout={dropout_p} "
-                f"capability={capability}"
+                f"capability={capability}" + (te_note if override == "te_fused" else "")
             )
         return override
     if dropout_p > 0:
         return "sdpa_recompute"
     if device_type == "cpu":
         return "cpu_flash"
-    if flash_ok and transformer_impl == "transformer_engine" and te_available:
-        return "te_fused"
     if flash_ok:
         return "aten_flash"
     return "sdpa_recompute"
@@ -416,35 +552,28 @@ def select_kernel(
     head_dim: int,
     gqa: bool,
     dropout_p: float = 0.0,
-    transformer_impl: str = "local",
     override: Optional[str] = None,
 ) -> AttentionKernel:
     """Build the kernel for a layer (called once, at construction). A model built on the meta
     device (Megatron's lazy init, the dry run) is bound for the GPU: it gets the CUDA choice
-    (without cuDNN, whose selection needs the device's compute capability)."""
+    (without cuDNN, whose selection needs the device's compute capability).
+
+    The kernel's ``selected_by`` says why: "default", "override" (the argument) or
+    "TSP_ATTENTION_KERNEL" (the environment variable). A requested backend that cannot be built
+    (``te_fused`` with an unsupported TE) raises; nothing falls back silently."""
     device = torch.device(device)
     device_type = "cuda" if device.type == "meta" else device.type
     capability = None
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
-    te = _te_available() if transformer_impl == "transformer_engine" else False
-    name = kernel_choice(
-        device_type,
-        dtype,
-        head_dim,
-        gqa,
-        dropout_p,
-        capability,
-        transformer_impl,
-        te,
-        override or os.environ.get(ENV_OVERRIDE) or None,
-    )
-    if name == "te_fused":
-        try:
-            return TeFusedKernel()
-        except Exception:  # a TE build without the expected fused-attention API: ATen flash
-            return AtenFlashKernel()
-    return _BACKENDS[name]()
+    requested, why = override, "override"
+    if not requested and os.environ.get(ENV_OVERRIDE):
+        requested, why = os.environ[ENV_OVERRIDE], ENV_OVERRIDE
+    te = _te_available() if requested == "te_fused" else False
+    name = kernel_choice(device_type, dtype, head_dim, gqa, dropout_p, capability, te, requested)
+    kernel = _BACKENDS[name]()
+    kernel.selected_by = why if requested else "default"
+    return kernel
 
 
 def get_kernel(name: str) -> AttentionKernel:

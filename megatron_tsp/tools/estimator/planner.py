@@ -218,8 +218,9 @@ class Options:
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
     tsp_regather_kv: bool = True
     # attention kernel backend (layers/kernels.py): "aten_flash" (the CUDA default: one call per
-    # zigzag chunk, native GQA), "cudnn" / "te_fused" / "cpu_flash" (top-left causal: a chunk runs
-    # as prefix + diagonal and concatenates their dK/dV; cudnn and cpu_flash repeat K/V for GQA)
+    # zigzag chunk, native GQA), "cudnn" / "cpu_flash" (top-left causal: a chunk runs as prefix +
+    # diagonal and concatenates their dK/dV; they repeat K/V for GQA), "te_fused" (one call per
+    # chunk on contiguous bshd copies of K/V)
     attn_kernel: str = "aten_flash"
     # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (what the layers
     # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the code before
@@ -305,8 +306,9 @@ def _tsp_comm_workspace(shape: LayerShape, D: int):
     return fwd, fwd + (2 * kv_full + 2 * kv_local) * acc
 
 
-_TOP_LEFT_KERNELS = ("cudnn", "te_fused", "cpu_flash")
+_TOP_LEFT_KERNELS = ("cudnn", "cpu_flash")
 _REPEAT_KV_KERNELS = ("cudnn", "cpu_flash")
+_COPY_KV_KERNELS = ("te_fused",)  # contiguous copies of the chunk's K/V beside their dK/dV
 
 
 def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
@@ -314,9 +316,10 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     whole sequence S), before ``zigzag_backward`` adds it into the fp32 accumulator: the kernel's
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
     prefix block and a diagonal block and concatenates their dK/dV (twice the bytes at the
-    moment of the cat); a kernel without native GQA computes dK/dV per query head from K/V
-    repeated to the query heads, then folds them to the key/value heads."""
-    if kernel not in _TOP_LEFT_KERNELS + ("aten_flash", "sdpa_recompute"):
+    moment of the cat); te_fused holds contiguous copies of the chunk's K and V (as many bytes
+    as its dK/dV) while its backward runs; a kernel without native GQA computes dK/dV per query
+    head from K/V repeated to the query heads, then folds them to the key/value heads."""
+    if kernel not in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS + ("aten_flash", "sdpa_recompute"):
         raise ValueError(
             f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
             "cpu_flash or sdpa_recompute"
@@ -325,7 +328,7 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     per_head_group = 2 * shape.tokens / D * b  # K+V (or dK+dV) of one hidden unit over S keys
     repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
     width = shape.hidden if repeat else shape.kv_hidden  # heads the kernel computes dK/dV for
-    out = per_head_group * width * (2 if kernel in _TOP_LEFT_KERNELS else 1)
+    out = per_head_group * width * (2 if kernel in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS else 1)
     if repeat:  # the repeated K/V inputs and the folded dK/dV
         out += per_head_group * (shape.hidden + shape.kv_hidden)
     return out
