@@ -17,6 +17,8 @@ setup(
     # Install torch yourself first (CPU wheel, or the CUDA build your cluster uses): an unpinned
     # torch requirement would pull a multi-GB CUDA build. Transformer Engine and NVIDIA apex are
     # optional GPU extras imported lazily by megatron-core; never install the PyPI "apex".
+    # torch >= 2.10 accumulates bf16 GEMMs into fp32 buffers in place on CUDA; 2.4-2.9 take a
+    # slower fallback (megatron_tsp/core/layers/precision.py).
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1,<0.20",

@@ -13,10 +13,14 @@ real layer code on ONE GPU.
     copies with communication removed. TP+SP's core attention is one causal
     ``F.scaled_dot_product_attention`` call over the whole sequence (flash / cuDNN; Megatron's
     local core attention would materialise the [S, S] scores). Reported: median step time of
-    each and their ratio, kernels launched per layer step (torch.profiler), and
-    ``torch.cuda.max_memory_allocated`` during the step beside the fake-tensor prediction
+    each and their ratio, kernels launched per layer step (torch.profiler), and the step's
+    memory: ``torch.cuda.max_memory_allocated`` during the step minus the memory allocated before
+    it (parameters, input, RoPE table), beside the fake-tensor prediction of the same difference
     (MemTracker under FakeTensorMode, the machinery of ``megatron-tsp memory``) for the same
-    layer, input and layout.
+    layer, input and layout (``--cpu-smoke``: that tracker on the real CPU tensors stands in
+    for the CUDA allocator). TSP's persistent communication buffers (``comm.WORKSPACE``) are
+    dropped before each scheme and before the measured step, so that step allocates (and
+    counts) TSP's own and TP+SP's figure holds none of TSP's.
 (b) TSP layers in bf16 against the same layers in fp32 (same weights, input and output
     gradient) at D=1: relative errors of the output, the input gradient and every weight
     gradient. D>1 on one GPU is not run: torch's single-process multi-rank ("threaded") process
@@ -39,6 +43,7 @@ a few minutes (7B-layer builds on CPU dominate); ``--iters`` / ``--seq`` shorten
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -48,7 +53,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Dict
+from typing import Dict, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -213,22 +218,47 @@ def _count_kernels(layer, x, dy, freqs, device) -> Dict[str, int]:
 def _fake_peak(scheme, d, model, seq, dtype, device) -> Dict[str, float]:
     """The fake-tensor tool's prediction for this layer step: MemTracker's peak under
     FakeTensorMode (no storage) over the same build and step, parameters, inputs and RoPE table
-    included (as ``max_memory_allocated`` includes them)."""
+    included (as ``max_memory_allocated`` includes them), and what it holds before the step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from megatron_tsp.core.comm import WORKSPACE
 
     setup_groups(scheme, d, model, seq)
     with FakeTensorMode(allow_non_fake_inputs=True):
         layer, freqs = build_layer(scheme, d, model, seq, dtype, device, init=False)
         x, dy = layer_inputs(d, model, seq, dtype, device)
-        tracker = MemTracker()
-        tracker.track_external(layer, x, dy, freqs)
+        tracker = _memory_tracker(layer, x, dy, freqs)
         with tracker:
+            before = _one_device(tracker.get_tracker_snapshot("current"))
             layer_step(layer, x, dy, freqs)
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+        peak = _one_device(tracker.get_tracker_snapshot("peak"))
+    WORKSPACE.clear()  # the fake run's buffers (no storage, but WORKSPACE.nbytes counts them)
+    total, by_cat = _snapshot_bytes(peak)
+    return {
+        "peak_bytes": total,
+        "before_step_bytes": _snapshot_bytes(before)[0],
+        "by_category": by_cat,
+    }
+
+
+def _memory_tracker(layer, *tensors):
+    """MemTracker holding the layer's parameters and the step's inputs as memory already there."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(layer, *tensors)
+    return tracker
+
+
+def _one_device(snapshot) -> dict:
+    return next(iter(snapshot.values()), {})
+
+
+def _snapshot_bytes(snapshot) -> Tuple[int, Dict[str, int]]:
+    """(total, bytes by category) of one device's MemTracker snapshot."""
     total = None
     by_cat = {}
-    for k, v in peak.items():
+    for k, v in snapshot.items():
         name = str(getattr(k, "value", k))
         if name == "Total":
             total = int(v)
@@ -236,26 +266,40 @@ def _fake_peak(scheme, d, model, seq, dtype, device) -> Dict[str, float]:
             by_cat[name] = int(v)
     if total is None:
         total = sum(by_cat.values())
-    return {"peak_bytes": total, "by_category": by_cat}
+    return total, by_cat
 
 
 def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
+    from megatron_tsp.core.comm import WORKSPACE
+
+    WORKSPACE.clear()  # a previous scheme's persistent buffers are not this scheme's memory
     setup_groups(scheme, d, model, seq)
     layer, freqs = build_layer(scheme, d, model, seq, dtype, device, init=False)
     x, dy = layer_inputs(d, model, seq, dtype, device)
     for _ in range(warmup):
         layer_step(layer, x, dy, freqs)
         layer.zero_grad(set_to_none=True)
+    # Memory step: it allocates the scheme's persistent buffers itself, as a first training step
+    # does, so the peak counts them and the baseline (parameters, input, RoPE table) does not.
+    WORKSPACE.clear()
+    layer.zero_grad(set_to_none=True)
     _sync(device)
-    base = peak = None
-    if device == "cuda":
-        layer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    # no CUDA allocator (--cpu-smoke): the fake-tensor tool's tracker on the real tensors
+    tracker = _memory_tracker(layer, x, dy, freqs) if device != "cuda" else None
+    with tracker or contextlib.nullcontext():
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _snapshot_bytes(_one_device(tracker.get_tracker_snapshot("current")))[0]
+        workspace_at_start = WORKSPACE.nbytes()
         layer_step(layer, x, dy, freqs)
-        torch.cuda.synchronize()
+        _sync(device)
+    if device == "cuda":
         peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _snapshot_bytes(_one_device(tracker.get_tracker_snapshot("peak")))[0]
+    workspace_after = WORKSPACE.nbytes()
     times = []
     for _ in range(iters):
         layer.zero_grad(set_to_none=True)
@@ -269,6 +313,7 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
     params = sum(p.numel() for p in layer.parameters())
     kernel_name = getattr(layer.self_attention, "attention_kernel_name", None)  # TSP only
     del layer, x, dy
+    WORKSPACE.clear()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {
@@ -279,6 +324,12 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
         "kernel_kind": kernels["kind"],
         "max_memory_allocated_bytes": peak,
         "memory_before_step_bytes": base,
+        "step_peak_bytes": peak - base,
+        "memory_measured_by": (
+            "torch.cuda.max_memory_allocated" if device == "cuda" else "MemTracker (CPU smoke)"
+        ),
+        "workspace_bytes_at_step_start": workspace_at_start,
+        "workspace_bytes_after_step": workspace_after,
         "layer_params": params,
         "attention_kernel": kernel_name,
     }
@@ -387,6 +438,10 @@ def _backend_lines(bk: dict) -> list:
 # report
 
 
+def _gb(nbytes) -> str:
+    return f"{nbytes / GB:.4g}"
+
+
 def write_report(result: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
@@ -403,19 +458,27 @@ def write_report(result: dict, out_dir: str) -> None:
         *_backend_lines(result["attention_backends"]),
         "## (a) one rank's layer step, forward + backward",
         "",
-        "| scheme | step ms (median) | kernels / layer step | max_memory_allocated GB "
-        "| fake-tensor prediction GB |",
-        "|---|---|---|---|---|",
+        "| scheme | step ms (median) | kernels / layer step | allocated before the step GB "
+        "| step peak − before GB | fake-tensor prediction of it GB | persistent buffers GB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key, name in SCHEMES.items():
         r = a[key]
-        mem = r["max_memory_allocated_bytes"]
+        fake = (
+            "skipped (--skip-fake)"
+            if r["fake_peak_bytes"] is None
+            else f"{_gb(r['fake_peak_bytes'] - r['fake_before_step_bytes'])}"
+        )
         lines.append(
             f"| {name} | {1e3 * r['step_s_median']:.2f} | {r['kernels_per_layer_step']}"
-            f" | {'n/a (CPU)' if mem is None else f'{mem / GB:.2f}'}"
-            f" | {r['fake_peak_bytes'] / GB:.4g} |"
+            f" | {_gb(r['memory_before_step_bytes'])} | {_gb(r['step_peak_bytes'])}"
+            f" | {fake} | {_gb(r['workspace_bytes_after_step'])} |"
         )
     lines += [
+        "",
+        f"Memory ({a['tsp']['memory_measured_by']}) is the step's peak minus what was "
+        "allocated before it; the persistent buffers (TSP's communication workspace) are "
+        "allocated inside the measured step and counted in its peak.",
         "",
         f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** ({a['tsp']['kernel_kind']}).",
         "",
@@ -439,10 +502,22 @@ def parse_args(argv=None):
         action="store_true",
         help="tiny shapes on CPU, same code path (used by tests/test_gpu_check.py)",
     )
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 131072)")
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length (default 131072; 64 with --cpu-smoke)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed steps (default 3; 2 with --cpu-smoke)"
+    )
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--d", type=int, default=8, help="group size D (TSP) = TP size (TP+SP)")
+    p.add_argument(
+        "--d",
+        type=int,
+        default=None,
+        help="group size D (TSP) = TP size (TP+SP) (default 8; 2 with --cpu-smoke)",
+    )
     p.add_argument("--skip-fake", action="store_true", help="skip the fake-tensor prediction")
     p.add_argument(
         "--te-emulator",
@@ -451,7 +526,17 @@ def parse_args(argv=None):
         help="with --cpu-smoke: also check te_fused through the Transformer Engine contract "
         "emulator of this TE signature (tests/emulators)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value, least in (
+        ("--d", args.d, 1),
+        ("--iters", args.iters, 1),
+        ("--seq", args.seq, 2),
+    ):
+        if value is not None and value < least:
+            p.error(f"{flag}={value}: must be at least {least}")
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup}: must be at least 0")
+    return args
 
 
 def main(argv=None) -> int:
@@ -466,14 +551,23 @@ def main(argv=None) -> int:
 
     if args.cpu_smoke:
         device, model = "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
-        seq, d, iters = args.seq or 64, min(args.d, 2), args.iters or 2
-        enable_cpu_support()
+        seq, d, iters = args.seq or 64, args.d or 2, args.iters or 2
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --cpu-smoke on a CPU machine", file=sys.stderr)
             return 2
         device, model = "cuda", load_model("7b")
-        seq, d, iters = args.seq or 131072, args.d, args.iters or 3
+        seq, d, iters = args.seq or 131072, args.d or 8, args.iters or 3
+    problems = []
+    if seq % (2 * d):
+        problems.append(f"--seq={seq} is not a multiple of 2 x --d={d} (two chunks per rank)")
+    if model.heads % d:
+        problems.append(f"the model's {model.heads} attention heads are not divisible by --d={d}")
+    if problems:
+        print("gpu_check: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if args.cpu_smoke:
+        enable_cpu_support()
     model = dataclasses.replace(model, num_layers=1)
     dtype = torch.bfloat16
     t0 = time.time()
@@ -488,16 +582,18 @@ def main(argv=None) -> int:
     timing = {}
     for scheme in SCHEMES:
         timing[scheme] = time_scheme(scheme, d, model, seq, dtype, device, iters, args.warmup)
-        timing[scheme]["fake_peak_bytes"] = None
+        timing[scheme]["fake_peak_bytes"] = timing[scheme]["fake_before_step_bytes"] = None
         if not args.skip_fake:
             fk = _fake_peak(scheme, d, model, seq, dtype, device)
             timing[scheme]["fake_peak_bytes"] = fk["peak_bytes"]
+            timing[scheme]["fake_before_step_bytes"] = fk["before_step_bytes"]
             timing[scheme]["fake_peak_by_category"] = fk["by_category"]
         print(
             f"[a] {scheme}: {1e3 * timing[scheme]['step_s_median']:.2f} ms, "
             f"{timing[scheme]['kernels_per_layer_step']} kernels, "
-            f"peak {timing[scheme]['max_memory_allocated_bytes']}, "
-            f"fake {timing[scheme]['fake_peak_bytes']}",
+            f"step peak - before {timing[scheme]['step_peak_bytes']}, "
+            f"fake {timing[scheme]['fake_peak_bytes']} - "
+            f"{timing[scheme]['fake_before_step_bytes']}",
             flush=True,
         )
     if timing["tsp"]["attention_kernel"] != backends["timed"]:

@@ -1,51 +1,99 @@
 """``scripts/gpu_check.py --cpu-smoke``: the GPU check's code path at tiny shapes on CPU (fake
-process group, D=2). Checks the files it writes (the attention-backend table checked before
-timing included, te_fused through the TE 2.15 contract emulator); timings are only checked to be
-positive.
-Runtime: about 15-60 s (one subprocess)."""
+process group). Checks the files it writes, with every option of the script: the defaults (D=2,
+fake-tensor prediction, te_fused through the TE 2.15 contract emulator) and ``--skip-fake --d 4
+--seq 32 --iters 1 --warmup 0 --te-emulator 2.8``; the attention-backend table checked before
+timing; timings are only checked to be positive. Memory: each scheme's step peak minus what was
+allocated before it, TSP's persistent communication buffers counted in TSP's step and absent from
+TP+SP's (on CPU the fake-tensor tool's tracker on the real tensors stands in for the CUDA
+allocator).
+Runtime: about 1-2 min (three subprocesses)."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_check_cpu_smoke_writes_report(tmp_path):
+def _run(out_dir, *argv):
     env = dict(
         os.environ,
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
         TORCHDYNAMO_DISABLE="1",
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "gpu_check.py"),
-            "--cpu-smoke",
-            "--te-emulator",
-            "2.15",
-            "--out-dir",
-            str(tmp_path),
-        ],
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--cpu-smoke"]
+        + ["--out-dir", str(out_dir), *argv],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def _check_memory(timing, fake):
+    for scheme in ("tsp", "tpsp"):
+        r = timing[scheme]
+        assert r["memory_measured_by"] == "MemTracker (CPU smoke)"
+        # baseline (parameters, input, RoPE table) recorded; the step's figure excludes it
+        assert r["memory_before_step_bytes"] > 0
+        assert (
+            r["step_peak_bytes"] == r["max_memory_allocated_bytes"] - r["memory_before_step_bytes"]
+        )
+        assert r["step_peak_bytes"] > 0
+        # no persistent buffer left over from the previous scheme (or run) when the step starts
+        assert r["workspace_bytes_at_step_start"] == 0, (scheme, r)
+        if fake:
+            # the fake-tensor prediction of the same difference (same tracker, no storage)
+            assert r["fake_before_step_bytes"] == r["memory_before_step_bytes"]
+            predicted = r["fake_peak_bytes"] - r["fake_before_step_bytes"]
+            assert abs(predicted - r["step_peak_bytes"]) <= 0.01 * r["step_peak_bytes"], r
+        else:
+            assert r["fake_peak_bytes"] is None and r["fake_before_step_bytes"] is None
+    # TSP's workspace is allocated inside its measured step and counted there; TP+SP has none
+    assert timing["tsp"]["workspace_bytes_after_step"] > 0
+    assert timing["tsp"]["step_peak_bytes"] >= timing["tsp"]["workspace_bytes_after_step"]
+    assert timing["tpsp"]["workspace_bytes_after_step"] == 0
+    assert timing["tsp"]["memory_before_step_bytes"] == timing["tpsp"]["memory_before_step_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv,d,seq,iters,fake",
+    [
+        (("--te-emulator", "2.15"), 2, 64, 2, True),
+        (
+            ("--skip-fake", "--d", "4", "--seq", "32", "--iters", "1", "--warmup", "0")
+            + ("--te-emulator", "2.8"),
+            4,
+            32,
+            1,
+            False,
+        ),
+    ],
+    ids=["defaults", "every-option"],
+)
+def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
+    proc = _run(tmp_path, *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     md = (tmp_path / "gpu_check.md").read_text()
-    assert report["setup"]["mode"] == "cpu-smoke" and report["setup"]["d"] == 2
+    setup = report["setup"]
+    assert setup["mode"] == "cpu-smoke" and (setup["d"], setup["seq"], setup["iters"]) == (
+        d,
+        seq,
+        iters,
+    )
     timing = report["timing"]
     for scheme in ("tsp", "tpsp"):
         r = timing[scheme]
-        assert len(r["step_s"]) >= 1 and all(t > 0 for t in r["step_s"])
+        assert len(r["step_s"]) == iters and all(t > 0 for t in r["step_s"])
         assert r["kernels_per_layer_step"] > 0
-        assert r["fake_peak_bytes"] > 0
-        assert r["max_memory_allocated_bytes"] is None  # CPU: no CUDA allocator
+    _check_memory(timing, fake)
     # TSP holds 1/D of the weights like TP=D: same parameter count per rank
     assert timing["tsp"]["layer_params"] == timing["tpsp"]["layer_params"]
     assert (
@@ -64,8 +112,10 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path):
         assert 1e-5 < err < 5e-2, (name, err)
     for text in ("## (a)", "## (b)", "| TSP |", "| Megatron TP+SP |", "TSP / TP+SP step time"):
         assert text in md
+    assert ("skipped (--skip-fake)" in md) is not fake
     # the attention backends were checked before timing, and the timed one is a verified one
     bk = report["attention_backends"]
+    assert bk["te_emulator"] == argv[argv.index("--te-emulator") + 1]
     assert set(bk["checked"]) == {"cpu_flash", "te_fused", "sdpa_recompute"}
     for name, r in bk["checked"].items():
         assert r["error"] is None and r["verified"], (name, r)
@@ -79,6 +129,14 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path):
     )
     for name in bk["checked"]:
         assert f"| {name} |" in md
+
+
+def test_gpu_check_refuses_a_layout_it_cannot_split(tmp_path):
+    proc = _run(tmp_path, "--d", "3")
+    assert proc.returncode == 2
+    assert "--seq=64 is not a multiple of 2 x --d=3" in proc.stderr, proc.stderr
+    assert "4 attention heads are not divisible by --d=3" in proc.stderr
+    assert not (tmp_path / "gpu_check.md").exists()
 
 
 def test_backend_check_rejects_a_wrong_backend_and_pins_a_verified_one(monkeypatch):

@@ -9,10 +9,16 @@ whether the flag exists, its dest and choices, and what the launcher's check of 
 parsed (rows checked after Megatron's validation: existence and dest only). A row must name a flag
 that exists exactly in the trees its ``versions`` list, with the row's dest, offering the values its
 condition names; its example must be refused by that row; and Megatron-LM's defaults must pass.
+
+Independently of the table, ``test_launcher_refuses_each_setting_by_name`` runs Megatron-LM's
+parser and ``validate_args`` with the launcher's hooks installed (same subprocess) on every
+(flag, value) of ``REFUSED``, a list written here: each must be refused naming its flag, so a row
+dropped from the table fails here by name.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -85,15 +91,30 @@ def _trees():
     return trees
 
 
-def _probe(tree, python):
+@functools.lru_cache(maxsize=None)
+def _probes(tree, python):
+    """One subprocess per tree (importing Megatron-LM dominates): the table probe, then the
+    launcher probe (``_LAUNCH_PROBE``, after ``install()``). Returns both reports."""
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env.pop("PYTHONPATH", None)
+    request = {"model": MODEL, "modes": MODES, "cases": [[m, argv] for m, argv, _ in REFUSED]}
     proc = subprocess.run(
-        [python, "-c", _PROBE, REPO, tree], capture_output=True, text=True, timeout=600, env=env
+        [python, "-c", _PROBE + _LAUNCH_PROBE, REPO, tree, json.dumps(request)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE ")][-1]
-    return json.loads(line[len("PROBE ") :])
+    reports = {}
+    for tag in ("PROBE", "LAUNCH"):
+        line = [x for x in proc.stdout.splitlines() if x.startswith(tag + " ")][-1]
+        reports[tag] = json.loads(line[len(tag) + 1 :])
+    return reports
+
+
+def _probe(tree, python):
+    return _probes(tree, python)["PROBE"]
 
 
 @pytest.mark.parametrize("label,tree,python", _trees(), ids=[t[0] for t in _trees()])
@@ -128,4 +149,145 @@ def test_table_flags_match_megatron_lm_parser(label, tree, python):
                 f"{mode}: {row.flag} {' '.join(row.example)} parsed by "
                 f"core_v{version} is not refused: {entry['refusals']}"
             )
+    assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher refuses each setting by name, from a list written here (not from the table).
+
+# (mode, flag and refused value(s) [+ what the value needs], Megatron-LM trees defining the flag
+# (None: both)); the message must name the first flag and the mode
+REFUSED = [
+    ("tsp", ["--tensor-model-parallel-size", "4"], None),
+    ("tsp", ["--context-parallel-size", "2"], None),
+    ("tsp", ["--hierarchical-context-parallel-sizes", "2", "2"], None),
+    ("tsp", ["--hybrid-context-parallel"], None),
+    ("tsp", ["--tensor-parallel-num-weight-shards", "2"], ("0.19",)),
+    ("tsp", ["--tp-comm-overlap"], None),
+    ("tsp", ["--delay-wgrad-compute"], None),
+    ("tsp", ["--use-megatron-fsdp"], None),
+    ("tsp", ["--use-torch-fsdp2"], None),
+    ("tsp", ["--cuda-graph-impl", "local"], None),
+    ("tsp", ["--cuda-graph-impl", "transformer_engine"], None),
+    ("tsp", ["--enable-cuda-graph"], None),
+    ("tsp", ["--external-cuda-graph"], None),
+    ("tsp", ["--num-experts", "4"], None),
+    ("tsp", ["--expert-model-parallel-size", "2"], None),
+    ("tsp", ["--multi-latent-attention"], None),
+    ("tsp", ["--qk-layernorm"], None),
+    ("tsp", ["--qk-l2-norm"], None),
+    ("tsp", ["--attention-output-gate"], None),
+    ("tsp", ["--softmax-type", "off-by-one"], None),
+    ("tsp", ["--softmax-type", "learnable"], None),
+    ("tsp", ["--window-size", "64,0"], None),
+    ("tsp", ["--qk-clip"], None),
+    ("tsp", ["--log-max-attention-logit"], None),
+    ("tsp", ["--experimental-attention-variant", "dsa"], None),
+    ("tsp", ["--position-embedding-type", "mrope"], None),
+    ("tsp", ["--attention-backend", "flash"], None),
+    ("tsp", ["--attention-backend", "local"], None),
+    ("tsp", ["--transformer-impl", "inference_optimized"], None),
+    ("tsp", ["--mtp-num-layers", "1"], None),
+    ("tsp", ["--heterogeneous-layers-config-path", "layers.json"], None),
+    ("tsp", ["--heterogeneous-layers-config-encoded-json", "{}"], None),
+    ("tsp", ["--use-legacy-models"], ("0.16",)),
+    ("tsp", ["--yaml-cfg", "run.yaml"], None),
+    ("tsp", ["--fp8-format", "hybrid"], None),
+    ("tsp", ["--fp4-format", "e2m1"], None),
+    ("tsp", ["--sft"], None),
+    ("tsp", ["--dataloader-inter-document-masking"], ("0.19",)),
+    ("tsp", ["--reset-attention-mask"], None),
+    ("tsp", ["--reset-position-ids"], None),
+    # shapes each rank holds 1/D of (D=2), refused after Megatron's own validation
+    ("tsp", ["--num-attention-heads", "5", "--kv-channels", "16"], None),
+    ("tsp", ["--num-query-groups", "1", "--group-query-attention"], None),
+    ("tsp", ["--ffn-hidden-size", "255"], None),
+    # the hybrid (TP+SP attention with the TSP MLP ring)
+    ("tsp-mlp", ["--tensor-sequence-parallel-size", "2"], None),
+    ("tsp-mlp", ["--context-parallel-size", "2"], None),
+    ("tsp-mlp", ["--num-experts", "4"], None),
+    ("tsp-mlp", ["--tp-comm-overlap"], None),
+    ("tsp-mlp", ["--multi-latent-attention"], None),
+    ("tsp-mlp", ["--fp8-format", "hybrid"], None),
+    ("tsp-mlp", ["--use-torch-fsdp2"], None),
+    ("tsp-mlp", ["--enable-cuda-graph"], None),
+    ("tsp-mlp", ["--attention-backend", "flash"], None),
+    ("tsp-mlp", ["--transformer-impl", "inference_optimized"], None),
+    ("tsp-mlp", ["--ffn-hidden-size", "255"], None),
+]
+# A tiny model that both modes accept (checked: the control case must pass validation).
+MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 "
+    "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 2 "
+    "--train-iters 1 --lr 1e-3 --transformer-impl local --no-gradient-accumulation-fusion "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --tsp-dry-run"
+).split()
+MODES = {
+    "tsp": ["--tensor-sequence-parallel-size", "2"],
+    "tsp-mlp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"],
+}
+
+# Runs after _PROBE, in the same process (its imports and sys.path); the request is argv[3].
+_LAUNCH_PROBE = r"""
+import contextlib, io
+request = json.loads(sys.argv[3])
+from megatron_tsp.megatron_lm import TSPArgumentError, install
+install()  # what the launcher does before running the script
+
+def parser():  # Megatron-LM's parser, with the TSP group the launcher's hook adds to it
+    return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+options = {o for a in parser()._actions for o in a.option_strings}
+
+def launch(argv):
+    # Megatron's parse_args and then validate_args, as pretrain_gpt.py calls them (the TSP
+    # checks run inside validate_args); --tsp-dry-run keeps CUDA out of the validation.
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parser().parse_args(argv)
+            args.rank, args.world_size = 0, 2  # Megatron's parse_args: from the environment
+            arguments.validate_args(args, {})
+    except TSPArgumentError as exc:
+        return {"refused": str(exc)}
+    except BaseException as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"accepted": True}
+
+modes = request["modes"]
+out = {"version": f"{package_info.MAJOR}.{package_info.MINOR}",
+       "controls": {mode: launch(request["model"] + base) for mode, base in modes.items()},
+       "cases": []}
+for mode, extra in request["cases"]:
+    if extra[0] not in options:
+        out["cases"].append({"absent": True})
+    else:
+        out["cases"].append(launch(request["model"] + modes[mode] + extra))
+print("LAUNCH " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("label,tree,python", _trees(), ids=[t[0] for t in _trees()])
+def test_launcher_refuses_each_setting_by_name(label, tree, python):
+    """Megatron-LM's own parser and ``validate_args`` with the launcher's hooks installed, one
+    process: every (flag, value) of ``REFUSED`` is refused with a ``TSPArgumentError`` whose message
+    names the flag and the mode; the same command line without it is accepted."""
+    if not tree or not os.path.isfile(os.path.join(tree, "pretrain_gpt.py")):
+        pytest.skip(f"set {label} to a Megatron-LM tree")
+    probe = _probes(tree, python)["LAUNCH"]
+    version = probe["version"]
+    for mode, result in probe["controls"].items():
+        assert result == {"accepted": True}, f"{mode}: the control command line fails: {result}"
+    problems = []
+    for (mode, argv, versions), result in zip(REFUSED, probe["cases"]):
+        flag, shown = argv[0], f"{mode}: {' '.join(argv)}"
+        if versions is not None and version not in versions:
+            if not result.get("absent"):
+                problems.append(f"{shown}: expected absent from core_v{version}")
+            continue
+        if result.get("absent"):
+            problems.append(f"{shown}: not a flag of core_v{version}")
+        elif "refused" not in result:
+            problems.append(f"{shown}: not refused by the launcher (core_v{version}): {result}")
+        elif flag not in result["refused"] or R.MODE_FLAGS[mode] not in result["refused"]:
+            problems.append(f"{shown}: refused without naming {flag}: {result['refused']}")
     assert not problems, "\n".join(problems)

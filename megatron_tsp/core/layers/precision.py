@@ -7,8 +7,18 @@ live in an fp32 accumulator (``accumulation_dtype``) and are cast once at the en
 buffers are O(weights) or O(local tokens), never O(S).
 
 ``matmul_acc`` writes ``a @ b`` into (or onto) an fp32 accumulator: on CUDA through the GEMM's own
-fp32 output (``out_dtype``), so no rounded bf16 intermediate exists; elsewhere (CPU tests, fake
-tensors) by upcasting the operands, which is exact for bf16/fp16 inputs.
+fp32 output (``out_dtype``), so no rounded bf16 intermediate exists; elsewhere (CPU tests) by
+upcasting the operands, which is exact for bf16/fp16 inputs (their products fit in fp32).
+
+What the CUDA GEMM accepts depends on the torch release, so it is decided once, at import
+(``MM_OUT_DTYPE``, ``ADDMM_FP32_ACC``; tests patch them to run every branch):
+
+* torch >= 2.10: ``addmm(acc, a, b, out_dtype=fp32, out=acc)`` accumulates in place (beta = 1):
+  the GEMM reads and writes ``acc``, no temporary exists;
+* torch 2.8 / 2.9 accept ``out_dtype`` only with a ``self`` of the operands' dtype ("self and
+  mat2 must have the same dtype"): one fp32 GEMM result, then ``acc.add_`` (a temporary of
+  ``acc``'s size);
+* older torch has no ``out_dtype``: the operands are upcast (exact, but an fp32 GEMM).
 """
 
 from __future__ import annotations
@@ -25,8 +35,22 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
-def _mm_out_dtype_supported(a: torch.Tensor) -> bool:
-    return a.device.type == "cuda" and a.dtype in _LOW_PRECISION
+# ``aten::mm.dtype`` / ``aten::addmm.dtype`` (a GEMM with an fp32 result from bf16/fp16
+# operands) exist from torch 2.8.
+MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
+# From torch 2.10 the CUDA ``addmm.dtype_out`` also takes an fp32 ``self`` beside bf16/fp16
+# matrices, which is what accumulating in place into an fp32 buffer needs.
+ADDMM_FP32_ACC = MM_OUT_DTYPE and torch.__version__ >= "2.10"
+
+
+def _gpu_out_dtype(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """The GEMM itself can produce ``out_dtype`` (fp32) from ``a``'s dtype (bf16 / fp16)."""
+    return (
+        MM_OUT_DTYPE
+        and a.device.type == "cuda"
+        and a.dtype in _LOW_PRECISION
+        and out_dtype == torch.float32
+    )
 
 
 def matmul_acc(
@@ -42,10 +66,12 @@ def matmul_acc(
         if acc is None:
             return torch.mm(a, b)
         return acc.addmm_(a, b)
-    if _mm_out_dtype_supported(a):
+    if _gpu_out_dtype(a, out_dtype):
         if acc is None:
             return torch.mm(a, b, out_dtype=out_dtype)
-        return acc.copy_(torch.addmm(acc, a, b, out_dtype=out_dtype))
+        if ADDMM_FP32_ACC:
+            return torch.addmm(acc, a, b, out_dtype=out_dtype, out=acc)
+        return acc.add_(torch.mm(a, b, out_dtype=out_dtype))
     if acc is None:
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
     return acc.addmm_(a.to(out_dtype), b.to(out_dtype))
@@ -56,6 +82,6 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
     ``out`` (e.g. a view of a flat fp32 gradient buffer). Returns ``out``."""
     if out.dtype == a.dtype:
         return torch.mm(a, b, out=out)
-    if _mm_out_dtype_supported(a):
+    if _gpu_out_dtype(a, out.dtype):
         return torch.mm(a, b, out_dtype=out.dtype, out=out)
     return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
