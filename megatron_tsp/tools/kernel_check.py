@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_tsp.core.layers import kernels
+from megatron_tsp.core.layout import TSPLayout
 
 # bf16 has an 8-bit mantissa (2^-8 = 3.9e-3); the kernels accumulate in fp32: errors of a few
 # 1e-3 are bf16 rounding, anything near 1 is a misread layout or a wrong mask
@@ -46,14 +47,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _local_rows(size: int, rank: int, chunk: int) -> List[int]:
-    """Rank ``rank``'s rows of the sequence: its chunks r and 2D-1-r, in that order."""
-    rows = []
-    for c in (rank, 2 * size - 1 - rank):
-        rows.extend(range(c * chunk, (c + 1) * chunk))
-    return rows
-
-
 def _case(device, dtype, size, rank, heads, groups, chunk, head_dim, batch, seed=0):
     gen = torch.Generator().manual_seed(seed)
     s = 2 * size * chunk
@@ -63,7 +56,7 @@ def _case(device, dtype, size, rank, heads, groups, chunk, head_dim, batch, seed
     # bf16-representable fp32 inputs: the reference sees exactly what the kernel sees
     q_full, k, v = (t.to(dtype).float() for t in (q_full, k, v))
     dy_full = mk(s, batch, heads * head_dim).to(dtype).float()
-    rows = torch.tensor(_local_rows(size, rank, chunk))
+    rows = TSPLayout(size, 2 * size * chunk).positions_of(rank).clone()
     return {
         "q_full": q_full.to(device),
         "k": k.to(device),
