@@ -119,6 +119,29 @@ def check_supported(args) -> None:
     rejections.raise_if_any(unsupported_combinations(args), TSPArgumentError, "the command line")
 
 
+# Dests Megatron's ``parse_args`` acts on before ``validate_args`` runs: their rows are checked
+# right after parsing (the launcher's parser hook), while the command line is still in hand.
+ACTED_ON_BY_PARSE_ARGS = ("yaml_cfg",)
+
+
+def check_before_megatron_parse_hooks(args) -> None:
+    """Raise ``TSPArgumentError`` for the rows of ``ACTED_ON_BY_PARSE_ARGS`` that the requested
+    mode refuses (no-op when neither TSP nor ``--tsp-mlp`` is requested)."""
+    if tsp_mlp_requested(args):
+        mode, d = rejections.TSP_MLP, None
+    elif tsp_size(args) is not None:
+        mode, d = rejections.TSP, tsp_size(args)
+    else:
+        return
+    problems = []
+    for dest in ACTED_ON_BY_PARSE_ARGS:
+        row = rejections.row_for(dest, mode)
+        value = getattr(args, dest, None)
+        if row.refuses(value, d):
+            problems.append(row.message(value, d, mode))
+    rejections.raise_if_any(problems, TSPArgumentError, "the command line", mode)
+
+
 def translate_args(args) -> None:
     """Rewrite ``args`` in place for TSP, before Megatron's ``validate_args``.
 

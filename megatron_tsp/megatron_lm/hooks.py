@@ -57,9 +57,31 @@ def _wrap_add_megatron_arguments(original):
     @functools.wraps(original)
     def add_megatron_arguments(parser, *args, **kwargs):
         parser = original(parser, *args, **kwargs)
-        return tsp_args.add_tsp_arguments(parser)
+        parser = tsp_args.add_tsp_arguments(parser)
+        _check_right_after_parsing(parser)
+        return parser
 
     return add_megatron_arguments
+
+
+def _check_right_after_parsing(parser) -> None:
+    """Refuse, straight after parsing, what Megatron's ``parse_args`` acts on before
+    ``validate_args`` (where the TSP translation and the other checks run): ``--yaml-cfg``
+    replaces the whole namespace by the YAML file's, TSP flags included, and never calls
+    ``validate_args``. ``parse_args`` goes through ``parse_known_args``, so wrapping that one
+    method of this parser covers both."""
+    if getattr(parser, "_tsp_checked_after_parsing", False):
+        return
+    parse_known_args = parser.parse_known_args
+
+    @functools.wraps(parse_known_args)
+    def checked(*args, **kwargs):
+        namespace, rest = parse_known_args(*args, **kwargs)
+        tsp_args.check_before_megatron_parse_hooks(namespace)
+        return namespace, rest
+
+    parser.parse_known_args = checked
+    parser._tsp_checked_after_parsing = True
 
 
 def _describe_translation(args) -> str:

@@ -209,6 +209,7 @@ REFUSED = [
     ("tsp-mlp", ["--tp-comm-overlap"], None),
     ("tsp-mlp", ["--multi-latent-attention"], None),
     ("tsp-mlp", ["--fp8-format", "hybrid"], None),
+    ("tsp-mlp", ["--yaml-cfg", "run.yaml"], None),
     ("tsp-mlp", ["--use-torch-fsdp2"], None),
     ("tsp-mlp", ["--enable-cuda-graph"], None),
     ("tsp-mlp", ["--attention-backend", "flash"], None),
@@ -240,11 +241,13 @@ def parser():  # Megatron-LM's parser, with the TSP group the launcher's hook ad
 options = {o for a in parser()._actions for o in a.option_strings}
 
 def launch(argv):
-    # Megatron's parse_args and then validate_args, as pretrain_gpt.py calls them (the TSP
-    # checks run inside validate_args); --tsp-dry-run keeps CUDA out of the validation.
+    # Megatron's own parse_args (it reads sys.argv and may act on what it parsed, e.g. load a
+    # --yaml-cfg file) and then validate_args, as pretrain_gpt.py calls them (the TSP checks run
+    # inside validate_args); --tsp-dry-run keeps CUDA out of the validation.
+    sys.argv = ["pretrain_gpt.py"] + list(argv)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            args = parser().parse_args(argv)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = arguments.parse_args()
             args.rank, args.world_size = 0, 2  # Megatron's parse_args: from the environment
             arguments.validate_args(args, {})
     except TSPArgumentError as exc:
