@@ -76,7 +76,7 @@ def test_hybrid_crossover_is_w_mlp_over_2h():
 def test_planner_hybrid_row_7b_128k_d8():
     """Analytic memory and comm at 7B / 128k / D=8: the hybrid drops TP+SP's MLP intermediates
     (recomputed per shard) and its MLP activation collectives; parameters are TP=8's."""
-    o = pl.Options(recompute="none")
+    o = pl.Options(recompute="none", compute_model="flops")
     rows = {
         r["kind"]: r
         for r in (
@@ -120,6 +120,8 @@ def test_planner_cli_hybrid_only(capsys):
                 "tp_sp,hybrid",
                 "--plot",
                 "",
+                "--compute-model",
+                "flops",
             ]
         )
         == 0

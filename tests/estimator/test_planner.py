@@ -159,8 +159,9 @@ def test_analytic_memory_relations():
 
 
 def test_evaluate_golden_h100():
-    """One configuration recomputed by hand: 7b, S=64k, 8 x H100 (DP=1), no recompute."""
-    o = pl.Options(recompute="none")
+    """One configuration recomputed by hand: 7b, S=64k, 8 x H100 (DP=1), no recompute, compute
+    time from FLOPs (the measured-kernel model: tests/estimator/test_measured_traffic.py)."""
+    o = pl.Options(recompute="none", compute_model="flops")
     hw = pl.load_hardware("h100")
     S, h, D = 65536, 4096, 8
     flops = hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency
@@ -191,7 +192,7 @@ def test_evaluate_golden_h100():
         pl.make_strategy("tsp", D),
         S,
         D,
-        pl.Options(recompute="none", tsp_kv_pipelined=False),
+        pl.Options(recompute="none", tsp_kv_pipelined=False, compute_model="flops"),
     )
     assert blocking["layer_exposed_s"]["fwd"] == pytest.approx((kv + bcast / D) / bw)
     assert tsp["layer_comm_fwd"] == pytest.approx(7 / 8 * (12 * h * h + 2 * S * h) * 2)
@@ -216,17 +217,23 @@ def test_evaluate_golden_h100():
 
 
 def test_planner_bytes_crossover_marks_the_switch():
+    o = pl.Options(compute_model="flops")
     p = pl.plan(
-        "7b", "mi300x", 131072, 1024, 8, [pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)]
+        "7b",
+        "mi300x",
+        131072,
+        1024,
+        8,
+        [pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)],
+        options=o,
     )
     x = p["bytes_crossover_seq"]["fwd"]
     assert x == pytest.approx(6 * 4096)
     for seq, tsp_wins in ((int(x * 0.9), False), (int(x * 1.1), True)):
-        a = pl.evaluate("7b", "mi300x", pl.make_strategy("tsp", 8), seq, 1024)
-        b = pl.evaluate("7b", "mi300x", pl.make_strategy("tp_sp", 8), seq, 1024)
+        a = pl.evaluate("7b", "mi300x", pl.make_strategy("tsp", 8), seq, 1024, o)
+        b = pl.evaluate("7b", "mi300x", pl.make_strategy("tp_sp", 8), seq, 1024, o)
         assert (a["layer_comm_fwd"] <= b["layer_comm_fwd"]) == tsp_wins
     # throughput regions are consistent with point evaluations
-    o = pl.Options()
     tsp, tpsp = pl.make_strategy("tsp", 8), pl.make_strategy("tp_sp", 8)
     for lo, hi in p["throughput_regions"]:
         mid = int(lo * 1.05) if hi is None else int((lo * hi) ** 0.5)
@@ -268,6 +275,8 @@ def test_cli_plan_smoke(tmp_path):
             str(js),
             "--sweep",
             "16384,65536,131072",
+            "--compute-model",
+            "flops",
         ],
         cwd=REPO,
         capture_output=True,

@@ -29,6 +29,7 @@ from megatron_tsp.core import model_shape
 from megatron_tsp.core.model_shape import ModelShape, available_models
 
 from . import formulas as fm
+from . import measured_traffic
 from .formulas import LayerShape
 
 HERE = Path(__file__).resolve().parent
@@ -53,6 +54,11 @@ class HardwareSpec:
     comm_efficiency: float
     description: str = ""
     assumptions: List[str] = field(default_factory=list)
+    # the measured-traffic compute model (``measured_traffic``): HBM bandwidth, the share of it
+    # element-wise kernels sustain, and the floor a kernel costs however small it is
+    hbm_GBps: float = 0.0
+    hbm_efficiency: float = 0.8
+    kernel_launch_us: float = 0.0
 
     @property
     def nic_GBps_per_gpu(self) -> float:
@@ -81,6 +87,18 @@ class HardwareSpec:
     @property
     def flops(self) -> float:
         return self.peak_bf16_tflops * 1e12 * self.compute_efficiency
+
+    def kernel_costs(self) -> "measured_traffic.KernelCosts":
+        if self.hbm_GBps <= 0:
+            raise ValueError(
+                f"hardware {self.name!r} gives no hbm_GBps: the measured-traffic compute model "
+                "needs it (or use --compute-model flops)"
+            )
+        return measured_traffic.KernelCosts(
+            flops_per_s=self.flops,
+            hbm_bytes_per_s=self.hbm_GBps * GB * self.hbm_efficiency,
+            launch_s=self.kernel_launch_us * 1e-6,
+        )
 
 
 def _resolve(kind: str, name_or_path: str) -> Path:
@@ -129,6 +147,9 @@ def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
         comm_efficiency=eff["comm"],
         description=d.get("description", ""),
         assumptions=d.get("assumptions", []) + ([intra["note"]] if "note" in intra else []),
+        hbm_GBps=d.get("hbm_GBps", 0.0),
+        hbm_efficiency=eff.get("hbm", 0.8),
+        kernel_launch_us=d.get("kernel_launch_us", 0.0),
     )
 
 
@@ -234,6 +255,10 @@ class Options:
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
+    # compute time of a TSP / TP+SP layer: "measured" prices the kernels the layer really issues
+    # (recorded once by the traffic benchmark, see measured_traffic); "flops" is GEMM + attention
+    # FLOPs at the profile's efficiency (the other strategies always use it)
+    compute_model: str = "measured"
 
 
 def _layer_activation_bytes(
@@ -535,12 +560,44 @@ def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
     )
 
 
-def _layer_time(shape: LayerShape, s: Strategy, hw: HardwareSpec, o: Options, full: bool) -> dict:
+def measured_layer(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq: int):
+    """The kernels one rank's layer issues at ``seq``, per phase (kernels, bytes, FLOPs, seconds:
+    the sum of their rooflines), or None where the compute model is "flops" or the strategy has
+    no recorded layer."""
+    if o.compute_model == "flops" or s.kind not in measured_traffic.SCHEME_OF_KIND:
+        return None
+    if o.compute_model != "measured":
+        raise ValueError(f"compute_model must be 'measured' or 'flops', got {o.compute_model!r}")
+    dtype = {2: "bf16", 4: "fp32"}[m.dtype_bytes]
+    curves = measured_traffic.layer_curves(m, s.degree, o.micro_batch, dtype)
+    scheme = measured_traffic.SCHEME_OF_KIND[s.kind]
+    return measured_traffic.phase_totals(curves[scheme], seq, hw.kernel_costs())
+
+
+def _layer_time(
+    shape: LayerShape,
+    s: Strategy,
+    hw: HardwareSpec,
+    o: Options,
+    full: bool,
+    measured: Optional[dict] = None,
+) -> dict:
     """One layer on one rank: compute (every strategy splits a layer's work evenly over its D
-    ranks), communication, and what of it the compute cannot hide."""
+    ranks; with ``measured`` kernels, the sum of their rooflines, full recompute repeating the
+    forward's), communication, and what of it the compute cannot hide."""
     D = s.degree
     fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
-    compute = {"fwd": fl["fwd"] / D / hw.flops, "bwd": (fl["bwd"] + fl["recompute"]) / D / hw.flops}
+    if measured is None:
+        compute = {
+            "fwd": fl["fwd"] / D / hw.flops,
+            "bwd": (fl["bwd"] + fl["recompute"]) / D / hw.flops,
+        }
+    else:
+        # the recorded layer runs the layers' defaults (attention core saved); the options the
+        # recording did not run add their FLOPs
+        fwd, bwd = measured["fwd"]["seconds"], measured["bwd"]["seconds"]
+        extra = fl["recompute_attn_core"] / D / hw.flops if not full else 0.0
+        compute = {"fwd": fwd, "bwd": bwd + extra + (fwd if full else 0.0)}
     attn_core = {
         "fwd": fl["fwd_attn_core"] / D / hw.flops,
         "bwd": (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops,
@@ -672,7 +729,8 @@ def evaluate(
         recompute = "none" if tot["none"] <= hw.hbm_gb * GB else "full"
     full = recompute == "full"
 
-    layer = _layer_time(shape, s, hw, o, full)
+    measured = measured_layer(m, s, hw, o, seq)
+    layer = _layer_time(shape, s, hw, o, full, measured)
     hf, head_time = _head_time(m, shape, s, hw, o, seq, full)
     micro = m.num_layers * (layer["fwd"] + layer["bwd"]) + head_time
     per_step = _step_comm(m, shape, s, hw, o, mem["none"]["params"] / m.dtype_bytes, dp, layer)
@@ -707,6 +765,8 @@ def evaluate(
         "layer_comm_bwd": fm.bwd(comm),
         "layer_comm_split": fm.split_terms(layer["terms"]),
         "layer_compute_s": layer["compute"],
+        "compute_model": "flops" if measured is None else "measured",
+        "layer_kernels": measured,
         "layer_comm_s": layer["comm_time"],
         "layer_exposed_s": layer["exposed"],
         "head_s": head_time,
@@ -834,8 +894,17 @@ def assumptions(
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
+        (
+            "compute (TSP, TP+SP): every kernel the layer issues, recorded on shape-only tensors "
+            "at three sequence lengths and extrapolated exactly in S, priced max(FLOPs / "
+            f"{hw.flops / 1e12:.0f} TFLOP/s, bytes / {hw.hbm_GBps * hw.hbm_efficiency:.0f} GB/s "
+            f"HBM, {hw.kernel_launch_us} us launch floor) and summed per phase; other strategies: "
+            "FLOPs as below"
+            if o.compute_model == "measured"
+            else "compute: FLOPs only (--compute-model flops)"
+        ),
         "FLOPs: 2*B*S*W per GEMM, causal attention 2*2*B*S^2*h*0.5, backward = "
-        f"{o.bwd_factor}x forward, element-wise ops not counted; zigzag balance assumed",
+        f"{o.bwd_factor}x forward; zigzag balance assumed",
         "memory: bf16 params + fp32 grads + fp32 master/Adam (18 B/param), optimizer part "
         f"sharded over DP(xCP) = {o.distributed_optimizer}; activations bf16 (LN in/out, QKV, "
         "attention out, MLP intermediates; flash attention, no dropout); recompute "
@@ -1210,6 +1279,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reduce-scatters waited on right behind their own head group's QKV "
         "GEMM, as before issue 12 (default: pipelined one head group ahead)",
     )
+    ap.add_argument(
+        "--compute-model",
+        choices=("measured", "flops"),
+        default="measured",
+        help="TSP / TP+SP layer compute time: 'measured' prices every kernel the layer issues "
+        "(recorded once on shape-only tensors, ~1 min, cached; roofline of FLOPs, HBM bytes and "
+        "a launch floor per kernel), 'flops' counts GEMM + attention FLOPs only",
+    )
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument(
         "--sweep",
@@ -1237,6 +1314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
         tsp_recompute_attn=args.tsp_recompute_attn,
         tsp_kv_pipelined=not args.tsp_kv_blocking,
+        compute_model=args.compute_model,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
