@@ -152,3 +152,8 @@ def check_recv_written_before_wait() -> dict:
         pending.wait()
 
     return {"message": _reported(early_zero)}
+
+
+def last_posted() -> int:
+    """Transfers the wrapper emulated in this rank's last late-completion context."""
+    return late_completion.last_posted

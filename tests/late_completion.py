@@ -400,6 +400,7 @@ def _is_send(p2p) -> bool:
 
 
 _active: Optional[LateCompletion] = None
+last_posted = 0  # transfers posted in the last context closed on this rank (tests read it)
 
 
 @contextlib.contextmanager
@@ -429,7 +430,8 @@ def enabled():
         if violations:
             raise LateCompletionError(_report(violations))
     finally:
-        comm.dist, _active = saved, None
+        global last_posted
+        comm.dist, _active, last_posted = saved, None, emulator.posted
 
 
 def _report(violations: List[str]) -> str:

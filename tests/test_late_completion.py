@@ -200,6 +200,14 @@ def test_every_comm_collective_is_wrapped():
 # the layer, hybrid and inference checks under late completion (fp64)
 
 
+def _posted(pool) -> int:
+    """Transfers emulated in the last late-completion check (the same on every rank): shows the
+    mode was on and saw the schedule's transfers."""
+    counts = pool.run(checks_late_completion.last_posted, late_completion=False)
+    assert len(set(counts)) == 1, counts
+    return counts[0]
+
+
 @pytest.mark.parametrize("d", [2, 4])
 def test_attention_late_completion(pool4, seed, d):
     """GQA + RoPE, saved backward (dK/dV reduce-scatters waited one group later) and MHA with
@@ -209,10 +217,12 @@ def test_attention_late_completion(pool4, seed, d):
         checks_layers.check_attention, d, seed, "float64", heads=8, groups=4, bias=False,
         rope=True, hidden=64, attention_backward="saved", **common,
     )  # fmt: skip
+    assert _posted(pool4) == 6 * d  # D broadcasts + D gathers; backward 2D more, D RS, D reduces
     pool4.run(
         checks_layers.check_attention, d, seed, "float64", heads=4, groups=4, bias=True,
         rope=False, hidden=32, attention_backward="recompute", **common,
     )  # fmt: skip
+    assert _posted(pool4) == 6 * d
 
 
 @pytest.mark.parametrize("d", [2, 4])
@@ -222,11 +232,13 @@ def test_mlp_late_completion(pool4, seed, d):
         checks_layers.check_mlp, d, seed, "float64", gated=True, bias=True, seq=16, batch=2,
         hidden=16, ffn=32, activation="silu", recompute_activation=False, late_completion=True,
     )  # fmt: skip
+    assert _posted(pool4) == 3 * (d - 1)  # ring steps: D-1 forward, 2(D-1) backward
 
 
 def test_main_grad_late_completion(pool4, seed):
     """The owner reduce into Megatron's main_grad path (attention) under late completion."""
     pool4.run(checks_layers.check_main_grad_contract, 2, seed, "attention", late_completion=True)
+    assert _posted(pool4) == 4 * 6 * 2  # plain and fused layer, two steps each, 6D transfers
 
 
 @pytest.mark.parametrize("d,style", [(2, "llama"), (4, "gpt2")])
@@ -235,6 +247,7 @@ def test_hybrid_late_completion(pool4, seed, d, style):
     results = pool4.run(checks_hybrid.check_hybrid_vs_single, d, seed, style, late_completion=True)
     worst = max(v for r in results for v in r.values())
     assert worst <= 1e-10, results[0]  # NaN (read before a wait) fails the comparison
+    assert _posted(pool4) == 2 * 3 * (d - 1)  # two layers' MLP rings (the attention is TP+SP)
 
 
 def test_inference_late_completion(pool4, seed):
@@ -242,3 +255,4 @@ def test_inference_late_completion(pool4, seed):
     results = pool4.run(checks_inference.check_generation, 4, seed, "llama", late_completion=True)
     worst = max(max(r.values()) for r in results)
     assert worst <= 1e-12, results[0]  # NaN fails the comparison
+    assert _posted(pool4) > 0  # the prefill's weight broadcasts (their number: prompt lengths)
