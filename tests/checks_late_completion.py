@@ -62,8 +62,9 @@ def check_send_written_before_wait() -> dict:
 
 def check_recv_garbage_until_wait() -> dict:
     """Every receive buffer (all-gather output, broadcast on a non-root, reduce on its root, ring
-    receive, integer all-gather) reads as garbage between post and wait, the transfer is not
-    complete before its wait, and after the wait the buffer holds the right values."""
+    receive, integer all-gather) reads as garbage between post and wait, also after a synchronous
+    collective made the transfers run; the transfer is not complete before its wait; after the
+    waits (in another order than the posts) every buffer holds the right values."""
     group, size, rank = _world()
     seen = {}
     nxt, prv = comm.ring_neighbours(group)
@@ -91,6 +92,12 @@ def check_recv_garbage_until_wait() -> dict:
         i_pending = comm.post_all_gather(ints, group, purpose="lc_recv_int")
         i_out = comm.WORKSPACE.get("lc_recv_int", 0, (2 * size,), torch.int64, ints.device)
         seen["int_sentinel"] = bool((i_out == torch.iinfo(torch.int64).max).all())
+
+        # a synchronous collective runs every queued transfer first (one queue), yet their
+        # results still land only at their waits
+        seq = comm.all_gather_seq(torch.full((1,), float(rank)), group)
+        assert torch.equal(seq, torch.arange(size, dtype=seq.dtype)), seq
+        seen["all_gather_after_sync"] = bool(gathered.isnan().all())
 
         # waited in another order than posted: the transfers still run in post order
         ring.wait()

@@ -213,13 +213,11 @@ class LateCompletion:
                             f"the {old.role} buffer of {other.name}, still in flight (not waited)"
                         )
 
-    def before_sync(self, fn_name: str, tensors) -> None:
+    def before_sync(self, fn_name: str, buffers: List[_Buffer]) -> None:
         """A synchronous collective through comm: earlier transfers run first (queue order); its
-        buffers must not be ones an in-flight transfer writes or reads while it writes them."""
+        buffers must not race with those of a transfer still in flight."""
         self.flush()
-        self._check_reuse(
-            f"synchronous {fn_name} at {_post_site()}", [_Buffer(t, "recv") for t in tensors]
-        )
+        self._check_reuse(f"synchronous {fn_name} at {_post_site()}", buffers)
 
     # -- running and completing ----------------------------------------------------------------
     def _check_sends(self, op: LateOp, when: str) -> None:
@@ -289,19 +287,17 @@ class _LateDist:
     def __getattr__(self, name):
         return getattr(_real_dist, name)
 
-    def _sync(self, name, tensors, *args, **kwargs):
-        if _emulated(*tensors):
-            self._emulator.before_sync(name, tensors)
+    def _sync(self, name, buffers, *args, **kwargs):
+        if _emulated(*[b.tensor for b in buffers]):
+            self._emulator.before_sync(name, buffers)
         return getattr(_real_dist, name)(*args, **kwargs)
 
     # rooted collectives: in place, the root's buffer is sent (broadcast) or also written (reduce)
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
-        if not async_op or not _emulated(tensor):
-            return self._sync(
-                "broadcast", [tensor], tensor, src, group, async_op, group_src=group_src
-            )
         root = _global(group, src, group_src) == _real_dist.get_rank()
         buf = _Buffer(tensor, "send" if root else "recv")
+        if not async_op or not _emulated(tensor):
+            return self._sync("broadcast", [buf], tensor, src, group, async_op, group_src=group_src)
 
         def run():
             target = buf.tensor if root else buf.result
@@ -318,13 +314,13 @@ class _LateDist:
         async_op=False,
         group_dst=None,
     ):
-        if not async_op or not _emulated(tensor):
-            return self._sync(
-                "reduce", [tensor], tensor, dst, op, group, async_op, group_dst=group_dst
-            )
         root = _global(group, dst, group_dst) == _real_dist.get_rank()
         # NCCL leaves a non-root's buffer as it was; only the root's is written.
         buf = _Buffer(tensor, "inout" if root else "send")
+        if not async_op or not _emulated(tensor):
+            return self._sync(
+                "reduce", [buf], tensor, dst, op, group, async_op, group_dst=group_dst
+            )
 
         def run():
             work = buf.copy.clone() if root else buf.tensor.detach().clone()
@@ -336,9 +332,9 @@ class _LateDist:
 
     # sequence collectives: (output, input)
     def _gather_scatter(self, name, output, input, *extra, group=None, async_op=False):
-        if not async_op or not _emulated(output, input):
-            return self._sync(name, [output], output, input, *extra, group=group)
         out_buf, in_buf = _Buffer(output, "recv"), _Buffer(input, "send")
+        if not async_op or not _emulated(output, input):
+            return self._sync(name, [out_buf, in_buf], output, input, *extra, group=group)
 
         def run():
             getattr(_real_dist, name)(out_buf.result, in_buf.tensor, *extra, group=group)

@@ -46,6 +46,7 @@ def test_receive_buffers_hold_garbage_until_wait(pool4):
             "reduce": True,
             "ring": True,
             "int_sentinel": True,
+            "all_gather_after_sync": True,
             "all_gather_complete_after_wait": True,
         }, (rank, seen)
 
