@@ -4,6 +4,12 @@ Process start-up (torch + megatron import) costs seconds per rank, so a test mod
 ``RankPool`` and sends it check functions: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every
 rank and returns the per-rank results, raising with every rank's traceback if any rank failed
 and killing the pool if the ranks do not answer within the timeout (a hang is a failure).
+
+Late completion (``tests/late_completion.py``): ``pool.run(fn, ..., late_completion=True)`` runs
+one check with the asynchronous transfers of ``megatron_tsp.core.comm`` completing as late as on a
+GPU (send buffers read at ``wait()``, receive buffers garbage until then); a pool created with
+``late_completion=True``, or any pool when ``TSP_TEST_LATE_COMPLETION=1``, runs every check that
+way unless the call says ``late_completion=False``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import importlib
 import os
 import sys
 import traceback
+from typing import Optional
 
 import torch.multiprocessing as mp
 
@@ -44,19 +51,28 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
         task = inbox.get()
         if task is None:
             break
-        module, name, args, kwargs = task
+        module, name, args, kwargs, late = task
         try:
+            from tests.late_completion import maybe_enabled
+
             fn = getattr(importlib.import_module(module), name)
-            outbox.put((rank, "ok", fn(*args, **kwargs)))
+            with maybe_enabled(late):
+                result = fn(*args, **kwargs)
+            outbox.put((rank, "ok", result))
         except BaseException:  # report everything, keep serving
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
 class RankPool:
-    def __init__(self, world: int, start_timeout: float = 180.0):
+    def __init__(
+        self, world: int, start_timeout: float = 180.0, late_completion: Optional[bool] = None
+    ):
+        from tests.late_completion import env_enabled
+
         ctx = mp.get_context("spawn")
         self.world = world
+        self.late_completion = env_enabled() if late_completion is None else late_completion
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         port = free_port()
@@ -87,11 +103,15 @@ class RankPool:
             raise AssertionError("check failed on some ranks:\n" + "\n".join(errors))
         return results
 
-    def run(self, fn, *args, timeout: float = 300.0, **kwargs):
+    def run(
+        self, fn, *args, timeout: float = 300.0, late_completion: Optional[bool] = None, **kwargs
+    ):
+        """``fn(*args, **kwargs)`` on every rank; ``late_completion``: None = the pool's mode."""
         if not self.alive:
             raise RuntimeError("the rank pool is dead (an earlier check hung or crashed)")
+        late = self.late_completion if late_completion is None else late_completion
         for q in self.inboxes:
-            q.put((fn.__module__, fn.__name__, args, kwargs))
+            q.put((fn.__module__, fn.__name__, args, kwargs, late))
         return self._collect("ok", timeout)
 
     @property
