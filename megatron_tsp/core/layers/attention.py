@@ -160,18 +160,37 @@ def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
     return post_all_gather(packed, group, slot=slot, purpose="kv_gathered", finish=natural)
 
 
-def _post_kv_grad_scatter(dkv_acc, dtype, group, seq_layout: TSPLayout, slot: int) -> Pending:
-    """Adjoint of ``_post_kv_gather``: the packed dK/dV accumulator (natural order, fp32 for
-    bf16/fp16 models) is put in rank order and reduce-scattered in its own dtype; ``wait()``
-    returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group (the caller casts it once).
+class _KVGradScatter:
+    """Adjoint of ``_post_kv_gather`` for one head group: the packed dK/dV accumulator (natural
+    order, fp32 for bf16/fp16 models) is put in rank order in a ``WORKSPACE`` send buffer at
+    construction; ``post()`` posts its reduce-scatter (in the accumulator's dtype), ``wait()``
+    (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
+    ``dtype``. Building and posting are apart so the layer can queue the next head group's work
+    before the reduce-scatter (see ``_AttentionBackward``).
+
     Summing D bf16-rounded partials here instead made TSP's QKV weight gradient ~5% less accurate
     than TP+SP's, which computes each dK/dV in one kernel (tests/test_precision.py); the price is
     4 instead of 2 bytes per element for this one collective in bf16/fp16 runs."""
-    if seq_layout.group_size == 1:
-        return done(dkv_acc.to(dtype))
-    send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device)
-    torch.index_select(dkv_acc, 0, seq_layout.permutation(dkv_acc.device), out=send)
-    return post_reduce_scatter(send, group, slot=slot, purpose="kv_grad")
+
+    def __init__(self, dkv_acc, dtype, group, seq_layout: TSPLayout, slot: int):
+        self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
+        if seq_layout.group_size == 1:
+            self.pending = done(dkv_acc)
+            return
+        self.send = WORKSPACE.get(
+            "kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device
+        )
+        torch.index_select(dkv_acc, 0, seq_layout.permutation(dkv_acc.device), out=self.send)
+
+    def post(self) -> None:
+        if self.pending is None:
+            self.pending = post_reduce_scatter(
+                self.send, self.group, slot=self.slot, purpose="kv_grad"
+            )
+
+    def wait(self) -> torch.Tensor:
+        self.post()
+        return self.pending.wait().to(self.dtype)
 
 
 class _ShardStream:
@@ -223,9 +242,10 @@ class _TSPAttentionFunction(torch.autograd.Function):
     right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
     (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
     broadcasts again, the K/V re-gather of group r+1 posted before group r's attention backward,
-    one reduce-scatter of group r's packed dK/dV posted after its attention backward and waited
-    one group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto
-    its owner, waited when the next one is posted.
+    one reduce-scatter of group r's packed dK/dV posted once group r+1's first attention-backward
+    block is queued (the last group's right after its own attention backward) and waited one
+    group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto its
+    owner, posted before the next reduce-scatter and waited when the next one is posted.
 
     Saved tensors (``save_for_backward``, so saved-tensor hooks and activation offloading see
     them): the input, the local weight shards, the RoPE angles and, in "saved" mode, per head
@@ -326,7 +346,7 @@ class _HeadGroup:
     lses: Optional[list] = None  # per causal block: its log-sum-exp (kernels that have one)
     dq: Optional[torch.Tensor] = None  # set by the attention backward, with partial and scatter
     partial: Optional[FlatShard] = None  # this rank's part of shard r's weight gradient
-    scatter: Optional[Pending] = None  # the reduce-scatter of this group's dK/dV
+    scatter: Optional[_KVGradScatter] = None  # this group's dK/dV, its reduce-scatter
 
 
 class _AttentionBackward:
@@ -339,10 +359,21 @@ class _AttentionBackward:
     3. ``prepare_group(r + 1)``: its local q/k/v (saved qkv, or the QKV GEMM in recompute mode)
        and the post of its K/V re-gather;
     4. ``attention_backward`` of group r: wait its K/V; attention backward (recompute mode: the
-       kernel's forward first) with dK/dV summed over the chunks in fp32; post its dK/dV
-       reduce-scatter;
+       kernel's forward first) with dK/dV summed over the chunks in fp32 into its send buffer;
+       group r-1's dK/dV reduce-scatter is posted once group r's first block is queued (the last
+       group's own reduce-scatter right after its attention backward);
     5. ``finish_group(r - 1)``: wait its reduce-scatter, one dgrad into the fp32 grad_x and one
        wgrad into its fp32 partial, post its reduce onto the owner.
+
+    Queue order. Megatron-LM's scripts set ``CUDA_DEVICE_MAX_CONNECTIONS=1``: every stream feeds
+    one FIFO hardware queue in launch order, and collectives of one communicator run one after
+    another, so a transfer launched while another is still running waits for it and holds every
+    kernel launched after it. The dK/dV reduce-scatter is the large transfer here (its bytes are
+    a K/V gather's, summed); it is posted only after the transfers of the next head group
+    (shard r+1's broadcast, group r+1's K/V gather) and the previous group's small weight-
+    gradient reduce, and with an attention backward block already queued in front of it, so the
+    flash backward that follows it covers it before the next post. Pinned by
+    ``tests/test_overlap.py::test_attention_queue_order``.
 
     Weight shards come from a ``_ShardStream`` (shard r+1's broadcast posted when shard r is
     waited); at most two consecutive shards are read at once in saved mode (r in step 2, r-1 in
@@ -390,7 +421,11 @@ class _AttentionBackward:
                     self.output_projection_wgrad(current, g_pw)
                 d_ctx = self.context_grad(r)
                 upcoming = self.prepare_group(r + 1) if r + 1 < size else None
-                self.attention_backward(current, d_ctx, partial, g_pw)
+                # group r-1's reduce-scatter goes out behind group r's first attention block
+                post_previous = finishing.scatter.post if finishing is not None else None
+                self.attention_backward(current, d_ctx, partial, g_pw, post_previous)
+                if upcoming is None:  # the last group: nothing left to queue in front of it
+                    current.scatter.post()
                 if finishing is not None:
                     self.finish_group(finishing)
                 finishing, current = current, upcoming
@@ -429,25 +464,28 @@ class _AttentionBackward:
         pw = weight_bias_views(self.shards[r].views(), self.has_bias)[2]
         return torch.matmul(self.grad_out, pw)
 
-    def attention_backward(self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw) -> None:
+    def attention_backward(
+        self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw, post_previous=None
+    ) -> None:
         """Waits ``group``'s K/V all-gather, runs the attention backward (in recompute mode also
-        the output-projection wgrad, from the recomputed output) and posts the reduce-scatter of
-        its dK/dV; ``group`` then holds dq, its weight-gradient ``partial`` and that
-        reduce-scatter. Everything else made here (the full-sequence K/V views, dK/dV, the
-        recomputed outputs) is dropped on return, before ``finish_group(r - 1)``."""
+        the output-projection wgrad, from the recomputed output) and puts its dK/dV in its send
+        buffer (not yet posted); ``post_previous`` (the previous group's reduce-scatter post) is
+        called once the first attention block is queued. ``group`` then holds dq, its
+        weight-gradient ``partial`` and its dK/dV scatter. Everything else made here (the
+        full-sequence K/V views, the recomputed outputs) is dropped on return, before
+        ``finish_group(r - 1)``."""
         k_nat, v_nat = group.gather.wait()
         q = group.q.detach()
+        post = post_previous if post_previous is not None else (lambda: None)
         if self.kernel.has_lse:
-            dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
+            dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         else:
-            dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
-        scatter = _post_kv_grad_scatter(
-            dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2
-        )
+            dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+        scatter = _KVGradScatter(dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2)
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
 
-    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
+    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
         """(dq, packed dK/dV in fp32) from a kernel with a log-sum-exp: its backward on the saved
         (or, in recompute mode, just recomputed) outputs."""
         if not self.saved_mode:
@@ -465,12 +503,14 @@ class _AttentionBackward:
             self.layout.softmax_scale,
             group.outs,
             group.lses,
+            after_first_block=post,
         )
 
-    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
+    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
         """(dq, packed dK/dV) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
         saved mode): its forward recomputed under autograd (the RNG replays the forward's
-        dropout), then the output-projection wgrad from that output."""
+        dropout), then the output-projection wgrad from that output. ``post`` is called between
+        the recomputed forward and its backward."""
         with torch.enable_grad():
             inputs = [
                 q.requires_grad_(True),
@@ -480,6 +520,7 @@ class _AttentionBackward:
             rows = kernels.zigzag_attend(
                 self.kernel, *inputs, self.blocks, self.layout.softmax_scale, self.layout.dropout_p
             )
+            post()
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
         self.output_projection_wgrad(group, g_pw)
@@ -489,7 +530,7 @@ class _AttentionBackward:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
         its partial) of its QKV projection, and posts the reduce of that partial onto the
         shard's owner (``_OwnerReduce`` waits the previous reduce first)."""
-        d_kv = group.scatter.wait().to(self.dtype)  # fp32 sum over ranks, rounded once
+        d_kv = group.scatter.wait()  # fp32 sum over ranks, rounded once
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
         (d_mixed,) = torch.autograd.grad(

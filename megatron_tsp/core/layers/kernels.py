@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -636,13 +636,16 @@ def zigzag_backward(
     outs,
     lses,
     dkv_acc: Optional[torch.Tensor] = None,
+    after_first_block: Optional[Callable[[], None]] = None,
 ):
     """Gradients from the saved ``(outs, lses)``: ``dq`` [sq, b, np, d] and dK/dV summed over the
     blocks in an accumulator of ``accumulation_dtype`` (fp32 for bf16/fp16).
 
     ``dkv_acc``: optional zeroed [S, b, 2 * ng, d] accumulator (dK in the first ng heads, dV in
-    the rest), the packed layout the reduce-scatter sends; allocated when None. Returns
-    ``(dq, dkv_acc)``."""
+    the rest), the packed layout the reduce-scatter sends; allocated when None.
+    ``after_first_block``: called once the first block's backward has been issued (the layer
+    posts the previous head group's dK/dV reduce-scatter there, behind compute already queued).
+    Returns ``(dq, dkv_acc)``."""
     s, b, groups, dim = k_nat.shape
     heads = q.shape[2]
     if dkv_acc is None:
@@ -666,6 +669,8 @@ def zigzag_backward(
         window = dkv_acc.narrow(0, 0, block.key_len)
         window.narrow(2, 0, groups).add_(dk_c.permute(2, 0, 1, 3))
         window.narrow(2, groups, groups).add_(dv_c.permute(2, 0, 1, 3))
+        if i == 0 and after_first_block is not None:
+            after_first_block()
     return torch.cat(dq_parts, dim=0), dkv_acc
 
 
