@@ -161,26 +161,32 @@ def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
 
 
 class _KVGradScatter:
-    """Adjoint of ``_post_kv_gather`` for one head group: the packed dK/dV accumulator (natural
-    order, fp32 for bf16/fp16 models) is put in rank order in a ``WORKSPACE`` send buffer at
-    construction; ``post()`` posts its reduce-scatter (in the accumulator's dtype), ``wait()``
+    """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
+    (natural-order key rows, one tensor per block) are summed straight into a ``WORKSPACE`` send
+    buffer [S, b, 2 * ng/D, hn] in rank order (``TSPLayout.scatter_keys``: no full-sequence
+    accumulator, no reorder pass) at construction; ``post()`` posts its reduce-scatter, ``wait()``
     (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
     ``dtype``. Building and posting are apart so the layer can queue the next head group's work
     before the reduce-scatter (see ``_AttentionBackward``).
 
-    Summing D bf16-rounded partials here instead made TSP's QKV weight gradient ~5% less accurate
-    than TP+SP's, which computes each dK/dV in one kernel (tests/test_precision.py); the price is
-    4 instead of 2 bytes per element for this one collective in bf16/fp16 runs."""
+    ``wire_dtype``: the send buffer's dtype. The accumulation dtype (fp32 for bf16/fp16) keeps
+    the chunks' sum and the D ranks' sum unrounded until the result is cast once; summing D
+    bf16-rounded partials instead made TSP's QKV weight gradient ~5% less accurate than TP+SP's,
+    which computes each dK/dV in one kernel (tests/test_precision.py); the price is 4 instead of
+    2 bytes per element for this one collective in bf16/fp16 runs."""
 
-    def __init__(self, dkv_acc, dtype, group, seq_layout: TSPLayout, slot: int):
+    def __init__(self, dks, dvs, wire_dtype, dtype, group, seq_layout: TSPLayout, slot: int):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
+        _, b, groups, dim = dks[0].shape
+        shape, device = (seq_layout.seq_length, b, 2 * groups, dim), dks[0].device
         if seq_layout.group_size == 1:
-            self.pending = done(dkv_acc)
-            return
-        self.send = WORKSPACE.get(
-            "kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device
-        )
-        torch.index_select(dkv_acc, 0, seq_layout.permutation(dkv_acc.device), out=self.send)
+            self.send = torch.empty(shape, dtype=wire_dtype, device=device)
+        else:
+            self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
+        seq_layout.scatter_keys(self.send.narrow(2, 0, groups), dks)
+        seq_layout.scatter_keys(self.send.narrow(2, groups, groups), dvs)
+        if seq_layout.group_size == 1:
+            self.pending = done(self.send)
 
     def post(self) -> None:
         if self.pending is None:
@@ -478,22 +484,24 @@ class _AttentionBackward:
         q = group.q.detach()
         post = post_previous if post_previous is not None else (lambda: None)
         if self.kernel.has_lse:
-            dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+            dq, dks, dvs = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         else:
-            dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
-        scatter = _KVGradScatter(dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2)
+            dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+        scatter = _KVGradScatter(
+            dks, dvs, self.acc_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
+        )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
 
     def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
-        """(dq, packed dK/dV in fp32) from a kernel with a log-sum-exp: its backward on the saved
-        (or, in recompute mode, just recomputed) outputs."""
+        """(dq, per block dK, per block dV) from a kernel with a log-sum-exp: its backward on the
+        saved (or, in recompute mode, just recomputed) outputs."""
         if not self.saved_mode:
             group.outs, group.lses = kernels.zigzag_forward(
                 self.kernel, q, k_nat, v_nat, self.blocks, self.layout.softmax_scale
             )
             self.output_projection_wgrad(group, g_pw)
-        return kernels.zigzag_backward(
+        return kernels.zigzag_backward_blocks(
             self.kernel,
             d_ctx,
             q,
@@ -507,7 +515,7 @@ class _AttentionBackward:
         )
 
     def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
-        """(dq, packed dK/dV) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
+        """(dq, [dK], [dV]) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
         saved mode): its forward recomputed under autograd (the RNG replays the forward's
         dropout), then the output-projection wgrad from that output. ``post`` is called between
         the recomputed forward and its backward."""
@@ -524,7 +532,7 @@ class _AttentionBackward:
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
         self.output_projection_wgrad(group, g_pw)
-        return dq, torch.cat([dk, dv], dim=2)
+        return dq, [dk], [dv]
 
     def finish_group(self, group: _HeadGroup) -> None:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
