@@ -23,7 +23,9 @@ keeps only X_p and recomputes everything per head group (least memory; also used
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
 Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
-over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once.
+over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The
+dK/dV sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
+(``kv_grad_reduce_in_fp32``: in the accumulation dtype).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class HeadLayout:
     dropout_p: float
     config: object  # the TransformerConfig, for RoPE
     backward: str = "saved"  # "saved": keep (q,k,v, out, lse); "recompute": keep only the input
+    # the dK/dV reduce-scatter in the accumulation dtype (fp32 for bf16/fp16) instead of the
+    # compute dtype (--tsp-kv-grad-reduce-in-fp32)
+    kv_grad_fp32: bool = False
 
     @property
     def qkv_split(self) -> list:
@@ -169,11 +174,14 @@ class _KVGradScatter:
     ``dtype``. Building and posting are apart so the layer can queue the next head group's work
     before the reduce-scatter (see ``_AttentionBackward``).
 
-    ``wire_dtype``: the send buffer's dtype. The accumulation dtype (fp32 for bf16/fp16) keeps
-    the chunks' sum and the D ranks' sum unrounded until the result is cast once; summing D
-    bf16-rounded partials instead made TSP's QKV weight gradient ~5% less accurate than TP+SP's,
-    which computes each dK/dV in one kernel (tests/test_precision.py); the price is 4 instead of
-    2 bytes per element for this one collective in bf16/fp16 runs."""
+    ``wire_dtype``: the send buffer's dtype. The sum over the chunks is always computed in fp32
+    (or wider) and rounded once into the buffer. By default the buffer has the compute dtype, as
+    TP+SP's activation-gradient reduce-scatters over the same D ranks: in bf16 the reduce-scatter
+    moves 2 bytes per element (the largest backward transfer; 4 would raise TSP's bytes per step
+    at 7B/128k/D=8 from 0.72x to 0.95x TP+SP's) and the D partials are summed by the collective
+    in bf16. ``HeadLayout.kv_grad_fp32`` sends the accumulation dtype instead: the D ranks' sum
+    stays unrounded until the owner casts it once (docs/precision.md has both settings'
+    gradient errors against TP+SP's)."""
 
     def __init__(self, dks, dvs, wire_dtype, dtype, group, seq_layout: TSPLayout, slot: int):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
@@ -396,6 +404,7 @@ class _AttentionBackward:
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
         self.acc_dtype = accumulation_dtype(self.dtype)
+        self.wire_dtype = self.acc_dtype if self.layout.kv_grad_fp32 else self.dtype
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
         self.own = _pack_own(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
@@ -488,7 +497,7 @@ class _AttentionBackward:
         else:
             dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         scatter = _KVGradScatter(
-            dks, dvs, self.acc_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
+            dks, dvs, self.wire_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -538,7 +547,7 @@ class _AttentionBackward:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
         its partial) of its QKV projection, and posts the reduce of that partial onto the
         shard's owner (``_OwnerReduce`` waits the previous reduce first)."""
-        d_kv = group.scatter.wait()  # fp32 sum over ranks, rounded once
+        d_kv = group.scatter.wait()  # the sum over ranks, in the input dtype
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
         (d_mixed,) = torch.autograd.grad(
@@ -668,6 +677,7 @@ class TSPSelfAttention(SelfAttention):
         cp_comm_type=None,
         pg_collection=None,
         attention_backward: Optional[str] = None,
+        kv_grad_reduce_in_fp32: Optional[bool] = None,
         **kwargs,
     ):
         attention_backward = attention_backward_from_config(config, attention_backward)
@@ -714,6 +724,11 @@ class TSPSelfAttention(SelfAttention):
             dropout_p=config.attention_dropout,
             config=config,
             backward=attention_backward,
+            kv_grad_fp32=bool(
+                getattr(config, "tsp_kv_grad_reduce_in_fp32", False)
+                if kv_grad_reduce_in_fp32 is None
+                else kv_grad_reduce_in_fp32
+            ),
         )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self._select_kernel(self.linear_qkv.weight.device, config.params_dtype)
