@@ -140,9 +140,14 @@ def translate_args(args) -> None:
     """
     if getattr(args, "tsp_kv_grad_reduce_in_fp32", False) and tsp_size(args) is None:
         # only TSP's attention has a dK/dV reduce-scatter (--tsp-mlp keeps Megatron's attention)
+        hybrid = (
+            f" ({TSP_MLP_FLAG} keeps Megatron's attention, which has none)"
+            if tsp_mlp_requested(args)
+            else ""
+        )
         raise TSPArgumentError(
             f"{KV_GRAD_FP32_FLAG} needs {TSP_FLAG}: it sets the wire dtype of TSP attention's "
-            "dK/dV reduce-scatter"
+            f"dK/dV reduce-scatter{hybrid}"
         )
     if tsp_mlp_requested(args):
         _translate_tsp_mlp_args(args)
