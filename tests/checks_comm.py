@@ -48,7 +48,7 @@ def _mlp(d, dtype, gated, bias, hidden, ffn):
     )
 
 
-def _attention(d, dtype, heads, groups, bias, hidden):
+def _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32=None):
     config = make_config(
         d,
         dtype,
@@ -66,6 +66,7 @@ def _attention(d, dtype, heads, groups, bias, hidden):
         ),
         layer_number=1,
         attn_mask_type=AttnMaskType.causal,
+        kv_grad_reduce_in_fp32=kv_grad_fp32,
     )
 
 
@@ -89,15 +90,17 @@ def measure_layer(
     ffn=64,
     gated=False,
     bias=True,
+    kv_grad_fp32=None,
 ):
-    """Run one TSP layer forward + backward under a CommCounter; return counted comm."""
+    """Run one TSP layer forward + backward under a CommCounter; return counted comm.
+    ``kv_grad_fp32``: the attention's ``kv_grad_reduce_in_fp32`` (None: the default)."""
     dtype = getattr(torch, dtype_name)
     setup_tsp(d)
     _, size, _ = group_info()
     if kind == "mlp":
         _, layer = _mlp(d, dtype, gated, bias, hidden, ffn)
     else:
-        _, layer = _attention(d, dtype, heads, groups, bias, hidden)
+        _, layer = _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32)
     x = torch.randn(seq // size, batch, hidden, dtype=dtype, requires_grad=True)
     with CommCounter() as counter:
         out, _ = layer(x)

@@ -74,3 +74,69 @@ def trace_layer_overlap(d, backward="saved", seq=32, batch=2, hidden=32, heads=8
             remove()
         results[kind] = {"fwd": blocking(fwd), "bwd": blocking(bwd)}
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# queue order under CUDA_DEVICE_MAX_CONNECTIONS=1 (attention backward)
+
+
+def queue_stalls(events, large_ops):
+    """Where a transfer and the kernels behind it would wait for a large transfer that is not yet
+    needed, in the one FIFO hardware queue every stream feeds under
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM's scripts).
+
+    Model: collectives of one communicator run one after another, so a transfer T posted while a
+    large transfer L is still running cannot start before L ends, and the queue holds every
+    kernel launched after T until then. L is taken to be running from its post until an
+    attention kernel has been queued behind it (the next head group's attention backward, which
+    takes longer than any one transfer at the shapes TSP is for) or until it is waited (then it is
+    needed anyway). A stall is such a T followed by at least one kernel before L's wait: returns
+    ``[(op of L, op of T), ...]``."""
+    running = {}  # ident of a large transfer -> (op, attention kernels queued before its post)
+    attention, candidates, stalls = 0, [], []
+    for event in events:
+        kind = event[0]
+        if kind == "kernel":
+            if event[1] == "attention":
+                attention += 1
+            for cand in candidates:  # a kernel queued behind a held transfer
+                if cand[0] in running and cand not in stalls:
+                    stalls.append(cand)
+        elif kind == "post":
+            for ident, (op, mark) in running.items():
+                if attention == mark:
+                    candidates.append((ident, op, event[2]))
+            if event[2] in large_ops:
+                running[event[1]] = (event[2], attention)
+        elif kind == "wait":
+            running.pop(event[1], None)
+            candidates = [c for c in candidates if c[0] != event[1]]
+    return [(op, held) for _, op, held in stalls]
+
+
+def attention_queue_order(d, backward="saved", seq=32, batch=2, hidden=32, heads=8, groups=4):
+    """One TSP attention layer's forward and backward traced (transfers posted and waited,
+    GEMM and attention kernels queued): the queue stalls behind its dK/dV reduce-scatters, per
+    phase, and the backward's post order (for the failure message)."""
+    setup_tsp(d)
+    _, size, _ = group_info()
+    _, layer = _attention(d, torch.float32, heads, groups, False, hidden)
+    layer.head_layout = type(layer.head_layout)(
+        **{**layer.head_layout.__dict__, "backward": backward}
+    )
+    x = torch.randn(seq // size, batch, hidden, requires_grad=True)
+    events = []
+    remove = comm.observe(lambda ev, ident, op: events.append((ev, ident, op)))
+    try:
+        with _KernelTrace(events):
+            out, _ = layer(x)
+        fwd = list(events)
+        events.clear()
+        with _KernelTrace(events):
+            out.backward(torch.randn_like(out))
+        bwd = list(events)
+    finally:
+        remove()
+    large = ("reduce_scatter_tensor",)
+    order = [e[2] if e[0] == "post" else e[1] for e in bwd if e[0] != "wait"]
+    return {"fwd": queue_stalls(fwd, large), "bwd": queue_stalls(bwd, large), "order": order}

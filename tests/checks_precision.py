@@ -64,8 +64,11 @@ def _token_losses_and_step(model, batch):
 
 
 def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
-    """One bf16 step of TSP-d or Megatron TP=d+SP from ``full_params``: loss, per-token losses
-    (natural order), local activations by module, the local-slice function and full grads."""
+    """One bf16 step of TSP-d (``kind`` "tsp"; "tsp_kv_fp32": with the dK/dV reduce-scatter in
+    fp32) or Megatron TP=d+SP from ``full_params``: loss, per-token losses (natural order),
+    local activations by module, the local-slice function and full grads."""
+    kv_fp32 = kind == "tsp_kv_fp32"
+    kind = "tsp" if kv_fp32 else kind
     if kind == "tsp":
         setup_tsp(d)
         group, size, _ = group_info()
@@ -75,6 +78,8 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
         group, size, _ = _tp_group_info()
         spec_fn, local = get_gpt_block_local_sp_spec, data
     config = _config(d, torch.bfloat16, style, **dims)
+    if kv_fp32:  # read by TSPSelfAttention (Megatron-LM: --tsp-kv-grad-reduce-in-fp32)
+        config.tsp_kv_grad_reduce_in_fp32 = True
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     sharding.load_full_state(
@@ -133,10 +138,12 @@ def bf16_errors_vs_fp64(
     batch=2,
     seq=64,
     plant_bf16_accumulation="",
+    kinds=("tp_sp", "tsp"),
 ):
     """Loss, per-token loss, per-layer activation and per-parameter gradient errors of TSP-d and
     TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
-    breaks TSP's fp32 accumulation there, to show that the criteria can fail."""
+    breaks TSP's fp32 accumulation there, to show that the criteria can fail. ``kinds``: the
+    runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32)."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
@@ -156,8 +163,8 @@ def bf16_errors_vs_fp64(
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
 
     out = {}
-    for kind in ("tp_sp", "tsp"):
-        with _planted_bf16_accumulation(plant_bf16_accumulation if kind == "tsp" else ""):
+    for kind in kinds:
+        with _planted_bf16_accumulation(plant_bf16_accumulation if kind != "tp_sp" else ""):
             loss, token_losses, acts, local_slice, group, grads = _run_bf16(
                 kind, d, style, full, data, dims, vocab, seq
             )

@@ -121,6 +121,46 @@ def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
 
 
 @pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("kv_grad_fp32", [False, True])
+def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32):
+    """bf16 model: the dK/dV reduce-scatter travels in bf16 by default (2 bytes, like TP+SP's
+    activation gradients) and in fp32 with ``kv_grad_reduce_in_fp32`` (4 bytes); weights move in
+    bf16 and the weight-gradient reduce in fp32. Counted bytes equal the hand formula and
+    estimator/formulas.py for both settings (what ``megatron-tsp memory`` and the planner use)."""
+    from megatron_tsp.tools.estimator import formulas as fm
+
+    heads, groups = 8, 4
+    results = pool4.run(
+        checks_comm.measure_layer,
+        "attention",
+        d,
+        "bfloat16",
+        seq=S,
+        batch=B,
+        hidden=H,
+        heads=heads,
+        groups=groups,
+        bias=False,
+        kv_grad_fp32=kv_grad_fp32,
+    )
+    f = (d - 1) / d
+    h_kv = groups * (H // heads)
+    w_attn = (H + 2 * h_kv) * H + H * H
+    kv = 2 * B * S * h_kv
+    wire = 4 if kv_grad_fp32 else 2
+    expected = {"fwd": f * (w_attn + kv) * 2, "bwd": f * (w_attn * (2 + 4) + kv * (2 + wire))}
+    shape = fm.LayerShape(
+        batch=B, seq=S, hidden=H, heads=heads, query_groups=groups, num_layers=1, dtype_bytes=2
+    )
+    comm = fm.tsp_layer_comm(shape, d, kv_grad_reduce_in_fp32=kv_grad_fp32)
+    assert comm["attn_fwd"] == pytest.approx(expected["fwd"])
+    assert comm["attn_bwd"] == pytest.approx(expected["bwd"])
+    for r in results:
+        for phase in ("fwd", "bwd"):
+            assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
+
+
+@pytest.mark.parametrize("d", [2, 4])
 def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
     # Post order is read from the CommCounter, which records a transfer when torch.distributed
     # runs it; late completion (tests/late_completion.py) runs it at wait(), so this trace

@@ -91,6 +91,40 @@ def test_causal_blocks_mask_equals_full_causal_mask():
         assert torch.equal(got, full[positions]), f"rank {r}"
 
 
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize(
+    "src_dtype,dest_dtype",
+    [
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16),  # the default dK/dV wire: one rounding of the sum
+        (torch.bfloat16, torch.float32),  # the fp32 wire
+    ],
+)
+def test_scatter_keys_sums_blocks_into_gathered_order(d, src_dtype, dest_dtype):
+    """``scatter_keys`` (the dK/dV send buffer) equals the natural-order sum of the sources put
+    in gathered order by the definition (``_definition``), rounded once into ``dest``: for each
+    rank's two causal blocks, either alone, and three sources (the generic path); uncovered
+    rows are zero, the rest of a strided ``dest`` (the packed dV half) untouched."""
+    c = 2
+    s = 2 * d * c
+    gathered = [p for _, positions in _definition(d, s) for p in positions]
+    for r in range(d):
+        layout = TSPLayout(d, s, r)
+        blocks = [
+            torch.randn(b.key_len, 3, 2, dtype=torch.float64).to(src_dtype)
+            for b in layout.causal_blocks
+        ]
+        for sources in (blocks, blocks[:1], blocks[1:], blocks + blocks[:1]):
+            packed = torch.full((s, 3, 4), float("nan"), dtype=dest_dtype)
+            layout.scatter_keys(packed.narrow(2, 0, 2), sources)
+            natural = torch.zeros(s, 3, 2, dtype=torch.float64)
+            for t in sources:
+                natural[: t.shape[0]] += t.double()
+            expected = natural[gathered].to(dest_dtype)
+            assert torch.equal(packed[..., :2], expected), (r, len(sources))
+            assert packed[..., 2:].isnan().all()
+
+
 def test_tables_on_a_device_are_cached():
     layout = TSPLayout(4, 32, 1)
     cpu = torch.device("cpu")

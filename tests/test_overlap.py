@@ -31,3 +31,13 @@ def test_kv_collectives_overlap(pool4, d, backward):
     assert attn["fwd"][1] == ["broadcast"]
     expected_bwd = ["reduce"] if backward == "saved" else ["broadcast", "reduce"]
     assert sorted(attn["bwd"][1]) == sorted(expected_bwd)
+
+
+@pytest.mark.parametrize("d,backward", [(2, "saved"), (4, "saved"), (4, "recompute")])
+def test_attention_queue_order(pool4, d, backward):
+    """Issue 18 §2: under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` no transfer, and so no kernel, is
+    queued behind a dK/dV reduce-scatter that is not yet needed: the weight-gradient reduce is
+    posted before it, the next head group's transfers and attention backward are queued before
+    the reduce-scatter can hold them (``checks_overlap.queue_stalls`` states the model)."""
+    res = pool4.run(checks_overlap.attention_queue_order, d, backward)[0]
+    assert res["bwd"] == [] and res["fwd"] == [], (res["bwd"], res["fwd"], res["order"])

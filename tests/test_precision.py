@@ -137,3 +137,59 @@ def _report_and_check_gpt(runs, seed, style):
                 f"{ratio:.3f} > {tolerance}"
             )
     assert not failures, f"seed={seed} style={style}: " + "; ".join(failures)
+
+
+# dK/dV wire (issue 19 §2): seeds per style, and tolerances on the median over seeds of TSP's
+# error / TP+SP's (a median over seeds is robust to the one noisy seed a mean is not). Measured
+# (docs/precision.md, 5 seeds): median gradient error 0.99-1.03 with either wire; the first
+# layer's QKV weight gradient, the one the dK/dV feeds, 1.07 with the bf16 wire (the D partials
+# are rounded and summed in bf16) and 1.00-1.02 with the fp32 wire.
+KV_WIRE_SEEDS = 5
+KV_WIRE_TOLERANCE = 1.05  # the median gradient error (default) and the QKV one (fp32 wire)
+KV_WIRE_QKV_BF16_TOLERANCE = 1.15  # the QKV weight gradient with the bf16 wire
+_QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_gpt_bf16_dkv_wire_within_tp_sp(pool4, seed, style):
+    """TSP's dK/dV reduce-scatter in bf16 (the default: TP+SP's activation gradients travel in
+    bf16 too) against TP+SP and against the fp32 wire (``kv_grad_reduce_in_fp32``), each vs an
+    fp64 model, over ``KV_WIRE_SEEDS`` seeds: per seed the median (over parameters) gradient
+    error and the first layer's QKV weight-gradient error (the gradient the dK/dV feeds), printed
+    for both settings (docs/precision.md). Asserted, on the median over seeds of TSP's / TP+SP's
+    error: the default's median gradient error <= ``KV_WIRE_TOLERANCE``; the QKV weight gradient
+    <= ``KV_WIRE_TOLERANCE`` with the fp32 wire and <= ``KV_WIRE_QKV_BF16_TOLERANCE`` with the
+    bf16 wire."""
+    kinds = ("tp_sp", "tsp", "tsp_kv_fp32")
+    runs = [
+        pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style, kinds=kinds)[0]
+        for i in range(KV_WIRE_SEEDS)
+    ]
+    print(
+        f"\n{style} bf16 D={D}, error vs fp64 per seed from {seed}: TP+SP | TSP bf16 wire | "
+        "TSP fp32 wire"
+    )
+    ratios = {"grad_median": [], "qkv": [], "grad_median_fp32": [], "qkv_fp32": []}
+    for i, r in enumerate(runs):
+        med = [r[k]["grad_median"] for k in kinds]
+        qkv = [r[k]["per_param"][_QKV] for k in kinds]
+        print(
+            f"  seed {seed + i}: grad_median {med[0]:.4e} | {med[1]:.4e} | {med[2]:.4e}   "
+            f"qkv {qkv[0]:.4e} | {qkv[1]:.4e} | {qkv[2]:.4e}"
+        )
+        ratios["grad_median"].append(med[1] / med[0])
+        ratios["qkv"].append(qkv[1] / qkv[0])
+        ratios["grad_median_fp32"].append(med[2] / med[0])
+        ratios["qkv_fp32"].append(qkv[2] / qkv[0])
+    medians = {k: statistics.median(v) for k, v in ratios.items()}
+    print(
+        "  median over seeds of TSP / TP+SP: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
+    )
+    limits = {
+        "grad_median": KV_WIRE_TOLERANCE,
+        "qkv_fp32": KV_WIRE_TOLERANCE,
+        "qkv": KV_WIRE_QKV_BF16_TOLERANCE,
+    }
+    for key, limit in limits.items():
+        assert medians[key] <= limit, (key, limit, medians, ratios)

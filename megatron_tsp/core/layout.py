@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -174,6 +174,67 @@ class TSPLayout:
             for i, c in enumerate(self.chunk_ids)
         )
 
+    def scatter_keys(self, dest: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Write the sum of natural-order key-row tensors into ``dest`` [S, ...] in gathered
+        (rank) order, what a reduce-scatter over the group sends; returns ``dest``.
+
+        ``sources``: tensors [n_i * C, ...] holding natural positions [0, n_i * C) (a causal
+        block's dK or dV; every block's keys start at position 0). Rows no source covers are
+        zeroed; where two overlap, their sum is computed in the wider of the sources' and
+        ``dest``'s precision and rounded once into ``dest``. No natural-order temporary: the
+        early half of the gathered order is a strided view of the natural chunks 0..D-1, the
+        late half holds chunks 2D-1..D (one ``index_copy_``). At most two sources, the shorter
+        inside the early half (the two blocks of a zigzag rank); anything else goes through one
+        natural-order sum."""
+        d, c = self.group_size, self.chunk_len
+        if dest.shape[0] != self.seq_length:
+            raise ValueError(f"scatter_keys: dest has {dest.shape[0]} rows, need {self.seq_length}")
+        srcs = sorted(sources, key=lambda t: t.shape[0], reverse=True)
+        counts = [t.shape[0] // c for t in srcs]
+        if any(t.shape[0] % c or t.shape[0] > self.seq_length for t in srcs):
+            raise ValueError(
+                f"scatter_keys: source rows {[t.shape[0] for t in srcs]} are not whole chunks of "
+                f"{c} within {self.seq_length}"
+            )
+        if len(srcs) > 2 or (len(srcs) == 2 and counts[1] > d):
+            total = torch.zeros(
+                (self.seq_length,) + tuple(dest.shape[1:]),
+                dtype=torch.promote_types(
+                    torch.promote_types(dest.dtype, srcs[0].dtype), torch.float32
+                ),
+                device=dest.device,
+            )
+            for t in srcs:
+                total.narrow(0, 0, t.shape[0]).add_(t)
+            return dest.copy_(total.index_select(0, self.permutation(dest.device)))
+
+        def chunks(t, lo, hi):
+            return t.narrow(0, lo * c, (hi - lo) * c).unflatten(0, (hi - lo, c))
+
+        by_owner = dest.unflatten(0, (d, 2, c))
+        early, late = by_owner[:, 0], by_owner[:, 1]  # early[k]: chunk k; late[o]: chunk 2D-1-o
+        longest, n_long = srcs[0], counts[0]
+        n_early = min(n_long, d)
+        n_both = counts[1] if len(srcs) == 2 else 0
+        if n_both:
+            a, b = chunks(longest, 0, n_both), chunks(srcs[1], 0, n_both)
+            if torch.result_type(a, b) == dest.dtype:
+                torch.add(a, b, out=early[:n_both])  # one rounding of the wide sum
+            else:  # a wider destination: exact copy, then the add in its precision
+                early[:n_both].copy_(a)
+                early[:n_both].add_(b)
+        if n_early > n_both:
+            early[n_both:n_early].copy_(chunks(longest, n_both, n_early))
+        if n_early < d:
+            early[n_early:].zero_()
+        n_late = n_long - n_early
+        if n_late:
+            owners = _table("late_owners", d, n_late, dest.device)
+            late.index_copy_(0, owners, chunks(longest, d, n_long).to(dest.dtype))
+        if n_late < d:
+            late[: d - n_late].zero_()
+        return dest
+
 
 @functools.lru_cache(maxsize=64)
 def _host_permutation(group_size: int, seq_length: int) -> torch.Tensor:
@@ -190,15 +251,27 @@ def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
     return inv
 
 
+@functools.lru_cache(maxsize=64)
+def _host_late_owners(group_size: int, n_late: int) -> torch.Tensor:
+    """Owners of the late chunks D, D+1, .. (n_late of them): D-1, D-2, .."""
+    return torch.arange(group_size - 1, group_size - 1 - n_late, -1)
+
+
 _DEVICE_TABLES: Dict[tuple, torch.Tensor] = {}
 
 
 def _table(
     kind: str, group_size: int, seq_length: int, device: Optional[torch.device]
 ) -> torch.Tensor:
-    """The (inverse) permutation, built once per shape and copied once per device (no
-    host-to-device copy per call on GPUs)."""
-    host = (_host_permutation if kind == "permutation" else _host_inverse)(group_size, seq_length)
+    """The (inverse) permutation, or the owners of the first ``seq_length`` late chunks
+    ("late_owners"), built once per shape and copied once per device (no host-to-device copy per
+    call on GPUs)."""
+    builders = {
+        "permutation": _host_permutation,
+        "inverse": _host_inverse,
+        "late_owners": _host_late_owners,
+    }
+    host = builders[kind](group_size, seq_length)
     if device is None or torch.device(device) == host.device:
         return host
     key = (kind, group_size, seq_length, torch.device(device))

@@ -81,6 +81,7 @@ def get_gpt_layer_tsp_spec(
     multi_latent_attention: bool = False,
     attention_backward: Optional[str] = None,
     mlp_recompute_activation: bool = True,
+    kv_grad_reduce_in_fp32: Optional[bool] = None,
 ) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and MLP.
 
@@ -92,6 +93,9 @@ def get_gpt_layer_tsp_spec(
     "recompute" keeps only the layer input. ``mlp_recompute_activation``:
     True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
     False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).
+    ``kv_grad_reduce_in_fp32``: the attention's dK/dV reduce-scatter travels in the accumulation
+    dtype (fp32 for bf16/fp16; Megatron-LM flag ``--tsp-kv-grad-reduce-in-fp32``) instead of
+    the compute dtype; None follows ``config.tsp_kv_grad_reduce_in_fp32`` (default False).
     """
     rejections.check_values(
         {
@@ -112,6 +116,7 @@ def get_gpt_layer_tsp_spec(
                 params={
                     "attn_mask_type": AttnMaskType.causal,
                     "attention_backward": attention_backward,
+                    "kv_grad_reduce_in_fp32": kv_grad_reduce_in_fp32,
                 },
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
@@ -144,8 +149,10 @@ def get_gpt_block_tsp_spec(
     normalization: Optional[str] = None,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
+    kv_grad_reduce_in_fp32: Optional[bool] = None,
 ) -> TransformerBlockSubmodules:
-    """Block spec for this pipeline stage: TSP layers plus the TSP final norm."""
+    """Block spec for this pipeline stage: TSP layers plus the TSP final norm
+    (``kv_grad_reduce_in_fp32``: see ``get_gpt_layer_tsp_spec``)."""
     from megatron_tsp.core.validation import check_transformer_config
 
     check_transformer_config(config)
@@ -154,6 +161,7 @@ def get_gpt_block_tsp_spec(
         qk_layernorm=config.qk_layernorm,
         num_experts=config.num_moe_experts,
         multi_latent_attention=config.multi_latent_attention,
+        kv_grad_reduce_in_fp32=kv_grad_reduce_in_fp32,
     )
     num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(

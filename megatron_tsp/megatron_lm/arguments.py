@@ -36,6 +36,7 @@ SPEC_MODULE = "megatron_tsp.megatron_lm.spec"
 SPEC_ATTR = "tsp_block_spec"
 TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
 TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
+KV_GRAD_FP32_FLAG = "--tsp-kv-grad-reduce-in-fp32"
 
 
 class TSPArgumentError(ValueError):
@@ -74,6 +75,18 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "keep Megatron's attention and run only the MLP on the TSP weight ring (no activation "
         "all-gather before fc1 / reduce-scatter after fc2; the weight shards circulate "
         "instead). No zigzag, no batch permutation; parameters and checkpoints are TP=D's.",
+    )
+    group.add_argument(
+        KV_GRAD_FP32_FLAG,
+        dest="tsp_kv_grad_reduce_in_fp32",
+        action="store_true",
+        default=False,
+        help="Reduce-scatter TSP attention's dK/dV in fp32 (the accumulation dtype) instead of "
+        "the compute dtype, like --accumulate-allreduce-grads-in-fp32 does for the data-parallel "
+        "gradient reduction. Each rank always sums its dK/dV over its chunks in fp32; this "
+        "also keeps the sum over the D ranks in fp32, at twice the bytes of the largest "
+        "backward transfer (bf16 runs). Default: the compute dtype, as TP+SP's activation-"
+        "gradient reduce-scatters.",
     )
     group.add_argument(
         "--tsp-dry-run",
@@ -148,6 +161,17 @@ def translate_args(args) -> None:
     No-op when neither ``--tensor-sequence-parallel-size`` nor ``--tsp-mlp`` is given. Raises
     ``TSPArgumentError``.
     """
+    if getattr(args, "tsp_kv_grad_reduce_in_fp32", False) and tsp_size(args) is None:
+        # only TSP's attention has a dK/dV reduce-scatter (--tsp-mlp keeps Megatron's attention)
+        hybrid = (
+            f" ({TSP_MLP_FLAG} keeps Megatron's attention, which has none)"
+            if tsp_mlp_requested(args)
+            else ""
+        )
+        raise TSPArgumentError(
+            f"{KV_GRAD_FP32_FLAG} needs {TSP_FLAG}: it sets the wire dtype of TSP attention's "
+            f"dK/dV reduce-scatter{hybrid}"
+        )
     if tsp_mlp_requested(args):
         _translate_tsp_mlp_args(args)
         return
@@ -269,7 +293,7 @@ def _check_validated_args(args, d: int) -> None:
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
     """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
     flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
-    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG}
+    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG, KV_GRAD_FP32_FLAG}
     out: List[str] = []
     skip = False
     for item in argv:

@@ -55,8 +55,24 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     cfg = _transformer_config(config)
     _mark_tsp_groups(cfg)
     return get_gpt_block_tsp_spec(
-        cfg, normalization=cfg.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+        cfg,
+        normalization=cfg.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+        kv_grad_reduce_in_fp32=_megatron_arg("tsp_kv_grad_reduce_in_fp32"),
     )
+
+
+def _megatron_arg(name: str):
+    """A TSP flag from Megatron-LM's parsed arguments (None outside a Megatron-LM run or before
+    its arguments are parsed): flags that are not ``TransformerConfig`` fields reach the spec
+    this way, since ``core_transformer_config_from_args`` copies only the config's fields."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return getattr(get_args(), name, None)
+    except (ImportError, AssertionError, AttributeError):
+        return None
 
 
 tsp_block_spec.is_tsp_spec = True  # type: ignore[attr-defined]

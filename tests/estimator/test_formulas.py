@@ -47,13 +47,16 @@ def test_tsp_hand_checked_mha():
     assert c == {
         "attn_fwd": (192 + 192) * 2,  # f*W_attn + f*KV, bf16
         "mlp_fwd": 384 * 2,  # f*W_mlp
-        # re-bcast, re-gather (bf16); dKV RS and grad reduce (fp32 accumulators)
-        "attn_bwd": (192 + 192) * 2 + 192 * 4 + 192 * 4,
+        # re-bcast, re-gather, dKV RS (bf16); grad reduce (fp32 accumulators)
+        "attn_bwd": (192 + 192) * 2 + 192 * 2 + 192 * 4,
         "mlp_bwd": 384 * 2 + 384 * 4,  # ring (bf16) + grad accumulator (fp32)
     }
     split = fm.tsp_layer_split(s, 4)
-    assert split["attn_bwd"] == {"weight": 384.0, "grad": 768.0, "activation": 192 * 2 + 192 * 4}
+    assert split["attn_bwd"] == {"weight": 384.0, "grad": 768.0, "activation": 192 * 2 + 192 * 2}
     assert split["mlp_fwd"] == {"weight": 768.0, "grad": 0.0, "activation": 0.0}
+    # --tsp-kv-grad-reduce-in-fp32: the dK/dV reduce-scatter at 4 bytes, nothing else changes
+    c32 = fm.tsp_layer_comm(s, 4, kv_grad_reduce_in_fp32=True)
+    assert c32 == {**c, "attn_bwd": c["attn_bwd"] + 192 * 2}
 
 
 def test_tsp_hand_checked_gqa_gated_bias():
@@ -75,17 +78,21 @@ def test_tsp_hand_checked_gqa_gated_bias():
     assert s.layer_params == 208 + 312 + 48
     # D=2, f=1/2, K/V = 2*4*4 = 32 elements
     # weight gradients rounded to bf16 on the wire (not what the layers do; grad_dtype_bytes=2);
-    # the dK/dV reduce-scatter (16 elements) still sums in fp32
+    # the dK/dV reduce-scatter (16 elements) in bf16 (the default) or fp32
     assert fm.tsp_layer_comm(s, 2, grad_dtype_bytes=2) == {
         "attn_fwd": 240.0,
         "mlp_fwd": 312.0,
-        "attn_bwd": 480.0 + 16 * 2,
+        "attn_bwd": 480.0,
         "mlp_bwd": 624.0,
     }
+    assert (
+        fm.tsp_layer_comm(s, 2, grad_dtype_bytes=2, kv_grad_reduce_in_fp32=True)["attn_bwd"]
+        == 480.0 + 16 * 2
+    )
     # default: fp32 gradient accumulators, grads at 4 bytes, weights/activations at 2
     c = fm.tsp_layer_comm(s, 2)
     assert c == fm.tsp_layer_comm(s, 2, grad_dtype_bytes=4)
-    assert c["attn_bwd"] == (104 + 16) * 2 + 16 * 4 + 104 * 4
+    assert c["attn_bwd"] == (104 + 16) * 2 + 16 * 2 + 104 * 4
     assert c["mlp_bwd"] == 156 * 2 + 156 * 4
     # fp32 / fp64 models: accumulators in the model dtype
     assert fm.accumulation_bytes(4) == 4 and fm.accumulation_bytes(8) == 8
@@ -140,9 +147,12 @@ def test_tsp_activation_traffic_is_cp_traffic_and_weights_ignore_tokens(seed):
     for s in _random_shapes(seed):
         D = 4
         split = fm.tsp_layer_split(s, D)
+        split32 = fm.tsp_layer_split(s, D, kv_grad_reduce_in_fp32=True)
         cp = fm.cp_layer_comm(s, D)
         for p in fm.PHASES:
-            # same elements as CP; TSP's dK/dV reduce-scatter sums in the accumulation dtype
+            # same elements and bytes as CP (its dK/dV reduce-scatter is in the compute dtype
+            # too); with kv_grad_reduce_in_fp32 TSP's is in the accumulation dtype
+            assert split[p]["activation"] == pytest.approx(cp[p])
             extra = 0.0
             if p == "attn_bwd":
                 extra = (
@@ -152,7 +162,7 @@ def test_tsp_activation_traffic_is_cp_traffic_and_weights_ignore_tokens(seed):
                     * s.kv_hidden
                     * (fm.accumulation_bytes(s.dtype_bytes) - s.dtype_bytes)
                 )
-            assert split[p]["activation"] == pytest.approx(cp[p] + extra)
+            assert split32[p]["activation"] == pytest.approx(cp[p] + extra)
         # weights and grads do not depend on B or S; activations only through B*S
         other = s.with_seq(s.seq * 3).with_batch(s.batch * 2)
         split2 = fm.tsp_layer_split(other, D)
@@ -198,15 +208,21 @@ def test_paper_model_crossover_constants(D):
     # forward: 12h^2 + 2BSh <= 4BSh  <=>  BS >= 6h (independent of D)
     assert fm.crossover_seq_length(PAPER_7B, D, "fwd") == pytest.approx(6 * h)
     # fwd+bwd with bf16 weight gradients on the wire (the paper's count); the layers' dK/dV
-    # reduce-scatter sums in fp32, so the activation traffic is 2 + 2 + 2*2 = 8BSh (bf16 units):
-    # vs TP+SP: 36h^2 + 8BSh <= 10BSh -> 18h; vs plain TP (8BSh) never in bytes
+    # reduce-scatter in bf16, so the activation traffic is 2 + 2 + 2 = 6BSh (bf16 units):
+    # vs TP+SP: 36h^2 + 6BSh <= 10BSh -> 9h; vs plain TP (8BSh): 18h
     bf16_grads = {"grad_dtype_bytes": 2}
-    assert fm.crossover_seq_length(PAPER_7B, D, "total", **bf16_grads) == pytest.approx(18 * h)
-    assert math.isinf(fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp", **bf16_grads))
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", **bf16_grads) == pytest.approx(9 * h)
+    tp = fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp", **bf16_grads)
+    assert tp == pytest.approx(18 * h)
     # what the layers send: fp32 gradient accumulators, the 12h^2 grad term counts twice:
-    # 48h^2 + 8BSh <= 10BSh -> 24h; vs TP: never in bytes
-    assert fm.crossover_seq_length(PAPER_7B, D, "total") == pytest.approx(24 * h)
-    assert math.isinf(fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp"))
+    # 48h^2 + 6BSh <= 10BSh -> 12h; vs TP: 24h
+    assert fm.crossover_seq_length(PAPER_7B, D, "total") == pytest.approx(12 * h)
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp") == pytest.approx(24 * h)
+    # --tsp-kv-grad-reduce-in-fp32: dK/dV at 4 bytes, 2 + 2 + 2*2 = 8BSh: 48h^2 + 8BSh <= 10BSh
+    # -> 24h; vs TP never in bytes
+    kv32 = {"kv_grad_reduce_in_fp32": True}
+    assert fm.crossover_seq_length(PAPER_7B, D, "total", **kv32) == pytest.approx(24 * h)
+    assert math.isinf(fm.crossover_seq_length(PAPER_7B, D, "total", baseline="tp", **kv32))
     # batch: the crossover is in B*S
     assert fm.crossover_seq_length(PAPER_7B.with_batch(4), D) == pytest.approx(6 * h / 4)
     ca = fm.crossover_analysis(PAPER_7B, D)

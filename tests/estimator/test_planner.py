@@ -88,9 +88,10 @@ def _golden_tsp_memory(seq, D, recompute):
         2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
         + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
         + t * h * 4  # fp32 grad_x accumulator
-        + (2 * seq * h / D) * 4  # one head group's fp32 dK/dV
+        # the first chunk's bf16 dK/dV (up to S/2 keys) kept while the second chunk's runs
+        + (seq * h / D) * b
         # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
-        # call, native GQA), before it is added into the fp32 accumulator
+        # call, native GQA), before both are summed into the send buffer
         + (2 * seq * h / D) * b
         + t * 8 * h / D * b
     )  # one MLP shard's intermediate (fc1 out + act out)
@@ -101,7 +102,7 @@ def _golden_tsp_memory(seq, D, recompute):
     # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers
     kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
     ws_fwd = (3 * kv_full + 2 * kv_local) * b
-    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * 4  # fp32 dK/dV reduce-scatter buffers
+    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * b  # bf16 dK/dV reduce-scatter buffers
     head += ws_fwd
     if recompute == "full":  # + the recomputed attention forward's fp32 output accumulator
         acts, bwd = L * t * h * b, transient + layer + t * h * 4 + ws_bwd

@@ -22,6 +22,7 @@ def test_group_is_in_help_and_parses():
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
         "--tsp-dry-run-rank",
+        "--tsp-kv-grad-reduce-in-fp32",
     ):
         assert flag in help_text
     args = parser.parse_args(["--tensor-sequence-parallel-size", "4", "--tsp-dry-run"])
@@ -190,6 +191,21 @@ def test_validated_args_errors(fields, named):
     assert named in str(err.value)
 
 
+def test_kv_grad_fp32_flag():
+    """``--tsp-kv-grad-reduce-in-fp32``: off by default, kept by the translation, refused by name
+    without TSP (plain TP+SP, or --tsp-mlp, which keeps Megatron's attention)."""
+    assert parse("--tensor-sequence-parallel-size", "2").tsp_kv_grad_reduce_in_fp32 is False
+    args = parse("--tensor-sequence-parallel-size", "2", "--tsp-kv-grad-reduce-in-fp32")
+    A.translate_args(args)
+    assert args.tsp_kv_grad_reduce_in_fp32 is True
+    for argv in (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"],
+    ):
+        with pytest.raises(A.TSPArgumentError, match="--tsp-kv-grad-reduce-in-fp32 needs"):
+            A.translate_args(parse(*argv, "--tsp-kv-grad-reduce-in-fp32"))
+
+
 def test_strip_tsp_flags():
     argv = [
         "--num-layers",
@@ -200,6 +216,7 @@ def test_strip_tsp_flags():
         "--tsp-dry-run-world-size=16",
         "--tsp-dry-run-rank",
         "3",
+        "--tsp-kv-grad-reduce-in-fp32",
         "--seq-length",
         "64",
     ]

@@ -215,6 +215,8 @@ REFUSED = [
     ("tsp-mlp", ["--attention-backend", "flash"], None),
     ("tsp-mlp", ["--transformer-impl", "inference_optimized"], None),
     ("tsp-mlp", ["--ffn-hidden-size", "255"], None),
+    # a TSP-attention option: the hybrid keeps Megatron's attention
+    ("tsp-mlp", ["--tsp-kv-grad-reduce-in-fp32"], None),
 ]
 # A tiny model that both modes accept (checked: the control case must pass validation).
 MODEL = (

@@ -23,7 +23,9 @@ keeps only X_p and recomputes everything per head group (least memory; also used
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
 Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
-over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once.
+over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The
+dK/dV sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
+(``kv_grad_reduce_in_fp32``: in the accumulation dtype).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class HeadLayout:
     dropout_p: float
     config: object  # the TransformerConfig, for RoPE
     backward: str = "saved"  # "saved": keep (q,k,v, out, lse); "recompute": keep only the input
+    # the dK/dV reduce-scatter in the accumulation dtype (fp32 for bf16/fp16) instead of the
+    # compute dtype (--tsp-kv-grad-reduce-in-fp32)
+    kv_grad_fp32: bool = False
 
     @property
     def qkv_split(self) -> list:
@@ -160,18 +165,46 @@ def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
     return post_all_gather(packed, group, slot=slot, purpose="kv_gathered", finish=natural)
 
 
-def _post_kv_grad_scatter(dkv_acc, dtype, group, seq_layout: TSPLayout, slot: int) -> Pending:
-    """Adjoint of ``_post_kv_gather``: the packed dK/dV accumulator (natural order, fp32 for
-    bf16/fp16 models) is put in rank order and reduce-scattered in its own dtype; ``wait()``
-    returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group (the caller casts it once).
-    Summing D bf16-rounded partials here instead made TSP's QKV weight gradient ~5% less accurate
-    than TP+SP's, which computes each dK/dV in one kernel (tests/test_precision.py); the price is
-    4 instead of 2 bytes per element for this one collective in bf16/fp16 runs."""
-    if seq_layout.group_size == 1:
-        return done(dkv_acc.to(dtype))
-    send = WORKSPACE.get("kv_grad_send", slot, dkv_acc.shape, dkv_acc.dtype, dkv_acc.device)
-    torch.index_select(dkv_acc, 0, seq_layout.permutation(dkv_acc.device), out=send)
-    return post_reduce_scatter(send, group, slot=slot, purpose="kv_grad")
+class _KVGradScatter:
+    """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
+    (natural-order key rows, one tensor per block) are summed straight into a ``WORKSPACE`` send
+    buffer [S, b, 2 * ng/D, hn] in rank order (``TSPLayout.scatter_keys``: no full-sequence
+    accumulator, no reorder pass) at construction; ``post()`` posts its reduce-scatter, ``wait()``
+    (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
+    ``dtype``. Building and posting are apart so the layer can queue the next head group's work
+    before the reduce-scatter (see ``_AttentionBackward``).
+
+    ``wire_dtype``: the send buffer's dtype. The sum over the chunks is always computed in fp32
+    (or wider) and rounded once into the buffer. By default the buffer has the compute dtype, as
+    TP+SP's activation-gradient reduce-scatters over the same D ranks: in bf16 the reduce-scatter
+    moves 2 bytes per element (the largest backward transfer; 4 would raise TSP's bytes per step
+    at 7B/128k/D=8 from 0.72x to 0.95x TP+SP's) and the D partials are summed by the collective
+    in bf16. ``HeadLayout.kv_grad_fp32`` sends the accumulation dtype instead: the D ranks' sum
+    stays unrounded until the owner casts it once (docs/precision.md has both settings'
+    gradient errors against TP+SP's)."""
+
+    def __init__(self, dks, dvs, wire_dtype, dtype, group, seq_layout: TSPLayout, slot: int):
+        self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
+        _, b, groups, dim = dks[0].shape
+        shape, device = (seq_layout.seq_length, b, 2 * groups, dim), dks[0].device
+        if seq_layout.group_size == 1:
+            self.send = torch.empty(shape, dtype=wire_dtype, device=device)
+        else:
+            self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
+        seq_layout.scatter_keys(self.send.narrow(2, 0, groups), dks)
+        seq_layout.scatter_keys(self.send.narrow(2, groups, groups), dvs)
+        if seq_layout.group_size == 1:
+            self.pending = done(self.send)
+
+    def post(self) -> None:
+        if self.pending is None:
+            self.pending = post_reduce_scatter(
+                self.send, self.group, slot=self.slot, purpose="kv_grad"
+            )
+
+    def wait(self) -> torch.Tensor:
+        self.post()
+        return self.pending.wait().to(self.dtype)
 
 
 class _ShardStream:
@@ -223,9 +256,10 @@ class _TSPAttentionFunction(torch.autograd.Function):
     right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
     (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
     broadcasts again, the K/V re-gather of group r+1 posted before group r's attention backward,
-    one reduce-scatter of group r's packed dK/dV posted after its attention backward and waited
-    one group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto
-    its owner, waited when the next one is posted.
+    one reduce-scatter of group r's packed dK/dV posted once group r+1's first attention-backward
+    block is queued (the last group's right after its own attention backward) and waited one
+    group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto its
+    owner, posted before the next reduce-scatter and waited when the next one is posted.
 
     Saved tensors (``save_for_backward``, so saved-tensor hooks and activation offloading see
     them): the input, the local weight shards, the RoPE angles and, in "saved" mode, per head
@@ -326,7 +360,7 @@ class _HeadGroup:
     lses: Optional[list] = None  # per causal block: its log-sum-exp (kernels that have one)
     dq: Optional[torch.Tensor] = None  # set by the attention backward, with partial and scatter
     partial: Optional[FlatShard] = None  # this rank's part of shard r's weight gradient
-    scatter: Optional[Pending] = None  # the reduce-scatter of this group's dK/dV
+    scatter: Optional[_KVGradScatter] = None  # this group's dK/dV, its reduce-scatter
 
 
 class _AttentionBackward:
@@ -339,10 +373,21 @@ class _AttentionBackward:
     3. ``prepare_group(r + 1)``: its local q/k/v (saved qkv, or the QKV GEMM in recompute mode)
        and the post of its K/V re-gather;
     4. ``attention_backward`` of group r: wait its K/V; attention backward (recompute mode: the
-       kernel's forward first) with dK/dV summed over the chunks in fp32; post its dK/dV
-       reduce-scatter;
+       kernel's forward first) with dK/dV summed over the chunks in fp32 into its send buffer;
+       group r-1's dK/dV reduce-scatter is posted once group r's first block is queued (the last
+       group's own reduce-scatter right after its attention backward);
     5. ``finish_group(r - 1)``: wait its reduce-scatter, one dgrad into the fp32 grad_x and one
        wgrad into its fp32 partial, post its reduce onto the owner.
+
+    Queue order. Megatron-LM's scripts set ``CUDA_DEVICE_MAX_CONNECTIONS=1``: every stream feeds
+    one FIFO hardware queue in launch order, and collectives of one communicator run one after
+    another, so a transfer launched while another is still running waits for it and holds every
+    kernel launched after it. The dK/dV reduce-scatter is the large transfer here (its bytes are
+    a K/V gather's, summed); it is posted only after the transfers of the next head group
+    (shard r+1's broadcast, group r+1's K/V gather) and the previous group's small weight-
+    gradient reduce, and with an attention backward block already queued in front of it, so the
+    flash backward that follows it covers it before the next post. Pinned by
+    ``tests/test_overlap.py::test_attention_queue_order``.
 
     Weight shards come from a ``_ShardStream`` (shard r+1's broadcast posted when shard r is
     waited); at most two consecutive shards are read at once in saved mode (r in step 2, r-1 in
@@ -359,6 +404,7 @@ class _AttentionBackward:
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
         self.acc_dtype = accumulation_dtype(self.dtype)
+        self.wire_dtype = self.acc_dtype if self.layout.kv_grad_fp32 else self.dtype
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
         self.own = _pack_own(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
@@ -390,7 +436,11 @@ class _AttentionBackward:
                     self.output_projection_wgrad(current, g_pw)
                 d_ctx = self.context_grad(r)
                 upcoming = self.prepare_group(r + 1) if r + 1 < size else None
-                self.attention_backward(current, d_ctx, partial, g_pw)
+                # group r-1's reduce-scatter goes out behind group r's first attention block
+                post_previous = finishing.scatter.post if finishing is not None else None
+                self.attention_backward(current, d_ctx, partial, g_pw, post_previous)
+                if upcoming is None:  # the last group: nothing left to queue in front of it
+                    current.scatter.post()
                 if finishing is not None:
                     self.finish_group(finishing)
                 finishing, current = current, upcoming
@@ -429,33 +479,38 @@ class _AttentionBackward:
         pw = weight_bias_views(self.shards[r].views(), self.has_bias)[2]
         return torch.matmul(self.grad_out, pw)
 
-    def attention_backward(self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw) -> None:
+    def attention_backward(
+        self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw, post_previous=None
+    ) -> None:
         """Waits ``group``'s K/V all-gather, runs the attention backward (in recompute mode also
-        the output-projection wgrad, from the recomputed output) and posts the reduce-scatter of
-        its dK/dV; ``group`` then holds dq, its weight-gradient ``partial`` and that
-        reduce-scatter. Everything else made here (the full-sequence K/V views, dK/dV, the
-        recomputed outputs) is dropped on return, before ``finish_group(r - 1)``."""
+        the output-projection wgrad, from the recomputed output) and puts its dK/dV in its send
+        buffer (not yet posted); ``post_previous`` (the previous group's reduce-scatter post) is
+        called once the first attention block is queued. ``group`` then holds dq, its
+        weight-gradient ``partial`` and its dK/dV scatter. Everything else made here (the
+        full-sequence K/V views, the recomputed outputs) is dropped on return, before
+        ``finish_group(r - 1)``."""
         k_nat, v_nat = group.gather.wait()
         q = group.q.detach()
+        post = post_previous if post_previous is not None else (lambda: None)
         if self.kernel.has_lse:
-            dq, dkv = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
+            dq, dks, dvs = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         else:
-            dq, dkv = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw)
-        scatter = _post_kv_grad_scatter(
-            dkv, self.dtype, self.group, self.seq_layout, slot=group.r % 2
+            dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+        scatter = _KVGradScatter(
+            dks, dvs, self.wire_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
 
-    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
-        """(dq, packed dK/dV in fp32) from a kernel with a log-sum-exp: its backward on the saved
-        (or, in recompute mode, just recomputed) outputs."""
+    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
+        """(dq, per block dK, per block dV) from a kernel with a log-sum-exp: its backward on the
+        saved (or, in recompute mode, just recomputed) outputs."""
         if not self.saved_mode:
             group.outs, group.lses = kernels.zigzag_forward(
                 self.kernel, q, k_nat, v_nat, self.blocks, self.layout.softmax_scale
             )
             self.output_projection_wgrad(group, g_pw)
-        return kernels.zigzag_backward(
+        return kernels.zigzag_backward_blocks(
             self.kernel,
             d_ctx,
             q,
@@ -465,12 +520,14 @@ class _AttentionBackward:
             self.layout.softmax_scale,
             group.outs,
             group.lses,
+            after_first_block=post,
         )
 
-    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw):
-        """(dq, packed dK/dV) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
+    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
+        """(dq, [dK], [dV]) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
         saved mode): its forward recomputed under autograd (the RNG replays the forward's
-        dropout), then the output-projection wgrad from that output."""
+        dropout), then the output-projection wgrad from that output. ``post`` is called between
+        the recomputed forward and its backward."""
         with torch.enable_grad():
             inputs = [
                 q.requires_grad_(True),
@@ -480,16 +537,17 @@ class _AttentionBackward:
             rows = kernels.zigzag_attend(
                 self.kernel, *inputs, self.blocks, self.layout.softmax_scale, self.layout.dropout_p
             )
+            post()
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
         self.output_projection_wgrad(group, g_pw)
-        return dq, torch.cat([dk, dv], dim=2)
+        return dq, [dk], [dv]
 
     def finish_group(self, group: _HeadGroup) -> None:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
         its partial) of its QKV projection, and posts the reduce of that partial onto the
         shard's owner (``_OwnerReduce`` waits the previous reduce first)."""
-        d_kv = group.scatter.wait().to(self.dtype)  # fp32 sum over ranks, rounded once
+        d_kv = group.scatter.wait()  # the sum over ranks, in the input dtype
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
         (d_mixed,) = torch.autograd.grad(
@@ -619,6 +677,7 @@ class TSPSelfAttention(SelfAttention):
         cp_comm_type=None,
         pg_collection=None,
         attention_backward: Optional[str] = None,
+        kv_grad_reduce_in_fp32: Optional[bool] = None,
         **kwargs,
     ):
         attention_backward = attention_backward_from_config(config, attention_backward)
@@ -665,6 +724,11 @@ class TSPSelfAttention(SelfAttention):
             dropout_p=config.attention_dropout,
             config=config,
             backward=attention_backward,
+            kv_grad_fp32=bool(
+                getattr(config, "tsp_kv_grad_reduce_in_fp32", False)
+                if kv_grad_reduce_in_fp32 is None
+                else kv_grad_reduce_in_fp32
+            ),
         )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self._select_kernel(self.linear_qkv.weight.device, config.params_dtype)

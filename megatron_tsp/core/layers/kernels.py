@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -625,7 +625,7 @@ def zigzag_forward(
     return outs, lses
 
 
-def zigzag_backward(
+def zigzag_backward_blocks(
     kernel: AttentionKernel,
     d_ctx,
     q,
@@ -635,21 +635,19 @@ def zigzag_backward(
     scale: float,
     outs,
     lses,
-    dkv_acc: Optional[torch.Tensor] = None,
+    after_first_block: Optional[Callable[[], None]] = None,
 ):
-    """Gradients from the saved ``(outs, lses)``: ``dq`` [sq, b, np, d] and dK/dV summed over the
-    blocks in an accumulator of ``accumulation_dtype`` (fp32 for bf16/fp16).
+    """Gradients from the saved ``(outs, lses)``, per causal block: ``(dq, dks, dvs)`` with
+    ``dq`` [sq, b, np, d] and, per block, its dK and dV over the block's natural-order keys
+    ``[key_len, b, ng, d]`` (views of the kernel's outputs, in its dtype: not yet summed over
+    the blocks; ``TSPLayout.scatter_keys`` sums them straight into the send buffer).
 
-    ``dkv_acc``: optional zeroed [S, b, 2 * ng, d] accumulator (dK in the first ng heads, dV in
-    the rest), the packed layout the reduce-scatter sends; allocated when None. Returns
-    ``(dq, dkv_acc)``."""
-    s, b, groups, dim = k_nat.shape
+    ``after_first_block``: called once the first block's backward has been issued (the layer
+    posts the previous head group's dK/dV reduce-scatter there, behind compute already
+    queued)."""
+    b, dim = k_nat.shape[1], k_nat.shape[3]
     heads = q.shape[2]
-    if dkv_acc is None:
-        dkv_acc = torch.zeros(
-            (s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device
-        )
-    dq_parts = []
+    dq_parts, dks, dvs = [], [], []
     for i, block in enumerate(blocks):
         rows_len = block.query_len
         rows = d_ctx.narrow(0, block.query_start, rows_len).reshape(rows_len, b, heads, dim)
@@ -663,10 +661,41 @@ def zigzag_backward(
             scale,
         )
         dq_parts.append(dq_c.permute(2, 0, 1, 3))
-        window = dkv_acc.narrow(0, 0, block.key_len)
-        window.narrow(2, 0, groups).add_(dk_c.permute(2, 0, 1, 3))
-        window.narrow(2, groups, groups).add_(dv_c.permute(2, 0, 1, 3))
-    return torch.cat(dq_parts, dim=0), dkv_acc
+        dks.append(dk_c.permute(2, 0, 1, 3))
+        dvs.append(dv_c.permute(2, 0, 1, 3))
+        if i == 0 and after_first_block is not None:
+            after_first_block()
+    return torch.cat(dq_parts, dim=0), dks, dvs
+
+
+def zigzag_backward(
+    kernel: AttentionKernel,
+    d_ctx,
+    q,
+    k_nat,
+    v_nat,
+    blocks: Sequence[CausalBlock],
+    scale: float,
+    outs,
+    lses,
+    dkv_acc: Optional[torch.Tensor] = None,
+):
+    """``zigzag_backward_blocks`` with dK/dV summed over the blocks in natural order: ``(dq,
+    dkv_acc)``, ``dkv_acc`` [S, b, 2 * ng, d] (dK in the first ng heads, dV in the rest) of
+    ``accumulation_dtype`` (fp32 for bf16/fp16); a given ``dkv_acc`` must be zeroed. For the
+    reference paths (kernel check, memory tool); the TSP layer writes the blocks' sum straight
+    into its rank-ordered send buffer instead."""
+    s, b, groups, dim = k_nat.shape
+    if dkv_acc is None:
+        dkv_acc = torch.zeros(
+            (s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device
+        )
+    dq, dks, dvs = zigzag_backward_blocks(kernel, d_ctx, q, k_nat, v_nat, blocks, scale, outs, lses)
+    for dk_c, dv_c in zip(dks, dvs):
+        window = dkv_acc.narrow(0, 0, dk_c.shape[0])
+        window.narrow(2, 0, groups).add_(dk_c)
+        window.narrow(2, groups, groups).add_(dv_c)
+    return dq, dkv_acc
 
 
 def zigzag_attend(

@@ -78,6 +78,7 @@ class RunConfig:
     # TSP layer options (None: the spec's defaults): "saved" | "recompute"; keep fc1 outputs
     tsp_attention_backward: Optional[str] = None
     tsp_mlp_recompute_activation: Optional[bool] = None
+    tsp_kv_grad_fp32: Optional[bool] = None  # dK/dV reduce-scatter in fp32 (default: compute)
 
     @property
     def dp(self) -> int:
@@ -93,6 +94,8 @@ class RunConfig:
             suffix = " attn-rec" if self.tsp_attention_backward == "recompute" else ""
             if self.tsp_mlp_recompute_activation is False:
                 suffix += " keep-fc1"
+            if self.tsp_kv_grad_fp32:
+                suffix += " dkv-fp32"
             return f"TSP D={self.tp}{suffix}"
         if self.scheme == "hybrid":
             keep = " keep-fc1" if self.tsp_mlp_recompute_activation is False else ""
@@ -366,6 +369,8 @@ def layer_spec(cfg: RunConfig, config):
             opts["attention_backward"] = cfg.tsp_attention_backward
         if cfg.tsp_mlp_recompute_activation is not None:
             opts["mlp_recompute_activation"] = cfg.tsp_mlp_recompute_activation
+        if cfg.tsp_kv_grad_fp32 is not None:
+            opts["kv_grad_reduce_in_fp32"] = cfg.tsp_kv_grad_fp32
         if opts:
             layer = get_gpt_layer_tsp_spec(normalization=cfg.model.normalization, **opts)
             block = TransformerBlockSubmodules(

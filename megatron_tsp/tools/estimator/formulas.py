@@ -28,8 +28,11 @@ TSP, group D (weights move, tokens stay)
     [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
     runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
     single wgrad GEMM (layers/precision.py); f * W bytes at 4 instead of 2 per element.
-    [activation*]: the dK/dV partials of the D ranks are summed in the same accumulation dtype
-    (fp32 in bf16 runs), then cast once by the token owner: f * 2BSh_kv at 4 bytes per element.
+    [activation*]: each rank sums its dK/dV over its two chunks in fp32 and rounds once into the
+    send buffer, which travels in the compute dtype like TP+SP's activation-gradient
+    reduce-scatters (f * 2BSh_kv at 2 bytes per element in bf16); with
+    ``kv_grad_reduce_in_fp32`` (``--tsp-kv-grad-reduce-in-fp32``) it travels and is summed over
+    the D ranks in the accumulation dtype and is cast once by the token owner (4 bytes).
     The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
     by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
 
@@ -159,10 +162,12 @@ def tsp_layer_terms(
     regather_kv_bwd: bool = True,
     kv_pipelined: bool = True,
     recompute_attn: bool = False,
+    kv_grad_reduce_in_fp32: bool = False,
 ) -> List[CommTerm]:
     """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
     per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
-    do).
+    do). ``kv_grad_reduce_in_fp32``: the dK/dV reduce-scatter in the accumulation dtype instead
+    of the compute dtype (the layers' ``kv_grad_reduce_in_fp32``).
 
     Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
@@ -248,11 +253,12 @@ def tsp_layer_terms(
             "reduce_scatter",
             "activation",
             f * kv,
-            accumulation_bytes(b),
+            accumulation_bytes(b) if kv_grad_reduce_in_fp32 else b,
             "tsp",
             kv_overlap,
             chunks=D,
-            what="reduce-scatter dK,dV to token owners (fp32 sum)",
+            what="reduce-scatter dK,dV to token owners"
+            + (" (fp32 wire)" if kv_grad_reduce_in_fp32 else ""),
         ),
         _term(
             "attn_bwd",

@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="TSP / hybrid MLP: keep the per-shard fc1 outputs instead of recomputing them",
     )
     r.add_argument(
+        "--tsp-kv-grad-reduce-in-fp32",
+        action="store_true",
+        help="TSP attention: reduce-scatter dK/dV in fp32 instead of the compute dtype "
+        "(Megatron-LM's --tsp-kv-grad-reduce-in-fp32)",
+    )
+    r.add_argument(
         "--table-tsp-variants",
         action="store_true",
         help="--table: also TSP with attention recompute",
@@ -192,6 +198,7 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         tsp_mlp_recompute_activation=(
             False if args.tsp_keep_fc1 and scheme in ("tsp", "hybrid") else None
         ),
+        tsp_kv_grad_fp32=(True if args.tsp_kv_grad_reduce_in_fp32 and scheme == "tsp" else None),
     )
 
 

@@ -252,6 +252,9 @@ class Options:
     # TSP weight-gradient traffic (owner reduce, MLP gradient ring) bytes per element: None = the
     # accumulation dtype, as the layers send it (fp32 in bf16 runs); 2 is a what-if (bf16 wire)
     tsp_grad_comm_bytes: Optional[int] = None
+    # TSP's dK/dV reduce-scatter in the accumulation dtype (--tsp-kv-grad-reduce-in-fp32);
+    # default: the compute dtype, after the local fp32 sum over the chunks
+    tsp_kv_grad_fp32: bool = False
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -317,14 +320,14 @@ def _layer_activation_bytes(
     return out
 
 
-def _tsp_comm_workspace(shape: LayerShape, D: int):
+def _tsp_comm_workspace(shape: LayerShape, D: int, kv_grad_fp32: bool = False):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated once): (in forward, in backward). Forward: two gathered and one
     natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers (model
     dtype); backward adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers
-    in the accumulation dtype (the dK/dV reduce-scatter sums fp32 in bf16/fp16 runs)."""
+    in the dK/dV wire dtype (the model dtype; the accumulation dtype with ``kv_grad_fp32``)."""
     b = shape.dtype_bytes
-    acc = fm.accumulation_bytes(b)
+    acc = fm.accumulation_bytes(b) if kv_grad_fp32 else b
     kv_full = 2 * shape.tokens * shape.kv_hidden / D
     kv_local = kv_full / D
     fwd = (3 * kv_full + 2 * kv_local) * b
@@ -338,7 +341,7 @@ _COPY_KV_KERNELS = ("te_fused",)  # contiguous copies of the chunk's K/V beside 
 
 def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
-    whole sequence S), before ``zigzag_backward`` adds it into the fp32 accumulator: the kernel's
+    whole sequence S), before ``TSPLayout.scatter_keys`` sums it into the send buffer: the kernel's
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
     prefix block and a diagonal block and concatenates their dK/dV (twice the bytes at the
     moment of the cat); te_fused holds contiguous copies of the chunk's K and V (as many bytes
@@ -371,10 +374,11 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             "weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
             "grad_accumulators": 4 * shape.w_mlp / D * gb,
             "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
-            # one head group's dK/dV over the full sequence in the accumulation dtype (sent as
-            # is by the reduce-scatter); the gathered K/V and the send/receive buffers live
+            # the first causal block's dK/dV (the kernel's output, up to half the sequence: rank
+            # D-1's early chunk) kept while the second block's backward runs, until both are
+            # summed into the send buffer; the gathered K/V and the send/receive buffers live
             # in the persistent comm workspace (``_tsp_comm_workspace``)
-            "head_group_dkv": (2 * bs * hkv / D) * fm.accumulation_bytes(b),
+            "first_block_dkv": (bs * hkv / D) * b,
         }
         out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
         if o.tsp_recompute_mlp:
@@ -483,7 +487,7 @@ def analytic_memory(
         + 47 * head_tokens
     )
     if s.kind == "tsp":
-        ws_fwd, ws_bwd = _tsp_comm_workspace(shape, s.tp)
+        ws_fwd, ws_bwd = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32)
         logits += ws_fwd
         backward_extra += ws_bwd
     forward_peak = logits >= backward_extra
@@ -509,6 +513,7 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             regather_kv_bwd=o.tsp_regather_kv,
             kv_pipelined=o.tsp_kv_pipelined,
             recompute_attn=o.tsp_recompute_attn,
+            kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
         )
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
@@ -1287,6 +1292,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(recorded once on shape-only tensors, ~1 min, cached; roofline of FLOPs, HBM bytes and "
         "a launch floor per kernel), 'flops' counts GEMM + attention FLOPs only",
     )
+    ap.add_argument(
+        "--tsp-kv-grad-reduce-in-fp32",
+        action="store_true",
+        help="TSP's dK/dV reduce-scatter in fp32 (Megatron-LM's --tsp-kv-grad-reduce-in-fp32; "
+        "default: the compute dtype)",
+    )
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument(
         "--sweep",
@@ -1315,6 +1326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tsp_recompute_attn=args.tsp_recompute_attn,
         tsp_kv_pipelined=not args.tsp_kv_blocking,
         compute_model=args.compute_model,
+        tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     strategies = default_strategies(args.degree, kinds)
