@@ -187,22 +187,22 @@ class _TSPMLPFunction(torch.autograd.Function):
                 if incoming is not None:
                     current = incoming
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
+        # Everything the backward reads goes through save_for_backward (the per-shard fc1
+        # outputs too), so saved-tensor hooks (activation offloading) see and can move all of it.
+        ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w, *saved_pre)
         ctx.group, ctx.activation = group, activation
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
-        ctx.saved_pre = saved_pre if not recompute_activation else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, fc1_w, fc1_b, fc2_w = ctx.saved_tensors
+        x, fc1_w, fc1_b, fc2_w, *saved_pre = ctx.saved_tensors
         group, activation = ctx.group, ctx.activation
         size = dist.get_world_size(group)
         has_bias = fc1_b is not None
         params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
         grad_out = grad_out.contiguous()
 
-        saved_pre = ctx.saved_pre
         acc_dtype = accumulation_dtype(x.dtype)
         grad_dtype = _grad_buffer_dtype(params, ctx.accumulate_into_main_grad)
         tokens_x = x.reshape(-1, x.shape[-1])
@@ -214,7 +214,7 @@ class _TSPMLPFunction(torch.autograd.Function):
             needs no gradient accumulator, so it runs while the previous hop is in flight."""
             w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
-                pre = (saved_pre[step] if saved_pre is not None else _fc1(x, w1, b1)).detach()
+                pre = (saved_pre[step] if saved_pre else _fc1(x, w1, b1)).detach()
                 pre.requires_grad_(True)
                 hidden = activation(pre)
                 d_hidden = torch.matmul(grad_out, w2)
@@ -280,7 +280,6 @@ class _TSPMLPFunction(torch.autograd.Function):
                 # to our own shard.
                 wait_all(ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS))
                 own.buffer.add_(acc_recv.buffer)
-        ctx.saved_pre = None
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         accumulate = ctx.accumulate_into_main_grad
         return (
