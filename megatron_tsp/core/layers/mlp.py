@@ -9,11 +9,16 @@ Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gat
 
 No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
 only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
-again, recomputing the shard's fc1 output (by default nothing but X_p is saved; with
-``recompute_activation=False`` the per-shard fc1 outputs are kept instead), and a gradient
-accumulator rides the ring behind the weights: rank p+t adds its contribution to shard p's weight
-gradient at step t, and the last hop lands on the owner, who holds the full gradient of its shard
-exactly like a TP=D rank.
+again from the per-shard fc1 outputs the forward kept (D slices ``[s/D, b, ffn/D]``: the bytes of
+TP+SP's fc1 output, no extra FLOPs), and a gradient accumulator rides the ring behind the weights:
+rank p+t adds its contribution to shard p's weight gradient at step t, and the last hop lands on
+the owner, who holds the full gradient of its shard exactly like a TP=D rank.
+
+Recompute follows Megatron's flags, applied by Megatron itself: ``recompute_granularity=
+"selective"`` with ``"mlp"`` in ``recompute_modules`` checkpoints this whole module in
+``TransformerLayer`` (its forward, ring included, is re-run in backward), ``"full"`` checkpoints
+whole layers. ``recompute_activation=True`` is TSP's own opt-in: keep only X_p and recompute each
+shard's fc1 in backward (+2·T·P_fc1 FLOPs per layer, no fc1 outputs kept, no ring replay).
 
 Precision: in bf16/fp16 the D partial outputs, the D ``grad_x`` contributions and the D ranks'
 partial weight gradients are summed in fp32 (``accumulation_dtype``), so the accumulator rides the
@@ -302,12 +307,13 @@ def tsp_mlp(
     group,
     activation: Callable,
     accumulate_into_main_grad: bool = False,
-    recompute_activation: bool = True,
+    recompute_activation: bool = False,
 ) -> torch.Tensor:
     """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over the D shards of the group, on a ring.
 
-    ``recompute_activation``: recompute each shard's fc1 output in backward (saves only x), or
-    keep the per-shard fc1 outputs from the forward (no extra GEMM, TP+SP-sized memory)."""
+    ``recompute_activation``: keep the per-shard fc1 outputs from the forward (False, the
+    default: no extra GEMM, TP+SP-sized memory), or recompute each shard's fc1 output in backward
+    (True, an explicit opt-in: saves only x)."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
@@ -331,6 +337,9 @@ class TSPMLP(MLP):
     ``sharded_state_dict`` are exactly those of a TP=D + SP run; only ``forward`` differs.
     Returns ``(output, fc2_bias)`` like ``MLP`` (the replicated fc2 bias is added by the caller's
     bias-dropout-add).
+
+    ``recompute_activation`` (default False): TSP's opt-in fc1 recompute (module docstring);
+    Megatron's own recompute flags need nothing from this class.
     """
 
     def __init__(
@@ -342,7 +351,7 @@ class TSPMLP(MLP):
         ffn_hidden_size=None,
         tp_group=None,
         pg_collection=None,
-        recompute_activation: bool = True,
+        recompute_activation: bool = False,
         **kwargs,
     ):
         if is_expert:
