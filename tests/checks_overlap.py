@@ -12,6 +12,8 @@ from tests.checks_comm import _attention, _mlp
 from tests.common import group_info, setup_tsp
 
 _KERNELS = {"mm", "addmm", "bmm", "baddbmm"}
+# buffer initialisations (a zeroed accumulator read back instead of writing the first partial)
+_FILLS = {"zero", "zeros", "zeros_like", "new_zeros", "fill", "full", "full_like", "new_full"}
 
 
 class _KernelTrace(TorchDispatchMode):
@@ -25,7 +27,10 @@ class _KernelTrace(TorchDispatchMode):
             self.events.append(("kernel", "mm"))
         elif "scaled_dot_product" in name:
             self.events.append(("kernel", "attention"))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name in _FILLS and isinstance(out, torch.Tensor) and out.numel() > 1:
+            self.events.append(("fill", name, tuple(out.shape)))
+        return out
 
 
 def _recorder(events):
@@ -106,7 +111,8 @@ def trace_layer_overlap(d, backward="saved", seq=32, batch=2, hidden=32, heads=8
 
 def trace_mlp_queue(d, dtype_name="bfloat16", seq=32, batch=2, hidden=32, ffn=64, **layer_kwargs):
     """The MLP ring's posts in issue order, forward and backward: [(payload, nbytes)] per phase,
-    the queue stalls of each phase, and the flat shard's element count."""
+    the queue stalls, the blocking transfers and the buffer fills (zeros / fill of more than
+    one element) of each phase, and the flat shard's element count."""
     from tests.checks_comm import _mlp
     from tests.common import DTYPES
 
@@ -137,6 +143,7 @@ def trace_mlp_queue(d, dtype_name="bfloat16", seq=32, batch=2, hidden=32, ffn=64
             "posts": [(e[3], e[4]) for e in ev if e[0] == "post"],
             "stalls": queue_stalls(ev),
             "blocking": blocking(ev)[1],
+            "fills": [e[1:] for e in ev if e[0] == "fill"],
         }
         for phase, ev in (("fwd", fwd), ("bwd", bwd))
     } | {"shard_elems": shard}

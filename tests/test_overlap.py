@@ -58,3 +58,6 @@ def test_mlp_queue_order(pool4, d, recompute):
     assert res["fwd"]["stalls"] == [] and res["bwd"]["stalls"] == [], res
     # only the accumulator's last hop (the drain) is waited with no kernel in between
     assert res["fwd"]["blocking"] == [] and res["bwd"]["blocking"] == ["ring_exchange"]
+    # accumulators (output, grad_x, weight-gradient shards) start from their first partial
+    # product: nothing is zeroed and read back
+    assert res["fwd"]["fills"] == [] and res["bwd"]["fills"] == [], res
