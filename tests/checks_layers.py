@@ -6,7 +6,10 @@ Each rank's tokens and the reference rows it is compared with are taken with
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -68,10 +71,18 @@ def check_mlp(
     activation="gelu",
     recompute_activation=True,
     fusions="megatron-lm",
+    offload_hooks=False,
 ):
     """TSP MLP on zigzag tokens vs megatron-core's stock ``MLP`` (TP=1) on the full sequence:
     output, input gradient and every weight gradient. ``fusions``: "megatron-lm" (the defaults,
-    fused bias-GeLU / SwiGLU) or "off"."""
+    fused bias-GeLU / SwiGLU) or "off".
+
+    ``offload_hooks``: the TSP forward runs under ``saved_tensors_hooks`` that emulate activation
+    offloading (``--cpu-offloading``): pack stores a copy and drops the tensor, the backward gets
+    the copy back. Every tensor the backward needs must go through them: the packed tensors are
+    exactly the input, the weights and (when fc1 is not recomputed) the D per-shard fc1 outputs,
+    each unpacked once, and no packed activation outlives the forward elsewhere (its memory is
+    really released)."""
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
@@ -106,9 +117,38 @@ def check_mlp(
     yr.backward(dy_full)
 
     x = zigzag_rows(x_full, size, rank).requires_grad_(True)
-    out, out_bias = layer(x)
+    packed, originals, unpacked = [], [], []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        if not any(t is keep for keep in (x, *layer.parameters())):
+            originals.append(weakref.ref(t))
+        return t.detach().clone()  # the "offloaded" copy; the original is not kept
+
+    def unpack(copy):
+        unpacked.append(tuple(copy.shape))
+        return copy
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    with hooks if offload_hooks else contextlib.nullcontext():
+        out, out_bias = layer(x)
+    if offload_hooks:
+        gc.collect()
+        alive = [ref().shape for ref in originals if ref() is not None]
+        rows = (2 if gated else 1) * ffn // size
+        params = [p for p in (layer.linear_fc1.weight, layer.linear_fc1.bias) if p is not None]
+        expected_packed = [tuple(x.shape)] + [tuple(p.shape) for p in params]
+        expected_packed += [tuple(layer.linear_fc2.weight.shape)]
+        if not recompute_activation:
+            expected_packed += [(x.shape[0], x.shape[1], rows)] * size
+        assert sorted(packed) == sorted(expected_packed), (
+            f"saved tensors seen by the hooks {packed}, expected {expected_packed}"
+        )
+        assert not alive, f"packed activations still alive after the forward: {alive}"
     y = out + out_bias if out_bias is not None else out
     y.backward(zigzag_rows(dy_full, size, rank))
+    if offload_hooks:
+        assert sorted(unpacked) == sorted(packed), (unpacked, packed)
     actual = {"output": y, "grad:input": x.grad}
     expected = {
         "output": zigzag_rows(yr, size, rank),

@@ -94,8 +94,11 @@ def gpt_recompute_vs_single(
     d, seed, style, recompute, layers=2, hidden=32, heads=8, ffn=64, vocab=128, batch=2, seq=32
 ):
     """Whole GPTModel under TSP with Megatron's ``--recompute-granularity full`` (uniform, one
-    layer per checkpoint) or ``selective`` (``--recompute-activations``) vs the stock single-process
-    model without recompute, fp64."""
+    layer per checkpoint), ``selective`` (``--recompute-activations``) or ``selective_mlp``
+    (``--recompute-modules core_attn mlp``: Megatron's TransformerLayer checkpoints the TSP MLP,
+    ring included) vs the stock single-process model without recompute, fp64. Also returns the
+    attention modes, and per layer whether Megatron checkpoints the MLP and whether the TSP MLP
+    recomputes fc1 itself (never unless opted in)."""
     dtype = torch.float64
     ref_loss, ref_params, ref_grads, data = checks_gpt.reference_run(
         style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, "exact"
@@ -106,7 +109,12 @@ def gpt_recompute_vs_single(
     extra = (
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if recompute == "full"
-        else dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        else dict(
+            recompute_granularity="selective",
+            recompute_modules=["core_attn", "mlp"]
+            if recompute == "selective_mlp"
+            else ["core_attn"],
+        )
     )
     for key, value in extra.items():
         setattr(config, key, value)
@@ -116,6 +124,13 @@ def gpt_recompute_vs_single(
     modes = sorted(
         {m.head_layout.backward for m in model.modules() if isinstance(m, TSPSelfAttention)}
     )
+    mlp = sorted(
+        {
+            (bool(layer.recompute_mlp), bool(layer.mlp.recompute_activation))
+            for layer in model.modules()
+            if hasattr(layer, "recompute_mlp")
+        }
+    )
     sharding.load_full_state(model, ref_params, group)
     loss = checks_gpt._step(model, zigzag.get_batch_on_this_tsp_rank(data, size), "exact")
     sharding.allreduce_sequence_parallel_grads(model, group)
@@ -123,4 +138,4 @@ def gpt_recompute_vs_single(
     errors = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
     for name, g in ref_grads.items():
         errors[f"grad:{name}"] = rel_err(grads[name], g)
-    return {"errors": errors, "modes": modes}
+    return {"errors": errors, "modes": modes, "mlp": mlp}

@@ -168,15 +168,17 @@ def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
     trace = pool4.run(checks_comm.trace_layer, "mlp", d, late_completion=False)[0]
     expected = ["isend", "irecv", "mm", "mm"] * (d - 1) + ["mm", "mm"]
     assert trace["fwd"] == expected
-    # Backward: step t posts the next weight shard (W) before its matmuls, then passes the
-    # gradient accumulator (A) one hop behind: W mm*k | W mm*k A | ... | mm*k A
+    # Backward: step t posts the next weight shard (W) before its matmuls; the gradient
+    # accumulator (A) of step t-1 follows the dX matmuls (k_a) and precedes the two weight-
+    # gradient matmuls, which it overlaps; the last hop drains:
+    # W mm*(k_a+2) | W mm*k_a mm*2 | W mm*k_a A mm*2 | ... | mm*k_a A mm*2 | A
     bwd = trace["bwd"]
-    k = bwd.count("mm") // d
-    p2p, mm = ["isend", "irecv"], ["mm"] * k
-    expected = p2p + mm
-    for _ in range(1, d - 1):
-        expected += p2p + mm + p2p
-    expected += mm + p2p
+    k_a = bwd.count("mm") // d - 2
+    p2p, mm_a, mm_b = ["isend", "irecv"], ["mm"] * k_a, ["mm"] * 2
+    expected = p2p + mm_a + mm_b
+    for t in range(1, d):
+        expected += (p2p if t < d - 1 else []) + mm_a + (p2p if t >= 2 else []) + mm_b
+    expected += p2p
     assert bwd == expected
 
 

@@ -111,12 +111,14 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
     assert trace["fwd"] == ["isend", "irecv", "mm", "mm"] * (d - 1) + ["mm", "mm"], trace
     bwd = trace["bwd"]
     assert not {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"} & set(bwd)
-    k = bwd.count("mm") // d
-    p2p, mm = ["isend", "irecv"], ["mm"] * k
-    expected = p2p + mm
-    for _ in range(1, d - 1):
-        expected += p2p + mm + p2p
-    expected += mm + p2p
+    # queue order (as tests/test_comm.py): the accumulator hop of step t-1 after step t's
+    # weight hop and dX matmuls (k_a), before its two weight-gradient matmuls; the drain last
+    k_a = bwd.count("mm") // d - 2
+    p2p, mm_a, mm_b = ["isend", "irecv"], ["mm"] * k_a, ["mm"] * 2
+    expected = p2p + mm_a + mm_b
+    for t in range(1, d):
+        expected += (p2p if t < d - 1 else []) + mm_a + (p2p if t >= 2 else []) + mm_b
+    expected += p2p
     assert bwd == expected, bwd
 
 

@@ -46,6 +46,29 @@ def test_mlp_matches_reference(
     )
 
 
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_mlp_saved_tensors_go_through_hooks(pool4, seed, d, recompute):
+    """Activation offloading (``saved_tensors_hooks`` packing to a copy, as ``--cpu-offloading``
+    does) sees every tensor the MLP backward uses, releases them, and the result still equals
+    the stock MLP in fp64."""
+    pool4.run(
+        checks_layers.check_mlp,
+        d,
+        seed,
+        "float64",
+        gated=True,
+        bias=True,
+        seq=16,
+        batch=2,
+        hidden=16,
+        ffn=32,
+        activation="silu",
+        recompute_activation=recompute,
+        offload_hooks=True,
+    )
+
+
 @pytest.mark.parametrize(
     "gated,bias,activation",
     [

@@ -1,10 +1,15 @@
 """(§2) Every K/V collective of a TSP layer is overlapped: posted before at least one GEMM or
 attention kernel that does not depend on it (a kernel issued between a transfer's post and its
 wait cannot consume its result). Counts the transfers that remain blocking — waited with no such
-kernel in between — which must be only the pipelines' fill and drain, independent of D. ~40 s."""
+kernel in between — which must be only the pipelines' fill and drain, independent of D. ~40 s.
+
+Queue order (``megatron_tsp.core.comm``'s queue model, ``CUDA_DEVICE_MAX_CONNECTIONS=1``): the MLP
+ring never posts a transfer behind one still in flight without compute in between, so neither the
+next weight shard nor any kernel waits for a gradient hop that is not needed yet."""
 
 import pytest
 
+from megatron_tsp.core.layers.mlp import WEIGHT_GRADS, WEIGHTS
 from tests import checks_overlap
 
 KV_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
@@ -38,6 +43,33 @@ def test_attention_queue_order(pool4, d, backward):
     """Issue 18 §2: under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` no transfer, and so no kernel, is
     queued behind a dK/dV reduce-scatter that is not yet needed: the weight-gradient reduce is
     posted before it, the next head group's transfers and attention backward are queued before
-    the reduce-scatter can hold them (``checks_overlap.queue_stalls`` states the model)."""
+    the reduce-scatter can hold them (``checks_overlap.stalls_behind_large`` states the model)."""
     res = pool4.run(checks_overlap.attention_queue_order, d, backward)[0]
     assert res["bwd"] == [] and res["fwd"] == [], (res["bwd"], res["fwd"], res["order"])
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_mlp_queue_order(pool4, d, recompute):
+    res = pool4.run(checks_overlap.trace_mlp_queue, d, "bfloat16", recompute_activation=recompute)[
+        0
+    ]
+    print(f"D={d} recompute={recompute}: {res}")
+    n = res["shard_elems"]
+    weights, grads = (WEIGHTS, 2 * n), (WEIGHT_GRADS, 4 * n)  # bf16 shard, fp32 accumulator
+    assert res["fwd"]["posts"] == [weights] * (d - 1)
+    # backward, step t = 0 .. D-1: the next weight hop W(t+1) (t < D-1), then the previous
+    # step's accumulator hop A(t-1) (t >= 2), then the drain A(D-1):
+    # W1 | W2 | W3 A1 | ... | W(D-1) A(D-3) | A(D-2) | A(D-1)
+    expected = []
+    for t in range(d):
+        expected += ([weights] if t < d - 1 else []) + ([grads] if t >= 2 else [])
+    expected += [grads]
+    assert res["bwd"]["posts"] == expected
+    # nothing posted behind a transfer in flight without compute in between
+    assert res["fwd"]["stalls"] == [] and res["bwd"]["stalls"] == [], res
+    # only the accumulator's last hop (the drain) is waited with no kernel in between
+    assert res["fwd"]["blocking"] == [] and res["bwd"]["blocking"] == ["ring_exchange"]
+    # accumulators (output, grad_x, weight-gradient shards) start from their first partial
+    # product: nothing is zeroed and read back
+    assert res["fwd"]["fills"] == [] and res["bwd"]["fills"] == [], res

@@ -7,10 +7,31 @@ broadcast is a single transfer whatever the layer's parameter count.
 
 Asynchronous collectives return a ``Pending`` handle: ``wait()`` completes the transfer and returns
 its result (with any post-processing, e.g. the zigzag reorder of a gathered K/V). ``observe``
-registers a callback that sees every post and wait (the overlap trace test uses it; production
-code never imports the counter). Receive buffers come from ``WORKSPACE``: persistent buffers keyed
-by (purpose, slot, shape, dtype, device), reused by every layer and step instead of being
-allocated per call.
+registers a callback that sees every post and wait, with the transfer's kind, payload name and
+size (the overlap and queue-order trace tests use it; production code never imports the counter).
+Receive buffers come from ``WORKSPACE``: persistent buffers keyed by (purpose, slot, shape, dtype,
+device), reused by every layer and step instead of being allocated per call.
+
+Queue model (what post order means on a GPU). Megatron-LM runs with
+``CUDA_DEVICE_MAX_CONNECTIONS=1``: the compute stream and NCCL's stream feed ONE hardware queue,
+which launches work in the order the host issued it (FIFO across streams). NCCL runs the
+point-to-point and collective operations of a communicator one after another on its stream, so a
+transfer's kernel cannot launch before the previous transfer on that communicator has finished;
+while it waits at the head of the queue, every kernel issued after it waits too, whatever stream it
+is on. Consequences for the order of posts in a layer:
+
+* two transfers posted back to back (no compute issued between them) stall everything issued
+  after the second until the first has completed; if the first is not needed yet, that stall is
+  pure loss. So post the transfer that is needed soon (the next weight shard) before the one
+  needed later (a gradient accumulator), and issue compute between consecutive posts that covers
+  the earlier transfer, unless the earlier one has already been waited for (needed) anyway;
+* a transfer posted right after its producer kernels and waited right before its consumer
+  overlaps exactly the kernels issued in between, and nothing else;
+* ``wait()`` on a GPU only orders the compute stream after the transfer (no host block), so
+  waiting early for a transfer that has necessarily finished costs nothing.
+
+gloo (the CPU tests) completes transfers eagerly and shows none of this; the order is checked from
+the trace (``tests/checks_overlap.queue_stalls``) instead.
 """
 
 from __future__ import annotations
@@ -100,13 +121,15 @@ def current_label() -> str:
 # --------------------------------------------------------------------------------------------
 # pending transfers and their observers
 
-_observers: List[Callable[[str, int, str], None]] = []
+_observers: List[Callable[[str, "Pending"], None]] = []
 _ids = itertools.count()
 
 
-def observe(callback: Callable[[str, int, str], None]) -> Callable[[], None]:
-    """Call ``callback(event, transfer_id, op)`` for every ``"post"`` and ``"wait"`` of a
-    ``Pending`` transfer; returns a function that removes the callback."""
+def observe(callback: Callable[[str, "Pending"], None]) -> Callable[[], None]:
+    """Call ``callback(event, transfer)`` for every ``"post"`` and ``"wait"`` of a ``Pending``
+    transfer (read ``transfer.ident``, ``.op``, ``.payload``, ``.nbytes``, ``.label``; the
+    object is finished after its wait, so copy what you need); returns a function that removes
+    the callback."""
     _observers.append(callback)
 
     def remove() -> None:
@@ -116,27 +139,40 @@ def observe(callback: Callable[[str, int, str], None]) -> Callable[[], None]:
     return remove
 
 
-def _notify(event: str, ident: int, op: str) -> None:
+def _notify(event: str, transfer: "Pending") -> None:
     for callback in list(_observers):
-        callback(event, ident, op)
+        callback(event, transfer)
 
 
 class Pending:
     """An asynchronous transfer in flight. ``wait()`` blocks until it is done and returns
     ``finish()`` (or None); waiting twice is harmless. Iterating yields the handle itself so code
-    written for request lists (``wait_all``) keeps working."""
+    written for request lists (``wait_all``) keeps working.
 
-    def __init__(self, op: str, works: Sequence = (), finish: Optional[Callable] = None):
+    ``payload`` names what travels (e.g. ``"mlp.weights"``), ``nbytes`` is the size of this
+    rank's contribution (the send buffer of a ring step, the buffer of a broadcast or reduce, the
+    local block of an all-gather, the full input of a reduce-scatter); ``label`` is the layer's
+    ``labelled`` context at the post. Observers read them to check order and sizes."""
+
+    def __init__(
+        self,
+        op: str,
+        works: Sequence = (),
+        finish: Optional[Callable] = None,
+        payload: str = "",
+        nbytes: int = 0,
+    ):
         self.op, self.works, self._finish = op, [w for w in works if w is not None], finish
+        self.payload, self.nbytes, self.label = payload or op, int(nbytes), current_label()
         self.ident = next(_ids)
         self._done, self._result = False, None
-        _notify("post", self.ident, op)
+        _notify("post", self)
 
     def wait(self):
         if not self._done:
             for work in self.works:
                 work.wait()
-            _notify("wait", self.ident, self.op)
+            _notify("wait", self)
             self._result = self._finish() if self._finish is not None else None
             self._done, self.works, self._finish = True, [], None
         return self._result
@@ -149,18 +185,26 @@ def done(value=None, op: str = "local") -> Pending:
     """A completed transfer (group of size 1): no events, ``wait()`` returns ``value``."""
     pending = Pending.__new__(Pending)
     pending.op, pending.works, pending._finish = op, [], None
+    pending.payload, pending.nbytes, pending.label = op, 0, current_label()
     pending.ident, pending._done, pending._result = -1, True, value
     return pending
 
 
-def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group) -> Pending:
-    """Post ``send -> rank+1`` and ``recv <- rank-1`` together."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, payload: str = "") -> Pending:
+    """Post ``send -> rank+1`` and ``recv <- rank-1`` together (``payload`` names what travels,
+    for observers)."""
     nxt, prv = ring_neighbours(group)
     ops = [
         dist.P2POp(dist.isend, send, nxt, group),
         dist.P2POp(dist.irecv, recv, prv, group),
     ]
-    return Pending("ring_exchange", dist.batch_isend_irecv(ops))
+    return Pending(
+        "ring_exchange", dist.batch_isend_irecv(ops), payload=payload, nbytes=_nbytes(send)
+    )
 
 
 def wait_all(requests) -> None:
@@ -214,7 +258,7 @@ def broadcast_from(buffer: torch.Tensor, owner: int, group, async_op: bool = Tru
     work = dist.broadcast(
         buffer, src=dist.get_global_rank(group, owner), group=group, async_op=async_op
     )
-    return Pending("broadcast", [work]) if async_op else work
+    return Pending("broadcast", [work], nbytes=_nbytes(buffer)) if async_op else work
 
 
 def reduce_to(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
@@ -223,7 +267,7 @@ def reduce_to(buffer: torch.Tensor, owner: int, group, async_op: bool = True):
     work = dist.reduce(
         buffer, dst=dist.get_global_rank(group, owner), group=group, async_op=async_op
     )
-    return Pending("reduce", [work]) if async_op else work
+    return Pending("reduce", [work], nbytes=_nbytes(buffer)) if async_op else work
 
 
 def all_gather_single(output: torch.Tensor, local: torch.Tensor, group, async_op: bool = False):
@@ -275,6 +319,8 @@ def post_all_gather(
         "all_gather_into_tensor",
         [work],
         (lambda: finish(out)) if finish is not None else (lambda: out),
+        payload=purpose,
+        nbytes=_nbytes(local),
     )
 
 
@@ -291,7 +337,9 @@ def post_reduce_scatter(
         purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]), full.dtype, full.device
     )
     work = reduce_scatter_single(out, full, group, async_op=True)
-    return Pending("reduce_scatter_tensor", [work], lambda: out)
+    return Pending(
+        "reduce_scatter_tensor", [work], lambda: out, payload=purpose, nbytes=_nbytes(full)
+    )
 
 
 def reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:

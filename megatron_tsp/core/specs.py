@@ -80,7 +80,7 @@ def get_gpt_layer_tsp_spec(
     num_experts: Optional[int] = None,
     multi_latent_attention: bool = False,
     attention_backward: Optional[str] = None,
-    mlp_recompute_activation: bool = True,
+    mlp_recompute_activation: bool = False,
     kv_grad_reduce_in_fp32: Optional[bool] = None,
 ) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and MLP.
@@ -90,9 +90,10 @@ def get_gpt_layer_tsp_spec(
     ``attention_backward``: None follows Megatron's recompute options (selective recompute of
     ``core_attn``, i.e. ``--recompute-activations``, means "recompute", else "saved"); "saved"
     keeps each head group's local q/k/v, output and log-sum-exp (no attention recompute),
-    "recompute" keeps only the layer input. ``mlp_recompute_activation``:
-    True recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate never exists);
-    False keeps the per-shard fc1 outputs (TP+SP's activation memory, no recompute).
+    "recompute" keeps only the layer input. ``mlp_recompute_activation``: False (default) keeps
+    the per-shard fc1 outputs (TP+SP's activation memory, no recompute; Megatron's selective
+    ``"mlp"`` / full recompute then apply as in any Megatron model); True is TSP's opt-in that
+    recomputes each shard's fc1 in backward (the [s/D, b, ffn] intermediate is never kept).
     ``kv_grad_reduce_in_fp32``: the attention's dK/dV reduce-scatter travels in the accumulation
     dtype (fp32 for bf16/fp16; Megatron-LM flag ``--tsp-kv-grad-reduce-in-fp32``) instead of
     the compute dtype; None follows ``config.tsp_kv_grad_reduce_in_fp32`` (default False).
@@ -207,7 +208,7 @@ def get_gpt_block_local_sp_spec(
 def get_gpt_layer_tsp_mlp_spec(
     normalization: Optional[str] = None,
     num_experts: Optional[int] = None,
-    mlp_recompute_activation: bool = True,
+    mlp_recompute_activation: bool = False,
 ) -> ModuleSpec:
     """TransformerLayer spec of the hybrid: Megatron's own TP+SP attention, TSP's MLP ring.
 

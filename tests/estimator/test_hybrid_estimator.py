@@ -74,8 +74,9 @@ def test_hybrid_crossover_is_w_mlp_over_2h():
 
 
 def test_planner_hybrid_row_7b_128k_d8():
-    """Analytic memory and comm at 7B / 128k / D=8: the hybrid drops TP+SP's MLP intermediates
-    (recomputed per shard) and its MLP activation collectives; parameters are TP=8's."""
+    """Analytic memory and comm at 7B / 128k / D=8: the hybrid keeps the fc1 outputs (the same
+    bytes as TP+SP's) but not TP+SP's activation output, and drops its MLP activation
+    collectives; parameters are TP=8's."""
     o = pl.Options(recompute="none", compute_model="flops")
     rows = {
         r["kind"]: r
@@ -89,7 +90,7 @@ def test_planner_hybrid_row_7b_128k_d8():
     assert hyb["memory_bytes"]["none"]["params"] == tpsp["memory_bytes"]["none"]["params"]
     assert hyb["memory_total_bytes"]["none"] < tpsp["memory_total_bytes"]["none"]
     shape = LayerShape.of(pl.load_model("7b"), 1, 131072)
-    mid = 131072 * (shape.fc1_rows + shape.ffn_hidden) / 8 * 2 * 32
+    mid = 131072 * shape.ffn_hidden / 8 * 2 * 32  # TP+SP's activation output, per layer
     saved = tpsp["memory_bytes"]["none"]["activations"] - hyb["memory_bytes"]["none"]["activations"]
     assert saved == pytest.approx(mid)
     assert (
@@ -132,8 +133,8 @@ def test_planner_cli_hybrid_only(capsys):
 
 def test_fake_run_hybrid_matches_real_allocator_and_flops():
     """``--scheme hybrid`` at small scale: fake-tensor peak within 10% of the real allocator's
-    (fresh process); GEMM FLOPs = TP+SP's + the per-shard fc1 recompute; counted bytes of the
-    step below TP+SP's at this S."""
+    (fresh process); GEMM FLOPs = TP+SP's (+ the per-shard fc1 GEMMs with TSP's opt-in
+    recompute); counted bytes of the step below TP+SP's at this S."""
     from megatron_tsp.core.model_shape import load_model
     from megatron_tsp.tools.estimator import fake_run
     from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step
@@ -148,7 +149,10 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     tpsp = run_step(RunConfig(scheme="tpsp", **base))
     m = base["model"]
     fc1 = 2 * base["seq"] // 4 * m.hidden * m.ffn_hidden * m.num_layers
-    assert fake.flops["matmul"] - tpsp.flops["matmul"] == pytest.approx(fc1, rel=1e-9)
+    assert fake.flops["matmul"] == tpsp.flops["matmul"]
+    opt_in = run_step(RunConfig(scheme="hybrid", tsp_mlp_recompute_activation=True, **base))
+    assert opt_in.flops["matmul"] - tpsp.flops["matmul"] == pytest.approx(fc1, rel=1e-9)
+    assert opt_in.peak_bytes < fake.peak_bytes and opt_in.label == "TP=4+SP+TSP-MLP rec-fc1"
     assert fake.flops["attention"] == tpsp.flops["attention"]
     assert fake.peak_bytes < tpsp.peak_bytes
     assert fake.label == "TP=4+SP+TSP-MLP"

@@ -82,8 +82,9 @@ def _golden_tsp_memory(seq, D, recompute):
     t = seq / D  # local tokens
     # saved per layer: LN1/LN2 inputs and outputs (4h), LayerNorm mean+rstd (2 x 2 floats of
     # b bytes), the local fp32 RoPE table (hn), saved attention: q,k,v (3h), the output once
-    # (h), the fp32 log-sum-exp per head; the MLP recomputes its intermediates
-    layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 1 * h * b + 4 * heads)
+    # (h), the fp32 log-sum-exp per head; the MLP keeps its per-shard fc1 outputs (F = 4h rows;
+    # no recompute unless asked)
+    layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 1 * h * b + 4 * heads + 4 * h * b)
     transient = (
         2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
         + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
@@ -93,8 +94,8 @@ def _golden_tsp_memory(seq, D, recompute):
         # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
         # call, native GQA), before both are summed into the send buffer
         + (2 * seq * h / D) * b
-        + t * 8 * h / D * b
-    )  # one MLP shard's intermediate (fc1 out + act out)
+        + t * 4 * h / D * b
+    )  # one MLP shard's activation output (its fc1 output is saved)
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
@@ -177,8 +178,18 @@ def test_evaluate_golden_h100():
     assert tpsp["layer_exposed_s"]["fwd"] == pytest.approx(4 * x / bw)
     assert tpsp["layer_exposed_s"]["bwd"] == pytest.approx(2 * x / bw)
     tsp = pl.evaluate("7b", hw, pl.make_strategy("tsp", D), S, D, o)
-    recompute = 2 * S * 4 * h * h  # fc1 GEMM (F = 4h: 4h x h); attention saved (default)
-    assert tsp["layer_compute_s"]["bwd"] == pytest.approx(
+    # no recompute by default (attention saved, fc1 kept): TP+SP's backward FLOPs
+    assert tsp["layer_compute_s"]["bwd"] == pytest.approx(2 * (gemm + attn) / D / flops)
+    opt_in = pl.evaluate(
+        "7b",
+        hw,
+        pl.make_strategy("tsp", D),
+        S,
+        D,
+        pl.Options(recompute="none", tsp_recompute_mlp=True),
+    )
+    recompute = 2 * S * 4 * h * h  # TSP's opt-in fc1 recompute (F = 4h: 4h x h)
+    assert opt_in["layer_compute_s"]["bwd"] == pytest.approx(
         (2 * (gemm + attn) + recompute) / D / flops
     )
     # TSP forward: the first head group's weight broadcast (fill) and, K/V all-gathers being

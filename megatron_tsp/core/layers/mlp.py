@@ -9,11 +9,16 @@ Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gat
 
 No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
 only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
-again, recomputing the shard's fc1 output (by default nothing but X_p is saved; with
-``recompute_activation=False`` the per-shard fc1 outputs are kept instead), and a gradient
-accumulator rides the ring behind the weights: rank p+t adds its contribution to shard p's weight
-gradient at step t, and the last hop lands on the owner, who holds the full gradient of its shard
-exactly like a TP=D rank.
+again from the per-shard fc1 outputs the forward kept (D slices ``[s/D, b, ffn/D]``: the bytes of
+TP+SP's fc1 output, no extra FLOPs), and a gradient accumulator rides the ring behind the weights:
+rank p+t adds its contribution to shard p's weight gradient at step t, and the last hop lands on
+the owner, who holds the full gradient of its shard exactly like a TP=D rank.
+
+Recompute follows Megatron's flags, applied by Megatron itself: ``recompute_granularity=
+"selective"`` with ``"mlp"`` in ``recompute_modules`` checkpoints this whole module in
+``TransformerLayer`` (its forward, ring included, is re-run in backward), ``"full"`` checkpoints
+whole layers. ``recompute_activation=True`` is TSP's own opt-in: keep only X_p and recompute each
+shard's fc1 in backward (+2·T·P_fc1 FLOPs per layer, no fc1 outputs kept, no ring replay).
 
 Precision: in bf16/fp16 the D partial outputs, the D ``grad_x`` contributions and the D ranks'
 partial weight gradients are summed in fp32 (``accumulation_dtype``), so the accumulator rides the
@@ -38,6 +43,10 @@ from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
 from megatron_tsp.core.parallel_state import resolve_group
+
+# Payload names of the ring's transfers (``comm.Pending.payload``, read by the trace tests).
+WEIGHTS = "mlp.weights"
+WEIGHT_GRADS = "mlp.weight_grads"
 
 
 def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -135,7 +144,8 @@ def _grad_buffer_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
 class _TSPMLPFunction(torch.autograd.Function):
     """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
-    steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind; no
+    steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind, each
+    posted after the next weight step and the dX GEMMs (queue order, ``comm``); no
     collectives."""
 
     @staticmethod
@@ -167,7 +177,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                 requests, incoming = None, None
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
-                    requests = ring_exchange(current.buffer, incoming.buffer, group)
+                    requests = ring_exchange(current.buffer, incoming.buffer, group, WEIGHTS)
                 w1, b1, w2 = (
                     weight_bias_views(current.views(), has_bias)
                     if size > 1
@@ -182,82 +192,99 @@ class _TSPMLPFunction(torch.autograd.Function):
                 if incoming is not None:
                     current = incoming
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w)
+        # Everything the backward reads goes through save_for_backward (the per-shard fc1
+        # outputs too), so saved-tensor hooks (activation offloading) see and can move all of it.
+        ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w, *saved_pre)
         ctx.group, ctx.activation = group, activation
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
-        ctx.saved_pre = saved_pre if not recompute_activation else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, fc1_w, fc1_b, fc2_w = ctx.saved_tensors
+        x, fc1_w, fc1_b, fc2_w, *saved_pre = ctx.saved_tensors
         group, activation = ctx.group, ctx.activation
         size = dist.get_world_size(group)
         has_bias = fc1_b is not None
         params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
         grad_out = grad_out.contiguous()
 
-        saved_pre = ctx.saved_pre
         acc_dtype = accumulation_dtype(x.dtype)
         grad_dtype = _grad_buffer_dtype(params, ctx.accumulate_into_main_grad)
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
-        def shard_grads(views, step, out: FlatShard, grad_x):
-            """Adds this shard's dX contribution onto ``grad_x`` (None: starts it, in
-            ``acc_dtype``); its partial weight gradients (from this rank's tokens) are written
-            into ``out`` in ``out``'s dtype (fp32 in bf16 runs). Returns ``grad_x``."""
+        def input_grads(views, step, grad_x):
+            """This shard's activation backward and dX contribution, added onto ``grad_x``
+            (None: starts it, in ``acc_dtype``). Returns ``(grad_x, d_pre rows, hidden rows)``;
+            needs no gradient accumulator, so it runs while the previous hop is in flight."""
             w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
-                pre = (saved_pre[step] if saved_pre is not None else _fc1(x, w1, b1)).detach()
+                pre = (saved_pre[step] if saved_pre else _fc1(x, w1, b1)).detach()
                 pre.requires_grad_(True)
                 hidden = activation(pre)
                 d_hidden = torch.matmul(grad_out, w2)
                 (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
             hidden = hidden.detach().reshape(-1, hidden.shape[-1])
             d_rows = d_pre.reshape(-1, d_pre.shape[-1])
+            return matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype), d_rows, hidden
+
+        def weight_grads(d_rows, hidden, out: FlatShard) -> None:
+            """This rank's tokens' partial weight gradients of the shard, written (not added)
+            into ``out`` in ``out``'s dtype (fp32 in bf16 runs)."""
             g_w1, g_b1, g_w2 = weight_bias_views(out.views(), has_bias)
             matmul_into(d_rows.t(), tokens_x, g_w1)
             if has_bias:
                 torch.sum(d_rows, dim=0, dtype=g_b1.dtype, out=g_b1)
             matmul_into(tokens_dy.t(), hidden, g_w2)
-            return matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype)
 
         def grad_shard() -> FlatShard:
             return FlatShard(current.shapes, grad_dtype, current.buffer.device)
 
+        # Issue order per step t (see ``comm``'s queue model): the next weight hop W(t+1), the
+        # dX kernels, the accumulator hop A(t-1) of the previous step, the weight-gradient
+        # kernels, then A(t-1) is waited and added. W(t+1) is needed first and never queues
+        # behind A(t-1); A(t-1) follows compute that covers W(t+1), and each transfer is posted
+        # after the previous one was waited or covered, so no kernel waits for a transfer that
+        # is not needed yet. A(t-1) overlaps step t's weight-gradient GEMMs.
         with labelled("tsp_mlp"):
             current = FlatShard.pack(params)
             own = grad_shard()  # this rank's shard: its own contribution, then the sum
             if size > 1:  # the next shard is posted before this step's matmuls
                 spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
-                requests = ring_exchange(current.buffer, spare[0].buffer, group)
-            grad_x = shard_grads(current.views(), 0, own, None)
+                requests = ring_exchange(current.buffer, spare[0].buffer, group, WEIGHTS)
+            grad_x, d_rows, hidden = input_grads(current.views(), 0, None)
+            weight_grads(d_rows, hidden, own)
             if size > 1:
-                # Double-buffered accumulators: the one being filled was sent two steps ago.
+                # Two send buffers: step t fills one while the other is still on the wire. One
+                # receive buffer: each hop is waited and added before the next is posted.
                 acc_out = [grad_shard(), grad_shard()]
-                acc_in = [grad_shard(), grad_shard()]
-                acc_requests, acc_recv = None, None
+                acc_recv = grad_shard()
+                to_send = None
                 for t in range(1, size):
                     wait_all(requests)
                     current = spare[(t - 1) % len(spare)]
                     requests = None
                     if t < size - 1:  # post the next shard before this step's matmuls
                         requests = ring_exchange(
-                            current.buffer, spare[t % len(spare)].buffer, group
+                            current.buffer, spare[t % len(spare)].buffer, group, WEIGHTS
+                        )
+                    grad_x, d_rows, hidden = input_grads(current.views(), t, grad_x)
+                    acc_requests = None
+                    if to_send is not None:  # A(t-1), behind W(t+1) and the dX kernels
+                        acc_requests = ring_exchange(
+                            to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS
                         )
                     # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
                     filled = acc_out[t % 2]
-                    grad_x = shard_grads(current.views(), t, filled, grad_x)
-                    wait_all(acc_requests)
-                    if t >= 2:
+                    weight_grads(d_rows, hidden, filled)
+                    if acc_requests is not None:
+                        wait_all(acc_requests)
                         filled.buffer.add_(acc_recv.buffer)
-                    acc_recv = acc_in[t % 2]
-                    acc_requests = ring_exchange(filled.buffer, acc_recv.buffer, group)
-                wait_all(acc_requests)
-                # The last hop brought every other rank's contribution to our own shard.
+                    to_send = filled
+                # The last hop (the pipeline's drain) brings every other rank's contribution
+                # to our own shard.
+                wait_all(ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS))
                 own.buffer.add_(acc_recv.buffer)
-        ctx.saved_pre = None
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         accumulate = ctx.accumulate_into_main_grad
         return (
@@ -280,12 +307,13 @@ def tsp_mlp(
     group,
     activation: Callable,
     accumulate_into_main_grad: bool = False,
-    recompute_activation: bool = True,
+    recompute_activation: bool = False,
 ) -> torch.Tensor:
     """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over the D shards of the group, on a ring.
 
-    ``recompute_activation``: recompute each shard's fc1 output in backward (saves only x), or
-    keep the per-shard fc1 outputs from the forward (no extra GEMM, TP+SP-sized memory)."""
+    ``recompute_activation``: keep the per-shard fc1 outputs from the forward (False, the
+    default: no extra GEMM, TP+SP-sized memory), or recompute each shard's fc1 output in backward
+    (True, an explicit opt-in: saves only x)."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
@@ -309,6 +337,9 @@ class TSPMLP(MLP):
     ``sharded_state_dict`` are exactly those of a TP=D + SP run; only ``forward`` differs.
     Returns ``(output, fc2_bias)`` like ``MLP`` (the replicated fc2 bias is added by the caller's
     bias-dropout-add).
+
+    ``recompute_activation`` (default False): TSP's opt-in fc1 recompute (module docstring);
+    Megatron's own recompute flags need nothing from this class.
     """
 
     def __init__(
@@ -320,7 +351,7 @@ class TSPMLP(MLP):
         ffn_hidden_size=None,
         tp_group=None,
         pg_collection=None,
-        recompute_activation: bool = True,
+        recompute_activation: bool = False,
         **kwargs,
     ):
         if is_expert:

@@ -75,7 +75,8 @@ class RunConfig:
     count_comm: bool = True
     make_vocab_size_divisible_by: int = 128
     track_real: bool = False  # diagnostics: also run MemTracker on a real-tensor run
-    # TSP layer options (None: the spec's defaults): "saved" | "recompute"; keep fc1 outputs
+    # TSP layer options (None: the spec's defaults): "saved" | "recompute"; True: TSP's opt-in
+    # fc1 recompute (the spec default keeps the per-shard fc1 outputs)
     tsp_attention_backward: Optional[str] = None
     tsp_mlp_recompute_activation: Optional[bool] = None
     tsp_kv_grad_fp32: Optional[bool] = None  # dK/dV reduce-scatter in fp32 (default: compute)
@@ -92,14 +93,14 @@ class RunConfig:
     def label(self) -> str:
         if self.scheme == "tsp":
             suffix = " attn-rec" if self.tsp_attention_backward == "recompute" else ""
-            if self.tsp_mlp_recompute_activation is False:
-                suffix += " keep-fc1"
+            if self.tsp_mlp_recompute_activation:
+                suffix += " rec-fc1"
             if self.tsp_kv_grad_fp32:
                 suffix += " dkv-fp32"
             return f"TSP D={self.tp}{suffix}"
         if self.scheme == "hybrid":
-            keep = " keep-fc1" if self.tsp_mlp_recompute_activation is False else ""
-            return f"TP={self.tp}+SP+TSP-MLP{keep}"
+            rec = " rec-fc1" if self.tsp_mlp_recompute_activation else ""
+            return f"TP={self.tp}+SP+TSP-MLP{rec}"
         if self.scheme == "cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"

@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         "default) or only the input and recompute (lowest memory)",
     )
     r.add_argument(
-        "--tsp-keep-fc1",
+        "--tsp-recompute-fc1",
         action="store_true",
-        help="TSP / hybrid MLP: keep the per-shard fc1 outputs instead of recomputing them",
+        help="TSP / hybrid MLP: TSP's opt-in fc1 recompute (keep only the MLP input, recompute "
+        "each shard's fc1 in the backward; default: keep the per-shard fc1 outputs)",
     )
     r.add_argument(
         "--tsp-kv-grad-reduce-in-fp32",
@@ -196,7 +197,7 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         count_comm=not args.no_comm,
         tsp_attention_backward=(args.tsp_attention_backward if scheme == "tsp" else None),
         tsp_mlp_recompute_activation=(
-            False if args.tsp_keep_fc1 and scheme in ("tsp", "hybrid") else None
+            True if args.tsp_recompute_fc1 and scheme in ("tsp", "hybrid") else None
         ),
         tsp_kv_grad_fp32=(True if args.tsp_kv_grad_reduce_in_fp32 and scheme == "tsp" else None),
     )

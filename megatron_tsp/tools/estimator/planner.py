@@ -235,7 +235,9 @@ class Options:
     global_batch_tokens: int = 2**24
     recompute: str = "auto"  # none | full | auto (none if it fits in HBM, else full)
     distributed_optimizer: bool = True
-    tsp_recompute_mlp: bool = True  # TSP recomputes the per-shard fc1 GEMM in the backward
+    # TSP's opt-in fc1 recompute (``mlp_recompute_activation=True``); the default keeps the
+    # per-shard fc1 outputs and recomputes only what Megatron's flags ask for
+    tsp_recompute_mlp: bool = False
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
     tsp_regather_kv: bool = True
     # attention kernel backend (layers/kernels.py): "aten_flash" (the CUDA default: one call per
@@ -273,8 +275,8 @@ def _layer_activation_bytes(
     TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
     Function's input, the residual, the MLP Function's input), the norms' statistics, the local
     RoPE table; saved attention backward: each head group's local q/k/v, its output (kept once,
-    saved once) and fp32 log-sum-exp; the MLP saves only its input
-    unless the per-shard fc1 outputs are kept (``tsp_recompute_mlp=False``).
+    saved once) and fp32 log-sum-exp; the MLP its per-shard fc1 outputs (only its input with
+    TSP's opt-in fc1 recompute, ``tsp_recompute_mlp=True``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
     fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
@@ -381,8 +383,9 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             "first_block_dkv": (bs * hkv / D) * b,
         }
         out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
-        if o.tsp_recompute_mlp:
-            out["mlp_shard_mid"] = t * (shape.fc1_rows + shape.ffn_hidden) / D * b
+        # one shard's activation output in the backward (and its fc1 output when recomputed)
+        mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
+        out["mlp_shard_mid"] = t * mid / D * b
         return out
     t = bs / s.cp
     if s.kind == "hybrid":
@@ -396,8 +399,8 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             "grad_accumulators": 4 * shape.w_mlp / D * gb,
             "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b),
         }
-        if o.tsp_recompute_mlp:
-            out["mlp_shard_mid"] = (bs / D) * (shape.fc1_rows + shape.ffn_hidden) / D * b
+        mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
+        out["mlp_shard_mid"] = (bs / D) * mid / D * b
         return out
     # the MLP backward holds the gradients of its saved intermediates next to them
     out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
@@ -879,8 +882,8 @@ def assumptions(
         "reduce attn weight grads, MLP ring + grad accumulator ring; TSP recomputes "
         f"fc1={o.tsp_recompute_mlp}, attention core={o.tsp_recompute_attn} in the backward",
         "hybrid (--tsp-mlp): TP+SP's attention collectives (fwd f*2BSh, bwd f*3BSh) + TSP's "
-        "MLP weight ring (fwd f*W_mlp, bwd ring + grad accumulator 2f*W_mlp); the MLP keeps only "
-        f"its input and recomputes fc1 = {o.tsp_recompute_mlp}",
+        "MLP weight ring (fwd f*W_mlp, bwd ring + grad accumulator 2f*W_mlp); the MLP keeps its "
+        f"fc1 outputs unless it recomputes fc1 (= {o.tsp_recompute_mlp}, TSP's opt-in)",
         "TP+SP (megatron-core 0.16.1 layers.py): fwd AG+RS per block = f*4BSh, bwd re-AG of the "
         "saved input + dgrad RS (both async next to GEMMs) + AG of the row-parallel output grad "
         "= f*6BSh",
@@ -1268,9 +1271,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
     ap.add_argument(
-        "--tsp-no-recompute-mlp",
+        "--tsp-recompute-mlp",
         action="store_true",
-        help="TSP / hybrid MLP keeps the per-shard fc1 outputs",
+        help="TSP / hybrid MLP: TSP's opt-in fc1 recompute (keeps only the MLP input and "
+        "recomputes each shard's fc1 in the backward; default: keep the fc1 outputs)",
     )
     ap.add_argument(
         "--tsp-recompute-attn",
@@ -1322,7 +1326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         global_batch_tokens=args.global_batch_tokens,
         recompute=args.recompute,
         distributed_optimizer=not args.no_distributed_optimizer,
-        tsp_recompute_mlp=not args.tsp_no_recompute_mlp,
+        tsp_recompute_mlp=args.tsp_recompute_mlp,
         tsp_recompute_attn=args.tsp_recompute_attn,
         tsp_kv_pipelined=not args.tsp_kv_blocking,
         compute_model=args.compute_model,
