@@ -161,6 +161,7 @@ def test_tsp4_matches_tp4_fewer_kv_heads_than_d(seed):
     args = STYLES["llama"] + ["--num-query-groups", "2"]
     tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "4")
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "4")
+    assert "in 2 TSP attention layers" in tsp.rank_log(0), tsp.rank_log(0)[-3000:]
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
