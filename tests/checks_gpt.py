@@ -40,9 +40,11 @@ STYLES = {
 }
 
 
-def _config(d, dtype, style, layers, hidden, heads, ffn):
+def _config(d, dtype, style, layers, hidden, heads, ffn, groups=None):
     s = dict(STYLES[style])
     s.pop("position_embedding_type")
+    if groups is not None:  # e.g. fewer K/V heads than D
+        s["num_query_groups"] = groups
     if s["num_query_groups"] is None:
         s["num_query_groups"] = heads
     return make_config(
@@ -115,11 +117,13 @@ def _norms_to(model, dtype):
     return model
 
 
-def reference_run(style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path):
+def reference_run(
+    style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups=None
+):
     """Single-device stock GPTModel (TP=1, Megatron's local spec and norms): loss, params and
     grads."""
     setup_megatron_tp(1, seed)
-    config = _config(1, dtype, style, layers, hidden, heads, ffn)
+    config = _config(1, dtype, style, layers, hidden, heads, ffn, groups)
     model = _model(
         config,
         reference_single_layer_spec(config),
@@ -151,19 +155,21 @@ def check_gpt_vs_single(
     baseline="tsp",
     loss_path="exact",
     rtol=None,
+    groups=None,
 ):
     """TSP (or the stock Megatron TP=d+SP reference, ``baseline='tp_sp'``) GPTModel vs the TP=1
-    stock model: loss and every gradient, gathered to full size."""
+    stock model: loss and every gradient, gathered to full size. ``groups``: num_query_groups
+    instead of the style's."""
     dtype = DTYPES[dtype_name]
     ref_loss, ref_params, ref_grads, data = reference_run(
-        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path
+        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups
     )
     if baseline == "tsp":
         setup_tsp(d, seed)
     else:
         setup_megatron_tp(d, seed)
     group, size, rank = group_info() if baseline == "tsp" else _tp_group_info()
-    config = _config(d, dtype, style, layers, hidden, heads, ffn)
+    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
     spec = (get_gpt_block_tsp_spec if baseline == "tsp" else reference_tp_sp_block_spec)(config)
     model = _model(config, spec, style, vocab, seq, parallel_output=loss_path == "megatron")
     sharding.load_full_state(model, ref_params, group)
@@ -177,7 +183,8 @@ def check_gpt_vs_single(
         actual,
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
-        what=f"{baseline} GPT ({style}, D={d}, {dtype_name}, loss={loss_path}) "
+        what=f"{baseline} GPT ({style}, D={d}, groups={config.num_query_groups}, {dtype_name}, "
+        f"loss={loss_path}) "
         f"vs single-process stock GPTModel, seed={seed}",
     )
 
@@ -204,6 +211,7 @@ def check_tsp_vs_tp_sp(
     batch=2,
     seq=32,
     rtol=None,
+    groups=None,
 ):
     """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights.
 
@@ -219,7 +227,7 @@ def check_tsp_vs_tp_sp(
 
     setup_megatron_tp(d, seed)
     group, size, rank = _tp_group_info()
-    config = _config(d, dtype, style, layers, hidden, heads, ffn)
+    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
     po = loss_path == "megatron"
     tp_model = _model(config, reference_tp_sp_block_spec(config), style, vocab, seq, po)
     tp_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
@@ -242,7 +250,8 @@ def check_tsp_vs_tp_sp(
         actual,
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
-        what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, {dtype_name}, "
+        what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, groups={config.num_query_groups}, "
+        f"{dtype_name}, "
         f"loss={loss_path}), seed={seed}",
     )
 

@@ -35,12 +35,12 @@ def _gpt(config, spec, style):
     )
 
 
-def _reference(style, seed, dtype):
+def _reference(style, seed, dtype, groups=None):
     """Single-process stock megatron-core GPTModel (TP=1, Megatron's local spec and CPU norms,
     not the package's specs), eval mode."""
     setup_megatron_tp(1, seed)
     config = _config(
-        1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"]
+        1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"], groups
     )
     model = _norms_to(_gpt(config, reference_single_layer_spec(config), style), dtype).eval()
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -63,11 +63,11 @@ def _greedy_reference(model, prompt, steps):
     return out, first_logits
 
 
-def _engine(d, seed, style, dtype, params):
+def _engine(d, seed, style, dtype, params, groups=None):
     setup_tsp(d, seed)
     group, _, _ = group_info()
     config = _config(
-        d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"]
+        d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"], groups
     )
     model = _gpt(config, get_gpt_block_tsp_spec(config), style)
     sharding.load_full_state(model, params, group)
@@ -90,12 +90,13 @@ def _cache_err(a, b, length, batch):
     return worst
 
 
-def check_generation(d, seed, style, dtype_name="float64", new_tokens=4):
+def check_generation(d, seed, style, dtype_name="float64", new_tokens=4, groups=None):
     """Greedy TSP-prefill + TP-decode vs the single-process model; TSP cache / logits vs TP
-    prefill's; two-chunk prefill vs one-shot; mixed-length batch; short prompt (TP fallback)."""
+    prefill's; two-chunk prefill vs one-shot; mixed-length batch; short prompt (TP fallback).
+    ``groups``: num_query_groups instead of the style's (e.g. fewer K/V heads than D)."""
     dtype = DTYPES[dtype_name]
-    ref, params = _reference(style, seed, dtype)
-    engine, _ = _engine(d, seed, style, dtype, params)
+    ref, params = _reference(style, seed, dtype, groups)
+    engine, _ = _engine(d, seed, style, dtype, params, groups)
     step = 2 * d
     out = {}
 

@@ -50,7 +50,7 @@ def layer_errors(d):
     # Configs built for one device, used on a group of d: the layers check against the group.
     cfg = make_config(1, torch.float32, hidden_size=48, num_attention_heads=6, num_query_groups=6)
     errors["heads"] = _error_of(TSPSelfAttention, cfg, attn_sub, 1, AttnMaskType.causal)
-    cfg = make_config(1, torch.float32, hidden_size=32, num_attention_heads=8, num_query_groups=2)
+    cfg = make_config(1, torch.float32, hidden_size=48, num_attention_heads=12, num_query_groups=3)
     errors["groups"] = _error_of(TSPSelfAttention, cfg, attn_sub, 1, AttnMaskType.causal)
     cfg = make_config(1, torch.float32, hidden_size=32, ffn_hidden_size=66)
     errors["ffn"] = _error_of(

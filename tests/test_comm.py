@@ -91,8 +91,17 @@ def test_mlp_bf16_grad_accumulator_travels_in_fp32(pool4, d):
 
 
 @pytest.mark.parametrize("d", [2, 4])
-@pytest.mark.parametrize("heads,groups,bias", [(4, 4, True), (8, 4, False)])
+@pytest.mark.parametrize(
+    "heads,groups,bias",
+    [(4, 4, True), (8, 4, False), (8, 2, True), (8, 1, False)],  # groups < D: shared K/V heads
+)
 def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
+    """Also fewer K/V heads than D (megatron-core's TP layout): the weights still move once per
+    shard, but each K/V head is gathered once for the D / groups shards that share it, so the K/V
+    bytes stay f*2BSh_kv (h_kv = groups x head dim) in min(D, groups) calls. The estimator's
+    closed form (``formulas.tsp_layer_terms``) gives the same bytes and call counts."""
+    from megatron_tsp.tools.estimator import formulas as fm
+
     results = pool4.run(
         checks_comm.measure_layer,
         "attention",
@@ -105,14 +114,25 @@ def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
         bias=bias,
     )
     expected = attention_formula(d, heads, groups, bias)
+    steps = min(d, groups)  # head groups the schedule walks (one K/V gather each)
+    shape = fm.LayerShape(
+        batch=B, seq=S, hidden=H, heads=heads, query_groups=groups, bias=bias, dtype_bytes=E
+    )
+    comm = fm.tsp_layer_comm(shape, d)
+    assert comm["attn_fwd"] == pytest.approx(expected["fwd"], rel=1e-12)
+    assert comm["attn_bwd"] == pytest.approx(expected["bwd"], rel=1e-12)
+    calls = {"broadcast": d, "reduce": d, "all_gather": steps, "reduce_scatter": steps}
+    for term in fm.tsp_layer_terms(shape, d):
+        if term.phase.startswith("attn"):
+            assert term.chunks == calls[term.op], term
     for r in results:
-        # per head group: one broadcast, one packed K/V all-gather (and in backward one packed
-        # dK/dV reduce-scatter and one weight-gradient reduce)
-        assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": d}
+        # one broadcast and (backward) one weight-gradient reduce per weight shard; per head
+        # group one packed K/V all-gather (and in backward one packed dK/dV reduce-scatter)
+        assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": steps}
         assert r["bwd"]["calls"] == {
             "broadcast": d,
-            "all_gather_into_tensor": d,
-            "reduce_scatter_tensor": d,
+            "all_gather_into_tensor": steps,
+            "reduce_scatter_tensor": steps,
             "reduce": d,
         }
         for phase in ("fwd", "bwd"):

@@ -55,3 +55,21 @@ def test_tsp_equals_megatron_tp_sp(pool4, seed, d, style):
         loss_path="megatron",
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("d,groups", [(4, 2), (4, 1), (2, 1)])
+def test_fewer_kv_heads_than_d(pool4, seed, d, groups):
+    """num_query_groups < D (Llama style, 8 heads): megatron-core's TP layout, K/V heads shared by
+    D / groups ranks. Stock TP=D+SP itself equals the TP=1 model there (the baseline is sound),
+    TSP equals both in fp64, and state dicts load both ways with ``strict=True``."""
+    for baseline in ("tp_sp", "tsp"):
+        pool4.run(
+            checks_gpt.check_gpt_vs_single,
+            d,
+            seed,
+            "llama",
+            baseline=baseline,
+            rtol=1e-10,
+            groups=groups,
+        )
+    pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, "llama", rtol=1e-10, groups=groups)

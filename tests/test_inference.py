@@ -17,6 +17,16 @@ def test_generation_matches_single_process_fp64(pool4, seed, d, style):
     assert max(worst.values()) <= 1e-12, worst
 
 
+@pytest.mark.parametrize("d,groups", [(4, 2), (4, 1), (2, 1)])
+def test_generation_fewer_kv_heads_than_d(pool4, seed, d, groups):
+    """num_query_groups < D (megatron-core's TP layout, K/V heads shared by D / groups ranks):
+    the same checks; the TSP prefill's cache equals Megatron TP=D prefill's on every rank of a
+    group, so TP decode continues from it."""
+    results = pool4.run(checks_inference.check_generation, d, seed, "llama", groups=groups)
+    worst = {k: max(r[k] for r in results) for k in results[0]}
+    assert max(worst.values()) <= 1e-12, worst
+
+
 def test_sampling_stop_tokens_and_errors(pool4, seed):
     results = pool4.run(checks_inference.check_sampling_and_errors, 2, seed)
     assert all(r["sampled"] == results[0]["sampled"] for r in results), "ranks disagree"

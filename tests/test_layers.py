@@ -164,6 +164,10 @@ def test_mlp_refuses_activation_without_fused_kernel(fields, message):
         (4, 4, True, False, 16, 2, 32, "saved"),  # MHA with biases, no RoPE
         (8, 4, False, True, 24, 3, 64, "saved"),  # GQA 2:1, RoPE, no bias, S/2D uneven (3 at D=4)
         (8, 4, True, True, 16, 2, 64, "recompute"),  # attention forward recomputed in backward
+        # fewer K/V heads than D (megatron-core's TP layout: one K/V head shared by D/ng ranks)
+        (8, 2, True, True, 16, 2, 64, "saved"),  # ng=2: D=4 shares each K/V head over 2 shards
+        (8, 1, False, True, 24, 3, 64, "saved"),  # ng=1 (MQA): every shard shares one K/V head
+        (8, 1, True, False, 16, 2, 64, "recompute"),
     ],
 )
 def test_attention_matches_reference(

@@ -15,6 +15,16 @@ def _not_divisible(flag, value, what, d=4):
     )
 
 
+def _neither_multiple_nor_divisor(value, d=4):
+    return (
+        f"--num-query-groups={value} is not divisible by --tensor-sequence-parallel-size={d} and "
+        f"does not divide it: TSP shards key/value head groups over the group, or gives each of "
+        f"them to --tensor-sequence-parallel-size / --num-query-groups ranks when there are "
+        f"fewer (megatron-core's TP layout), so --num-query-groups % {d} or {d} % "
+        f"--num-query-groups must be 0"
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -23,8 +33,8 @@ def _not_divisible(flag, value, what, d=4):
             _not_divisible("--num-attention-heads", 6, "attention heads"),
         ),
         (
-            dict(num_attention_heads=8, num_query_groups=2),
-            _not_divisible("--num-query-groups", 2, "key/value head groups"),
+            dict(num_attention_heads=12, num_query_groups=6),
+            _neither_multiple_nor_divisor(6),
         ),
         (
             dict(num_attention_heads=8, ffn_hidden_size=66),
@@ -42,8 +52,14 @@ def _not_divisible(flag, value, what, d=4):
             "partition into 2D chunks)",
         ),
         (
-            dict(num_attention_heads=8, num_query_groups=3),
-            _not_divisible("--num-query-groups", 3, "key/value head groups"),
+            dict(num_attention_heads=12, num_query_groups=3),
+            _neither_multiple_nor_divisor(3),
+        ),
+        (
+            # fewer K/V heads than D with head dim 1: (4 + 2) QKV rows cannot be cut into 4
+            dict(num_attention_heads=4, num_query_groups=1, hidden_size=4),
+            "--num-query-groups=1 < --tensor-sequence-parallel-size=4: the fused QKV "
+            "projection's 6 output rows ((heads + 2 x groups) x head dim) are not divisible by 4",
         ),
         (
             dict(num_attention_heads=8, num_query_groups=8, hidden_size=68),
@@ -55,6 +71,13 @@ def test_model_shape_errors_name_flag_and_numbers(kwargs, message):
     with pytest.raises(ValueError) as info:
         validation.check_model_shape(4, **kwargs)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("d,groups", [(4, 4), (4, 8), (4, 2), (4, 1), (2, 1), (8, 2)])
+def test_model_shape_accepts_groups_multiple_or_divisor_of_d(d, groups):
+    """Fewer K/V heads than D is megatron-core's TP layout (K/V heads shared by D / groups ranks):
+    accepted, like a multiple of D."""
+    validation.check_model_shape(d, num_attention_heads=16, num_query_groups=groups, hidden_size=64)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +187,7 @@ def test_tsp_with_tp_or_cp_fails_on_all_ranks(pool4):
 def test_layers_reject_unshardable_shapes(pool4):
     expected = {
         "heads": _not_divisible("--num-attention-heads", 6, "attention heads"),
-        "groups": _not_divisible("--num-query-groups", 2, "key/value head groups"),
+        "groups": _neither_multiple_nor_divisor(3),
         "ffn": _not_divisible("--ffn-hidden-size", 66, "the MLP's intermediate dimension"),
         "local_seq": (
             "TSP attention got 3 local tokens: the sequence length (12) must be "

@@ -86,6 +86,9 @@ class Condition:
     # "combine": the setting cannot be combined with the mode; "divide": the value must be a
     # multiple of the group size D (the message says so with the numbers).
     kind: str = "combine"
+    # "divide" rows only: a divisor of D is accepted too (K/V heads replicated over D / value
+    # ranks, as megatron-core does for TP); the message says so
+    divisor_ok: bool = False
 
     def refuses(self, value: Any, d: Optional[int] = None) -> bool:
         return self.test(value, d)
@@ -117,6 +120,17 @@ ONE_OR_D = Condition("other than 1 or D", lambda v, d: v not in (None, 1, d))
 # A dimension every rank holds 1/D of (heads, query groups, FFN, vocabulary).
 NOT_DIVISIBLE_BY_D = Condition(
     "not divisible by D", lambda v, d: v is not None and d is not None and v % d != 0, kind="divide"
+)
+
+# Query groups: a multiple of D (ng/D groups per rank) or a divisor of D (megatron-core's TP
+# layout for fewer K/V heads than ranks: each group's block of the fused QKV weight spans D/ng
+# shards, and the D/ng ranks of a group share its one K/V head). Megatron's TransformerConfig
+# accepts exactly these (``num_query_groups`` a multiple or divisor of the TP size).
+NOT_MULTIPLE_OR_DIVISOR_OF_D = Condition(
+    "neither a multiple nor a divisor of D",
+    lambda v, d: v is not None and d is not None and v % d != 0 and d % v != 0,
+    kind="divide",
+    divisor_ok=True,
 )
 
 
@@ -163,6 +177,13 @@ class Rejection:
     def message(
         self, value: Any, d: Optional[int], mode: str = TSP, config_value: bool = False
     ) -> str:
+        if self.condition.kind == "divide" and self.condition.divisor_ok:
+            return (
+                f"{self.shown(value)} is not divisible by {SIZE_FLAGS[mode]}={d} and does not "
+                f"divide it: {SHARDED_BY[mode]} shards {self.reason} over the group, or gives "
+                f"each of them to {SIZE_FLAGS[mode]} / {self.name} ranks when there are fewer "
+                f"(megatron-core's TP layout), so {self.name} % {d} or {d} % {self.name} must be 0"
+            )
         if self.condition.kind == "divide":
             return (
                 f"{self.shown(value)} is not divisible by {SIZE_FLAGS[mode]}={d}: "
@@ -482,7 +503,7 @@ SHAPE_ROWS: Tuple[Rejection, ...] = (
     Rejection(
         "--num-query-groups",
         "num_query_groups",
-        NOT_DIVISIBLE_BY_D,
+        NOT_MULTIPLE_OR_DIVISOR_OF_D,
         "key/value head groups",
         config_field="num_query_groups",
         layer="attention",
@@ -859,6 +880,12 @@ def _versions_text(r: Rejection) -> str:
 
 
 def _why(r: Rejection, mode: str) -> str:
+    if r.condition.kind == "divide" and r.condition.divisor_ok:
+        return (
+            f"{SHARDED_BY[mode]} shards {r.reason} over the group, or, when there are fewer "
+            "than D, spreads each over D / value ranks that share its K/V head (megatron-core's "
+            "TP layout)"
+        )
     if r.condition.kind == "divide":
         return f"{SHARDED_BY[mode]} shards {r.reason} over the group"
     return r.reason

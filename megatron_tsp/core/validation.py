@@ -54,7 +54,9 @@ def check_model_shape(
     vocab_size: Optional[int] = None,
     seq_length: Optional[int] = None,
     hidden_size: Optional[int] = None,
+    kv_channels: Optional[int] = None,
 ) -> None:
+    """``kv_channels``: the head dimension when it is not hidden / heads (``--kv-channels``)."""
     d = tensor_sequence_parallel_size
     rejections.check_divisible(
         d, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups
@@ -70,6 +72,17 @@ def check_model_shape(
             f"--hidden-size={hidden_size} is not divisible by "
             f"--num-attention-heads={num_attention_heads}"
         )
+    head_dim = kv_channels or (hidden_size // num_attention_heads if hidden_size else None)
+    if head_dim is not None and num_query_groups is not None and num_query_groups < d:
+        # fewer K/V heads than ranks: the fused QKV output [(np + 2 ng) x head dim] is cut into D
+        # row shards, D / ng per group block (megatron-core's ColumnParallelLinear divides it)
+        qkv = (num_attention_heads + 2 * num_query_groups) * head_dim
+        if qkv % d != 0:
+            raise ValueError(
+                f"--num-query-groups={num_query_groups} < {TSP_FLAG}={d}: the fused QKV "
+                f"projection's {qkv} output rows ((heads + 2 x groups) x head dim) are not "
+                f"divisible by {d}"
+            )
     if seq_length is not None:
         check_sequence_length(seq_length, d)
 
@@ -94,6 +107,7 @@ def check_transformer_config(
         vocab_size=vocab_size,
         seq_length=seq_length,
         hidden_size=config.hidden_size,
+        kv_channels=config.kv_channels,
     )
 
 

@@ -287,6 +287,7 @@ def _check_validated_args(args, d: int) -> None:
         vocab_size=getattr(args, "padded_vocab_size", None),
         seq_length=getattr(args, "seq_length", None),
         hidden_size=getattr(args, "hidden_size", None),
+        kv_channels=getattr(args, "kv_channels", None),
     )
 
 

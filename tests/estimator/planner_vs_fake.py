@@ -25,8 +25,15 @@ def layouts(d):
     ]
 
 
-def main(hidden, layers, heads, vocab, seq, d, which):
-    shape = ModelShape(name="check", hidden=hidden, num_layers=layers, heads=heads, vocab=vocab)
+def main(hidden, layers, heads, vocab, seq, d, which, groups=None):
+    shape = ModelShape(
+        name="check",
+        hidden=hidden,
+        num_layers=layers,
+        heads=heads,
+        query_groups=groups,
+        vocab=vocab,
+    )
     out = []
     for name, scheme, kind, tp, cp, recompute, attn in layouts(d):
         if which and name not in which:
@@ -68,4 +75,5 @@ def main(hidden, layers, heads, vocab, seq, d, which):
 
 if __name__ == "__main__":
     args = [int(a) for a in sys.argv[1:7]]
-    main(*args, which=sys.argv[7].split(",") if len(sys.argv) > 7 else [])
+    which = sys.argv[7].split(",") if len(sys.argv) > 7 and sys.argv[7] != "all" else []
+    main(*args, which=which, groups=int(sys.argv[8]) if len(sys.argv) > 8 else None)

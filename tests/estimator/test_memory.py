@@ -9,6 +9,7 @@ one full-scale rank (7B, S=128k, D=8, ~2.5 min) and still runs in CI; deselect i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -257,6 +258,26 @@ def test_cli_prints_no_megatron_notice_and_no_deprecated_collective(scheme, capl
     ]
     ours = [w for w in deprecations if "megatron_tsp" in w or "torch.distributed" in w]
     assert ours == [], ours
+
+
+def test_cli_fewer_kv_heads_than_d(tmp_path):
+    """``megatron-tsp memory --num-query-groups 1`` at D=4 (K/V head shared by all ranks, the
+    megatron-core TP layout) runs, and the bytes its counter saw equal the closed form: per layer
+    ``formulas.tsp_layer_comm`` (one K/V gather per head group) plus ``formulas.head_comm``."""
+    from megatron_tsp.tools.estimator import formulas as fm
+    from megatron_tsp.tools.estimator import planner as pl
+
+    out = tmp_path / "mem.json"
+    args = ["--model", "tiny", "--scheme", "tsp", "--tp", "4", "--world-size", "4"]
+    args += ["--seq", "256", "--num-query-groups", "1", "--no-flops", "--json", str(out)]
+    assert memory_main(args) == 0
+    comm = json.loads(out.read_text())[0]["comm"]
+    model = dataclasses.replace(pl.load_model("tiny"), query_groups=1)
+    shape = fm.LayerShape.of(model, 1, 256)
+    layer, head = fm.tsp_layer_comm(shape, 4), fm.head_comm(shape, 4)
+    for phase, counted in (("fwd", "recv_bytes_forward"), ("bwd", "recv_bytes_backward")):
+        expected = model.num_layers * (layer[f"attn_{phase}"] + layer[f"mlp_{phase}"])
+        assert comm[counted] == pytest.approx(expected + head[phase], rel=1e-12), phase
 
 
 def test_cli_validate(capsys):

@@ -3,7 +3,8 @@
 The tool (``megatron-tsp memory``) runs one rank of the real model code; the planner models what
 each layer saves (``planner._layer_activation_bytes``), so a change to what the layers save shows
 up here. Reduced config: h=512, 2 layers, 8 heads, vocab 4096, S=8192, D=4 (TSP saved / recompute
-attention, TP+SP with and without full recompute, TP2 x CP2): about 1-2 min. The 7B / 128k check
+attention, TP+SP with and without full recompute, TP2 x CP2): about 1-2 min; the same with 2 and
+1 query groups (fewer K/V heads than D), TSP layouts: about 30 s each. The 7B / 128k check
 is marked slow (TSP D=8 saved attention and full recompute, TP=8+SP without and with full
 recompute: about 3 min on an idle 2-core machine, ~12 min with the cores shared).
 """
@@ -57,6 +58,13 @@ def _check(rows):
 
 def test_planner_memory_matches_fake_tool_reduced():
     _check(_run([512, 2, 8, 4096, 8192, 4], timeout=900))
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_planner_memory_matches_fake_tool_fewer_kv_heads_than_d(groups):
+    """num_query_groups < D: TSP attention's steps hold a whole head group (np/ng query heads and
+    one K/V head over the full sequence, D/ng weight shards), which the planner accounts for."""
+    _check(_run([512, 2, 8, 4096, 8192, 4, "tsp,tsp-attn-recompute", groups], timeout=900))
 
 
 @pytest.mark.slow

@@ -31,6 +31,17 @@ STYLES = {
         ),
         position_embedding_type="rope",
     ),
+    # Llama-like with one K/V head (fewer than D=2: megatron-core's TP layout, shared K/V head)
+    "llama-mqa": dict(
+        config=dict(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            num_query_groups=1,
+        ),
+        position_embedding_type="rope",
+    ),
 }
 HEADS, HIDDEN, FFN, LAYERS, VOCAB, SEQ, BATCH = 4, 32, 64, 2, 128, 32, 2
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STYLES = ("gpt2", "llama")
+STYLES = ("gpt2", "llama", "llama-mqa")  # llama-mqa: one K/V head, fewer than D=2
 
 
 def _worker(rank, world, port, out_dir, seed):

@@ -168,8 +168,8 @@ def _validated(d=4, **fields):
 
 def test_validated_args_pass():
     A.check_validated_args(_validated())
-    gqa = _validated(group_query_attention=True, num_query_groups=8)
-    A.check_validated_args(gqa)
+    for groups in (8, 2, 1):  # a multiple of D=4, or fewer K/V heads than D (shared heads)
+        A.check_validated_args(_validated(group_query_attention=True, num_query_groups=groups))
 
 
 @pytest.mark.parametrize(
@@ -177,7 +177,7 @@ def test_validated_args_pass():
     [
         (dict(world_size=6), "world size 6"),
         (dict(num_attention_heads=30, hidden_size=3840), "--num-attention-heads=30"),
-        (dict(group_query_attention=True, num_query_groups=2), "--num-query-groups=2"),
+        (dict(group_query_attention=True, num_query_groups=3), "--num-query-groups=3"),
         (dict(ffn_hidden_size=16383), "--ffn-hidden-size=16383"),
         (dict(seq_length=4100), "--seq-length=4100"),
         (dict(sequence_parallel=False), "--sequence-parallel"),

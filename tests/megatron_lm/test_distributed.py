@@ -34,7 +34,8 @@ def test_spec_hook_builds_tsp_model_with_megatron_loss(pool2, seed, style):
 
 
 def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
-    """Megatron dist_checkpointing (torch_dist) save under TP=2+SP, load under TSP-2 and back.
+    """Megatron dist_checkpointing (torch_dist) save under TP=2+SP, load under TSP-2 and back
+    (also with one K/V head: fewer than D).
 
     Runs in its own 2 non-daemon ranks (ckpt_roundtrip.py): Megatron's writer starts a
     multiprocessing Manager and forks writer processes.
@@ -51,7 +52,7 @@ def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.load(open(tmp_path / "results.json"))
-    for style in ("gpt2", "llama"):
+    for style in ("gpt2", "llama", "llama-mqa"):  # llama-mqa: fewer K/V heads than D
         for rank_result in results[style]:
             assert rank_result["keys"] > 10
             for direction in ("tp_sp->tsp", "tsp->tp_sp"):

@@ -200,7 +200,20 @@ REFUSED = [
     ("tsp", ["--reset-position-ids"], None),
     # shapes each rank holds 1/D of (D=2), refused after Megatron's own validation
     ("tsp", ["--num-attention-heads", "5", "--kv-channels", "16"], None),
-    ("tsp", ["--num-query-groups", "1", "--group-query-attention"], None),
+    # (fewer K/V heads than D is accepted: a group count neither a multiple nor a divisor of 2)
+    (
+        "tsp",
+        [
+            "--num-query-groups",
+            "3",
+            "--group-query-attention",
+            "--num-attention-heads",
+            "6",
+            "--kv-channels",
+            "16",
+        ],
+        None,
+    ),
     ("tsp", ["--ffn-hidden-size", "255"], None),
     # the hybrid (TP+SP attention with the TSP MLP ring)
     ("tsp-mlp", ["--tensor-sequence-parallel-size", "2"], None),

@@ -155,6 +155,16 @@ def test_tsp4_matches_tp4(seed):
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
+def test_tsp4_matches_tp4_fewer_kv_heads_than_d(seed):
+    """Two K/V heads at D=4 (megatron-core's TP layout, each K/V head shared by two ranks):
+    Megatron-LM's own loop, same curve as TP=4."""
+    args = STYLES["llama"] + ["--num-query-groups", "2"]
+    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "4")
+    ref = _run(4, seed, *args, "--tensor-model-parallel-size", "4")
+    assert "in 2 TSP attention layers" in tsp.rank_log(0), tsp.rank_log(0)[-3000:]
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
 def test_bf16_distributed_optimizer_overlap_recompute(seed):
     """bf16 + distributed optimizer + overlap-grad-reduce + gradient-accumulation fusion (the
     runner's fp32-accumulating stand-in) + full recompute."""

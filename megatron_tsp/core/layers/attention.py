@@ -10,6 +10,18 @@ Forward, for each head-group shard r = 0..D-1, software-pipelined one group ahea
     K_r, V_r = wait(all-gather of group r)            # full sequence, this head group only
     Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # fp32 accumulator: no all-reduce
 
+Fewer key/value heads than ranks (``num_query_groups`` ng < D) keep megatron-core's TP layout:
+the fused QKV weight ``[q.. k v | q.. k v | ..]`` (one block of np/ng query heads and one K/V head
+per group) is cut into D row shards, so group j's block is exactly shards j*m .. j*m+m-1
+(m = D/ng; the K/V rows sit in the last of them, not replicated), and TP rank s uses query heads
+(s mod m) * np/D .. of group s // m with that group's K/V (Megatron all-gathers the QKV output
+along its last dimension for this). TSP then runs the schedule above over the ng head groups
+instead of D shards: step j broadcasts its m shards, projects the local tokens through the whole
+group block, all-gathers the group's one K/V head once (not once per sharing shard) and projects
+the np/ng heads' output through the m output-projection shards. The dK/dV of the group is the sum
+over all its query heads, which is what Megatron's reduce-scatter (the all-gather's adjoint)
+gives the K/V rows' owner at TP=D, and each shard's weight gradient is reduced onto its owner.
+
 Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
 aligned causal mask, through the attention-kernel interface of ``kernels.py`` (one kernel call per
 chunk where the backend aligns causal masks bottom-right, two blocks merged by log-sum-exp
@@ -72,10 +84,12 @@ except ImportError:  # pragma: no cover - older cores have no YaRN mscale
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """Per-shard head geometry (identical to a TP=D rank's) and attention constants."""
+    """Per-step head geometry and attention constants. A step is one head group (ng >= D: one
+    weight shard, exactly a TP=D rank's heads; ng < D: one K/V head and its np/ng query heads,
+    spread over ``shards_per_group`` consecutive shards, as megatron-core lays out TP=D)."""
 
-    heads: int  # query heads per shard (np / D)
-    groups: int  # key/value groups per shard (ng / D)
+    heads: int  # query heads per step (np / D, or np / ng when ng < D)
+    groups: int  # key/value groups per step (ng / D, or 1 when ng < D)
     head_dim: int
     softmax_scale: float
     dropout_p: float
@@ -84,6 +98,7 @@ class HeadLayout:
     # the dK/dV reduce-scatter in the accumulation dtype (fp32 for bf16/fp16) instead of the
     # compute dtype (--tsp-kv-grad-reduce-in-fp32)
     kv_grad_fp32: bool = False
+    shards_per_group: int = 1  # m = D / ng weight shards per step when ng < D, else 1
 
     @property
     def qkv_split(self) -> list:
@@ -118,6 +133,22 @@ def qkv_linear(x, qkv_w, qkv_b, layout: HeadLayout) -> torch.Tensor:
     if qkv_b is not None:
         mixed = mixed + qkv_b
     return mixed.view(*mixed.shape[:2], layout.groups, -1)
+
+
+def group_qkv_linear(x, shards, has_bias: bool, layout: HeadLayout) -> torch.Tensor:
+    """Local tokens through one step's QKV rows, the concatenation of its ``shards`` (one GEMM
+    per shard, no copy of the weights): [s, b, groups, (heads/groups + 2) * hn]."""
+    parts = []
+    for shard in shards:
+        w, b, _ = weight_bias_views(shard.views(), has_bias)
+        parts.append(qkv_linear(x, w, b, layout).flatten(2))
+    mixed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return mixed.view(*mixed.shape[:2], layout.groups, -1)
+
+
+def _column_split(t: torch.Tensor, parts: int) -> list:
+    """``t``'s last dimension cut into ``parts`` equal views (one per weight shard of a step)."""
+    return list(t.chunk(parts, dim=-1)) if parts > 1 else [t]
 
 
 def split_rope(mixed, layout: HeadLayout, freqs_q, freqs_k):
@@ -242,6 +273,22 @@ class _ShardStream:
         return self.ready[r]
 
 
+class _GroupStream:
+    """A ``_ShardStream`` read one step (head group) at a time: ``get(j)`` returns the
+    ``shards_per_group`` consecutive shards of step j (j non-decreasing; the last step's list is
+    kept, so asking for it again broadcasts nothing). ``hold``: steps read at once."""
+
+    def __init__(self, own: FlatShard, group, shards_per_group: int, hold: int):
+        self.m = shards_per_group
+        self.stream = _ShardStream(own, group, hold=hold * self.m)
+        self.last = (None, None)
+
+    def get(self, j: int) -> list:
+        if self.last[0] != j:
+            self.last = (j, [self.stream.get(j * self.m + i) for i in range(self.m)])
+        return self.last[1]
+
+
 def _save_layout(n_blocks: int) -> int:
     """Tensors saved per head group in saved mode: local qkv, then per causal block its output
     rows and log-sum-exp."""
@@ -251,7 +298,8 @@ def _save_layout(n_blocks: int) -> int:
 class _TSPAttentionFunction(torch.autograd.Function):
     """TSP causal self-attention (output projection included, its bias excluded).
 
-    Communication. Forward, per head group r: broadcast of shard r's weights from its owner
+    Communication. Forward, per head group r (a step: one shard, or ``shards_per_group`` shards
+    when ng < D, each broadcast from its owner): broadcast of shard r's weights from its owner
     (shard r+1 posted before shard r is used), one all-gather of group r's packed K/V, posted
     right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
     (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
@@ -281,18 +329,22 @@ class _TSPAttentionFunction(torch.autograd.Function):
         out_acc = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
         saved = []
 
+        m = layout.shards_per_group
+        steps = size // m
+
         def prepare(r):
-            w, b, pw = weight_bias_views(stream.get(r).views(), has_bias)
-            mixed = qkv_linear(x, w, b, layout)
+            shards = stream.get(r)
+            mixed = group_qkv_linear(x, shards, has_bias, layout)
             q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
-            return mixed, q, pw, _post_kv_gather(k, v, group, seq_layout, slot=r % 2)
+            pws = [weight_bias_views(shard.views(), has_bias)[2] for shard in shards]
+            return mixed, q, pws, _post_kv_gather(k, v, group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
-            stream = _ShardStream(own, group, hold=2)
+            stream = _GroupStream(own, group, m, hold=2)
             current = prepare(0)
-            for r in range(size):
-                upcoming = prepare(r + 1) if r + 1 < size else None
-                mixed, q, pw, gather = current
+            for r in range(steps):
+                upcoming = prepare(r + 1) if r + 1 < steps else None
+                mixed, q, pws, gather = current
                 k_nat, v_nat = gather.wait()
                 if kernel.has_lse:
                     outs, lses = kernels.zigzag_forward(
@@ -305,8 +357,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
                     outs, lses = _block_rows(rows, blocks), []
                 del k_nat, v_nat
                 for block, rows in zip(blocks, outs):
-                    acc = out_acc.narrow(0, block.query_start, block.query_len)
-                    matmul_acc(rows.reshape(-1, rows.shape[-1]), pw.t(), acc=acc.view(-1, hidden))
+                    acc = out_acc.narrow(0, block.query_start, block.query_len).view(-1, hidden)
+                    for part, pw in zip(_column_split(rows, m), pws):  # heads of each shard
+                        matmul_acc(part.reshape(-1, part.shape[-1]), pw.t(), acc=acc)
                 if save_outputs:
                     saved += [mixed, *outs, *lses]
                 current = upcoming
@@ -359,7 +412,7 @@ class _HeadGroup:
     outs: Optional[list] = None  # per causal block: its attention output rows
     lses: Optional[list] = None  # per causal block: its log-sum-exp (kernels that have one)
     dq: Optional[torch.Tensor] = None  # set by the attention backward, with partial and scatter
-    partial: Optional[FlatShard] = None  # this rank's part of shard r's weight gradient
+    partial: Optional[list] = None  # this rank's part of the weight gradient of step r's shards
     scatter: Optional[_KVGradScatter] = None  # this group's dK/dV, its reduce-scatter
 
 
@@ -389,9 +442,11 @@ class _AttentionBackward:
     flash backward that follows it covers it before the next post. Pinned by
     ``tests/test_overlap.py::test_attention_queue_order``.
 
-    Weight shards come from a ``_ShardStream`` (shard r+1's broadcast posted when shard r is
-    waited); at most two consecutive shards are read at once in saved mode (r in step 2, r-1 in
-    step 5), three in recompute mode (also r+1 in step 3), which sets its ``hold``.
+    Weight shards come from a ``_GroupStream`` (shard r+1's broadcast posted when shard r is
+    waited); at most two consecutive head groups' shards are read at once in saved mode (r in
+    step 2, r-1 in step 5), three in recompute mode (also r+1 in step 3), which sets its ``hold``.
+    A head group is one shard, or ``shards_per_group`` when ng < D; its weight gradient is one
+    partial per shard, each reduced onto that shard's owner.
     """
 
     def __init__(self, ctx, grad_out):
@@ -413,7 +468,8 @@ class _AttentionBackward:
         self.dy_rows = [
             rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
         ]
-        self.shards = {}  # the weight shards being read: r -> FlatShard (at most r-1 .. r+1)
+        self.m = self.layout.shards_per_group
+        self.shards = {}  # the weight shards being read: r -> [FlatShard] (at most r-1 .. r+1)
         self.stream = None
 
     def run(self):
@@ -426,12 +482,15 @@ class _AttentionBackward:
         )  # attention dropout: the recomputed forward draws the forward's masks
         with labelled("tsp_attention"), rng_ctx:
             hold = 2 if self.saved_mode else 3
-            self.stream = _ShardStream(self.own, self.group, hold=hold)  # posts shard 0
+            self.stream = _GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
             current, finishing = self.prepare_group(0), None
-            size = self.seq_layout.group_size
+            size = self.seq_layout.group_size // self.m
             for r in range(size):
-                partial = FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
-                g_pw = weight_bias_views(partial.views(), self.has_bias)[2]
+                partial = [
+                    FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
+                    for _ in range(self.m)
+                ]
+                g_pw = [weight_bias_views(p.views(), self.has_bias)[2] for p in partial]
                 if self.saved_mode:
                     self.output_projection_wgrad(current, g_pw)
                 d_ctx = self.context_grad(r)
@@ -458,29 +517,32 @@ class _AttentionBackward:
             outs = self.flat[base + 1 : base + 1 + n_blocks]
             lses = self.flat[base + 1 + n_blocks : base + per_group]
         else:
-            w, b, _ = weight_bias_views(self.stream.get(r).views(), self.has_bias)
-            mixed = qkv_linear(self.x, w, b, self.layout)
+            mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.layout)
         with torch.enable_grad():
             m_leaf = mixed.detach().requires_grad_(True)
             q, k, v = split_rope(m_leaf, self.layout, self.freqs_q, self.freqs_k)
         gather = _post_kv_gather(k.detach(), v.detach(), self.group, self.seq_layout, slot=r % 2)
         return _HeadGroup(r, m_leaf, q, k, v, gather, outs=outs, lses=lses)
 
-    def output_projection_wgrad(self, group: _HeadGroup, g_pw: torch.Tensor) -> None:
-        """g_pw += dY^T @ attention output of ``group``, block by block. No communication."""
+    def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
+        """g_pw[i] += dY^T @ attention output of ``group`` (shard i's heads), block by block. No
+        communication."""
         for dy_rows, rows in zip(self.dy_rows, group.outs):
-            matmul_acc(dy_rows.t(), rows.reshape(-1, rows.shape[-1]), acc=g_pw)
+            for part, g in zip(_column_split(rows, self.m), g_pw):
+                matmul_acc(dy_rows.t(), part.reshape(-1, part.shape[-1]), acc=g)
 
     def context_grad(self, r: int) -> torch.Tensor:
-        """d_ctx = dY @ W_proj_r: waits shard r's broadcast (``_ShardStream.get`` posts shard
-        r+1's first). Shard r-1 stays readable for ``finish_group``; shard r-2 is let go."""
+        """d_ctx = dY @ W_proj_r: waits group r's shards (``_ShardStream.get`` posts the next
+        shard first). Group r-1 stays readable for ``finish_group``; group r-2 is let go."""
         self.shards[r] = self.stream.get(r)
         self.shards.pop(r - 2, None)
-        pw = weight_bias_views(self.shards[r].views(), self.has_bias)[2]
-        return torch.matmul(self.grad_out, pw)
+        pws = [weight_bias_views(s.views(), self.has_bias)[2] for s in self.shards[r]]
+        if len(pws) == 1:
+            return torch.matmul(self.grad_out, pws[0])
+        return torch.cat([torch.matmul(self.grad_out, pw) for pw in pws], dim=-1)
 
     def attention_backward(
-        self, group: _HeadGroup, d_ctx, partial: FlatShard, g_pw, post_previous=None
+        self, group: _HeadGroup, d_ctx, partial: list, g_pw, post_previous=None
     ) -> None:
         """Waits ``group``'s K/V all-gather, runs the attention backward (in recompute mode also
         the output-projection wgrad, from the recomputed output) and puts its dK/dV in its send
@@ -553,14 +615,16 @@ class _AttentionBackward:
         (d_mixed,) = torch.autograd.grad(
             [group.q, group.k, group.v], [group.m_leaf], [group.dq, dk, dv]
         )
-        w, _, _ = weight_bias_views(self.shards[group.r].views(), self.has_bias)
-        d_rows = d_mixed.reshape(-1, w.shape[0])
-        matmul_acc(d_rows, w, acc=self.grad_x.view(-1, self.hidden))
-        g_w, g_b, _ = weight_bias_views(group.partial.views(), self.has_bias)
-        matmul_acc(d_rows.t(), self.tokens_x, acc=g_w)
-        if self.has_bias:
-            g_b.add_(d_rows.sum(dim=0, dtype=self.acc_dtype))
-        self.reducer.submit(group.r, group.partial)
+        d_all = d_mixed.reshape(self.tokens_x.shape[0], -1)
+        for i, (shard, partial) in enumerate(zip(self.shards[group.r], group.partial)):
+            w, _, _ = weight_bias_views(shard.views(), self.has_bias)
+            d_rows = _column_split(d_all, self.m)[i]  # the QKV rows of shard i of the group
+            matmul_acc(d_rows, w, acc=self.grad_x.view(-1, self.hidden))
+            g_w, g_b, _ = weight_bias_views(partial.views(), self.has_bias)
+            matmul_acc(d_rows.t(), self.tokens_x, acc=g_w)
+            if self.has_bias:
+                g_b.add_(d_rows.sum(dim=0, dtype=self.acc_dtype))
+            self.reducer.submit(group.r * self.m + i, partial)
 
 
 class _OwnerReduce:
@@ -695,6 +759,7 @@ class TSPSelfAttention(SelfAttention):
             config.num_attention_heads,
             config.num_query_groups,
             hidden_size=config.hidden_size,
+            kv_channels=config.kv_channels,
         )
         rejections.check_config(config, size, layer="attention")
         super().__init__(
@@ -729,6 +794,10 @@ class TSPSelfAttention(SelfAttention):
                 if kv_grad_reduce_in_fp32 is None
                 else kv_grad_reduce_in_fp32
             ),
+            # ng < D: megatron-core gives each rank one K/V head (num_query_groups_per_partition
+            # = 1) and the np/ng query heads of its group; a TSP step covers the D/ng shards of
+            # that group block (see the module docstring)
+            shards_per_group=max(1, size // config.num_query_groups),
         )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self._select_kernel(self.linear_qkv.weight.device, config.params_dtype)

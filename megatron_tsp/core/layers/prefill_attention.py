@@ -12,6 +12,11 @@ hook). Rank p holds the zigzag chunks p and 2D-1-p of the prompt slice being pre
     Y_p += causal_attention(RoPE(q), RoPE([cache; K_r]), [cache; V_r]) @ W_proj_r^T
     (RoPE of the gathered keys in place, block by block, after the owner cached them)
 
+Fewer K/V heads than ranks (ng < D, megatron-core's TP layout, see ``attention.py``): the loop
+runs over the ng head groups, step j takes the D/ng shards j*D/ng .. of group j's QKV block and
+output projection, gathers the group's one K/V head once, and every rank of the group (the TP=D
+ranks sharing that K/V head) writes it into its cache, as Megatron's TP prefill leaves it.
+
 After every layer each rank's ``key_value_memory_dict[layer]`` holds its own head groups for every
 prompt position in Megatron's layout (``[max_seq, max_batch, ng/D, hn]``, keys stored before RoPE,
 as the static path of ``Attention._adjust_key_value_for_inference`` does), so decode is Megatron's
@@ -21,7 +26,9 @@ own TP=D attention with no resharding. One head group's full-sequence K/V is ali
 Communication per layer per rank (all forward, no autograd): D broadcasts of one weight shard
 (root r); per head group two all-gathers of ``[S/(2D), b, 2 ng/D, hn]`` (the first and second
 zigzag chunks, received straight into natural-order rows); for chunked prefill D broadcasts of
-``[o, b, 2 ng/D, hn]`` cached K/V from their owners.
+``[o, b, 2 ng/D, hn]`` cached K/V from their owners. With ng < D: ng head groups, so ng pairs of
+all-gathers of ``[S/(2D), b, 2, hn]`` and ng cached-prefix broadcasts (from each group's first
+rank); the weight broadcasts are unchanged.
 
 The inference-only code deliberately does not reuse the training autograd Function's internals
 (attention.py is free to change them); it shares the public pieces: ``comm``, the layout and
@@ -129,20 +136,21 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
         + [module.linear_proj.weight]
     )
     groups, head_dim = layout.groups, layout.head_dim
+    m = layout.shards_per_group  # shards per head group: D / ng when ng < D, else 1
     out = None
     with torch.no_grad(), labelled("tsp_prefill_attention"):
-        for r, shard in _broadcast_shards(own, group, size, rank):
-            w, b, proj_w = weight_bias_views(shard.views(), has_bias)
-            mixed = torch.matmul(hidden_states, w.t())
-            if b is not None:
-                mixed = mixed + b
+        for r, shards in _broadcast_groups(own, group, size, rank, m):
+            views = [weight_bias_views(shard.views(), has_bias) for shard in shards]
+            parts = [torch.matmul(hidden_states, w.t()) for w, _, _ in views]
+            parts = [p + b if b is not None else p for p, (_, b, _) in zip(parts, views)]
+            mixed = parts[0] if m == 1 else torch.cat(parts, dim=-1)
             mixed = mixed.view(local_len, batch, groups, -1)
             q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
             q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
             kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, seq_layout)
-            if offset > 0:
-                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r, group, rank)
-            if r == rank:  # the owner keeps exactly what a TP=D rank's prefill would cache
+            if offset > 0:  # every rank of the group caches the same rows: the first sends
+                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r * m, group, rank)
+            if rank // m == r:  # what a TP=D rank of this group's prefill would cache
                 key_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, groups:]
             k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
@@ -150,20 +158,33 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
                 q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset, layout
             )
             del k_all, kv
-            contrib = torch.matmul(ctx_r, proj_w.t())
-            out = contrib if out is None else out.add_(contrib)
+            for ctx_part, (_, _, proj_w) in zip(ctx_r.chunk(m, dim=-1), views):  # shard's heads
+                contrib = torch.matmul(ctx_part, proj_w.t())
+                out = contrib if out is None else out.add_(contrib)
     return out, module.linear_proj.bias
 
 
-def _broadcast_shards(own: FlatShard, group, size: int, rank: int):
-    """Yield (r, shard r) for r = 0..D-1; shard r+1's broadcast is posted before r is used."""
+def _broadcast_groups(own: FlatShard, group, size: int, rank: int, m: int):
+    """Yield (j, [shards j*m .. j*m+m-1]) for the size/m head groups (m = 1: one shard each)."""
+    shards = []
+    for r, shard in _broadcast_shards(own, group, size, rank, hold=m):
+        shards.append(shard)
+        if len(shards) == m:
+            yield r // m, shards
+            shards = []
+
+
+def _broadcast_shards(own: FlatShard, group, size: int, rank: int, hold: int = 1):
+    """Yield (r, shard r) for r = 0..D-1; shard r+1's broadcast is posted before r is used.
+    ``hold``: shards the consumer reads at once (one head group's); a spare buffer more than
+    that, so the posted broadcast never lands in a shard still being read."""
     if size == 1:
         yield 0, own
         return
-    spare = [FlatShard.like(own), FlatShard.like(own)]
+    spare = [FlatShard.like(own) for _ in range(min(hold + 1, size))]
 
     def post(r):
-        buf = own if r == rank else spare[r % 2]
+        buf = own if r == rank else spare[r % len(spare)]
         return buf, broadcast_from(buf.buffer, r, group, async_op=True)
 
     pending = post(0)

@@ -16,7 +16,7 @@ Schedules (per layer, per rank, in elements):
 
 TSP, group D (weights move, tokens stay)
     attn fwd   broadcast of every owner's (qkv w, qkv b, proj w) shard  f * W_attn   [weight]
-               all-gather K, V per head-group shard                     f * 2BSh_kv  [activation]
+               all-gather K, V per head group                           f * 2BSh_kv  [activation]
     mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)     f * W_mlp    [weight]
     attn bwd   re-broadcast weights                                     f * W_attn   [weight]
                re-gather K, V (not kept from the forward)               f * 2BSh_kv  [activation]
@@ -33,6 +33,10 @@ TSP, group D (weights move, tokens stay)
     reduce-scatters (f * 2BSh_kv at 2 bytes per element in bf16); with
     ``kv_grad_reduce_in_fp32`` (``--tsp-kv-grad-reduce-in-fp32``) it travels and is summed over
     the D ranks in the accumulation dtype and is cast once by the token owner (4 bytes).
+    Head groups: min(D, g). With fewer K/V heads than ranks (g < D, megatron-core's TP layout:
+    each group's block of the fused QKV weight spans D/g shards, K/V rows not replicated) the
+    weights still move shard by shard (D broadcasts, D reduces) but each K/V head is gathered
+    once for the D/g shards sharing it: the K/V terms keep f * 2BSh_kv in g calls.
     The proj / fc2 biases and the norms are replicated: their grads are all-reduced once per step
     by Megatron's finalize_model_grads (``replicated_grad_allreduce``), not per layer.
 
@@ -184,6 +188,7 @@ def tsp_layer_terms(
     gb = grad_dtype_bytes or accumulation_bytes(b)
     kv = 2 * shape.tokens * shape.kv_hidden
     kv_overlap = "pipelined" if kv_pipelined else "critical"
+    head_groups = min(D, shape.groups)  # K/V gathers: one per head group (g < D: shared heads)
     ring = max(D - 1, 1)
     t = [
         _term(
@@ -205,7 +210,7 @@ def tsp_layer_terms(
             b,
             "tsp",
             kv_overlap,
-            chunks=D,
+            chunks=head_groups,
             what="all-gather K,V of one head group",
         ),
         _term(
@@ -243,7 +248,7 @@ def tsp_layer_terms(
                 b,
                 "tsp",
                 kv_overlap,
-                chunks=D,
+                chunks=head_groups,
                 what="re-gather K,V",
             )
         )
@@ -256,7 +261,7 @@ def tsp_layer_terms(
             accumulation_bytes(b) if kv_grad_reduce_in_fp32 else b,
             "tsp",
             kv_overlap,
-            chunks=D,
+            chunks=head_groups,
             what="reduce-scatter dK,dV to token owners"
             + (" (fp32 wire)" if kv_grad_reduce_in_fp32 else ""),
         ),

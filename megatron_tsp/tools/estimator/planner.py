@@ -322,15 +322,23 @@ def _layer_activation_bytes(
     return out
 
 
+def _head_groups(shape: LayerShape, D: int) -> int:
+    """Head groups TSP attention walks: D (one weight shard each), or the query-group count when
+    there are fewer K/V heads than ranks (a group then spans D / groups shards: its step holds
+    all of the group's np/ng query heads and its one K/V head, megatron-core's TP layout)."""
+    return min(D, shape.groups)
+
+
 def _tsp_comm_workspace(shape: LayerShape, D: int, kv_grad_fp32: bool = False):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated once): (in forward, in backward). Forward: two gathered and one
-    natural-order [S, b, 2 h_kv / D] K/V buffers and two packed local K/V send buffers (model
-    dtype); backward adds two dK/dV send buffers [S, b, 2 h_kv / D] and two local receive buffers
-    in the dK/dV wire dtype (the model dtype; the accumulation dtype with ``kv_grad_fp32``)."""
+    natural-order [S, b, 2 h_kv / G] K/V buffers and two packed local K/V send buffers (model
+    dtype); backward adds two dK/dV send buffers [S, b, 2 h_kv / G] and two local receive buffers
+    in the dK/dV wire dtype (the model dtype; the accumulation dtype with ``kv_grad_fp32``).
+    G: the head groups (``_head_groups``: D, or the query groups when fewer)."""
     b = shape.dtype_bytes
     acc = fm.accumulation_bytes(b) if kv_grad_fp32 else b
-    kv_full = 2 * shape.tokens * shape.kv_hidden / D
+    kv_full = 2 * shape.tokens * shape.kv_hidden / _head_groups(shape, D)
     kv_local = kv_full / D
     fwd = (3 * kv_full + 2 * kv_local) * b
     return fwd, fwd + (2 * kv_full + 2 * kv_local) * acc
@@ -355,7 +363,8 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
             "cpu_flash or sdpa_recompute"
         )
     b = shape.dtype_bytes
-    per_head_group = 2 * shape.tokens / D * b  # K+V (or dK+dV) of one hidden unit over S keys
+    # K+V (or dK+dV) over S keys of one hidden unit, times the fraction of the heads one step has
+    per_head_group = 2 * shape.tokens / _head_groups(shape, D) * b
     repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
     width = shape.hidden if repeat else shape.kv_hidden  # heads the kernel computes dK/dV for
     out = per_head_group * width * (2 if kernel in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS else 1)
@@ -372,15 +381,17 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         D = s.tp
         gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
         t = bs / D
+        G = _head_groups(shape, D)
+        m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
         out = {
-            "weight_shard_buffers": 2 * max(shape.w_attn, shape.w_mlp) / D * b,
+            "weight_shard_buffers": max(min(2 * m, D) * shape.w_attn, 2 * shape.w_mlp) / D * b,
             "grad_accumulators": 4 * shape.w_mlp / D * gb,
             "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
             # the first causal block's dK/dV (the kernel's output, up to half the sequence: rank
             # D-1's early chunk) kept while the second block's backward runs, until both are
             # summed into the send buffer; the gathered K/V and the send/receive buffers live
             # in the persistent comm workspace (``_tsp_comm_workspace``)
-            "first_block_dkv": (bs * hkv / D) * b,
+            "first_block_dkv": (bs * hkv / G) * b,
         }
         out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
         # one shard's activation output in the backward (and its fc1 output when recomputed)
