@@ -358,14 +358,16 @@ def run(rank: int, args) -> int:
         _save_torch_dist(model, args.save, stored)
         what = f"the model of {args.hf}" if args.hf else "the embedded model"
         say(f"saved {what} (Megatron torch_dist, TP={args.d} layout) to {args.save}")
+        if args.max_new_tokens == 0:
+            return 0  # a conversion run: nothing to generate
     engine = TSPInferenceEngine(model)  # reads the GPTModel arguments the builder recorded
     tok = None
     if args.hf:
         from megatron_tsp.models import hf_import
 
         tok = hf_import.tokenizer(args.hf)
-        if args.prompt and tok is None:
-            say(f"error: {args.hf} has no tokenizer.json: pass --prompt-ids")
+        if tok is None and not (args.prompt_ids or args.random_prompt_tokens):
+            say(f"error: {args.hf} has no tokenizer.json for text prompts: pass --prompt-ids")
             return 2
     prompts, is_text = _prompts(args, engine.vocab_size, tok)
     if args.stop:
