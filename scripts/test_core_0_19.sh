@@ -42,6 +42,9 @@ P019=$(echo "$SOURCES" | sed -n 's/^export MEGATRON_LM_PATH_0_19=//p')
 [ -f "$P019/pretrain_gpt.py" ] || skip_or_fail "no core_v0.19.0 tree"
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_training_loop.py -k "test_tsp2_matches_tp2" -p no:cacheprovider || exit 1
+# pretrain_gpt.py starting from Hugging Face weights converted by `generate --hf --save`
+MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
+  tests/megatron_lm/test_hf_initial_weights.py -p no:cacheprovider || exit 1
 # (a separate run: -k above would deselect the parser checks)
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_rejection_flags.py -p no:cacheprovider

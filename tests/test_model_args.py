@@ -24,8 +24,14 @@ def test_decode_mismatch_is_an_error_naming_the_field(pool4, seed):
 
 
 def test_load_full_state_without_initialization(pool4, seed):
+    import megatron.core
+    from packaging.version import Version
+
     results = pool4.run(checks_model_args.check_load_full_state_without_initialization, 2, seed)
-    assert "not marked" in results[0]
+    message, unmarked = results[0]
+    assert "not marked" in message
+    if Version(megatron.core.__version__) < Version("0.19"):  # the case issue 20 met
+        assert any(n.endswith("linear_fc2.weight") for n in unmarked), unmarked
 
 
 def test_no_unknown_mlp_notice_for_tsp_layers(pool4, seed):
