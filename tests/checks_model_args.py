@@ -19,7 +19,13 @@ from megatron_tsp.inference import TSPInferenceEngine
 from megatron_tsp.inference.engine import build_decode_model, check_decode_model
 from tests.checks_gpt import _config, _norms_to
 from tests.checks_inference import MAX_POS, SIZES, VOCAB, _greedy_reference, _prompts
-from tests.common import group_info, reference_single_layer_spec, setup_megatron_tp, setup_tsp
+from tests.common import (
+    group_info,
+    reference_single_layer_spec,
+    rel_err,
+    setup_megatron_tp,
+    setup_tsp,
+)
 
 # name -> (TransformerConfig overrides, GPTModel arguments) on top of the Llama style (RMSNorm,
 # SwiGLU, RoPE, 4 KV groups of 8 heads, untied embeddings). RoPE base 5e5 in the Llama-3 case puts
@@ -64,11 +70,15 @@ def _stock(config, gpt):
     )
 
 
-def _randomise_qkv_bias(model, seed):
-    """Megatron initialises biases to zero: random QKV biases make the option visible."""
+def _sharpen(model, seed):
+    """Make positions matter: with Megatron's init (std 0.02) the attention scores of this tiny
+    model are ~0.05, softmax is nearly uniform and RoPE changes no token; QKV weights x15 make
+    them O(5). Megatron initialises biases to zero: random QKV biases make that option visible."""
     g = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if name.endswith("linear_qkv.weight"):
+                p.mul_(15.0)
             if name.endswith("linear_qkv.bias"):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
 
@@ -90,14 +100,14 @@ def check_options_generate_like_single_process(d, seed, new_tokens=3, names=None
     a no-op, so dropping it would fail)."""
     dtype = torch.float64
     out = {}
+    worst = 0.0
     for name in names or OPTIONS:
         overrides, extra = OPTIONS[name]
         overrides = {k: d if v == "d" else v for k, v in overrides.items()}
         gpt = dict(BASE_GPT, **extra)
         setup_megatron_tp(1, seed)
         ref = _norms_to(_stock(_option_config(1, dtype, overrides), gpt), dtype).eval()
-        if "add_qkv_bias" in overrides:
-            _randomise_qkv_bias(ref, seed)
+        _sharpen(ref, seed)
         full = {n: p.detach().clone() for n, p in ref.named_parameters()}
         table = ref.rotary_pos_emb(MAX_POS)
         if extra and "share_embeddings_and_output_weights" not in extra:
@@ -115,7 +125,15 @@ def check_options_generate_like_single_process(d, seed, new_tokens=3, names=None
             prompts = _prompts(seed + len(label), lengths)
             res = engine.generate(prompts, new_tokens)
             for i, p in enumerate(prompts):
-                want, _ = _greedy_reference(ref, p, new_tokens)
+                want, want_logits = _greedy_reference(ref, p, new_tokens)
+                if len(p) == min(lengths):  # the prefilled row: its logits are the prefill's
+                    err = rel_err(res.prefill_logits[i], want_logits)
+                    worst = max(worst, err)
+                    if err > 1e-10:
+                        raise AssertionError(
+                            f"option {name}, D={d}, {label} prefill ({res.prefill_mode}) logits "
+                            f"off by {err:.1e} relative (seed {seed})"
+                        )
                 if res.tokens[i] != want:
                     raise AssertionError(
                         f"option {name}, D={d}, {label} prompt {i} (len {len(p)}): generated "
@@ -123,6 +141,7 @@ def check_options_generate_like_single_process(d, seed, new_tokens=3, names=None
                     )
             results[label] = res.prefill_mode
         out[name] = results
+    out["worst_prefill_logits_err"] = worst
     return out
 
 

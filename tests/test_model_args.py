@@ -13,7 +13,8 @@ def test_each_option_generates_like_single_process(pool4, seed, d):
     0.5, RMSNorm eps, QKV biases, D KV groups, tied embeddings: TSP prefill + decode (and the TP
     fallback, and a mixed batch) give the single-process model's greedy tokens."""
     results = pool4.run(checks_model_args.check_options_generate_like_single_process, d, seed)
-    assert set(results[0]) == set(checks_model_args.OPTIONS)
+    assert set(results[0]) == set(checks_model_args.OPTIONS) | {"worst_prefill_logits_err"}
+    print("worst prefill logits error", max(r["worst_prefill_logits_err"] for r in results))
     assert results[0]["linear_interpolation_4"]["tsp"] == "tsp"
     assert results[0]["linear_interpolation_4"]["tp_fallback"] == "tp"
 
