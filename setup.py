@@ -27,7 +27,18 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib"],
-        "test": ["pytest", "matplotlib", "psutil"],
+        # Hugging Face checkpoint directories (megatron_tsp/models/hf_import.py): safetensors
+        # slices, tokenizer.json; transformers only for the tests' reference models.
+        "hf": ["safetensors>=0.4", "tokenizers>=0.19"],
+        "test": [
+            "pytest",
+            "matplotlib",
+            "psutil",
+            "transformers==5.25.0",
+            "safetensors==0.8.0",
+            "huggingface_hub==2.4.0",
+            "tokenizers==0.23.3",
+        ],
     },
     entry_points={
         "console_scripts": [

@@ -24,11 +24,16 @@ if ! "$VENV/bin/python" -c "import six, regex, yaml, pydantic, triton" 2>/dev/nu
   "$VENV/bin/python" -m pip install -q six regex pyyaml pydantic triton \
     || skip_or_fail "install of Megatron-LM's import dependencies failed"
 fi
+# Hugging Face import tests' reference models (pinned; torch stays as installed).
+if ! "$VENV/bin/python" -c "import transformers, safetensors, tokenizers" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q torch==2.13.0 transformers==5.25.0 safetensors==0.8.0 \
+    huggingface_hub==2.4.0 tokenizers==0.23.3 || skip_or_fail "install of the HF test pins failed"
+fi
 "$VENV/bin/python" -c "import megatron.core as m, torch; print('megatron-core', m.__version__, 'torch', torch.__version__)"
 "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
   tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py tests/test_spec_modules.py \
-  tests/megatron_lm/test_patches.py "$@" || exit 1
+  tests/megatron_lm/test_patches.py tests/test_model_args.py tests/test_hf_import.py "$@" || exit 1
 
 # The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
 SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \
@@ -37,6 +42,9 @@ P019=$(echo "$SOURCES" | sed -n 's/^export MEGATRON_LM_PATH_0_19=//p')
 [ -f "$P019/pretrain_gpt.py" ] || skip_or_fail "no core_v0.19.0 tree"
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_training_loop.py -k "test_tsp2_matches_tp2" -p no:cacheprovider || exit 1
+# pretrain_gpt.py starting from Hugging Face weights converted by `generate --hf --save`
+MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
+  tests/megatron_lm/test_hf_initial_weights.py -p no:cacheprovider || exit 1
 # (a separate run: -k above would deselect the parser checks)
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_rejection_flags.py -p no:cacheprovider

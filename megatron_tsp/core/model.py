@@ -23,15 +23,21 @@ def build_tsp_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_tsp.core.sharding import mark_tensor_parallel
     from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
     check_transformer_config(
         config, vocab_size=vocab_size, seq_length=seq_length or max_sequence_length
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_block_tsp_spec(config),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         **gpt_kwargs,
     )
+    # Megatron marks parallel weights only when it initialises them; loading needs the marks.
+    mark_tensor_parallel(model)
+    # The model description inference reads (the decode model is built from the same arguments).
+    model.tsp_gpt_kwargs = dict(gpt_kwargs)
+    return model

@@ -5,6 +5,13 @@ Sharding follows the attributes Megatron puts on every tensor-parallel parameter
 TP=D checkpoint by construction: rank r holds chunks r, r+D, ... of the parameter cut into
 D * stride pieces (stride 2 is the gated fc1, where rank r holds ``[gate_r; up_r]``). TSP-D and
 TP=D + SP hold identical shards.
+
+Megatron sets those attributes on a weight only while initialising it: a model built with
+``perform_initialization=False`` (the natural choice when weights are loaded afterwards) has
+unmarked Column/RowParallelLinear and vocab-parallel embedding weights. ``mark_tensor_parallel``
+fills in the missing attributes from the module types (the layout those modules allocate), so
+``build_tsp_gpt_model`` marks every model it builds and ``load_full_state`` / ``gather_full_state``
+mark the model they are given.
 """
 
 from __future__ import annotations
@@ -26,6 +33,44 @@ def sharding_of(param: torch.Tensor) -> Tuple[bool, int, int]:
     return False, 0, 1
 
 
+def _module_sharding(module, attr: str, gated_fc1: bool):
+    """(dim, stride) of ``module.<attr>`` from the Megatron module type, or None if not sharded."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    if isinstance(module, ColumnParallelLinear) and attr in ("weight", "bias"):
+        # Megatron's MLP allocates a gated fc1 with stride 2 (rank r holds [gate_r; up_r]).
+        return 0, 2 if gated_fc1 else 1
+    if isinstance(module, RowParallelLinear) and attr == "weight":
+        return 1, 1
+    if isinstance(module, VocabParallelEmbedding) and attr == "weight":
+        return 0, 1
+    return None
+
+
+def mark_tensor_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """Set ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` on every sharded
+    parameter that Megatron left unmarked (``perform_initialization=False``). Parameters that
+    already carry the attributes are left alone; returns ``model``."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for mod_name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        gated_fc1 = mod_name.split(".")[-1] == "linear_fc1" and bool(
+            getattr(config, "gated_linear_unit", False)
+        )
+        for attr, param in module.named_parameters(recurse=False):
+            if hasattr(param, "tensor_model_parallel"):
+                continue
+            layout = _module_sharding(module, attr, gated_fc1)
+            if layout is not None:
+                set_tensor_model_parallel_attributes(param, True, *layout)
+    return model
+
+
 def shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
     chunks = full.chunk(size * stride, dim=dim)
     return torch.cat([chunks[rank + size * i] for i in range(stride)], dim=dim)
@@ -40,15 +85,27 @@ def unshard(parts: Iterable[torch.Tensor], dim: int, stride: int) -> torch.Tenso
 def load_full_state(model: torch.nn.Module, full: Dict[str, torch.Tensor], group) -> None:
     """Copy a full (TP=1) parameter dict into a TP/TSP-sharded model on this rank."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mark_tensor_parallel(model)
     for name, param in model.named_parameters():
         sharded, dim, stride = sharding_of(param)
         value = full[name]
         if sharded:
             value = shard(value, dim, stride, size, rank)
         if value.shape != param.shape:
+            how = (
+                f"sharded along dim {dim} with stride {stride}"
+                if sharded
+                else "not marked as tensor-parallel (no tensor_model_parallel attribute)"
+            )
             raise ValueError(
-                f"{name}: full-state slice {tuple(value.shape)} does not match "
-                f"parameter {tuple(param.shape)} (D={size})"
+                f"{name}: the full (TP=1) tensor {tuple(full[name].shape)} gives "
+                f"{tuple(value.shape)} on rank {rank} of D={size}, but the parameter is "
+                f"{tuple(param.shape)}; it is "
+                f"{how}. Check that the full state comes from the same architecture (TP=1), and "
+                "that a custom sharded module sets Megatron's tensor_model_parallel / "
+                "partition_dim / partition_stride attributes on its parameters (Megatron sets "
+                "them only when perform_initialization=True; mark_tensor_parallel covers "
+                "Megatron's own parallel layers)"
             )
         param.copy_(value)
 
@@ -59,6 +116,7 @@ def gather_full_state(
 ) -> Dict[str, torch.Tensor]:
     """All-gather every sharded parameter (or its gradient) into full TP=1 form on every rank."""
     size = dist.get_world_size(group)
+    mark_tensor_parallel(model)
     out = {}
     for name, param in model.named_parameters():
         value = param.grad if grads else param.data

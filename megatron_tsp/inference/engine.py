@@ -8,7 +8,11 @@
 - a stock megatron-core ``GPTModel`` with the local TP spec and ``sequence_parallel=False``,
   built on the meta device and then *tied* to the TSP model's parameter tensors (same names and
   shards by construction, no copy): decode, one token per step, Megatron's own TP=D forward
-  reading the cache the prefill left — no resharding of weights or cache.
+  reading the cache the prefill left — no resharding of weights or cache. It is built from the
+  TSP model's own description (its config and the GPTModel arguments ``build_tsp_gpt_model``
+  recorded) and checked against it field by field, rotary tables numerically
+  (``check_decode_model``): RoPE scaling, interpolation and the rest cannot differ silently
+  between prefill and decode.
 
 Prompt handling: the prefilled slice is padded at the end to a multiple of 2D (causal attention
 keeps padding invisible to real tokens; padded cache rows are overwritten by the first decode
@@ -58,20 +62,133 @@ class GenerationResult:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+# GPTModel arguments that change what the model computes (parallel_output, pre/post_process and
+# the loss options do not: the decode model sets its own).
+MATH_GPT_ARGS = (
+    "position_embedding_type",
+    "share_embeddings_and_output_weights",
+    "rotary_percent",
+    "rotary_base",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "seq_len_interpolation_factor",
+)
+# TransformerConfig fields the decode model sets differently on purpose: decode runs Megatron's
+# plain TP=D path (one token per step cannot be split along the sequence).
+DECODE_CONFIG_CHANGES = {"sequence_parallel": False}
+
+
+def gpt_model_args(model) -> dict:
+    """The ``MATH_GPT_ARGS`` ``model`` was built with.
+
+    ``build_tsp_gpt_model`` records its GPTModel arguments on the model (``tsp_gpt_kwargs``); for
+    a GPTModel built otherwise they are read back from what GPTModel keeps (its attributes and its
+    rotary embedding). ``rope_scaling_factor`` is not kept by megatron-core: such a model's value
+    is Megatron's default, and ``check_decode_model`` compares the rotary tables, so a different
+    factor is an error naming it rather than a silent difference."""
+    recorded = getattr(model, "tsp_gpt_kwargs", None)
+    if recorded is not None:
+        return {k: recorded[k] for k in MATH_GPT_ARGS if k in recorded}
+    out = {
+        "position_embedding_type": getattr(model, "position_embedding_type", "learned_absolute"),
+        "share_embeddings_and_output_weights": model.share_embeddings_and_output_weights,
+    }
+    if out["position_embedding_type"] == "rope":
+        out.update(
+            rotary_percent=model.rotary_percent,
+            rotary_base=model.rotary_base,
+            rope_scaling=bool(getattr(model, "rotary_scaling", False)),
+            seq_len_interpolation_factor=getattr(
+                model.rotary_pos_emb, "seq_len_interpolation_factor", None
+            ),
+        )
+    return out
+
+
+def _differs(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return not (torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b))
+    if a is b:
+        return False
+    try:
+        return bool(a != b)
+    except Exception:  # noqa: BLE001 - objects without a usable comparison: identity decides
+        return True
+
+
+def check_decode_model(tsp_model, decode_model, gpt_kwargs=None) -> None:
+    """Raise ``ValueError`` naming the first field in which ``decode_model`` computes something
+    else than ``tsp_model``: every ``TransformerConfig`` field (but ``DECODE_CONFIG_CHANGES``),
+    the GPTModel-level settings, and the rotary tables compared numerically over the whole
+    ``max_sequence_length`` (base, percent, Llama-3 scaling and factor, interpolation)."""
+    a, b = tsp_model.config, decode_model.config
+    for f in dataclasses.fields(a):
+        if f.name in DECODE_CONFIG_CHANGES:
+            continue
+        if _differs(getattr(a, f.name), getattr(b, f.name)):
+            raise ValueError(
+                f"decode model differs from the TSP prefill model in config.{f.name}: "
+                f"{getattr(b, f.name)!r} vs {getattr(a, f.name)!r}"
+            )
+    for name in (
+        "vocab_size",
+        "max_sequence_length",
+        "position_embedding_type",
+        "share_embeddings_and_output_weights",
+        "rotary_percent",
+        "rotary_base",
+        "rotary_scaling",
+    ):
+        mine, theirs = getattr(tsp_model, name, None), getattr(decode_model, name, None)
+        if _differs(mine, theirs):
+            arg = "rope_scaling" if name == "rotary_scaling" else name
+            raise ValueError(
+                f"decode model differs from the TSP prefill model in {arg}: {theirs!r} vs {mine!r}"
+            )
+    rope_a = getattr(tsp_model, "rotary_pos_emb", None)
+    rope_b = getattr(decode_model, "rotary_pos_emb", None)
+    if (rope_a is None) != (rope_b is None):
+        raise ValueError("decode model differs from the TSP prefill model in rotary_pos_emb")
+    if rope_a is None:
+        return
+    factor = ("seq_len_interpolation_factor", "rotary_interleaved")
+    for name in factor:
+        if _differs(getattr(rope_a, name, None), getattr(rope_b, name, None)):
+            raise ValueError(
+                f"decode model differs from the TSP prefill model in {name}: "
+                f"{getattr(rope_b, name, None)!r} vs {getattr(rope_a, name, None)!r}"
+            )
+    length = tsp_model.max_sequence_length
+    table_a = rope_a(length).cpu()
+    table_b = rope_b(length).cpu()
+    if table_a.shape != table_b.shape or not torch.equal(table_a, table_b):
+        given = gpt_kwargs or {}
+        raise ValueError(
+            "decode model differs from the TSP prefill model in its rotary table "
+            f"(rotary_pos_emb({length})): rope_scaling_factor / rotary_base / rotary_percent; "
+            f"decode model built with {given!r}, prefill model "
+            f"{gpt_model_args(tsp_model)!r}. Build the model with build_tsp_gpt_model (it "
+            "records its arguments) or pass the same arguments to TSPInferenceEngine"
+        )
+
+
 def build_decode_model(tsp_model, **gpt_kwargs):
     """Stock megatron-core TP=D ``GPTModel`` sharing ``tsp_model``'s parameter tensors.
 
-    ``gpt_kwargs``: the GPTModel keyword arguments ``tsp_model`` was built with
-    (position_embedding_type, share_embeddings_and_output_weights, rotary_base, ...). Built on the
-    meta device (no parameter memory), then every parameter is replaced by the TSP model's tensor
-    of the same name; any name or shape mismatch raises.
+    Built from ``tsp_model``'s own description: its config (with ``DECODE_CONFIG_CHANGES``) and
+    its GPTModel arguments (``gpt_model_args``); ``gpt_kwargs`` override them, and the result is
+    checked against ``tsp_model`` (``check_decode_model``), so an override that changes the math
+    is an error naming the field. Built on the meta device (no parameter memory), then every
+    parameter is replaced by the TSP model's tensor of the same name; any name or shape mismatch
+    raises.
     """
     from megatron.core.models.gpt import GPTModel
 
     from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
 
-    config = dataclasses.replace(tsp_model.config, sequence_parallel=False)
-    kwargs = dict(gpt_kwargs)
+    config = dataclasses.replace(tsp_model.config, **DECODE_CONFIG_CHANGES)
+    kwargs = gpt_model_args(tsp_model)
+    kwargs.update(gpt_kwargs)
     kwargs["parallel_output"] = False  # decode needs the full vocabulary on every rank
     with torch.device("meta"):
         decode = GPTModel(
@@ -96,6 +213,7 @@ def build_decode_model(tsp_model, **gpt_kwargs):
             f"{sorted(set(source) ^ {n for n, _ in decode.named_parameters()})}"
         )
     _check_materialised(decode)
+    check_decode_model(tsp_model, decode, kwargs)
     return decode
 
 
@@ -165,6 +283,10 @@ def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> to
 class TSPInferenceEngine:
     """Generate from a TSP-built ``GPTModel`` (see module docstring).
 
+    The decode model is built from ``tsp_model``'s description (``build_decode_model``);
+    ``gpt_kwargs`` are only needed for a GPTModel not built by ``build_tsp_gpt_model`` whose
+    ``rope_scaling_factor`` is not Megatron's default, and are checked like the rest.
+
     Every rank of the TSP group calls ``generate`` with the same arguments. Arguments are checked
     before any collective, so a bad request raises the same ``ValueError`` on every rank and the
     engine stays usable.
@@ -187,13 +309,6 @@ class TSPInferenceEngine:
                 "TSP inference needs the whole model on each rank "
                 "(--pipeline-model-parallel-size 1)"
             )
-        gpt_kwargs.setdefault("position_embedding_type", position)
-        gpt_kwargs.setdefault(
-            "share_embeddings_and_output_weights", tsp_model.share_embeddings_and_output_weights
-        )
-        if position == "rope":
-            gpt_kwargs.setdefault("rotary_percent", tsp_model.rotary_percent)
-            gpt_kwargs.setdefault("rotary_base", tsp_model.rotary_base)
         self.tsp_model = tsp_model.eval()
         self.decode_model = build_decode_model(tsp_model, **gpt_kwargs).eval()
         self.group = group if group is not None else get_tensor_sequence_parallel_group()

@@ -5,7 +5,11 @@ trained for ``--train-steps`` steps on the embedded corpus under TSP so its outp
 With ``--load DIR`` it loads a megatron-core ``torch_dist`` checkpoint (Megatron-LM's ``--save``
 layout, state under ``model``; saved under TP=D + SP or under TSP-D: they are the same) whose
 architecture comes from ``--config`` (a ``configs/*.json`` file) or from the Megatron-LM
-arguments stored in the checkpoint.
+arguments stored in the checkpoint, every math-changing one read through
+``megatron_lm/model_args.py`` (RoPE scaling / interpolation / interleaving, GQA, norms, biases...).
+With ``--hf DIR`` it reads a Hugging Face Llama / Mistral / Qwen2 directory
+(``models/hf_import.py``; each rank reads only its slices); ``--save OUT`` then writes it as a
+Megatron torch_dist checkpoint (``--load`` here, ``--load`` / ``--finetune`` in pretrain_gpt.py).
 
 On a CPU machine it spawns D gloo ranks; under ``torchrun`` (``WORLD_SIZE`` set) it uses the
 launched ranks (NCCL when CUDA is available). Prints the generated tokens, the prefill and decode
@@ -23,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
+from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, unfused_config
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -39,6 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--config", default=None, help="run config (configs/*.json: name or path) for --load"
+    )
+    p.add_argument(
+        "--hf",
+        default=None,
+        help="Hugging Face Llama / Mistral / Qwen2 checkpoint directory (config.json + "
+        "safetensors; a local path): each rank reads only its own slices",
     )
     p.add_argument(
         "--prompt",
@@ -84,52 +94,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="embedded model only: write it as a Megatron-LM torch_dist checkpoint "
         "(iter_0000001/, latest_checkpointed_iteration.txt, args in common.pt)",
     )
+    tiny = p.add_argument_group(
+        "embedded model only", "Megatron-LM's RoPE flags, stored in the --save checkpoint's args"
+    )
+    tiny.add_argument("--use-rope-scaling", action="store_true")
+    tiny.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    tiny.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None)
+    tiny.add_argument("--rotary-base", type=int, default=10000)
     args = p.parse_args(argv)
     if args.d < 1:
         p.error(f"--tensor-sequence-parallel-size={args.d} must be >= 1")
     if args.config and not args.load:
         p.error("--config describes a checkpoint: pass --load too")
     if args.save and args.load:
-        p.error("--save writes the embedded model: it cannot be combined with --load")
+        p.error("--save writes the embedded or --hf model: it cannot be combined with --load")
+    if args.hf and (args.load or args.config):
+        p.error("--hf reads a Hugging Face directory: it cannot be combined with --load / --config")
     return args
 
 
 # ------------------------------------------------------------------ models
-def _tiny_config(d: int, dtype):
-    return unfused_config(
+def _config_from_model_fields(m: dict, d: int, dtype, initialise: bool = False):
+    """TransformerConfig, GPTModel arguments, vocabulary and length from Megatron-LM argument
+    names (a configs/*.json "model" block or the args namespace stored in a checkpoint), through
+    the one mapping every reader uses (``megatron_lm/model_args.py``)."""
+    from megatron_tsp.megatron_lm.model_args import from_megatron_args
+
+    described = from_megatron_args(m)
+    config = unfused_config(
         d,
         dtype,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        **style_fields("llama"),
-    )
-
-
-def _config_from_model_fields(m: dict, d: int, dtype):
-    """TransformerConfig from Megatron-LM argument names (a configs/*.json "model" block or the
-    args namespace stored in a checkpoint)."""
-    import torch.nn.functional as F
-
-    swiglu = bool(m.get("swiglu", False))
-    return unfused_config(
-        d,
-        dtype,
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        num_query_groups=m.get("num_query_groups") or m["num_attention_heads"],
-        ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"],
-        normalization=m.get("normalization", "LayerNorm"),
-        layernorm_epsilon=m.get("norm_epsilon", 1e-5),
-        gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu,
-        add_bias_linear=not m.get("disable_bias_linear", False),
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=False,
+        perform_initialization=initialise,
+        **described.config,
     )
+    return config, described
 
 
 def _checkpoint_dir(path: str) -> str:
@@ -171,28 +170,42 @@ def _build(args, device):
     from megatron_tsp.core.model import build_tsp_gpt_model
 
     dtype = DTYPES[args.dtype]
-    if args.load is None:
-        from megatron_tsp.tools.data import VOCAB_SIZE
+    if args.hf:
+        from megatron_tsp.models import hf_import
 
-        config = _tiny_config(args.d, dtype)
-        kwargs = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
-        model = build_tsp_gpt_model(
-            config, vocab_size=VOCAB_SIZE, max_sequence_length=256, seq_length=64, **kwargs
+        try:
+            model, desc = hf_import.build_model(args.hf, args.d, dtype, device)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"--hf {args.hf}: {exc}") from exc
+        return model, desc.gpt, desc.megatron_args
+    if args.load is None:
+        # The embedded model is described by the Megatron-LM arguments --save stores with it,
+        # through the same mapping --load reads them with.
+        config, described = _config_from_model_fields(
+            tiny_args(args), args.d, dtype, initialise=True
         )
-        return model.to(device), kwargs, None
+        model = build_tsp_gpt_model(
+            config,
+            vocab_size=described.vocab_size,
+            max_sequence_length=described.max_sequence_length,
+            seq_length=TINY_ARGS["seq_length"],
+            **described.gpt,
+        )
+        return model.to(device), described.gpt, None
     m = _model_fields(args)
-    config = _config_from_model_fields(m, args.d, dtype)
-    kwargs = dict(
-        position_embedding_type=m.get("position_embedding_type", "learned_absolute"),
-        share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", False),
-        rotary_base=m.get("rotary_base", 10000),
-        rotary_percent=m.get("rotary_percent", 1.0),
-    )
-    vocab = m.get("padded_vocab_size") or m["vocab_size"]
-    seq = m.get("max_position_embeddings") or m["seq_length"]
+    try:
+        config, described = _config_from_model_fields(m, args.d, dtype)
+    except ValueError as exc:
+        raise SystemExit(f"--load {args.load}: {exc}") from exc
+    kwargs = described.gpt
+    seq = described.max_sequence_length
     step = 2 * args.d
     model = build_tsp_gpt_model(
-        config, vocab_size=vocab, max_sequence_length=seq, seq_length=seq // step * step, **kwargs
+        config,
+        vocab_size=described.vocab_size,
+        max_sequence_length=seq,
+        seq_length=seq // step * step,
+        **kwargs,
     ).to(device)
     _load_torch_dist(model, _checkpoint_dir(args.load))
     return model, kwargs, m
@@ -202,6 +215,7 @@ TINY_ARGS = dict(
     num_layers=2,
     hidden_size=64,
     num_attention_heads=4,
+    group_query_attention=True,
     num_query_groups=2,
     ffn_hidden_size=128,
     normalization="RMSNorm",
@@ -216,7 +230,20 @@ TINY_ARGS = dict(
 )
 
 
-def _save_torch_dist(model, root: str) -> None:
+def tiny_args(args) -> dict:
+    """The embedded model's Megatron-LM arguments, with the RoPE options given on the command line
+    (what a training run with the same flags stores in its checkpoints)."""
+    out = dict(TINY_ARGS)
+    out.update(
+        use_rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rotary_base=args.rotary_base,
+    )
+    return out
+
+
+def _save_torch_dist(model, root: str, stored_args: dict) -> None:
     """The embedded model as Megatron-LM saves a checkpoint: state under ``model`` (sharded, the
     TP=D layout), the Megatron-LM arguments in ``common.pt``, the iteration tracker file."""
     from megatron.core import dist_checkpointing
@@ -229,7 +256,7 @@ def _save_torch_dist(model, root: str) -> None:
     dist.barrier()
     state = {
         "model": model.sharded_state_dict(),
-        "args": argparse.Namespace(**TINY_ARGS),
+        "args": argparse.Namespace(**stored_args),
         "iteration": 1,
     }
     with _cpu_cuda_sync():
@@ -287,13 +314,15 @@ def _train_tiny(model, args, group) -> float:
 
 
 # ------------------------------------------------------------------ run
-def _prompts(args, vocab: int):
+def _prompts(args, vocab: int, tok=None):
     if args.random_prompt_tokens:
         g = torch.Generator().manual_seed(args.seed)
         return [torch.randint(0, vocab, (args.random_prompt_tokens,), generator=g).tolist()], False
     if args.prompt_ids:
         return [[int(t) for t in s.replace(",", " ").split()] for s in args.prompt_ids], False
     texts = args.prompt or ["the cat sees a red ball. my friend "]
+    if tok is not None:
+        return [tok.encode(t).ids for t in texts], True
     return [list(t.encode("utf-8")) for t in texts], True
 
 
@@ -314,9 +343,10 @@ def run(rank: int, args) -> int:
     )
     model_parallel_cuda_manual_seed(args.seed)
     group = parallel_state.get_tensor_sequence_parallel_group()
-    model, kwargs, _ = _build(args, device)
+    model, kwargs, megatron_args = _build(args, device)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    if args.load is None and args.train_steps > 0:
+    say("model: " + ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+    if args.load is None and args.hf is None and args.train_steps > 0:
         start = time.perf_counter()
         loss = _train_tiny(model, args, group)
         say(
@@ -324,11 +354,28 @@ def run(rank: int, args) -> int:
             f"loss {loss:.3f} ({time.perf_counter() - start:.1f} s)"
         )
     if args.save:
-        _save_torch_dist(model, args.save)
-        say(f"saved the embedded model (torch_dist, TP={args.d} layout) to {args.save}")
-    engine = TSPInferenceEngine(model, **kwargs)
-    prompts, is_text = _prompts(args, engine.vocab_size)
-    stops = [int(t) for t in args.stop.split(",")] if args.stop else ([ord(".")] if is_text else [])
+        stored = megatron_args if args.hf else tiny_args(args)
+        _save_torch_dist(model, args.save, stored)
+        what = f"the model of {args.hf}" if args.hf else "the embedded model"
+        say(f"saved {what} (Megatron torch_dist, TP={args.d} layout) to {args.save}")
+        if args.max_new_tokens == 0:
+            return 0  # a conversion run: nothing to generate
+    engine = TSPInferenceEngine(model)  # reads the GPTModel arguments the builder recorded
+    tok = None
+    if args.hf:
+        from megatron_tsp.models import hf_import
+
+        tok = hf_import.tokenizer(args.hf)
+        if tok is None and not (args.prompt_ids or args.random_prompt_tokens):
+            say(f"error: {args.hf} has no tokenizer.json for text prompts: pass --prompt-ids")
+            return 2
+    prompts, is_text = _prompts(args, engine.vocab_size, tok)
+    if args.stop:
+        stops = [int(t) for t in args.stop.split(",")]
+    elif args.hf:
+        stops = hf_import.stop_tokens(hf_import.read_config(args.hf)) if is_text else []
+    else:
+        stops = [ord(".")] if is_text else []
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
@@ -345,7 +392,7 @@ def run(rank: int, args) -> int:
         say(f"error: {exc}")
         return 2
     show = (
-        (lambda ids: repr(bytes(ids).decode("utf-8", "replace")))
+        (lambda ids: repr(tok.decode(ids) if tok else bytes(ids).decode("utf-8", "replace")))
         if is_text
         else (
             lambda ids: (

@@ -1,0 +1,76 @@
+"""Hugging Face checkpoint directories under TSP: checks run inside every rank of the pool."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tsp.inference import TSPInferenceEngine
+from megatron_tsp.models import hf_import
+from tests.common import rel_err, setup_tsp
+
+
+class CountingOpen:
+    """``safe_open`` that counts the bytes of every slice or tensor handed out."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __call__(self, path, framework):
+        from safetensors import safe_open
+
+        counter, handle = self, safe_open(path, framework=framework)
+
+        class Slice:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def get_shape(self):
+                return self.inner.get_shape()
+
+            def __getitem__(self, index):
+                out = self.inner[index]
+                counter.bytes += out.numel() * out.element_size()
+                return out
+
+        class Handle:
+            def keys(self):
+                return handle.keys()
+
+            def get_slice(self, name):
+                return Slice(handle.get_slice(name))
+
+            def get_tensor(self, name):
+                out = handle.get_tensor(name)
+                counter.bytes += out.numel() * out.element_size()
+                return out
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        return Handle()
+
+
+def check_hf_generation(d, seed, path, cases):
+    """``cases``: [(prompt, HF last-token logits, HF greedy tokens)]. Loads ``path`` under TSP-D
+    (fp64) counting the bytes read; returns the worst logits error per prefill mode and the
+    bytes this rank read with the expected count."""
+    setup_tsp(d, seed)
+    counter = CountingOpen()
+    model, desc = hf_import.build_model(path, d, torch.float64, open_fn=counter)
+    engine = TSPInferenceEngine(model)
+    worst = {"tsp": 0.0, "tp": 0.0}
+    for prompt, logits, tokens in cases:
+        res = engine.generate([prompt], len(tokens))
+        worst[res.prefill_mode] = max(
+            worst[res.prefill_mode], rel_err(res.prefill_logits[0], logits)
+        )
+        if res.tokens[0] != tokens:
+            raise AssertionError(
+                f"D={d} {desc.model_type}, prompt len {len(prompt)} ({res.prefill_mode} prefill): "
+                f"generated {res.tokens[0]}, Hugging Face generate {tokens}"
+            )
+    mine, whole = hf_import.shard_bytes(desc, d)
+    return dict(errors=worst, read=counter.bytes, expected=mine * 8, whole=whole * 8)

@@ -1,0 +1,160 @@
+"""Hugging Face Llama / Mistral / Qwen2 directories under TSP (``megatron_tsp.models.hf_import``,
+``megatron-tsp generate --hf``): tiny random models saved with ``transformers`` in fp64 load under
+D = 2 and 4; last-token logits equal HF's forward, greedy tokens equal HF's ``generate``; each rank
+reads only its own slices; unsupported options are refused by name."""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from megatron_tsp.models import hf_import  # noqa: E402
+from tests import checks_hf_import  # noqa: E402
+
+SIZES = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+MODELS = {
+    # Llama with GQA and RoPE base 5e5 with Llama-3.1 scaling (factor 8): its lowest frequency
+    # (head_dim 4) lies in the band the scaling changes.
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=True)),
+    # Qwen2: QKV biases; linear RoPE interpolation x4.
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
+    ),
+}
+NEW_TOKENS = 4
+
+
+def _save_hf(kind, seed, root):
+    config_cls, model_cls, extra = MODELS[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**SIZES, **extra)
+    model = getattr(transformers, model_cls)(config).double().eval()
+    with torch.no_grad():  # HF initialises biases to zero: random ones make Qwen2's visible
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    path = os.path.join(root, kind)
+    model.save_pretrained(path)
+    return model, path
+
+
+def _hf_cases(model, seed, lengths):
+    g = torch.Generator().manual_seed(seed + 3)
+    cases = []
+    for n in lengths:
+        prompt = torch.randint(0, SIZES["vocab_size"], (1, n), generator=g)
+        with torch.no_grad():
+            logits = model(prompt).logits[0, -1]
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        cases.append((prompt[0].tolist(), logits, out[0, n:].tolist()))
+    return cases
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("d", [2, 4])
+def test_hf_model_generates_like_hf(pool4, seed, tmp_path, kind, d):
+    model, path = _save_hf(kind, seed, str(tmp_path))
+    # TSP prefill (length not a multiple of 2D) and the TP fallback (shorter than 2D).
+    cases = _hf_cases(model, seed, [6 * d + 1, 2 * d - 1])
+    results = pool4.run(checks_hf_import.check_hf_generation, d, seed, path, cases)
+    for r in results:
+        # HF's fp64 forward is fp32 in places (RMSNorm upcasts to float32 and back, RoPE tables
+        # are built in float32): measured 4e-8..1e-7 relative; the TSP model is fp64 throughout.
+        assert max(r["errors"].values()) <= 1e-6, r["errors"]
+        # Only its own slices: the shard's bytes (replicated norms once), well below the whole.
+        assert r["read"] == r["expected"], r
+        assert r["read"] < r["whole"] * 0.75, r
+
+
+def test_cli_generate_hf_and_save_for_megatron(tmp_path, seed):
+    """The two commands of docs/inference.md: `generate --hf DIR` gives HF's greedy tokens;
+    `--save OUT` writes a Megatron torch_dist checkpoint that `generate --load OUT` (another D)
+    reads back to the same tokens."""
+    from tests.test_inference import _run_cli
+
+    model, path = _save_hf("llama", seed, str(tmp_path))
+    [(prompt, _, tokens)] = _hf_cases(model, seed, [9])
+    ids = ",".join(map(str, prompt))
+    common = ("--prompt-ids", ids, "--max-new-tokens", str(NEW_TOKENS), "--dtype", "float64")
+    out = str(tmp_path / "megatron")
+    proc = _run_cli("generate", "--tsp", "2", "--hf", path, "--save", out, *common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    want = f"[0] {' '.join(map(str, prompt))} -> {' '.join(map(str, tokens))}"
+    assert want in proc.stdout, (want, proc.stdout)
+    assert "rope_scaling=True" in proc.stdout, proc.stdout
+    loaded = _run_cli("generate", "--tsp", "1", "--load", out, *common)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr[-3000:]
+    assert want in loaded.stdout, (want, loaded.stdout)
+    assert "rope_scaling=True" in loaded.stdout, loaded.stdout
+
+
+def _llama_dict(**changes):
+    config = transformers.LlamaConfig(**SIZES).to_dict()
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        (
+            dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
+            "rope_type='yarn'",
+        ),
+        (dict(vocab_size=97), "vocab_size=97"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(mlp_bias=True), "mlp_bias=True"),
+        (dict(model_type="gemma"), "model_type='gemma'"),
+        (
+            dict(
+                rope_parameters=dict(
+                    rope_type="llama3", factor=8.0, rope_theta=5e5, low_freq_factor=2.0
+                )
+            ),
+            "low_freq_factor",
+        ),
+        (dict(model_type="mistral", sliding_window=16), "sliding_window=16"),
+    ],
+)
+def test_unsupported_hf_options_are_refused_by_name(changes, needle):
+    with pytest.raises(hf_import.UnsupportedHFOption) as err:
+        hf_import.describe(_llama_dict(**changes), 2)
+    assert needle in str(err.value)
+    hf_import.describe(_llama_dict(), 2)  # the same config without the option is accepted
