@@ -313,7 +313,8 @@ def tsp_mlp(
 
     ``recompute_activation``: keep the per-shard fc1 outputs from the forward (False, the
     default: no extra GEMM, TP+SP-sized memory), or recompute each shard's fc1 output in backward
-    (True, an explicit opt-in: saves only x)."""
+    (True, an explicit opt-in: saves only x). Without grad mode (inference, prefill) no backward
+    will read them, so none are kept whatever ``recompute_activation`` says."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
@@ -322,7 +323,7 @@ def tsp_mlp(
         group,
         activation,
         accumulate_into_main_grad,
-        recompute_activation,
+        recompute_activation or not torch.is_grad_enabled(),
     )
 
 
