@@ -1,0 +1,23 @@
+"""Mixture-of-Experts under TSP, experts folded onto the TSP axis (``tests/checks_moe.py``):
+megatron-core's MoELayer behind TSP attention equals the single-process stock model and stock
+Megatron TP=D+SP with the same expert-model-parallel size, fp64: loss, logged aux losses, every
+gradient (experts perturbed per global id)."""
+
+import pytest
+
+from tests import checks_moe
+
+# (D, EP): experts over the whole TSP group, and (D=4) over half of it (each expert on 2 ranks)
+LAYOUTS = [(2, 2), (4, 4), (4, 2)]
+
+
+@pytest.mark.parametrize("case", list(checks_moe.CASES))
+@pytest.mark.parametrize("d,ep", LAYOUTS, ids=[f"D{d}-EP{ep}" for d, ep in LAYOUTS])
+def test_moe_matches_single_process_fp64(pool4, seed, d, ep, case):
+    pool4.run(checks_moe.check_moe_vs_single, d, ep, seed, case)
+
+
+@pytest.mark.parametrize("case", list(checks_moe.CASES))
+@pytest.mark.parametrize("d,ep", LAYOUTS, ids=[f"D{d}-EP{ep}" for d, ep in LAYOUTS])
+def test_moe_equals_megatron_tp_sp(pool4, seed, d, ep, case):
+    pool4.run(checks_moe.check_moe_vs_tp_sp, d, ep, seed, case)
