@@ -291,12 +291,17 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     _perturb_experts(tp_model, ep_rank, ep)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss, tp_aux = _run(tp_model, data, group, ep)
+    # EP < D: an expert's copies see the tokens of their own expert-model-parallel group, which
+    # are other tokens under TSP (zigzag chunks) than under TP+SP (blocks); only their sum over
+    # the copies (what DDP reduces) is the model's gradient.
+    _reduce_expert_grads(tp_model, ep_rank, ep)
     tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
 
     _setup(d, ep, seed, tsp=True)
     tsp_model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
     tsp_model.load_state_dict(state, strict=True)
     loss, aux = _run(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, d), group, ep)
+    _reduce_expert_grads(tsp_model, ep_rank, ep)
     actual = {"loss": loss}
     expected = {"loss": tp_loss}
     for name, p in tsp_model.named_parameters():
@@ -304,3 +309,15 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
         expected[f"grad:{name}"] = tp_grads[name]
     what = f"TSP vs Megatron TP={d}+SP MoE ({case}, EP={ep}, {dispatcher}), seed={seed}"
     return _compare(actual, expected, aux, tp_aux, rtol, what)
+
+
+def worst(per_rank_errors) -> dict:
+    """The largest relative error over the ranks, per kind (loss / aux losses / gradients)."""
+    out = {}
+    for errors in per_rank_errors:
+        for key, err in errors.items():
+            kind = key.split(":")[0] if ":" in key else key
+            if kind == "aux":
+                kind = key
+            out[kind] = max(out.get(kind, 0.0), err)
+    return {k: float(f"{v:.2e}") for k, v in out.items()}

@@ -14,10 +14,12 @@ LAYOUTS = [(2, 2), (4, 4), (4, 2)]
 @pytest.mark.parametrize("case", list(checks_moe.CASES))
 @pytest.mark.parametrize("d,ep", LAYOUTS, ids=[f"D{d}-EP{ep}" for d, ep in LAYOUTS])
 def test_moe_matches_single_process_fp64(pool4, seed, d, ep, case):
-    pool4.run(checks_moe.check_moe_vs_single, d, ep, seed, case)
+    errors = pool4.run(checks_moe.check_moe_vs_single, d, ep, seed, case)
+    print(f"worst relative errors: {checks_moe.worst(errors)}")
 
 
 @pytest.mark.parametrize("case", list(checks_moe.CASES))
 @pytest.mark.parametrize("d,ep", LAYOUTS, ids=[f"D{d}-EP{ep}" for d, ep in LAYOUTS])
 def test_moe_equals_megatron_tp_sp(pool4, seed, d, ep, case):
-    pool4.run(checks_moe.check_moe_vs_tp_sp, d, ep, seed, case)
+    errors = pool4.run(checks_moe.check_moe_vs_tp_sp, d, ep, seed, case)
+    print(f"worst relative errors: {checks_moe.worst(errors)}")
