@@ -263,12 +263,29 @@ def get_gpt_block_local_sp_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
-    layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
-    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
-    )
+    """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm).
+
+    With experts: Megatron's own local decoder layers (``get_gpt_decoder_layer_specs``: dense or
+    MoE per ``moe_layer_freq``) for this stage, with the same sequence-parallel-tagged norms."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+    normalization = normalization or config.normalization
+    if config.num_moe_experts is None:
+        layer = get_gpt_layer_local_sp_spec(normalization)
+        num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+        )
+    every_layer = get_gpt_decoder_layer_specs(config, False, normalization)
+    layers = []
+    for i in _layer_ids_on_stage(config, vp_stage, pp_rank):
+        spec = copy.deepcopy(every_layer[i])
+        spec.submodules.input_layernorm = SequenceParallelNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        layers.append(spec)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelNorm)
 
 
 # ---------------------------------------------------------------------------------------------
