@@ -1,9 +1,9 @@
 """MoE (experts folded onto the TSP axis) in Megatron-LM's real ``pretrain_gpt.py`` loop on CPU
-through ``cpu_runner``: TSP D=2 with EP=2 against stock TP=2 + SP with EP=2 (the local TP+SP
-block with Megatron's own dense / MoE layers and sequence-parallel-tagged norms,
-``tp_sp_block_spec``), same weights and data, Megatron's own log.
+through ``cpu_runner``: TSP D=2 with EP=2, and DP2 x TSP2 with EP=4, against stock TP=2 + SP with
+the same EP (the local TP+SP block with Megatron's own dense / MoE layers and
+sequence-parallel-tagged norms, ``tp_sp_block_spec``), same weights and data, Megatron's own log.
 
-Needs MEGATRON_LM_PATH. About 2 minutes on a loaded 2-core machine (two 2-rank runs).
+Needs MEGATRON_LM_PATH. About 4 minutes on a loaded 2-core machine (two 2-rank, two 4-rank runs).
 """
 
 import re
@@ -63,3 +63,22 @@ def test_tsp2_ep2_matches_tp2_sp_ep2(seed):
     # Megatron logs the z-loss of the logging rank's own tokens (no reduction over the group):
     # present in both logs; TSP rank 0 holds other tokens than TP rank 0 (docs/moe.md)
     assert _logged(tsp.log, "z_loss") and _logged(ref.log, "z_loss")
+
+
+def test_dp2_tsp2_ep4_spanning_dp_matches_tp2_sp(seed):
+    """DP2 x TSP2 on 4 ranks with EP=4: every rank holds one expert, the expert-model-parallel
+    group spans both data-parallel replicas; distributed optimizer."""
+    args = loop.STYLES["llama"] + MOE + ["--expert-model-parallel-size", "4"]
+    args += ["--use-distributed-optimizer", "--global-batch-size", "8"]
+    tsp = loop._run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
+    ref = loop._run(
+        4,
+        seed,
+        *args,
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "1",
+        *loop.TP_SP_CPU,
+    )
+    loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
