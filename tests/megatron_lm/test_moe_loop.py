@@ -3,7 +3,8 @@ through ``cpu_runner``: TSP D=2 with EP=2, and DP2 x TSP2 with EP=4, against sto
 the same EP (the local TP+SP block with Megatron's own dense / MoE layers and
 sequence-parallel-tagged norms, ``tp_sp_block_spec``), same weights and data, Megatron's own log.
 
-Needs MEGATRON_LM_PATH. About 4 minutes on a loaded 2-core machine (two 2-rank, two 4-rank runs).
+Checkpoints saved under either layout resume under the other. Needs MEGATRON_LM_PATH. About 7
+minutes on a loaded 2-core machine (seven 2-rank and two 4-rank runs).
 """
 
 import re
@@ -82,3 +83,29 @@ def test_dp2_tsp2_ep4_spanning_dp_matches_tp2_sp(seed):
         *loop.TP_SP_CPU,
     )
     loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
+
+
+def test_checkpoints_interchange_with_tp2_sp_ep2(seed, tmp_path):
+    """Save under one layout at iteration 2 (of a 4-iteration schedule), resume under the other:
+    TP=2+SP+EP=2's checkpoint resumed under TSP D=2 (EP=2), TSP's resumed under TP+SP; iterations
+    3 and 4 equal TP+SP's own save -> resume (experts, router and Adam state included)."""
+    args = loop.STYLES["llama"] + MOE + ["--train-iters", "4", "--save-interval", "1000"]
+    tp_sp = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    tp_sp += loop.TP_SP_CPU
+    tsp = ["--tensor-sequence-parallel-size", "2"]
+    save = ["--exit-interval", "2", "--save"]
+    loop._run(2, seed, *args, *tp_sp, *save, str(tmp_path / "tp_sp"))
+    resumed = loop._run(2, seed, *args, *tp_sp, "--load", str(tmp_path / "tp_sp"))
+    tsp_from_tp_sp = loop._run(2, seed, *args, *tsp, "--load", str(tmp_path / "tp_sp"))
+    loop._run(2, seed, *args, *tsp, *save, str(tmp_path / "tsp"))
+    tp_sp_from_tsp = loop._run(2, seed, *args, *tp_sp, "--load", str(tmp_path / "tsp"))
+    for run in (tsp_from_tp_sp, tp_sp_from_tsp):
+        assert run.iterations == resumed.iterations == [3, 4], (run.iterations, resumed.iterations)
+        for a, b in zip(run.losses, resumed.losses):
+            assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (run.losses, resumed.losses)
+        for a, b in zip(run.grad_norms, resumed.grad_norms):
+            assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (run.grad_norms, resumed.grad_norms)
+        print(
+            f"resumed: loss {run.losses} vs {resumed.losses}; "
+            f"grad norm {run.grad_norms} vs {resumed.grad_norms}"
+        )
