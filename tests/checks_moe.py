@@ -321,3 +321,68 @@ def worst(per_rank_errors) -> dict:
                 kind = key
             out[kind] = max(out.get(kind, 0.0), err)
     return {k: float(f"{v:.2e}") for k, v in out.items()}
+
+
+def check_moe_traffic_equals_tp_sp(d, ep, seed, case="moe"):
+    """The collectives megatron-core's MoE layers issue (forward and backward, counted by
+    ``CommCounter`` inside ``MoELayer`` modules) under TSP equal those under TP=D+SP with the
+    same EP, op by op: calls and bytes (the dispatcher sees S/D tokens per rank either way), and
+    equal the allgather dispatcher's formula below. Returns the per-op counts."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tsp.tools.comm_counter import CommCounter, label_modules
+
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+    counted = {}
+    for name, tsp in (("tp_sp", False), ("tsp", True)):
+        _setup(d, ep, seed, tsp=tsp)
+        config = _config(d, ep, dtype, case, "allgather")
+        spec = get_gpt_block_tsp_spec(config) if tsp else _tp_sp_spec(config)
+        model = _model(config, spec, "llama", vocab, seq, False)
+        label_modules(model, {MoELayer: "moe"})
+        local = zigzag.get_batch_on_this_tsp_rank(data, d) if tsp else data
+        with CommCounter() as counter:
+            _step(model, local)
+        counted[name] = {phase: counter.by_op(scope="moe", phase=phase) for phase in ("fwd", "bwd")}
+    if counted["tsp"] != counted["tp_sp"]:
+        raise AssertionError(
+            f"MoE traffic differs (D={d}, EP={ep}): TSP {counted['tsp']} vs TP+SP "
+            f"{counted['tp_sp']}"
+        )
+    # The allgather dispatcher's volume does not depend on the routing. Per MoE layer, with
+    # T = S*b/D tokens per rank, E experts, fp64 (8 bytes): forward all-gathers over the EP ranks
+    # the hidden states [EP*T, h], the probabilities [EP*T, E] and the bool routing map, reduce-
+    # scatters the output [EP*T, h] and sums the tokens per expert (E int64) for the aux loss;
+    # backward is the transpose (the probabilities' gradient reduce-scattered too).
+    layers = sum(_moe_pattern(config))
+    t, h, e, elt = seq * batch // d, config.hidden_size, NUM_EXPERTS, 8
+    one = {
+        "fwd": {
+            "all_gather_into_tensor": (3, ep * t * (h * elt + e * elt + e)),
+            "reduce_scatter_tensor": (1, ep * t * h * elt),
+            "all_reduce": (1, e * 8),
+        },
+        "bwd": {
+            "all_gather_into_tensor": (1, ep * t * h * elt),
+            "reduce_scatter_tensor": (2, ep * t * (h + e) * elt),
+        },
+    }
+    formula = {
+        phase: {op: (layers * c, layers * b) for op, (c, b) in ops.items()}
+        for phase, ops in one.items()
+    }
+    got = {
+        phase: {op: (v["calls"], v["payload"]) for op, v in ops.items()}
+        for phase, ops in counted["tsp"].items()
+    }
+    if got != formula:
+        raise AssertionError(f"MoE traffic (D={d}, EP={ep}) {got} != formula {formula}")
+    return counted["tsp"]
+
+
+def _moe_pattern(config):
+    from megatron_tsp.core.specs import moe_layer_pattern
+
+    return moe_layer_pattern(config)

@@ -23,3 +23,9 @@ def test_moe_matches_single_process_fp64(pool4, seed, d, ep, case):
 def test_moe_equals_megatron_tp_sp(pool4, seed, d, ep, case):
     errors = pool4.run(checks_moe.check_moe_vs_tp_sp, d, ep, seed, case)
     print(f"worst relative errors: {checks_moe.worst(errors)}")
+
+
+@pytest.mark.parametrize("d,ep", [(2, 2), (4, 2)], ids=["D2-EP2", "D4-EP2"])
+def test_moe_traffic_equals_tp_sp(pool4, seed, d, ep):
+    counts = pool4.run(checks_moe.check_moe_traffic_equals_tp_sp, d, ep, seed)
+    print(f"rank 0 MoE-layer collectives: {counts[0]}")
