@@ -222,7 +222,7 @@ def moe_layout(args, models) -> Optional[dict]:
     from megatron.core import parallel_state as mpu
     from megatron.core.parallel_state import RankGenerator
 
-    experts = getattr(args, "num_experts", None)
+    experts = vars(args).get("num_experts")
     if not experts:
         return None
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
