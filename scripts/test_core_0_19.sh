@@ -33,7 +33,7 @@ fi
 "$VENV/bin/python" -m pytest -q tests/test_layers.py tests/test_gpt.py tests/test_comm.py tests/test_zigzag.py \
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
   tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py tests/test_spec_modules.py \
-  tests/megatron_lm/test_patches.py tests/test_model_args.py tests/test_hf_import.py "$@" || exit 1
+  tests/test_moe.py tests/megatron_lm/test_patches.py tests/test_model_args.py tests/test_hf_import.py "$@" || exit 1
 
 # The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
 SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \

@@ -67,14 +67,6 @@ def layer_errors(d):
     ):
         refused = make_config(d, torch.float32, hidden_size=32, num_attention_heads=4, **overrides)
         errors[name] = _error_of(TSPSelfAttention, refused, attn_sub, 1, AttnMaskType.causal)
-    refused = make_config(
-        d, torch.float32, hidden_size=32, num_moe_experts=4, add_bias_linear=False
-    )
-    errors["moe"] = _error_of(
-        TSPMLP,
-        refused,
-        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-    )
     from megatron_tsp.core.model import build_tsp_gpt_model
 
     errors["vocab"] = _error_of(build_tsp_gpt_model, cfg, vocab_size=130, max_sequence_length=32)

@@ -61,10 +61,15 @@ def test_conditions():
 
 
 def test_messages_name_flag_value_and_size():
-    row = R.row_for("num_experts")
-    assert row is R.row_for("num_moe_experts")
-    assert row.message(8, 4) == (
-        f"--num-experts=8 cannot be combined with --tensor-sequence-parallel-size=4: {row.reason}"
+    row = R.row_for("context_parallel_size")
+    assert row.message(2, 4) == (
+        f"--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4: "
+        f"{row.reason}"
+    )
+    hybrid = R.row_for("num_moe_experts", R.TSP_MLP)
+    assert hybrid is R.row_for("num_experts", R.TSP_MLP)
+    assert hybrid.message(8, None, R.TSP_MLP) == (
+        f"--num-experts=8 cannot be combined with --tsp-mlp: {hybrid.reason}"
     )
     assert (
         R.row_for("qk_layernorm")
@@ -243,11 +248,13 @@ def test_estimator_run_config_uses_the_shape_rows(scheme, mode):
 
 
 def test_layer_filter_and_check_config_lists_all():
-    cfg = _config(qk_layernorm=True, num_moe_experts=8, fp8="hybrid")
+    cfg = _config(qk_layernorm=True, ffn_hidden_size=66, fp8="hybrid")
     assert [p.split()[0] for p in R.refusals_for_config(cfg, layer="attention")] == [
         "--qk-layernorm"
     ]
-    assert [p.split()[0] for p in R.refusals_for_config(cfg, layer="mlp")] == ["--num-experts=8"]
+    assert [p.split()[0] for p in R.refusals_for_config(cfg, layer="mlp")] == [
+        "--ffn-hidden-size=66"
+    ]
     with pytest.raises(R.TSPRejection) as err:
         R.check_config(cfg)
     assert str(err.value).count("\n  - ") == 3
@@ -298,13 +305,12 @@ def test_docs_show_the_current_table(mode):
 
 # What the table owns: a condition on these settings written anywhere else in the package is a
 # second copy of a rule (the scan below fails on it). Arguments passed through by name are fine.
+# The number of experts is not among the conditions: under TSP it selects the MoE layer spec
+# (``specs.moe_layer_pattern``), it is refused only by the hybrid's table row.
 _OWNED = r"(qk_layernorm|qk_l2_norm|num_moe_experts|num_experts|ffn\w*)"
 _SECOND_COPIES = [
-    # a condition on the setting (within one clause: ``a or b, num_experts=...`` passes it on)
-    re.compile(
-        r"\b(if|elif|and|or|not|lambda)\b[^#\n,]*"
-        r"\b(qk_layernorm|num_moe_experts|num_experts)\b"
-    ),
+    # a condition on the setting (within one clause: ``a or b, qk_layernorm=...`` passes it on)
+    re.compile(r"\b(if|elif|and|or|not|lambda)\b[^#\n,]*\b(qk_layernorm|qk_l2_norm)\b"),
     re.compile(r"getattr\([^)#\n]*['\"](qk_layernorm|num_moe_experts|num_experts)['\"]"),
     re.compile(r"\(\s*['\"]" + _OWNED + r"['\"]\s*,\s*(_\w+|lambda)"),  # (dest, test, why) rows
     re.compile(r"\b" + _OWNED + r"[\w.\]\)]*\s*%\s*\w"),  # ffn % d
@@ -331,7 +337,7 @@ def test_scan_finds_second_copies():
         '        for what, n in (("heads", m.heads), ("ffn", m.ffn_size)):',
         '                ("--ffn-hidden-size", args.ffn_hidden_size)):',
         '    raise ValueError(f"--ffn-hidden-size={ffn} is not divisible")',
-        "    if num_experts:",
+        "    if qk_layernorm:",
         'flag = "--num-experts"',
     ]
     for line in copies:
@@ -341,6 +347,7 @@ def test_scan_finds_second_copies():
         "                       qk_layernorm=config.qk_layernorm,",
         '    p.add_argument("--ffn-hidden-size", type=int)',
         "    return self.ffn or 4 * self.hidden",
+        "    if config.num_moe_experts is None:",  # the MoE spec choice, not a refusal
     ]
     for line in fine:
         assert not _second_copies(line), line

@@ -207,7 +207,6 @@ def test_layers_reject_unshardable_shapes(pool4):
         ("qk_layernorm", "qk_layernorm", True),
         ("softmax", "softmax_type", "learnable"),
         ("window", "window_size", (16, 0)),
-        ("moe", "num_moe_experts", 4),
     ):
         expected[key] = rejections.row_for(dest).message(value, 4, config_value=True)
     for errors in pool4.run(checks_validation.layer_errors, 4, timeout=120):

@@ -198,7 +198,11 @@ class Rejection:
         return f"{where} cannot be combined with {against}: {self.reason}"
 
 
-_DENSE_ONLY = "TSP supports dense MLPs only (MoE layers have no TSP spec)"
+_HYBRID_DENSE_ONLY = (
+    "the hybrid replaces a dense MLP by the TSP ring; MoE layers have no hybrid spec (use "
+    "--tensor-sequence-parallel-size, whose MoE layers are megatron-core's)"
+)
+_EP_FOLDED = "under TSP the experts are spread over the expert-model-parallel ranks"
 _TE_ONLY = "needs Transformer Engine layers; TSP layers are not TE modules"
 _CUDA_GRAPHS = (
     "TSP layers have not been validated under CUDA graph capture: the captured layer would hold "
@@ -293,24 +297,110 @@ ROWS: Tuple[Rejection, ...] = (
         _CUDA_GRAPHS,
         config_field="external_cuda_graph",
     ),
-    # --- MoE -------------------------------------------------------------------------------------
+    # --- MoE ("EP folded onto the TSP axis": megatron-core's MoELayer behind TSP attention) ------
+    # --num-experts, --expert-model-parallel-size, --moe-layer-freq, the router's top-k / score
+    # function / aux, seq and global aux losses / z-loss / expert bias, shared experts and the
+    # allgather / alltoall dispatchers work: the MoE layer is token-wise and reduces its load
+    # balancing statistics over pg_collection.tp_cp, the TSP group (docs/moe.md). What is refused
+    # depends on which tokens a rank holds (zigzag chunks under TSP, one block under TP+SP) or is
+    # not wired into the TSP spec.
+    Rejection(
+        "--expert-tensor-parallel-size",
+        "expert_tensor_parallel_size",
+        Condition("other than 1", lambda v, d: v not in (None, 1)),
+        _EP_FOLDED + ", so each expert is whole on its rank (expert-tensor-parallel size 1; "
+        "the launcher sets it); experts sharded over the TSP ranks are the TSP expert ring "
+        "schedule, which is not implemented yet",
+        example=("2",),
+    ),
+    Rejection(
+        "--moe-grouped-gemm",
+        "moe_grouped_gemm",
+        SET,
+        "the TSP spec builds megatron-core's local MoE experts (SequentialMLP); grouped-GEMM "
+        "experts are not wired into it yet",
+        config_field="moe_grouped_gemm",
+    ),
+    Rejection(
+        "--moe-expert-capacity-factor",
+        "moe_expert_capacity_factor",
+        GIVEN,
+        "token dropping picks, per rank, which of its local tokens exceed an expert's capacity; "
+        "a TSP rank holds two zigzag chunks where a TP+SP rank holds one contiguous block, so "
+        "other tokens would be dropped than under TP+SP",
+        config_field="moe_expert_capacity_factor",
+        example=("1.0",),
+    ),
+    Rejection(
+        "--moe-router-load-balancing-type",
+        "moe_router_load_balancing_type",
+        Condition(
+            "`sinkhorn`",
+            lambda v, d: "sinkhorn" in ([v] if isinstance(v, str) else list(v or ())),
+            ("sinkhorn",),
+        ),
+        "Sinkhorn normalises the routing over this rank's tokens; a TSP rank holds other "
+        "tokens than a TP+SP rank, so experts would be chosen differently",
+        config_field="moe_router_load_balancing_type",
+        example=("sinkhorn",),
+    ),
+    Rejection(
+        "--moe-input-jitter-eps",
+        "moe_input_jitter_eps",
+        GIVEN,
+        "the jitter noise is drawn for this rank's tokens in local order; a TSP rank holds "
+        "other tokens than a TP+SP rank, so each token would get other noise",
+        config_field="moe_input_jitter_eps",
+        example=("0.01",),
+    ),
+    Rejection(
+        "--moe-token-dispatcher-type",
+        "moe_token_dispatcher_type",
+        one_of("flex"),
+        "the flex dispatcher (DeepEP / HybridEP kernels) has not been validated under TSP; use "
+        "alltoall or allgather",
+        config_field="moe_token_dispatcher_type",
+        example=("flex",),
+    ),
+    Rejection(
+        "--moe-enable-deepep",
+        "moe_enable_deepep",
+        SET,
+        "DeepEP (the flex dispatcher) has not been validated under TSP; use alltoall or allgather",
+        config_field="moe_enable_deepep",
+    ),
+    Rejection(
+        "--moe-shared-expert-overlap",
+        "moe_shared_expert_overlap",
+        SET,
+        "the shared-expert overlap runs the shared expert on CUDA side streams inside the "
+        "dispatcher and has not been validated under TSP",
+        config_field="moe_shared_expert_overlap",
+    ),
+    Rejection(
+        "--moe-use-upcycling",
+        "moe_use_upcycling",
+        SET,
+        "upcycling builds the dense model with Megatron's own spec to convert its checkpoint; "
+        "it is not wired for the TSP spec",
+    ),
     Rejection(
         "--num-experts",
         "num_experts",
         SET,
-        _DENSE_ONLY,
+        _HYBRID_DENSE_ONLY,
         config_field="num_moe_experts",
         layer="mlp",
-        modes=(TSP, TSP_MLP),
+        modes=(TSP_MLP,),
         example=("8",),
     ),
     Rejection(
         "--expert-model-parallel-size",
         "expert_model_parallel_size",
         above(1),
-        _DENSE_ONLY,
+        _HYBRID_DENSE_ONLY,
         config_field="expert_model_parallel_size",
-        modes=(TSP, TSP_MLP),
+        modes=(TSP_MLP,),
         example=("2",),
     ),
     # --- attention -------------------------------------------------------------------------------

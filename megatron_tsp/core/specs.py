@@ -7,6 +7,16 @@ without apex/TE).
 Parameter holders are Megatron's own Column/RowParallelLinear, so every parameter name matches
 ``get_gpt_layer_local_spec`` and a TP=D + SP checkpoint.
 
+Mixture-of-Experts ("EP folded onto the TSP axis"): a layer whose ``moe_layer_freq`` entry is 1
+gets megatron-core's own ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts, shared
+experts) from Megatron's local MoE spec, with TSP attention in front of it. The MoE layer is
+token-wise and its input is this rank's S/D tokens (two zigzag chunks instead of TP+SP's one
+contiguous block), so it runs unchanged: the experts are spread over the expert-model-parallel
+group (``--expert-model-parallel-size``, folded onto the TSP ranks, expert-tensor-parallel size 1)
+and the dispatcher exchanges exactly the tokens it exchanges under TP+SP. The router's load
+balancing statistics are summed over ``pg_collection.tp_cp``, which is the TSP group here, so the
+aux loss sees the same token set as under TP+SP (docs/moe.md).
+
 ``get_gpt_layer_tsp_mlp_spec`` / ``get_gpt_block_tsp_mlp_spec`` are the hybrid for a TP+SP run
 (Megatron-LM ``--tsp-mlp``): Megatron's local layer spec with only the MLP replaced by the TSP
 MLP ring; no zigzag, no batch permutation.
@@ -15,7 +25,7 @@ MLP ring; no zigzag, no batch permutation.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import List, Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -74,6 +84,17 @@ def _tsp_mlp_spec(recompute_activation: bool) -> TSPMLPSpec:
     )
 
 
+def _moe_spec(num_experts: int, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """megatron-core's ``MoELayer`` spec with its local (non-TE) modules: ``SequentialMLP``
+    experts and a ``SharedExpertMLP`` over Column/RowParallelLinear. Nothing of TSP inside."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    return get_moe_module_spec_for_backend(
+        backend=LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm
+    )
+
+
 def get_gpt_layer_tsp_spec(
     normalization: Optional[str] = None,
     qk_layernorm: bool = False,
@@ -82,8 +103,10 @@ def get_gpt_layer_tsp_spec(
     attention_backward: Optional[str] = None,
     mlp_recompute_activation: bool = False,
     kv_grad_reduce_in_fp32: Optional[bool] = None,
+    moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
-    """TransformerLayer spec with TSP attention and MLP.
+    """TransformerLayer spec with TSP attention and the TSP MLP, or, with ``num_experts``,
+    megatron-core's ``MoELayer`` (local modules) as the MLP (see the module docstring).
 
     ``normalization`` is accepted for parity with Megatron's spec getters; the norm follows
     ``config.normalization`` ("LayerNorm" or "RMSNorm") when the model is built.
@@ -103,6 +126,7 @@ def get_gpt_layer_tsp_spec(
             "qk_layernorm": qk_layernorm,
             "num_moe_experts": num_experts,
             "multi_latent_attention": multi_latent_attention,
+            "moe_grouped_gemm": moe_grouped_gemm,
         },
         d=None,
     )
@@ -127,7 +151,11 @@ def get_gpt_layer_tsp_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=SequenceParallelNorm,
-            mlp=_tsp_mlp_spec(mlp_recompute_activation),
+            mlp=(
+                _tsp_mlp_spec(mlp_recompute_activation)
+                if num_experts is None
+                else _moe_spec(num_experts, moe_grouped_gemm)
+            ),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -145,6 +173,47 @@ def _num_layers_on_stage(config, vp_stage: Optional[int], pp_rank: Optional[int]
         return get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
+def moe_layer_pattern(config) -> List[int]:
+    """1 for an MoE layer, 0 for a dense one, for every layer of the model (all pipeline stages),
+    from ``config.moe_layer_freq`` exactly as megatron-core's ``get_gpt_decoder_layer_specs``
+    reads it (an int N: every N-th layer from the first; a list: one entry per layer). All zeros
+    without experts."""
+    n = config.num_layers
+    if config.num_moe_experts is None:
+        return [0] * n
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(n)]
+    if isinstance(freq, list):
+        if len(freq) != n or any(v not in (0, 1) for v in freq):
+            raise ValueError(
+                f"--moe-layer-freq={freq}: needs one 0 (dense) or 1 (MoE) per layer "
+                f"(--num-layers={n})"
+            )
+        return list(freq)
+    raise ValueError(f"--moe-layer-freq={freq!r}: an int or a list of 0/1 per layer")
+
+
+def _layer_ids_on_stage(config, vp_stage: Optional[int], pp_rank: Optional[int]) -> List[int]:
+    """Global (0-based) ids of the layers this pipeline (virtual) stage builds."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        return list(
+            layout.get_layer_id_list(
+                layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        )
+    try:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    except TypeError:  # older signature without pp_rank
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return list(range(offset, offset + _num_layers_on_stage(config, vp_stage, pp_rank)))
+
+
 def get_gpt_block_tsp_spec(
     config,
     normalization: Optional[str] = None,
@@ -152,22 +221,31 @@ def get_gpt_block_tsp_spec(
     pp_rank: Optional[int] = None,
     kv_grad_reduce_in_fp32: Optional[bool] = None,
 ) -> TransformerBlockSubmodules:
-    """Block spec for this pipeline stage: TSP layers plus the TSP final norm
+    """Block spec for this pipeline stage: TSP layers plus the TSP final norm. With
+    ``config.num_moe_experts`` the layers ``moe_layer_pattern`` marks 1 are MoE layers
+    (TSP attention + megatron-core's ``MoELayer``), the others dense TSP layers
     (``kv_grad_reduce_in_fp32``: see ``get_gpt_layer_tsp_spec``)."""
     from megatron_tsp.core.validation import check_transformer_config
 
     check_transformer_config(config)
-    layer = get_gpt_layer_tsp_spec(
+    kwargs = dict(
         normalization=normalization or config.normalization,
         qk_layernorm=config.qk_layernorm,
-        num_experts=config.num_moe_experts,
         multi_latent_attention=config.multi_latent_attention,
         kv_grad_reduce_in_fp32=kv_grad_reduce_in_fp32,
     )
-    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+    dense = get_gpt_layer_tsp_spec(**kwargs)
+    if config.num_moe_experts is None:
+        num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
+        return TransformerBlockSubmodules(
+            layer_specs=[dense] * num_layers, layer_norm=SequenceParallelNorm
+        )
+    moe = get_gpt_layer_tsp_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **kwargs
     )
+    pattern = moe_layer_pattern(config)
+    layers = [moe if pattern[i] else dense for i in _layer_ids_on_stage(config, vp_stage, pp_rank)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelNorm)
 
 
 # Module attributes for Megatron-LM's ``--spec megatron_tsp.core.specs <name>``.
@@ -194,12 +272,29 @@ def get_gpt_block_local_sp_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm)."""
-    layer = get_gpt_layer_local_sp_spec(normalization or config.normalization)
-    num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
-    )
+    """Block spec of the TP / TP+SP baseline (``get_gpt_layer_local_sp_spec`` + final norm).
+
+    With experts: Megatron's own local decoder layers (``get_gpt_decoder_layer_specs``: dense or
+    MoE per ``moe_layer_freq``) for this stage, with the same sequence-parallel-tagged norms."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+    normalization = normalization or config.normalization
+    if config.num_moe_experts is None:
+        layer = get_gpt_layer_local_sp_spec(normalization)
+        num_layers = _num_layers_on_stage(config, vp_stage, pp_rank)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=SequenceParallelNorm
+        )
+    every_layer = get_gpt_decoder_layer_specs(config, False, normalization)
+    layers = []
+    for i in _layer_ids_on_stage(config, vp_stage, pp_rank):
+        spec = copy.deepcopy(every_layer[i])
+        spec.submodules.input_layernorm = SequenceParallelNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        layers.append(spec)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelNorm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,6 +87,18 @@ def check_model_shape(
         check_sequence_length(seq_length, d)
 
 
+def check_expert_layout(num_experts: Optional[int], expert_tensor_parallel_size, d: int) -> None:
+    """MoE under TSP ("EP folded onto the TSP axis") runs every expert whole on one rank.
+
+    A ``TransformerConfig`` (and Megatron-LM after ``validate_args``) defaults the
+    expert-tensor-parallel size to the tensor-parallel size D, so the ``--expert-tensor-parallel-
+    size`` row of the table is checked here only for models with experts; the message is the
+    row's."""
+    if num_experts and expert_tensor_parallel_size not in (None, 1):
+        row = rejections.row_for("expert_tensor_parallel_size")
+        raise rejections.TSPRejection(row.message(expert_tensor_parallel_size, d))
+
+
 def check_transformer_config(
     config, vocab_size: Optional[int] = None, seq_length: Optional[int] = None
 ) -> None:
@@ -99,6 +111,7 @@ def check_transformer_config(
             "set sequence_parallel=True (--sequence-parallel) in the TransformerConfig"
         )
     rejections.check_config(config, d)
+    check_expert_layout(config.num_moe_experts, config.expert_tensor_parallel_size, d)
     check_model_shape(
         d,
         num_attention_heads=config.num_attention_heads,

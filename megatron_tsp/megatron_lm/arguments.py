@@ -27,7 +27,12 @@ import argparse
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_tsp.core import rejections
-from megatron_tsp.core.validation import TSP_FLAG, check_model_shape, check_parallel_layout
+from megatron_tsp.core.validation import (
+    TSP_FLAG,
+    check_expert_layout,
+    check_model_shape,
+    check_parallel_layout,
+)
 
 GROUP_TITLE = "tensor-sequence parallel"
 
@@ -186,6 +191,11 @@ def translate_args(args) -> None:
         args.tsp_replaced_spec = list(user_spec)
     args.tensor_model_parallel_size = d
     args.sequence_parallel = d > 1
+    # MoE under TSP folds the experts onto the expert-model-parallel ranks whole (expert-tensor-
+    # parallel size 1); Megatron would default --expert-tensor-parallel-size to
+    # --tensor-model-parallel-size (= D), which is the expert ring's layout, not this schedule's.
+    if vars(args).get("num_experts") and getattr(args, "expert_tensor_parallel_size", 1) is None:
+        args.expert_tensor_parallel_size = 1
     # TSP attention is causal by construction and never reads an attention mask: do not let
     # Megatron build an S x S mask per sample (69 GB at 128k), broadcast it and hand it around.
     if getattr(args, "create_attention_mask_in_dataloader", False):
@@ -278,6 +288,9 @@ def _check_validated_args(args, d: int) -> None:
             f"Megatron turned --sequence-parallel off during validation; TSP with {TSP_FLAG}={d} "
             "needs sequence-parallel activations"
         )
+    check_expert_layout(
+        vars(args).get("num_experts"), getattr(args, "expert_tensor_parallel_size", None), d
+    )
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     check_model_shape(
         d,

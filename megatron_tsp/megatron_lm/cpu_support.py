@@ -4,7 +4,9 @@ megatron-core assumes CUDA in three places that matter for TSP and its baselines
 
 1. buffers are allocated on ``torch.cuda.current_device()``;
 2. the local attention builds its default causal mask with ``device="cuda"``;
-3. the model-parallel RNG tracker saves and restores CUDA generator states.
+3. the model-parallel RNG tracker saves and restores CUDA generator states;
+4. (MoE) the router's gating GEMM tests ``te_general_gemm``, a name megatron-core 0.16 defines
+   only when Transformer Engine imports.
 
 ``enable_cpu_support()`` redirects exactly these to the CPU. It is explicit (never an import side
 effect), idempotent, and undone by ``disable_cpu_support()``. It refuses to run when CUDA is
@@ -44,6 +46,17 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _cpu_router_gating_linear(inp, weight, bias, router_dtype):
+    """The MoE router's logits ``inp @ weight.T + bias`` computed in ``router_dtype``, what
+    megatron-core's ``RouterGatingLinearFunction`` computes without Transformer Engine (its
+    gradients come back in the input's and the weight's dtypes through the casts)."""
+    return torch.nn.functional.linear(
+        inp.to(router_dtype),
+        weight.to(router_dtype),
+        None if bias is None else bias.to(router_dtype),
+    )
+
+
 _SHIMS = {
     "torch.cuda:current_device": _cpu_current_device,
     "torch.cuda:get_rng_state": _cpu_get_rng_state,
@@ -52,6 +65,7 @@ _SHIMS = {
     "megatron.core.fusions.fused_softmax:get_default_causal_mask": _cpu_causal_mask,
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _cpu_set_rng_state,
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _cpu_get_rng_state,
+    "megatron.core.transformer.moe.router:router_gating_linear": _cpu_router_gating_linear,
 }
 
 

@@ -11,7 +11,9 @@ NCCL, the dry run
 3. builds that rank's model with the script's own model provider / builder, every tensor on the
    ``meta`` device (a 7B model at D=8 needs no RAM);
 4. prints the parallel layout (TSP / DP / PP sizes and the ranks of every group), the per-rank
-   parameter count and the zigzag chunks of every TSP rank;
+   parameter count and the zigzag chunks of every TSP rank; with experts, the MoE layout (the
+   schedule, experts per rank and this rank's experts, the EP / expert-TP / expert-DP groups, the
+   MoE layers of this stage);
 5. checks every target of the patch registry in the imported megatron-core and torch and in the
    Megatron-LM checkout the script runs from (``patches.check_everywhere``), then exits with
    status 0, or 1 when a target is missing or lacks a parameter the patch relies on.
@@ -188,6 +190,7 @@ def _init_model_parallel(args) -> None:
         ),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         order="tp-cp-ep-dp-pp"
         if not getattr(args, "use_tp_pp_dp_mapping", False)
         else "tp-cp-ep-pp-dp",
@@ -210,6 +213,53 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
     )
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     return {"tp": gen.get_ranks("tp"), "dp": gen.get_ranks("dp"), "pp": gen.get_ranks("pp")}
+
+
+def moe_layout(args, models) -> Optional[dict]:
+    """The MoE layout of the run (None without experts): schedule, experts per rank and this
+    rank's global expert ids, the expert groups from Megatron's own rank generator (same order
+    as ``initialize_model_parallel``'s expert grid), and the layers of this stage that are MoE."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.parallel_state import RankGenerator
+
+    experts = vars(args).get("num_experts")
+    if not experts:
+        return None
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    order = (
+        "tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp"
+    )
+    gen = RankGenerator(
+        tp=etp, ep=ep, dp=args.world_size // (etp * ep * pp), pp=pp, cp=1, order=order
+    )
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    per_rank = experts // ep
+    moe_layers = []
+    for model in models:
+        decoder = getattr(model, "decoder", None)
+        for layer in getattr(decoder, "layers", None) or []:
+            if type(getattr(layer, "mlp", None)).__name__ == "MoELayer":
+                moe_layers.append(layer.layer_number)
+    return {
+        "num_experts": experts,
+        "topk": getattr(args, "moe_router_topk", None),
+        "dispatcher": getattr(args, "moe_token_dispatcher_type", None),
+        "schedule": (
+            "experts folded onto the TSP axis (megatron-core MoELayer behind TSP attention)"
+            if tsp_args.tsp_size(args)
+            else "Megatron's MoELayer"
+        ),
+        "ep": ep,
+        "etp": etp,
+        "experts_per_rank": per_rank,
+        "local_experts": list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank)),
+        "ep_groups": gen.get_ranks("ep"),
+        "etp_groups": gen.get_ranks("tp"),
+        "expert_dp_groups": gen.get_ranks("dp"),
+        "moe_layers": moe_layers,
+    }
 
 
 def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
@@ -313,6 +363,7 @@ def run(args, build: Callable) -> dict:
             "global_batch_size": args.global_batch_size,
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
         }
+        report["moe"] = moe_layout(args, models)
         d = report["tsp"]
         if d:
             report["zigzag"] = zigzag_chunks(args.seq_length, d)
@@ -394,6 +445,20 @@ def print_report(report: dict) -> None:
                 f"    TSP rank {row['rank']}: chunks {row['chunks'][0]} and {row['chunks'][1]} "
                 f"-> tokens {spans}"
             )
+    moe = report.get("moe")
+    if moe:
+        lines += [
+            f"  MoE               : {moe['num_experts']} experts, top-{moe['topk']}, "
+            f"{moe['dispatcher']} dispatcher; {moe['schedule']}"
+            + ("; TSP expert ring: not implemented" if tsp else ""),
+            f"  experts           : {moe['experts_per_rank']} per rank (EP {moe['ep']}, "
+            f"expert-TP {moe['etp']}); rank {report['rank']} holds experts "
+            f"{moe['local_experts']}",
+            f"  EP groups         : {_fmt_groups(moe['ep_groups'])}",
+            f"  expert-TP groups  : {_fmt_groups(moe['etp_groups'])}",
+            f"  expert-DP groups  : {_fmt_groups(moe['expert_dp_groups'])}",
+            f"  MoE layers        : {moe['moe_layers'] or 'none'} on this stage",
+        ]
     lines.append(f"  CUDA initialized  : {'yes' if report['cuda_initialized'] else 'no'}")
     lines.append(
         f"  patches           : {len(report.get('patches', []))} applied in this process "

@@ -185,6 +185,13 @@ _CPU_SUPPORT_PATCHES = [
         (),
         optional=True,
     ),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.transformer.moe.router:router_gating_linear",
+        "the MoE router's gating GEMM reads te_general_gemm, which core 0.16 leaves undefined "
+        "without Transformer Engine",
+        ("inp", "weight", "bias", "router_dtype"),
+    ),
 ]
 
 # pretrain_gpt.py on CPU ranks: each CUDA-only call of the loop (the answers themselves are

@@ -131,14 +131,18 @@ def test_several_problems_are_listed_together():
         "--context-parallel-size",
         "2",
         "--tp-comm-overlap",
-        "--num-experts",
-        "4",
+        "--moe-expert-capacity-factor",
+        "1.0",
     )
     with pytest.raises(A.TSPArgumentError) as err:
         A.translate_args(args)
     text = str(err.value)
     assert text.count("\n  - ") == 3
-    for flag in ("--context-parallel-size=2", "--tp-comm-overlap", "--num-experts=4"):
+    for flag in (
+        "--context-parallel-size=2",
+        "--tp-comm-overlap",
+        "--moe-expert-capacity-factor=1.0",
+    ):
         assert flag in text
 
 

@@ -181,6 +181,37 @@ def test_dry_run_end_to_end(name):
     assert f"checked in Megatron-LM tree {tree} (core_v{version})" in out, out[-3000:]
 
 
+def test_dry_run_prints_the_moe_layout():
+    """MoE under TSP through pretrain_gpt.py's own argument path and builder: the launcher sets
+    expert-TP to 1, the dense-then-MoE pattern builds megatron-core's MoELayer in layer 2 only,
+    and the dry run prints the schedule, this rank's experts and the expert groups."""
+    model = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 "
+        "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 "
+        "--global-batch-size 2 --train-iters 1 --lr 1e-3 --transformer-impl local "
+        "--no-gradient-accumulation-fusion --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 1024 --swiglu --disable-bias-linear --normalization RMSNorm "
+        "--tensor-sequence-parallel-size 2 --num-experts 4 --expert-model-parallel-size 2 "
+        "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-aux-loss-coeff 1e-2"
+    ).split()
+    proc = run_launcher(
+        [_script(), *model, "--moe-layer-freq", "[0,1]", "--tsp-dry-run"]
+        + ["--tsp-dry-run-world-size", "4", "--tsp-dry-run-rank", "3"]
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
+    for line in (
+        "MoE               : 4 experts, top-2, allgather dispatcher; experts folded onto the TSP "
+        "axis (megatron-core MoELayer behind TSP attention); TSP expert ring: not implemented",
+        "experts           : 2 per rank (EP 2, expert-TP 1); rank 3 holds experts [2, 3]",
+        "EP groups         : [0, 1]  [2, 3]",
+        "expert-TP groups  : [0]  [1]  [2]  [3]",
+        "expert-DP groups  : [0, 2]  [1, 3]",
+        "MoE layers        : [2] on this stage",
+    ):
+        assert line in out, (line, out[-3000:])
+
+
 def test_dry_run_rejects_unsupported_flags_by_name():
     _, args = _config_args("tiny-cpu")
     proc = run_launcher(

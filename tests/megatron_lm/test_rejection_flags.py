@@ -171,8 +171,16 @@ REFUSED = [
     ("tsp", ["--cuda-graph-impl", "transformer_engine"], None),
     ("tsp", ["--enable-cuda-graph"], None),
     ("tsp", ["--external-cuda-graph"], None),
-    ("tsp", ["--num-experts", "4"], None),
-    ("tsp", ["--expert-model-parallel-size", "2"], None),
+    # MoE (experts folded onto the TSP ranks; "tsp-moe" below is the accepted control)
+    ("tsp", ["--expert-tensor-parallel-size", "2", "--num-experts", "4"], None),
+    ("tsp", ["--moe-grouped-gemm", "--num-experts", "4"], None),
+    ("tsp", ["--moe-expert-capacity-factor", "1.0", "--num-experts", "4"], None),
+    ("tsp", ["--moe-router-load-balancing-type", "sinkhorn", "--num-experts", "4"], None),
+    ("tsp", ["--moe-input-jitter-eps", "0.01", "--num-experts", "4"], None),
+    ("tsp", ["--moe-token-dispatcher-type", "flex", "--num-experts", "4"], None),
+    ("tsp", ["--moe-enable-deepep", "--num-experts", "4"], None),
+    ("tsp", ["--moe-shared-expert-overlap", "--num-experts", "4"], None),
+    ("tsp", ["--moe-use-upcycling", "--num-experts", "4"], None),
     ("tsp", ["--multi-latent-attention"], None),
     ("tsp", ["--qk-layernorm"], None),
     ("tsp", ["--qk-l2-norm"], None),
@@ -241,6 +249,27 @@ MODEL = (
 MODES = {
     "tsp": ["--tensor-sequence-parallel-size", "2"],
     "tsp-mlp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"],
+    # MoE under TSP is accepted (experts over EP=2, the launcher sets expert-TP to 1)
+    "tsp-moe": [
+        "--tensor-sequence-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-router-topk",
+        "2",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--moe-z-loss-coeff",
+        "1e-3",
+        "--moe-shared-expert-intermediate-size",
+        "64",
+        "--moe-layer-freq",
+        "[0,1]",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ],
 }
 
 # Runs after _PROBE, in the same process (its imports and sys.path); the request is argv[3].

@@ -356,8 +356,10 @@ class TSPMLP(MLP):
         **kwargs,
     ):
         if is_expert:
-            reason = rejections.row_for("num_experts").reason
-            raise rejections.TSPRejection(f"TSPMLP built as an expert (is_expert=True): {reason}")
+            raise rejections.TSPRejection(
+                "TSPMLP built as an expert (is_expert=True): it is the dense MLP; MoE layers "
+                "under TSP are megatron-core's MoELayer (get_gpt_layer_tsp_spec(num_experts=...))"
+            )
         group = resolve_group(pg_collection, tp_group)
         if ffn_hidden_size is None:
             ffn_hidden_size = config.ffn_hidden_size

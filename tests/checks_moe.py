@@ -1,0 +1,388 @@
+"""MoE GPTModel checks run inside every rank (experts folded onto the TSP axis).
+
+The model under test is a ``GPTModel`` built from ``get_gpt_block_tsp_spec``: TSP attention and,
+in the layers ``moe_layer_freq`` marks, megatron-core's own ``MoELayer`` (top-k router with aux
+and z losses, allgather / alltoall dispatcher, ``SequentialMLP`` SwiGLU experts, optionally a
+shared expert) with expert-model-parallel size ``ep`` and expert-tensor-parallel size 1.
+References are stock megatron-core only:
+
+* single process: Megatron's own ``get_gpt_decoder_block_spec`` (local modules, CPU norms) at
+  TP=1, EP=1, every rank running the whole model on the whole batch;
+* TP=D+SP with the same EP: Megatron's ``get_gpt_decoder_layer_specs`` (local modules) with the
+  norms written from their formula (``tests.common.FormulaNorm``).
+
+The experts are perturbed per global expert id after initialisation (expert ``e`` gets
+``+ 0.01 * (e + 1)`` on every weight, in every model), so experts differ even where
+``use_cpu_initialization`` made them equal, and a model that put expert ``e``'s weights on the
+wrong rank or applied them to the wrong tokens would fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+)
+
+from megatron_tsp.core import parallel_state as tsp_state
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.specs import get_gpt_block_tsp_spec
+from tests import common
+from tests.checks_gpt import _batch, _model, _norms_to
+from tests.common import DTYPES, FormulaNorm, assert_close, make_config
+
+# (style overrides, MoE overrides) per case; all SwiGLU experts (Llama style), 4 experts, top-2.
+CASES = {
+    "moe": dict(layers=2, moe=dict()),
+    "shared": dict(layers=2, moe=dict(moe_shared_expert_intermediate_size=32)),
+    "dense_then_moe": dict(layers=2, moe=dict(moe_layer_freq=[0, 1])),
+}
+NUM_EXPERTS = 4
+
+
+def _ensure_groups(tp: int, ep: int) -> None:
+    """Megatron groups with tensor-parallel size ``tp`` and expert-model-parallel size ``ep``
+    (expert-tensor-parallel 1); ``tests.common``'s cache is invalidated so the next dense check
+    re-creates its own groups."""
+    if common._current == ("moe", tp, ep):
+        return
+    tsp_state.destroy_model_parallel()
+    tsp_state.initialize_model_parallel(
+        tensor_sequence_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=False,
+    )
+    common._current = ("moe", tp, ep)
+
+
+def _setup(tp: int, ep: int, seed: int, tsp: bool) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    _ensure_groups(tp, ep)
+    tsp_state._TSP_SIZE = tp if tsp else None
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _config(d, ep, dtype, case, dispatcher):
+    spec = CASES[case]
+    return make_config(
+        d,
+        dtype,
+        num_layers=spec["layers"],
+        hidden_size=32,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        **spec["moe"],
+    )
+
+
+def _single_spec(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+
+def _tp_sp_spec(config):
+    """Megatron's local decoder layers (dense / MoE per ``moe_layer_freq``) with formula norms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layers = []
+    for spec in get_gpt_decoder_layer_specs(config, False, "RMSNorm"):
+        spec = copy.deepcopy(spec)
+        spec.submodules.input_layernorm = FormulaNorm
+        spec.submodules.pre_mlp_layernorm = FormulaNorm
+        layers.append(spec)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=FormulaNorm)
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _global_expert(name: str, ep_rank: int, ep: int):
+    """Global expert id of a SequentialMLP parameter name, from this rank's local index."""
+    m = _LOCAL_EXPERT.search(name)
+    return None if m is None else ep_rank * (NUM_EXPERTS // ep) + int(m.group(1))
+
+
+def _perturb_experts(model, ep_rank: int, ep: int) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            e = _global_expert(name, ep_rank, ep)
+            if e is not None:
+                p.add_(0.01 * (e + 1))
+
+
+def _full_name(name: str, ep_rank: int, ep: int) -> str:
+    """The single-process (EP=1) name of a parameter: local expert index -> global id."""
+    e = _global_expert(name, ep_rank, ep)
+    if e is None:
+        return name
+    return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{e}.", name)
+
+
+def _step(model, batch):
+    """Masked mean token loss (fp64-exact path: vocab-gathered logits) plus the MoE aux losses
+    the router attached to its activations, backward; returns (loss, aux losses by name)."""
+    clear_aux_losses_tracker()
+    logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    losses = (
+        -torch.log_softmax(logits, dim=-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    )
+    mask = batch["loss_mask"].to(losses.dtype)
+    loss = (losses * mask).sum() / mask.sum()
+    loss.backward()
+    aux = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry["values"].clone()
+        group = entry.get("reduce_group")
+        if group is not None:  # what Megatron's logging does before reporting
+            dist.all_reduce(values, group=group)
+        else:
+            # z_loss is logged without a reduce group: each rank's value is the mean over its own
+            # tokens (Megatron logs TP rank 0's under TP+SP; a TSP rank holds other tokens, so
+            # that one number differs between the two). Its mean over the tensor-parallel group
+            # is the mean over all tokens, the same under TP=1, TP+SP and TSP.
+            tp = mpu.get_tensor_model_parallel_group()
+            dist.all_reduce(values, group=tp)
+            values /= dist.get_world_size(tp)
+        aux[name] = values
+    return loss.detach(), aux
+
+
+def _expert_and_grads(model, ep_rank, ep, group):
+    """Every gradient at full (single-process) size and name: TP-sharded parameters gathered over
+    the tensor-parallel group, experts gathered over the expert-model-parallel group."""
+    dense = {}
+    experts = {}
+    for name, p in model.named_parameters():
+        if _global_expert(name, ep_rank, ep) is None:
+            continue
+        experts[name] = p.grad
+    full = sharding.gather_full_state(model, group, grads=True)
+    for name in list(full):
+        if _global_expert(name, ep_rank, ep) is None:
+            dense[name] = full[name]
+    ep_group = mpu.get_expert_model_parallel_group()
+    for name, g in experts.items():
+        parts = [torch.empty_like(g) for _ in range(ep)]
+        dist.all_gather(parts, g.contiguous(), group=ep_group)
+        for r, part in enumerate(parts):
+            dense[_full_name(name, r, ep)] = part
+    return dense
+
+
+def _run(model, batch, group, ep, sum_sp=True):
+    loss, aux = _step(model, batch)
+    if sum_sp:
+        sharding.allreduce_sequence_parallel_grads(model, group)
+    return loss, aux
+
+
+def check_moe_vs_single(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
+    """TSP-D with experts over EP=``ep`` vs the single-process (TP=1, EP=1) stock model: loss, aux
+    losses (logged values) and every gradient at full size."""
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+
+    _setup(1, 1, seed, tsp=False)
+    ref_config = _config(1, 1, dtype, case, dispatcher)
+    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
+    _perturb_experts(ref, 0, 1)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss, ref_aux = _step(ref, data)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    _setup(d, ep, seed, tsp=True)
+    group = tsp_state.get_tensor_sequence_parallel_group()
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    config = _config(d, ep, dtype, case, dispatcher)
+    model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
+    _load_full(model, ref_params, group, ep_rank, ep)
+    local = zigzag.get_batch_on_this_tsp_rank(data, d)
+    loss, aux = _run(model, local, group, ep)
+    _reduce_expert_grads(model, ep_rank, ep)
+    grads = _expert_and_grads(model, ep_rank, ep, group)
+    actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
+    expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
+    what = f"TSP MoE ({case}, D={d}, EP={ep}, {dispatcher}) vs single-process stock GPTModel"
+    return _compare(actual, expected, aux, ref_aux, rtol, f"{what}, seed={seed}")
+
+
+def _compare(actual, expected, aux, ref_aux, rtol, what):
+    """Loss and gradients at ``rtol``; the logged aux losses at 1e-6: megatron-core's tracker
+    keeps them in an fp32 buffer whatever the model's dtype (the aux losses' effect on training,
+    their gradients, is part of the fp64 gradient comparison)."""
+    errors = assert_close(actual, expected, rtol=rtol, what=what)
+    if set(ref_aux) != {"load_balancing_loss", "z_loss"}:
+        raise AssertionError(f"{what}: expected the aux and z losses logged, got {sorted(ref_aux)}")
+    errors.update(
+        assert_close(
+            {f"aux:{k}": v for k, v in aux.items()},
+            {f"aux:{k}": v for k, v in ref_aux.items()},
+            rtol=1e-6,
+            what=what + " (logged aux losses)",
+        )
+    )
+    return errors
+
+
+@torch.no_grad()
+def _load_full(model, full_params, group, ep_rank, ep):
+    """Load single-process parameters: experts by global id, the rest as their TP shards."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, p in model.named_parameters():
+        if _global_expert(name, ep_rank, ep) is not None:
+            p.copy_(full_params[_full_name(name, ep_rank, ep)])
+            continue
+        value = full_params[name]
+        sharded, dim, stride = sharding.sharding_of(p)
+        if sharded:
+            value = sharding.shard(value, dim, stride, size, rank)
+        p.copy_(value)
+
+
+def _reduce_expert_grads(model, ep_rank, ep):
+    """Sum each expert's gradient over the ranks of the TSP group holding a copy of it (EP < D:
+    the expert-data-parallel group), what DDP does: sum over the expert-data-parallel group,
+    divided by the data-parallel replicas that ran the same batch."""
+    group = mpu.get_expert_data_parallel_group()
+    replicas = mpu.get_data_parallel_world_size()
+    for name, p in model.named_parameters():
+        if _global_expert(name, ep_rank, ep) is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(replicas)
+
+
+def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
+    """Megatron TP=D+SP with EP=``ep`` and TSP-D with the same EP on the same ranks: the TP+SP
+    model's state dict (this rank's shards and experts) loads into the TSP model with
+    ``strict=True``; loss, aux losses and every local gradient equal."""
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+
+    _setup(d, ep, seed, tsp=False)
+    group = mpu.get_tensor_model_parallel_group()
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    config = _config(d, ep, dtype, case, dispatcher)
+    tp_model = _model(config, _tp_sp_spec(config), "llama", vocab, seq, False)
+    _perturb_experts(tp_model, ep_rank, ep)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
+    tp_loss, tp_aux = _run(tp_model, data, group, ep)
+    # EP < D: an expert's copies see the tokens of their own expert-model-parallel group, which
+    # are other tokens under TSP (zigzag chunks) than under TP+SP (blocks); only their sum over
+    # the copies (what DDP reduces) is the model's gradient.
+    _reduce_expert_grads(tp_model, ep_rank, ep)
+    tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
+
+    _setup(d, ep, seed, tsp=True)
+    tsp_model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
+    tsp_model.load_state_dict(state, strict=True)
+    loss, aux = _run(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, d), group, ep)
+    _reduce_expert_grads(tsp_model, ep_rank, ep)
+    actual = {"loss": loss}
+    expected = {"loss": tp_loss}
+    for name, p in tsp_model.named_parameters():
+        actual[f"grad:{name}"] = p.grad
+        expected[f"grad:{name}"] = tp_grads[name]
+    what = f"TSP vs Megatron TP={d}+SP MoE ({case}, EP={ep}, {dispatcher}), seed={seed}"
+    return _compare(actual, expected, aux, tp_aux, rtol, what)
+
+
+def worst(per_rank_errors) -> dict:
+    """The largest relative error over the ranks, per kind (loss / aux losses / gradients)."""
+    out = {}
+    for errors in per_rank_errors:
+        for key, err in errors.items():
+            kind = key.split(":")[0] if ":" in key else key
+            if kind == "aux":
+                kind = key
+            out[kind] = max(out.get(kind, 0.0), err)
+    return {k: float(f"{v:.2e}") for k, v in out.items()}
+
+
+def check_moe_traffic_equals_tp_sp(d, ep, seed, case="moe"):
+    """The collectives megatron-core's MoE layers issue (forward and backward, counted by
+    ``CommCounter`` inside ``MoELayer`` modules) under TSP equal those under TP=D+SP with the
+    same EP, op by op: calls and bytes (the dispatcher sees S/D tokens per rank either way), and
+    equal the allgather dispatcher's formula below. Returns the per-op counts."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tsp.tools.comm_counter import CommCounter, label_modules
+
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+    counted = {}
+    for name, tsp in (("tp_sp", False), ("tsp", True)):
+        _setup(d, ep, seed, tsp=tsp)
+        config = _config(d, ep, dtype, case, "allgather")
+        spec = get_gpt_block_tsp_spec(config) if tsp else _tp_sp_spec(config)
+        model = _model(config, spec, "llama", vocab, seq, False)
+        label_modules(model, {MoELayer: "moe"})
+        local = zigzag.get_batch_on_this_tsp_rank(data, d) if tsp else data
+        with CommCounter() as counter:
+            _step(model, local)
+        counted[name] = {phase: counter.by_op(scope="moe", phase=phase) for phase in ("fwd", "bwd")}
+    if counted["tsp"] != counted["tp_sp"]:
+        raise AssertionError(
+            f"MoE traffic differs (D={d}, EP={ep}): TSP {counted['tsp']} vs TP+SP "
+            f"{counted['tp_sp']}"
+        )
+    # The allgather dispatcher's volume does not depend on the routing. Per MoE layer, with
+    # T = S*b/D tokens per rank, E experts, fp64 (8 bytes): forward all-gathers over the EP ranks
+    # the hidden states [EP*T, h], the probabilities [EP*T, E] and the bool routing map, reduce-
+    # scatters the output [EP*T, h] and sums the tokens per expert (E int64) for the aux loss;
+    # backward is the transpose (the probabilities' gradient reduce-scattered too).
+    layers = sum(_moe_pattern(config))
+    t, h, e, elt = seq * batch // d, config.hidden_size, NUM_EXPERTS, 8
+    one = {
+        "fwd": {
+            "all_gather_into_tensor": (3, ep * t * (h * elt + e * elt + e)),
+            "reduce_scatter_tensor": (1, ep * t * h * elt),
+            "all_reduce": (1, e * 8),
+        },
+        "bwd": {
+            "all_gather_into_tensor": (1, ep * t * h * elt),
+            "reduce_scatter_tensor": (2, ep * t * (h + e) * elt),
+        },
+    }
+    formula = {
+        phase: {op: (layers * c, layers * b) for op, (c, b) in ops.items()}
+        for phase, ops in one.items()
+    }
+    got = {
+        phase: {op: (v["calls"], v["payload"]) for op, v in ops.items()}
+        for phase, ops in counted["tsp"].items()
+    }
+    if got != formula:
+        raise AssertionError(f"MoE traffic (D={d}, EP={ep}) {got} != formula {formula}")
+    return counted["tsp"]
+
+
+def _moe_pattern(config):
+    from megatron_tsp.core.specs import moe_layer_pattern
+
+    return moe_layer_pattern(config)
