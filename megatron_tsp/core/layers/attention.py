@@ -8,7 +8,8 @@ Forward, for each head-group shard r = 0..D-1, software-pipelined one group ahea
     q, k, v = X_p @ W_qkv_r^T  (+ RoPE at the tokens' true positions)
     post all-gather(k, v) of group r                  # before group r-1's attention
     K_r, V_r = wait(all-gather of group r)            # full sequence, this head group only
-    Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # fp32 accumulator: no all-reduce
+    ctx_p[:, heads of r] = causal_attention(q, K_r, V_r);  W_proj[:, columns of r] = W_proj_r
+    then, once: Y_p = ctx_p @ W_proj^T                 # one GEMM over all heads: no all-reduce
 
 Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
 aligned causal mask, through the attention-kernel interface of ``kernels.py`` (one kernel call per
@@ -22,8 +23,12 @@ recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective 
 keeps only X_p and recomputes everything per head group (least memory; also used when attention
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
-Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
-over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once.
+The output projection is one GEMM over every head (the contraction over head groups happens
+inside it, so no partial sums exist): its input, the D groups' attention outputs side by side,
+and its weight, the D shards' columns copied as they arrive, are [s/D, b, h] and [h, h] bf16
+buffers of the forward, where D fp32-accumulating GEMMs per chunk read and wrote an fp32 [s/D, b,
+h] accumulator. Other partial sums (grad_x over groups, dK/dV over chunks, weight gradients over
+ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once.
 """
 
 from __future__ import annotations
@@ -269,8 +274,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
 
     Communication. Forward, per head group r: broadcast of shard r's weights from its owner
     (shard r+1 posted before shard r is used), one all-gather of group r's packed K/V, posted
-    right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
-    (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
+    right after group r's QKV GEMM and waited after group r-1's attention (software pipeline:
+    QKV(r+1) and its gather are issued before attention(r)); the output projection is one GEMM
+    after the last group, with no communication (its shards came with the broadcasts). Backward: the
     broadcasts again, the K/V re-gather of group r+1 posted before group r's attention backward,
     one reduce-scatter of group r's packed dK/dV posted after its attention backward and waited
     one group later, and one reduce of group r's weight gradient (fp32 for bf16/fp16 models) onto
@@ -292,11 +298,15 @@ class _TSPAttentionFunction(torch.autograd.Function):
         size = seq_layout.group_size
         has_bias = qkv_b is not None
         blocks = seq_layout.causal_blocks
-        hidden = x.shape[-1]
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
         own = _pack_own(qkv_w, qkv_b, proj_w)
-        out_acc = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
+        # the output projection's operands, filled group by group (see the module docstring)
+        cols = proj_w.shape[1]
+        context = torch.empty(x.shape[:2] + (size * cols,), dtype=x.dtype, device=x.device)
+        proj_full = torch.empty(
+            (proj_w.shape[0], size * cols), dtype=proj_w.dtype, device=proj_w.device
+        )
         saved = []
 
         def prepare(r):
@@ -312,6 +322,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             for r in range(size):
                 upcoming = prepare(r + 1) if r + 1 < size else None
                 q, kv, pw, gather = current
+                proj_full.narrow(1, r * cols, cols).copy_(pw)
                 k_nat, v_nat = gather.wait()
                 if kernel.has_lse:
                     outs, lses = kernels.zigzag_forward(
@@ -323,9 +334,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
                     )
                     outs, lses = _block_rows(rows, blocks), []
                 del k_nat, v_nat
+                heads_r = context.narrow(2, r * cols, cols)
                 for block, rows in zip(blocks, outs):
-                    acc = out_acc.narrow(0, block.query_start, block.query_len)
-                    matmul_acc(rows.reshape(-1, rows.shape[-1]), pw.t(), acc=acc.view(-1, hidden))
+                    heads_r.narrow(0, block.query_start, block.query_len).copy_(rows)
                 if save_outputs:
                     saved += [q, kv, *outs, *lses]
                 current = upcoming
@@ -333,7 +344,8 @@ class _TSPAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
         ctx.seq_layout = seq_layout
-        return out_acc.to(x.dtype)
+        # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
+        return torch.matmul(context, proj_full.t())
 
     @staticmethod
     def backward(ctx, grad_out):
