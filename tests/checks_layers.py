@@ -191,9 +191,46 @@ def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_fre
     return out + proj_b if proj_b is not None else out
 
 
+class _FusedRopeStandIn:
+    """Stands in for ``rope_utils.fused_apply_rotary_pos_emb`` (Transformer Engine's fused RoPE,
+    absent on CPU) with its contract: [s, b, h, d] input of any strides, [s, 1, 1, rot] angles,
+    ``interleaved``, a new output tensor. Computes with Megatron's unfused formula and
+    counts its calls, so the test sees that the layer took the fused path and that its backward
+    (a call with the negated angles) inverts it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, t, freqs, transpose_output_memory=False, interleaved=False):
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        assert t.dim() == 4 and freqs.shape[1:3] == (1, 1), (t.shape, freqs.shape)
+        self.calls += 1
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
 def check_attention(
-    d, seed, dtype_name, heads, groups, bias, rope, seq, batch, hidden, attention_backward="saved"
+    d,
+    seed,
+    dtype_name,
+    heads,
+    groups,
+    bias,
+    rope,
+    seq,
+    batch,
+    hidden,
+    attention_backward="saved",
+    rotary_interleaved=False,
+    rotary_percent=1.0,
+    rope_fusion=False,
 ):
+    """``rope_fusion``: ``apply_rope_fusion`` on, with ``_FusedRopeStandIn`` as Megatron's fused
+    kernel (the reference keeps the unfused formula)."""
+    import copy
+
+    from megatron.core.models.common.embeddings import rope_utils
+
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
@@ -204,7 +241,9 @@ def check_attention(
         num_attention_heads=heads,
         num_query_groups=groups,
         add_bias_linear=bias,
+        rotary_interleaved=rotary_interleaved,
     )
+    ref_config = copy.copy(config)
     layer = TSPSelfAttention(
         config,
         SelfAttentionSubmodules(
@@ -230,7 +269,10 @@ def check_attention(
     freqs = None
     if rope:
         freqs = RotaryEmbedding(
-            kv_channels=hidden // heads, rotary_percent=1.0, use_cpu_initialization=True
+            kv_channels=hidden // heads,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=rotary_interleaved,
+            use_cpu_initialization=True,
         )(seq).to(dtype)
 
     ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
@@ -244,14 +286,24 @@ def check_attention(
         heads,
         groups,
         freqs,
-        config,
+        ref_config,
     )
     yr.backward(dy_full)
 
     x = zigzag_rows(x_full, size, rank).requires_grad_(True)
-    out, out_bias = layer(x, attention_mask=None, rotary_pos_emb=freqs)
-    y = out + out_bias if out_bias is not None else out
-    y.backward(zigzag_rows(dy_full, size, rank))
+    stand_in, saved_fused = _FusedRopeStandIn(), rope_utils.fused_apply_rotary_pos_emb
+    if rope_fusion:
+        config.apply_rope_fusion = True  # after construction: TransformerConfig wants TE
+        rope_utils.fused_apply_rotary_pos_emb = stand_in
+    try:
+        out, out_bias = layer(x, attention_mask=None, rotary_pos_emb=freqs)
+        y = out + out_bias if out_bias is not None else out
+        y.backward(zigzag_rows(dy_full, size, rank))
+    finally:
+        rope_utils.fused_apply_rotary_pos_emb = saved_fused
+    if rope_fusion:  # q and k per head group: forward, backward (and recomputed forward)
+        expected_calls = (4 if attention_backward == "saved" else 6) * size
+        assert stand_in.calls == expected_calls, f"fused RoPE called {stand_in.calls} times"
     actual = {"output": y, "grad:input": x.grad}
     expected = {
         "output": zigzag_rows(yr, size, rank),
@@ -263,7 +315,8 @@ def check_attention(
         expected,
         rtol=TOL[dtype],
         what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
-        f"rope={rope} backward={attention_backward} seed={seed}",
+        f"rope={rope} interleaved={rotary_interleaved} rotary_percent={rotary_percent} "
+        f"fused={rope_fusion} backward={attention_backward} seed={seed}",
     )
 
 

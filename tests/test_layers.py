@@ -189,6 +189,39 @@ def test_attention_matches_reference(
     )
 
 
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize(
+    "interleaved,percent,fused,backward",
+    [
+        (True, 1.0, False, "saved"),  # interleaved pairs (2k, 2k+1)
+        (False, 0.5, False, "recompute"),  # partial rotary: half of each head passes through
+        (False, 1.0, True, "saved"),  # apply_rope_fusion (a stand-in for TE's kernel)
+        (True, 0.5, True, "recompute"),
+    ],
+)
+def test_attention_rope_variants(pool4, seed, d, interleaved, percent, fused, backward):
+    """RoPE options against the reference (Megatron's unfused RoPE), fp64, GQA: the unfused
+    path's tables and swapped-channel formula, and the fused path's kernel calls, backward
+    included (the inverse rotation, never autograd)."""
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        "float64",
+        heads=8,
+        groups=4,
+        bias=True,
+        rope=True,
+        seq=24,
+        batch=2,
+        hidden=64,
+        attention_backward=backward,
+        rotary_interleaved=interleaved,
+        rotary_percent=percent,
+        rope_fusion=fused,
+    )
+
+
 @pytest.mark.parametrize("backward", ["saved", "recompute"])
 @pytest.mark.parametrize("d", [2, 4])
 def test_attention_dropout_gradients_match_finite_differences(pool4, seed, d, backward):

@@ -8,7 +8,8 @@ Forward, for each head-group shard r = 0..D-1, software-pipelined one group ahea
     q, k, v = X_p @ W_qkv_r^T  (+ RoPE at the tokens' true positions)
     post all-gather(k, v) of group r                  # before group r-1's attention
     K_r, V_r = wait(all-gather of group r)            # full sequence, this head group only
-    Y_p += causal_attention(q, K_r, V_r) @ W_proj_r^T   # fp32 accumulator: no all-reduce
+    ctx_p[:, heads of r] = causal_attention(q, K_r, V_r);  W_proj[:, columns of r] = W_proj_r
+    then, once: Y_p = ctx_p @ W_proj^T                 # one GEMM over all heads: no all-reduce
 
 Fewer key/value heads than ranks (``num_query_groups`` ng < D) keep megatron-core's TP layout:
 the fused QKV weight ``[q.. k v | q.. k v | ..]`` (one block of np/ng query heads and one K/V head
@@ -34,9 +35,13 @@ recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective 
 keeps only X_p and recomputes everything per head group (least memory; also used when attention
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
-Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
-over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The
-dK/dV sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
+The output projection is one GEMM over every head (the contraction over head groups happens
+inside it, so no partial sums exist): its input, the D groups' attention outputs side by side,
+and its weight, the D shards' columns copied as they arrive, are [s/D, b, h] and [h, h] bf16
+buffers of the forward, where D fp32-accumulating GEMMs per chunk read and wrote an fp32 [s/D, b,
+h] accumulator. Other partial sums (grad_x over groups, dK/dV over chunks, weight gradients over
+ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The dK/dV
+sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
 (``kv_grad_reduce_in_fp32``: in the accumulation dtype).
 """
 
@@ -72,6 +77,7 @@ from megatron_tsp.core.layers import kernels
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
+from megatron_tsp.core.layers.rope import RopeTables, local_tables, rotate
 from megatron_tsp.core.layout import TSPLayout
 from megatron_tsp.core.parallel_state import resolve_group
 from megatron_tsp.core.validation import check_model_shape
@@ -151,11 +157,52 @@ def _column_split(t: torch.Tensor, parts: int) -> list:
     return list(t.chunk(parts, dim=-1)) if parts > 1 else [t]
 
 
-def split_rope(mixed, layout: HeadLayout, freqs_q, freqs_k):
-    """q [s, b, np/D, hn], k and v [s, b, ng/D, hn], RoPE applied at the given positions."""
-    q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
-    q = q.reshape(q.shape[0], q.shape[1], layout.heads, layout.head_dim)
-    return _rope(q, freqs_q, layout.config), _rope(k, freqs_k, layout.config), v
+def rotate_qkv(mixed, layout: HeadLayout, rope_q, rope_k, kv_out: torch.Tensor):
+    """One head group's local qkv [s, b, ng/D, (np/ng + 2) * hn] into q [s, b, np/D, hn] (a new
+    contiguous tensor) and the packed K/V send buffer ``kv_out`` [s, b, 2 * ng/D, hn] (K in the
+    first ng/D heads, V in the rest), RoPE applied on the way (``rope.rotate`` writes straight into
+    q and into K's slot of ``kv_out``: no rotated copies, no pack ``cat``). ``rope_*``: this
+    rank's ``RopeTables`` or None. Returns q."""
+    s, b, groups = mixed.shape[:3]
+    per_group, hn = layout.heads // layout.groups, layout.head_dim
+    heads5 = mixed.view(s, b, groups, per_group + 2, hn)
+    q_in, k_in, v_in = heads5[:, :, :, :per_group], heads5[:, :, :, per_group], heads5[:, :, :, -1]
+    if rope_q is None:
+        q = q_in.reshape(s, b, layout.heads, hn)
+    else:
+        # [s, b * ng/D, np/ng, hn]: a 4-D [s, b, h, d] view of the strided q (fused kernels
+        # take 4-D tensors), rotated into a contiguous [s, b, np/D, hn]
+        q = rotate(q_in.reshape(s, b * groups, per_group, hn), rope_q).view(s, b, layout.heads, hn)
+    if rope_k is None:
+        torch.cat([k_in, v_in], dim=2, out=kv_out)
+    else:
+        rotate(k_in, rope_k, out=kv_out.narrow(2, 0, groups))
+        kv_out.narrow(2, groups, groups).copy_(v_in)
+    return q
+
+
+def qkv_grad(dq, dk, dv, layout: HeadLayout, rope_q, rope_k) -> torch.Tensor:
+    """Adjoint of ``rotate_qkv`` (its RoPE inverted analytically, ``rope.rotate(inverse=True)``):
+    dq [s, b, np/D, hn], dk and dv [s, b, ng/D, hn] into the local qkv gradient
+    [s, b, ng/D, (np/ng + 2) * hn], each written straight into its slot."""
+    s, b = dq.shape[:2]
+    groups, hn = dk.shape[2], layout.head_dim
+    per_group = layout.heads // layout.groups
+    d_mixed = torch.empty((s, b, groups, (per_group + 2) * hn), dtype=dq.dtype, device=dq.device)
+    heads5 = d_mixed.view(s, b, groups, per_group + 2, hn)
+    # q's slot as a 4-D [s, b * ng/D, np/ng, hn] view (fused kernels take 4-D tensors)
+    dq_in = dq.reshape(s, b * groups, per_group, hn)
+    dq_out = heads5[:, :, :, :per_group].view(s, b * groups, per_group, hn)
+    if rope_q is None:
+        dq_out.copy_(dq_in)
+    else:
+        rotate(dq_in, rope_q, out=dq_out, inverse=True)
+    if rope_k is None:
+        heads5[:, :, :, per_group].copy_(dk)
+    else:
+        rotate(dk, rope_k, out=heads5[:, :, :, per_group], inverse=True)
+    heads5[:, :, :, -1].copy_(dv)
+    return d_mixed
 
 
 def _rng_state(device: torch.device):
@@ -176,16 +223,23 @@ def _replay_rng(state, device: torch.device):
         yield
 
 
-def _post_kv_gather(k, v, group, seq_layout: TSPLayout, slot: int) -> Pending:
-    """Post one all-gather of a head group's K and V (packed [s/D, b, 2 * ng/D, hn]); ``wait()``
-    returns natural-order views (K, V) [S, b, ng/D, hn] of one ``WORKSPACE`` buffer."""
-    groups = k.shape[2]
+def kv_send_buffer(x: torch.Tensor, layout: HeadLayout, fresh: bool, slot: int) -> torch.Tensor:
+    """A packed local K/V buffer [s/D, b, 2 * ng/D, hn] for ``rotate_qkv`` to fill and
+    ``_post_kv_gather`` to send: a new tensor when it is kept for the backward (``fresh``), else
+    ``WORKSPACE`` slot ``slot`` (one per group in flight)."""
+    shape = x.shape[:2] + (2 * layout.groups, layout.head_dim)
+    if fresh:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    return WORKSPACE.get("kv_send", slot, shape, x.dtype, x.device)
+
+
+def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
+    """Post one all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
+    ``kv_out``); ``wait()`` returns natural-order views (K, V) [S, b, ng/D, hn] of one
+    ``WORKSPACE`` buffer."""
+    groups = packed.shape[2] // 2
     if seq_layout.group_size == 1:
-        return done((k, v))
-    packed = WORKSPACE.get(
-        "kv_send", slot, k.shape[:2] + (2 * groups,) + k.shape[3:], k.dtype, k.device
-    )
-    torch.cat([k, v], dim=2, out=packed)
+        return done((packed.narrow(2, 0, groups), packed.narrow(2, groups, groups)))
 
     def natural(gathered):
         # one slot: group r+1's K/V is reordered only after group r's attention is done with it
@@ -290,9 +344,9 @@ class _GroupStream:
 
 
 def _save_layout(n_blocks: int) -> int:
-    """Tensors saved per head group in saved mode: local qkv, then per causal block its output
-    rows and log-sum-exp."""
-    return 1 + 2 * n_blocks
+    """Tensors saved per head group in saved mode: its rotated q, its packed K/V send buffer
+    (the backward re-sends it as is), then per causal block its output rows and log-sum-exp."""
+    return 2 + 2 * n_blocks
 
 
 class _TSPAttentionFunction(torch.autograd.Function):
@@ -301,8 +355,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
     Communication. Forward, per head group r (a step: one shard, or ``shards_per_group`` shards
     when ng < D, each broadcast from its owner): broadcast of shard r's weights from its owner
     (shard r+1 posted before shard r is used), one all-gather of group r's packed K/V, posted
-    right after group r's QKV GEMM and waited after group r-1's attention and output GEMM
-    (software pipeline: QKV(r+1) and its gather are issued before attention(r)). Backward: the
+    right after group r's QKV GEMM and waited after group r-1's attention (software pipeline:
+    QKV(r+1) and its gather are issued before attention(r)); the output projection is one GEMM
+    after the last group, with no communication (its shards came with the broadcasts). Backward: the
     broadcasts again, the K/V re-gather of group r+1 posted before group r's attention backward,
     one reduce-scatter of group r's packed dK/dV posted once group r+1's first attention-backward
     block is queued (the last group's right after its own attention backward) and waited one
@@ -310,23 +365,30 @@ class _TSPAttentionFunction(torch.autograd.Function):
     owner, posted before the next reduce-scatter and waited when the next one is posted.
 
     Saved tensors (``save_for_backward``, so saved-tensor hooks and activation offloading see
-    them): the input, the local weight shards, the RoPE angles and, in "saved" mode, per head
-    group the local qkv and per chunk the attention output rows and fp32 log-sum-exp (the output
-    is saved once). "recompute" mode saves only the first group.
+    them): the input, the local weight shards, the RoPE tables (shared by every layer of the step,
+    ``rope.local_tables``) and, in "saved" mode, per head group its rotated q and packed local K/V
+    (together the size of the local qkv) and per chunk the attention output rows and fp32
+    log-sum-exp (the output is saved once). "recompute" mode saves only the first group.
+    RoPE is never differentiated by autograd: the backward applies its inverse rotation
+    (``rope.rotate(inverse=True)``).
     """
 
     @staticmethod
     def forward(
-        ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, seq_layout, group, fuse, kernel
+        ctx, x, qkv_w, qkv_b, proj_w, rope_q, rope_k, layout, seq_layout, group, fuse, kernel
     ):
         size = seq_layout.group_size
         has_bias = qkv_b is not None
         blocks = seq_layout.causal_blocks
-        hidden = x.shape[-1]
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
         own = _pack_own(qkv_w, qkv_b, proj_w)
-        out_acc = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
+        # the output projection's operands, filled group by group (see the module docstring)
+        cols = proj_w.shape[1]
+        context = torch.empty(x.shape[:2] + (size * cols,), dtype=x.dtype, device=x.device)
+        proj_full = torch.empty(
+            (proj_w.shape[0], size * cols), dtype=proj_w.dtype, device=proj_w.device
+        )
         saved = []
 
         m = layout.shards_per_group
@@ -335,16 +397,19 @@ class _TSPAttentionFunction(torch.autograd.Function):
         def prepare(r):
             shards = stream.get(r)
             mixed = group_qkv_linear(x, shards, has_bias, layout)
-            q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
+            kv = kv_send_buffer(x, layout, fresh=save_outputs, slot=r % 2)
+            q = rotate_qkv(mixed, layout, rope_q, rope_k, kv)
             pws = [weight_bias_views(shard.views(), has_bias)[2] for shard in shards]
-            return mixed, q, pws, _post_kv_gather(k, v, group, seq_layout, slot=r % 2)
+            return q, kv, pws, _post_kv_gather(kv, group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
             stream = _GroupStream(own, group, m, hold=2)
             current = prepare(0)
             for r in range(steps):
                 upcoming = prepare(r + 1) if r + 1 < steps else None
-                mixed, q, pws, gather = current
+                q, kv, pws, gather = current
+                for i, pw in enumerate(pws):  # shard r*m+i's columns of the projection
+                    proj_full.narrow(1, (r * m + i) * cols, cols).copy_(pw)
                 k_nat, v_nat = gather.wait()
                 if kernel.has_lse:
                     outs, lses = kernels.zigzag_forward(
@@ -356,17 +421,18 @@ class _TSPAttentionFunction(torch.autograd.Function):
                     )
                     outs, lses = _block_rows(rows, blocks), []
                 del k_nat, v_nat
+                heads_r = context.narrow(2, r * m * cols, m * cols)  # the step's heads
                 for block, rows in zip(blocks, outs):
-                    acc = out_acc.narrow(0, block.query_start, block.query_len).view(-1, hidden)
-                    for part, pw in zip(_column_split(rows, m), pws):  # heads of each shard
-                        matmul_acc(part.reshape(-1, part.shape[-1]), pw.t(), acc=acc)
+                    heads_r.narrow(0, block.query_start, block.query_len).copy_(rows)
                 if save_outputs:
-                    saved += [mixed, *outs, *lses]
+                    saved += [q, kv, *outs, *lses]
                 current = upcoming
-        ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *saved)
+        ctx.rope = _save_rope(ctx, rope_q, rope_k)
+        ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
         ctx.seq_layout = seq_layout
-        return out_acc.to(x.dtype)
+        # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
+        return torch.matmul(context, proj_full.t())
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -389,6 +455,34 @@ class _TSPAttentionFunction(torch.autograd.Function):
         )
 
 
+def _save_rope(ctx, rope_q: Optional[RopeTables], rope_k: Optional[RopeTables]):
+    """The RoPE tables' tensors go through ``save_for_backward`` (``ctx.rope_saved``); returns
+    what rebuilds the tables from the saved tensors (``_saved_rope``): per table, the table
+    without its tensors and their count (None for no RoPE)."""
+    ctx.rope_saved, kept = [], []
+    for tables in (rope_q, rope_k):
+        if tables is None:
+            kept.append(None)
+            continue
+        ctx.rope_saved += list(tables.tensors)
+        kept.append((tables.with_tensors(()), len(tables.tensors)))
+    return kept
+
+
+def _saved_rope(ctx, saved):
+    """``(rope_q, rope_k, rest)``: the tables rebuilt from ``saved`` (the tensors after the
+    weights), and the saved tensors that follow them."""
+    rebuilt, pos = [], 0
+    for kept in ctx.rope:
+        if kept is None:
+            rebuilt.append(None)
+            continue
+        tables, n = kept
+        rebuilt.append(tables.with_tensors(saved[pos : pos + n]))
+        pos += n
+    return rebuilt[0], rebuilt[1], list(saved[pos:])
+
+
 def _block_rows(rows: torch.Tensor, blocks) -> list:
     """Per causal block, its rows of a [local tokens, ...] tensor (views)."""
     return [rows.narrow(0, block.query_start, block.query_len) for block in blocks]
@@ -404,10 +498,7 @@ class _HeadGroup:
     """One head group's tensors while they move through the backward pipeline."""
 
     r: int  # head group index = weight shard index = the shard owner's rank
-    m_leaf: torch.Tensor  # local qkv [s/D, b, ng/D, ...], the leaf of q/k/v's split + RoPE graph
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    q: torch.Tensor  # local rotated queries [s/D, b, np/D, hn]
     gather: Pending  # the all-gather of this group's K/V
     outs: Optional[list] = None  # per causal block: its attention output rows
     lses: Optional[list] = None  # per causal block: its log-sum-exp (kernels that have one)
@@ -450,8 +541,9 @@ class _AttentionBackward:
     """
 
     def __init__(self, ctx, grad_out):
-        x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *flat = ctx.saved_tensors
-        self.x, self.freqs_q, self.freqs_k, self.flat = x, freqs_q, freqs_k, flat
+        x, qkv_w, qkv_b, proj_w, *rest = ctx.saved_tensors
+        self.rope_q, self.rope_k, flat = _saved_rope(ctx, rest)
+        self.x, self.flat = x, flat
         self.grad_out, self.rng = grad_out, ctx.rng
         self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
         self.group, self.kernel = ctx.group, ctx.kernel
@@ -507,22 +599,22 @@ class _AttentionBackward:
             return self.grad_x.to(self.dtype), self.reducer.finish()
 
     def prepare_group(self, r: int) -> _HeadGroup:
-        """Group r's local q/k/v (from the saved qkv, or recomputed with shard r's QKV weight:
-        waits shard r's broadcast in recompute mode) and the post of its K/V all-gather."""
+        """Group r's rotated q and packed K/V (saved by the forward, or recomputed with shard r's
+        QKV weight: waits shard r's broadcast in recompute mode) and the post of its K/V
+        all-gather."""
         outs = lses = None
         if self.saved_mode:
             per_group, n_blocks = _save_layout(len(self.blocks)), len(self.blocks)
             base = r * per_group
-            mixed = self.flat[base]
-            outs = self.flat[base + 1 : base + 1 + n_blocks]
-            lses = self.flat[base + 1 + n_blocks : base + per_group]
+            q, kv = self.flat[base], self.flat[base + 1]
+            outs = self.flat[base + 2 : base + 2 + n_blocks]
+            lses = self.flat[base + 2 + n_blocks : base + per_group]
         else:
             mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.layout)
-        with torch.enable_grad():
-            m_leaf = mixed.detach().requires_grad_(True)
-            q, k, v = split_rope(m_leaf, self.layout, self.freqs_q, self.freqs_k)
-        gather = _post_kv_gather(k.detach(), v.detach(), self.group, self.seq_layout, slot=r % 2)
-        return _HeadGroup(r, m_leaf, q, k, v, gather, outs=outs, lses=lses)
+            kv = kv_send_buffer(self.x, self.layout, fresh=False, slot=r % 2)
+            q = rotate_qkv(mixed, self.layout, self.rope_q, self.rope_k, kv)
+        gather = _post_kv_gather(kv, self.group, self.seq_layout, slot=r % 2)
+        return _HeadGroup(r, q, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
         """g_pw[i] += dY^T @ attention output of ``group`` (shard i's heads), block by block. No
@@ -552,7 +644,7 @@ class _AttentionBackward:
         full-sequence K/V views, the recomputed outputs) is dropped on return, before
         ``finish_group(r - 1)``."""
         k_nat, v_nat = group.gather.wait()
-        q = group.q.detach()
+        q = group.q
         post = post_previous if post_previous is not None else (lambda: None)
         if self.kernel.has_lse:
             dq, dks, dvs = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
@@ -612,9 +704,7 @@ class _AttentionBackward:
         d_kv = group.scatter.wait()  # the sum over ranks, in the input dtype
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
-        (d_mixed,) = torch.autograd.grad(
-            [group.q, group.k, group.v], [group.m_leaf], [group.dq, dk, dv]
-        )
+        d_mixed = qkv_grad(group.dq, dk, dv, self.layout, self.rope_q, self.rope_k)
         d_all = d_mixed.reshape(self.tokens_x.shape[0], -1)
         for i, (shard, partial) in enumerate(zip(self.shards[group.r], group.partial)):
             w, _, _ = weight_bias_views(shard.views(), self.has_bias)
@@ -656,15 +746,15 @@ def tsp_self_attention(
     proj_weight,
     layout: HeadLayout,
     group,
-    freqs_q=None,
-    freqs_k=None,
+    rope_q: Optional[RopeTables] = None,
+    rope_k: Optional[RopeTables] = None,
     accumulate_into_main_grad: bool = False,
     kernel: Optional[kernels.AttentionKernel] = None,
     seq_layout: Optional[TSPLayout] = None,
 ):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
-    its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions
-    (``seq_layout.positions()``). ``kernel``: the attention backend (``kernels.select_kernel`` for
+    its bias excluded). ``rope_*``: this rank's RoPE tables for q and k (``rope.local_tables``),
+    or None. ``kernel``: the attention backend (``kernels.select_kernel`` for
     ``x`` when None). ``seq_layout``: this rank's zigzag layout (built from ``group`` and the
     local token count when None)."""
     if kernel is None:
@@ -683,8 +773,8 @@ def tsp_self_attention(
         qkv_weight,
         qkv_bias,
         proj_weight,
-        freqs_q,
-        freqs_k,
+        rope_q,
+        rope_k,
         layout,
         seq_layout,
         group,
@@ -825,18 +915,6 @@ class TSPSelfAttention(SelfAttention):
         """The backend and why it was chosen, e.g. "aten_flash (default)"."""
         return self.attention_kernel.describe()
 
-    @staticmethod
-    def _local_freqs(emb: Optional[torch.Tensor], seq_layout: TSPLayout):
-        """RoPE angles at this rank's token positions. Positions come from the layout, as
-        Megatron's RoPE indexes its table by sequence index, not ``position_ids`` (see
-        ``zigzag.get_batch_on_this_tsp_rank`` for why the two agree)."""
-        if emb is None:
-            return None
-        seq = seq_layout.seq_length
-        if emb.shape[0] < seq:
-            raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
-        return emb.index_select(0, seq_layout.positions(emb.device))
-
     def forward(
         self,
         hidden_states,
@@ -886,8 +964,11 @@ class TSPSelfAttention(SelfAttention):
         seq_layout = TSPLayout.of_group(
             self.tsp_group, local_len * dist.get_world_size(self.tsp_group)
         )
-        freqs_q = self._local_freqs(q_emb, seq_layout)
-        freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, seq_layout)
+        # RoPE tables at this rank's positions: built by the first layer of the step, cached on
+        # the embedding tensor (rope.local_tables)
+        dtype = hidden_states.dtype
+        rope_q = local_tables(q_emb, seq_layout, dtype, self.config)
+        rope_k = rope_q if k_emb is q_emb else local_tables(k_emb, seq_layout, dtype, self.config)
         layout = self.head_layout
         if not self.training and layout.dropout_p > 0:
             layout = dataclasses.replace(layout, dropout_p=0.0)
@@ -903,8 +984,8 @@ class TSPSelfAttention(SelfAttention):
             self.linear_proj.weight,
             layout,
             self.tsp_group,
-            freqs_q,
-            freqs_k,
+            rope_q,
+            rope_k,
             self.gradient_accumulation_fusion,
             self.attention_kernel,
             seq_layout,

@@ -478,8 +478,10 @@ def analytic_memory(
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
         backward_extra = layer_act + transient  # the recomputed layer and its backward
-        if s.kind == "tsp":  # the recomputed attention forward's output accumulator
-            backward_extra += shape.tokens / s.tp * m.hidden * fm.accumulation_bytes(b)
+        if s.kind == "tsp":
+            # the recomputed attention forward's output-projection operands: every head group's
+            # output [tokens / D, heads x head_dim] and every shard's projection columns
+            backward_extra += (shape.tokens / s.tp * shape.w_proj / m.hidden + shape.w_proj) * b
     elif recompute == "none":
         activations = m.num_layers * layer_act
         backward_extra = transient

@@ -1,0 +1,200 @@
+"""Rotary position embedding for TSP attention: tables built once per step, applied and inverted
+without autograd.
+
+A TP rank applies RoPE once to its q and once to its k; TSP attention applies it to the q and k of
+each of the D head groups, forward and again in backward, so whatever one call costs is paid 4D
+times per layer. Megatron's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) recomputes
+cos and sin from the angles on every call and is differentiated by autograd (about 12 kernels per
+call and as many in backward). Here:
+
+* ``local_tables`` builds, once per rotary embedding tensor and layout, the angles at this rank's
+  token positions and, for the unfused path, cos and the signed sines in the compute dtype
+  (Megatron's YaRN ``mscale`` folded in). ``GPTModel`` computes the embedding once per forward
+  (and megatron-core's ``RotaryEmbedding.forward`` caches it across steps), so every layer and
+  head group of a step reads one set of tables, cached on the embedding tensor itself;
+* ``rotate(x, tables, out)`` writes RoPE(x) into ``out``, which may be a strided view (a slot of
+  the K/V send buffer or of the QKV gradient): unfused, four kernels that compute exactly what
+  Megatron's unfused RoPE computes, rounding included (``x*cos`` and the sine products rounded in
+  the same dtype, then one add); fused, one call of the kernel Megatron's ``apply_rope_fusion``
+  uses (``rope_utils.fused_apply_rotary_pos_emb``, Transformer Engine's), looked up at call time;
+* backward: RoPE rotates each (x_i, x_swap(i)) pair by an angle θ, so its adjoint is the
+  rotation by -θ: ``rotate(dy, tables, out, inverse=True)``. Nothing is re-run under autograd and
+  nothing but the tables is kept for it.
+
+Unfused formula. With ``swap`` the pair partner of each rotary channel (i <-> i ± rot/2, or
+2k <-> 2k+1 when interleaved) and ``sign`` -1 on a pair's first channel, +1 on its second,
+Megatron's ``t*cos + rotate_half(t)*sin`` is y[i] = x[i] c[i] + x[swap(i)] s'[i] with
+s'[i] = sign[i] s[i] (negating a factor does not change a product's rounding). Computed as
+``out = x*c``; ``b = x * s'[swap]``; ``out[i] += b[swap(i)]`` (two adds over the two channel
+halves). The adjoint is dx[j] = c[j] dy[j] + s'[swap(j)] dy[swap(j)]: the same three steps with
+``s'`` in place of ``s'[swap]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from megatron_tsp.core.layout import TSPLayout
+
+try:  # megatron-core >= 0.14
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+except ImportError:  # pragma: no cover - older cores have no YaRN mscale
+    _yarn_get_concentration_factor_from_config = None
+
+_CACHE_ATTR = "_tsp_rope_tables"
+
+
+def _mscale(config) -> float:
+    if _yarn_get_concentration_factor_from_config is None:
+        return 1.0
+    return float(_yarn_get_concentration_factor_from_config(config))
+
+
+def fused_rope_kernel(config) -> Optional[Callable]:
+    """The fused RoPE Megatron's ``apply_rotary_pos_emb`` would call for [s, b, h, d] tensors
+    (``rope_utils.fused_apply_rotary_pos_emb``: Transformer Engine's), or None where Megatron runs
+    the unfused formula: ``apply_rope_fusion`` off, or a YaRN ``mscale`` != 1 (which TE's kernel
+    does not take). Looked up at call time, so a Transformer Engine imported late is seen."""
+    if not getattr(config, "apply_rope_fusion", False) or _mscale(config) != 1.0:
+        return None
+    from megatron.core.models.common.embeddings import rope_utils
+
+    fused = getattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    if fused is None:
+        raise ValueError(
+            "apply_rope_fusion is set but megatron-core has no fused RoPE "
+            "(rope_utils.fused_apply_rotary_pos_emb needs Transformer Engine); "
+            "unset --apply-rope-fusion / apply_rope_fusion"
+        )
+    return fused
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """This rank's RoPE tables for one embedding, dtype and layout.
+
+    ``fused``: the fused kernel, with ``tensors`` = (angles, -angles) fp32 [t, 1, 1, rot];
+    otherwise ``tensors`` = (cos, s'[swap], s') in the compute dtype, [t, 1, 1, rot] (see the
+    module docstring). ``rot``: rotary channels (the rest of each head passes through)."""
+
+    rot: int
+    interleaved: bool
+    fused: Optional[Callable]
+    tensors: Tuple[torch.Tensor, ...]
+
+    def with_tensors(self, tensors) -> "RopeTables":
+        """The same tables rebuilt from ``tensors`` (e.g. what ``save_for_backward`` returns)."""
+        return RopeTables(self.rot, self.interleaved, self.fused, tuple(tensors))
+
+
+def _swap(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """t[..., swap(i)] over the last dimension (a copy)."""
+    if interleaved:
+        return t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    half = t.shape[-1] // 2
+    return torch.cat([t[..., half:], t[..., :half]], dim=-1)
+
+
+def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTables:
+    if emb.dim() != 4 or emb.shape[1] != 1 or emb.shape[2] != 1:
+        raise ValueError(f"TSP attention needs a [s, 1, 1, d] rotary table, got {tuple(emb.shape)}")
+    seq = seq_layout.seq_length
+    if emb.shape[0] < seq:
+        raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
+    interleaved = bool(getattr(config, "rotary_interleaved", False))
+    rot = emb.shape[-1]
+    # Megatron's RoPE indexes its table by sequence index, not position_ids (see
+    # zigzag.get_batch_on_this_tsp_rank for why the two agree): this rank's rows are at its
+    # layout positions.
+    with torch.no_grad():
+        angles = emb.index_select(0, seq_layout.positions(emb.device))
+        fused = fused_rope_kernel(config)
+        if fused is not None:
+            return RopeTables(rot, interleaved, fused, (angles, -angles))
+        mscale = _mscale(config)
+        # exactly Megatron's unfused cos_ / sin_ (rope_utils._apply_rotary_pos_emb_bshd)
+        cos = (torch.cos(angles) * mscale).to(dtype)
+        sin = (torch.sin(angles) * mscale).to(dtype)
+        sign = torch.ones(rot, dtype=dtype, device=emb.device)
+        first = sign.unflatten(-1, (-1, 2))[..., 0] if interleaved else sign[: rot // 2]
+        first.fill_(-1)
+        signed = sin * sign  # s'
+    return RopeTables(rot, interleaved, None, (cos, _swap(signed, interleaved), signed))
+
+
+def local_tables(
+    emb: Optional[torch.Tensor], seq_layout: TSPLayout, dtype: torch.dtype, config
+) -> Optional[RopeTables]:
+    """This rank's tables for the rotary embedding ``emb`` ([S, 1, 1, rot] fp32 angles, natural
+    positions), built on first use and cached on ``emb`` (keyed by layout, dtype, rotary options
+    and ``emb``'s version counter), so the layers of a step share one set and a new embedding
+    tensor starts a new cache."""
+    if emb is None:
+        return None
+    key = (
+        seq_layout.group_size,
+        seq_layout.seq_length,
+        seq_layout.rank,
+        dtype,
+        emb.device,
+        emb._version,
+        bool(getattr(config, "rotary_interleaved", False)),
+        bool(getattr(config, "apply_rope_fusion", False)),
+        _mscale(config),
+    )
+    cache = getattr(emb, _CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(emb, _CACHE_ATTR, cache)
+    tables = cache.get(key)
+    if tables is None:
+        tables = cache[key] = _build(emb, seq_layout, dtype, config)
+    return tables
+
+
+def _broadcast(table: torch.Tensor, ndim: int) -> torch.Tensor:
+    """[t, 1, 1, rot] -> [t, 1, ..., 1, rot] with ``ndim`` dimensions (a view)."""
+    return table.view(table.shape[0], *([1] * (ndim - 2)), table.shape[-1])
+
+
+def _halves(t: torch.Tensor, interleaved: bool):
+    """The two channel sets of the rotary pairs (views): first members, second members."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
+def rotate(
+    x: torch.Tensor,
+    tables: RopeTables,
+    out: Optional[torch.Tensor] = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """RoPE of ``x`` [t, ..., d] (rotation by -θ when ``inverse``: the adjoint, for the
+    backward), written into ``out`` (same shape, any strides; a new contiguous tensor when None).
+    Returns ``out``. No autograd graph is recorded."""
+    with torch.no_grad():
+        if tables.fused is not None:
+            angles = tables.tensors[1 if inverse else 0]
+            y = tables.fused(x, angles, interleaved=tables.interleaved)
+            if out is None:
+                return y
+            return out.copy_(y)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        cos, sin_swapped, sin_signed = tables.tensors
+        rot = tables.rot
+        x_rot, out_rot = x[..., :rot], out[..., :rot]
+        torch.mul(x_rot, _broadcast(cos, x.dim()), out=out_rot)
+        b = torch.mul(x_rot, _broadcast(sin_signed if inverse else sin_swapped, x.dim()))
+        out_first, out_second = _halves(out_rot, tables.interleaved)
+        b_first, b_second = _halves(b, tables.interleaved)
+        out_first.add_(b_second)
+        out_second.add_(b_first)
+        if rot < x.shape[-1]:  # partial rotary: the other channels pass through
+            out[..., rot:].copy_(x[..., rot:])
+        return out
