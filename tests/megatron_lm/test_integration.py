@@ -101,6 +101,7 @@ def test_help_lists_the_tsp_group():
     assert flags.split() == [
         "--tensor-sequence-parallel-size",
         "--tsp-mlp",
+        "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
         "--tsp-dry-run-rank",
