@@ -34,6 +34,15 @@ recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective 
 keeps only X_p and recomputes everything per head group (least memory; also used when attention
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
+TSP x CP (``context_parallel_size`` C > 1). The weight shards still travel inside the TSP group
+(D ranks); the K/V all-gather and the dK/dV reduce-scatter run over the sequence group instead,
+megatron-core's tensor-and-context-parallel group of D*C ranks whose zigzag (2DC chunks) is
+``TSPLayout(D*C, S, q, context_parallel_size=C)``. Every TSP group runs head group r at step r
+(the shards are replicated over CP), so one all-gather over D*C ranks gives head group r's K/V
+for all S tokens, and its adjoint sums each key's dK/dV over all D*C ranks' queries. Replicated
+parameters' gradients are summed over TSP (Megatron's SP all-reduce) and CP (the data-parallel
+reduction Megatron runs over DP x CP), as for TP+SP with CP.
+
 Partial sums (output over head groups, grad_x over groups, dK/dV over chunks, weight gradients
 over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The
 dK/dV sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
@@ -73,7 +82,7 @@ from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
 from megatron_tsp.core.layout import TSPLayout
-from megatron_tsp.core.parallel_state import resolve_group
+from megatron_tsp.core.parallel_state import resolve_group, resolve_sequence_group
 from megatron_tsp.core.validation import check_model_shape
 
 try:  # megatron-core >= 0.14
@@ -317,9 +326,21 @@ class _TSPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, layout, seq_layout, group, fuse, kernel
+        ctx,
+        x,
+        qkv_w,
+        qkv_b,
+        proj_w,
+        freqs_q,
+        freqs_k,
+        layout,
+        seq_layout,
+        group,
+        fuse,
+        kernel,
+        seq_group,
     ):
-        size = seq_layout.group_size
+        size = seq_layout.weight_group_size
         has_bias = qkv_b is not None
         blocks = seq_layout.causal_blocks
         hidden = x.shape[-1]
@@ -337,7 +358,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             mixed = group_qkv_linear(x, shards, has_bias, layout)
             q, k, v = split_rope(mixed, layout, freqs_q, freqs_k)
             pws = [weight_bias_views(shard.views(), has_bias)[2] for shard in shards]
-            return mixed, q, pws, _post_kv_gather(k, v, group, seq_layout, slot=r % 2)
+            return mixed, q, pws, _post_kv_gather(k, v, seq_group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
             stream = _GroupStream(own, group, m, hold=2)
@@ -365,7 +386,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 current = upcoming
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, freqs_q, freqs_k, *saved)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
-        ctx.seq_layout = seq_layout
+        ctx.seq_layout, ctx.seq_group = seq_layout, seq_group
         return out_acc.to(x.dtype)
 
     @staticmethod
@@ -379,6 +400,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             weight_grad_output(qkv_w, g_w, fuse),
             weight_grad_output(qkv_b, g_b, fuse),
             weight_grad_output(proj_w, g_pw, fuse),
+            None,
             None,
             None,
             None,
@@ -454,7 +476,7 @@ class _AttentionBackward:
         self.x, self.freqs_q, self.freqs_k, self.flat = x, freqs_q, freqs_k, flat
         self.grad_out, self.rng = grad_out, ctx.rng
         self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
-        self.group, self.kernel = ctx.group, ctx.kernel
+        self.group, self.seq_group, self.kernel = ctx.group, ctx.seq_group, ctx.kernel
         self.blocks = self.seq_layout.causal_blocks
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
@@ -484,7 +506,7 @@ class _AttentionBackward:
             hold = 2 if self.saved_mode else 3
             self.stream = _GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
             current, finishing = self.prepare_group(0), None
-            size = self.seq_layout.group_size // self.m
+            size = self.seq_layout.weight_group_size // self.m
             for r in range(size):
                 partial = [
                     FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
@@ -521,7 +543,9 @@ class _AttentionBackward:
         with torch.enable_grad():
             m_leaf = mixed.detach().requires_grad_(True)
             q, k, v = split_rope(m_leaf, self.layout, self.freqs_q, self.freqs_k)
-        gather = _post_kv_gather(k.detach(), v.detach(), self.group, self.seq_layout, slot=r % 2)
+        gather = _post_kv_gather(
+            k.detach(), v.detach(), self.seq_group, self.seq_layout, slot=r % 2
+        )
         return _HeadGroup(r, m_leaf, q, k, v, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
@@ -559,7 +583,7 @@ class _AttentionBackward:
         else:
             dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         scatter = _KVGradScatter(
-            dks, dvs, self.wire_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
+            dks, dvs, self.wire_dtype, self.dtype, self.seq_group, self.seq_layout, slot=group.r % 2
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -661,18 +685,24 @@ def tsp_self_attention(
     accumulate_into_main_grad: bool = False,
     kernel: Optional[kernels.AttentionKernel] = None,
     seq_layout: Optional[TSPLayout] = None,
+    seq_group=None,
 ):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
     its bias excluded). ``freqs_*``: RoPE angles already indexed at the local tokens' positions
     (``seq_layout.positions()``). ``kernel``: the attention backend (``kernels.select_kernel`` for
-    ``x`` when None). ``seq_layout``: this rank's zigzag layout (built from ``group`` and the
-    local token count when None)."""
+    ``x`` when None). ``group``: the TSP (weight) group. ``seq_group``: the sequence group (TSP x
+    CP: the D*C tensor-and-context-parallel group; ``group`` when None). ``seq_layout``: this
+    rank's zigzag layout over ``seq_group`` (built from the groups and the local token count
+    when None)."""
     if kernel is None:
         kernel = kernels.select_kernel(
             x.device, x.dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p
         )
+    if seq_group is None:
+        seq_group = group
     if seq_layout is None:
-        seq_layout = TSPLayout.of_group(group, x.shape[0] * dist.get_world_size(group))
+        seq_size, d = dist.get_world_size(seq_group), dist.get_world_size(group)
+        seq_layout = TSPLayout.of_groups(group, seq_group, x.shape[0] * seq_size, seq_size // d)
     elif seq_layout.local_len != x.shape[0]:
         raise ValueError(
             f"TSP attention got {x.shape[0]} local tokens but its layout holds "
@@ -690,6 +720,7 @@ def tsp_self_attention(
         group,
         accumulate_into_main_grad,
         kernel,
+        seq_group,
     )
 
 
@@ -762,6 +793,13 @@ class TSPSelfAttention(SelfAttention):
             kv_channels=config.kv_channels,
         )
         rejections.check_config(config, size, layer="attention")
+        # TSP x CP: K/V travel over the D*C sequence group. Megatron's local core attention
+        # (built by SelfAttention, never called by TSP) refuses CP, so the parent is built with
+        # a CP-free copy of the config; the layer keeps the real one.
+        self_config = config
+        cp_size = getattr(config, "context_parallel_size", 1) or 1
+        if cp_size > 1:
+            config = dataclasses.replace(config, context_parallel_size=1)
         super().__init__(
             config,
             submodules,
@@ -777,7 +815,15 @@ class TSPSelfAttention(SelfAttention):
                 rejections.row_for("qk_layernorm").message(True, size)
                 + f" (the spec gives {type(self).__name__} a q_layernorm / k_layernorm)"
             )
+        self.config = config = self_config
         self.tsp_group = group
+        self.cp_size = cp_size
+        self.seq_group = resolve_sequence_group(group, pg_collection) if cp_size > 1 else group
+        if dist.get_world_size(self.seq_group) != size * cp_size:
+            raise ValueError(
+                f"TSP attention with context_parallel_size={cp_size} needs a sequence group of "
+                f"{size} x {cp_size} ranks, got {dist.get_world_size(self.seq_group)}"
+            )
         scale = config.softmax_scale
         if scale is None:
             scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
@@ -829,9 +875,18 @@ class TSPSelfAttention(SelfAttention):
     def _local_freqs(emb: Optional[torch.Tensor], seq_layout: TSPLayout):
         """RoPE angles at this rank's token positions. Positions come from the layout, as
         Megatron's RoPE indexes its table by sequence index, not ``position_ids`` (see
-        ``zigzag.get_batch_on_this_tsp_rank`` for why the two agree)."""
+        ``zigzag.get_batch_on_this_tsp_rank`` for why the two agree). Under CP, Megatron's
+        rotary embedding hands each CP rank its CP-local table (CP chunks c and 2C-1-c), which
+        holds exactly this CP rank's tokens (``TSPLayout.cp_local_positions``)."""
         if emb is None:
             return None
+        if seq_layout.context_parallel_size > 1:
+            if emb.shape[0] != seq_layout.cp_local_len:
+                raise ValueError(
+                    f"TSP x CP attention expects Megatron's CP-local rotary table of "
+                    f"{seq_layout.cp_local_len} positions, got {emb.shape[0]}"
+                )
+            return emb.index_select(0, seq_layout.cp_local_positions(emb.device))
         seq = seq_layout.seq_length
         if emb.shape[0] < seq:
             raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
@@ -862,6 +917,12 @@ class TSPSelfAttention(SelfAttention):
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
             from megatron_tsp.core.layers.prefill_attention import prefill_attention
 
+            if self.cp_size > 1:
+                raise ValueError(
+                    "TSP prefill does not run under context parallelism "
+                    f"(context_parallel_size={self.cp_size}): TSP x CP is training-only"
+                )
+
             return prefill_attention(
                 self, hidden_states, inference_context or inference_params, rotary_pos_emb
             )
@@ -883,8 +944,11 @@ class TSPSelfAttention(SelfAttention):
                 f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
                 f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
             )
-        seq_layout = TSPLayout.of_group(
-            self.tsp_group, local_len * dist.get_world_size(self.tsp_group)
+        seq_layout = TSPLayout.of_groups(
+            self.tsp_group,
+            self.seq_group,
+            local_len * dist.get_world_size(self.seq_group),
+            self.cp_size,
         )
         freqs_q = self._local_freqs(q_emb, seq_layout)
         freqs_k = freqs_q if k_emb is q_emb else self._local_freqs(k_emb, seq_layout)
@@ -908,5 +972,6 @@ class TSPSelfAttention(SelfAttention):
             self.gradient_accumulation_fusion,
             self.attention_kernel,
             seq_layout,
+            self.seq_group,
         )
         return out, self.linear_proj.bias
