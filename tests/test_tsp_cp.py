@@ -109,3 +109,18 @@ def test_gpt_matches_single_process_fp64(pool4, seed, style, groups):
 def test_layer_cp_4_ranks_as_c4(pool4, seed):
     """(D, C) = (1, 4): the sequence group is the CP group alone (one-rank TSP groups)."""
     pool4.run(checks_tsp_cp.check_attention_cp, 1, 4, seed, groups=4)
+
+
+@pytest.mark.parametrize("backward", ["saved", "recompute"])
+def test_attention_layer_late_completion(pool4, seed, backward):
+    """The K/V gathers and dK/dV reduce-scatters over the D*C group, with transfers completing
+    as late as on a GPU (``tests/late_completion.py``): no buffer touched while in flight."""
+    pool4.run(
+        checks_tsp_cp.check_attention_cp,
+        2,
+        2,
+        seed,
+        groups=4,
+        attention_backward=backward,
+        late_completion=True,
+    )
