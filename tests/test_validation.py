@@ -100,10 +100,14 @@ def test_model_shape_accepts_groups_multiple_or_divisor_of_d(d, groups):
             "its folded axis; leave "
             "--tensor-model-parallel-size at 1 (or equal to D)",
         ),
+        (  # TSP x CP: the D*C sequence group times the pipeline must divide the world
+            dict(world_size=12, tensor_sequence_parallel_size=4, context_parallel_size=2),
+            "world size 12 is not divisible by --tensor-sequence-parallel-size=4 x "
+            "--context-parallel-size=2 x --pipeline-model-parallel-size=1 = 8",
+        ),
         (
-            dict(world_size=16, tensor_sequence_parallel_size=4, context_parallel_size=2),
-            "--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4: "
-            "TSP already shards the sequence over its group; use one or the other",
+            dict(world_size=16, tensor_sequence_parallel_size=4, context_parallel_size=0),
+            "--context-parallel-size must be a positive integer, got 0",
         ),
         (
             dict(world_size=8, tensor_sequence_parallel_size=0),
@@ -120,6 +124,7 @@ def test_parallel_layout_errors(kwargs, message):
 def test_layout_accepts_good_configs():
     validation.check_parallel_layout(16, 8, 2)
     validation.check_parallel_layout(8, 8, 1, tensor_model_parallel_size=8)
+    validation.check_parallel_layout(16, 4, 2, context_parallel_size=2)  # TSP x CP (core API)
     validation.check_model_shape(8, 32, 8, 14336, 128256, 131072, 4096)
 
 
@@ -171,14 +176,23 @@ def test_tsp_with_tp_or_cp_fails_on_all_ranks(pool4):
         ]
         * 4
     )
+    # TSP x CP is accepted by the core API; a world the D*C*PP groups do not divide is not
     errors = pool4.run(
         checks_validation.init_with_per_rank_sizes, [2] * 4, context_parallel_size=2, timeout=120
+    )
+    assert errors == [None] * 4
+    errors = pool4.run(
+        checks_validation.init_with_per_rank_sizes,
+        [2] * 4,
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        timeout=120,
     )
     assert (
         errors
         == [
-            "--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=2: "
-            "TSP already shards the sequence over its group; use one or the other"
+            "world size 4 is not divisible by --tensor-sequence-parallel-size=2 x "
+            "--context-parallel-size=2 x --pipeline-model-parallel-size=2 = 8"
         ]
         * 4
     )

@@ -7,6 +7,17 @@ an all-gather over the group returns, and what Megatron's contiguous sequence-pa
 permuted batch are) gives the *gathered order* ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]``;
 ``permutation`` maps it to natural positions and ``inverse`` back.
 
+Context parallelism (TSP x CP). The weight axis stays the TSP group (D ranks, Megatron's TP
+group); the *sequence* group is megatron-core's tensor-and-context-parallel group of D*C ranks,
+whose rank q = cp_rank * D + tsp_rank (TP is the stride-1 axis of megatron-core's default order
+"tp-cp-ep-dp-pp", so the group's ranks are consecutive TP groups, one per CP rank;
+``sequence_rank``). The zigzag then runs over all D*C ranks: ``TSPLayout(D*C, S, q,
+context_parallel_size=C)``, 2DC chunks, rank q holding chunks q and 2DC-1-q. CP rank c's micro-batch
+is the contiguous slice c of the gathered order (``cp_batch_positions``), which equals Megatron's
+own CP split (CP chunks c and 2C-1-c of 2C) followed by the D-rank zigzag of that local sequence:
+the same tokens, one permutation (``cp_local_positions`` gives the local indices of a rank's tokens
+inside Megatron's CP-local sequence, e.g. for Megatron's CP-sliced RoPE table).
+
 Every module that needs chunk ids, token positions, the permutation or the causal block structure
 asks a ``TSPLayout``; nothing else does this arithmetic (``tests/test_layout.py`` scans the package
 for it). This module imports only torch, so anything (validation, the layers, the tools) can import
@@ -67,11 +78,16 @@ class TSPLayout:
     properties describe; ``None`` for a group-wide layout (permutation, every rank's chunks).
     Validated at construction: ``seq_length`` must be a positive multiple of 2D and
     ``0 <= rank < D``.
+
+    ``context_parallel_size`` C: ``group_size`` is then the sequence group (D*C ranks, TSP x CP)
+    and the weight group is ``weight_group_size`` = group_size / C ranks; rank q of the sequence
+    group is TSP rank q mod D of CP rank q // D (``sequence_rank``, ``split_rank``).
     """
 
     group_size: int
     seq_length: int
     rank: Optional[int] = None
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         d, s = self.group_size, self.seq_length
@@ -87,6 +103,12 @@ class TSPLayout:
             raise ValueError(
                 f"rank {self.rank!r} is outside a tensor-sequence-parallel group of {d} ranks"
             )
+        c = self.context_parallel_size
+        if not _is_int(c) or c < 1 or d % c != 0:
+            raise ValueError(
+                f"context-parallel size {c!r} must be a positive integer dividing the sequence "
+                f"group size {d} (= tensor-sequence-parallel size x context-parallel size)"
+            )
 
     @classmethod
     def of_group(cls, group, seq_length: int) -> "TSPLayout":
@@ -95,7 +117,53 @@ class TSPLayout:
 
         return cls(dist.get_world_size(group), seq_length, dist.get_rank(group))
 
+    @classmethod
+    def of_groups(
+        cls, weight_group, sequence_group, seq_length: int, context_parallel_size: int
+    ) -> "TSPLayout":
+        """This process's layout of ``seq_length`` tokens over ``sequence_group`` (TSP x CP: D*C
+        ranks) whose weight group is ``weight_group`` (D ranks). Refuses a sequence group whose
+        rank order is not ``sequence_rank``'s (the gathered order would not be the zigzag)."""
+        import torch.distributed as dist
+
+        d = dist.get_world_size(weight_group)
+        size, q = dist.get_world_size(sequence_group), dist.get_rank(sequence_group)
+        layout = cls(size, seq_length, q, context_parallel_size)
+        if size != d * context_parallel_size or layout.split_rank(q)[0] != dist.get_rank(
+            weight_group
+        ):
+            raise ValueError(
+                f"sequence group (rank {q} of {size}) is not the tensor-and-context-parallel "
+                f"group of a TSP group of {d} (rank {dist.get_rank(weight_group)}) x "
+                f"context-parallel size {context_parallel_size}"
+            )
+        return layout
+
     # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def weight_group_size(self) -> int:
+        """D: the TSP (weight) group's size; ``group_size`` when there is no CP."""
+        return self.group_size // self.context_parallel_size
+
+    @staticmethod
+    def sequence_rank(tsp_rank: int, cp_rank: int, tsp_size: int) -> int:
+        """Rank in the TSP x CP sequence group of TSP rank ``tsp_rank`` of CP rank ``cp_rank``
+        (megatron-core's tensor-and-context-parallel group: TP is the stride-1 axis)."""
+        if not 0 <= tsp_rank < tsp_size:
+            raise ValueError(f"TSP rank {tsp_rank} is outside a group of {tsp_size} ranks")
+        return cp_rank * tsp_size + tsp_rank
+
+    def split_rank(self, rank: int) -> Tuple[int, int]:
+        """(TSP rank, CP rank) of sequence-group rank ``rank``."""
+        self.chunks_of(rank)  # validates the rank
+        cp_rank, tsp_rank = divmod(rank, self.weight_group_size)
+        return tsp_rank, cp_rank
+
+    @property
+    def cp_local_len(self) -> int:
+        """Tokens of one CP rank's micro-batch (its D ranks' local tokens)."""
+        return self.seq_length // self.context_parallel_size
+
     @property
     def num_chunks(self) -> int:
         return 2 * self.group_size
@@ -147,6 +215,37 @@ class TSPLayout:
         """Natural positions of ``rank``'s local tokens, in local order (a shared view)."""
         self.chunks_of(rank)  # validates the rank
         return self.permutation(device).narrow(0, rank * self.local_len, self.local_len)
+
+    def cp_batch_positions(
+        self, cp_rank: int, device: Optional[torch.device] = None
+    ) -> torch.Tensor:
+        """Natural positions of CP rank ``cp_rank``'s micro-batch, in the order its TSP group's
+        sequence-parallel embedding splits contiguously (slice ``cp_rank`` of the gathered
+        order): ``local_batch = full_batch[..., cp_batch_positions(c)]`` is the one permutation
+        of a batch under TSP x CP. ``cp_rank`` 0 of a layout without CP is the whole
+        permutation."""
+        if not 0 <= cp_rank < self.context_parallel_size:
+            raise ValueError(
+                f"CP rank {cp_rank} is outside a context-parallel group of "
+                f"{self.context_parallel_size}"
+            )
+        return self.permutation(device).narrow(0, cp_rank * self.cp_local_len, self.cp_local_len)
+
+    def cp_local_positions_of(
+        self, rank: int, device: Optional[torch.device] = None
+    ) -> torch.Tensor:
+        """Indices of ``rank``'s local tokens (local order) inside Megatron's CP-local sequence
+        of its CP rank c: natural order of CP chunks c and 2C-1-c of 2C (what
+        ``get_batch_on_this_cp_rank`` and Megatron's CP-sliced RoPE table hold). Those are the
+        same tokens as ``cp_batch_positions(c)``; inside them this rank holds the D-rank zigzag
+        chunks of its TSP rank (see the module docstring)."""
+        tsp_rank, _ = self.split_rank(rank)
+        local = TSPLayout(self.weight_group_size, self.cp_local_len, tsp_rank)
+        return local.positions(device)
+
+    def cp_local_positions(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``cp_local_positions_of`` this layout's rank."""
+        return self.cp_local_positions_of(self._own_rank(), device)
 
     # ---- this rank -----------------------------------------------------------------------------
     def _own_rank(self) -> int:

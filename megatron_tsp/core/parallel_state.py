@@ -57,8 +57,10 @@ def initialize_model_parallel(
     """Create Megatron's groups with the TSP axis as the tensor-parallel group.
 
     ``megatron_kwargs`` go to ``megatron.core.parallel_state.initialize_model_parallel``.
-    ``tensor_model_parallel_size`` may be omitted (or equal D); ``context_parallel_size`` > 1 is
-    rejected. The check runs on every rank and is agreed on collectively before any group is made.
+    ``tensor_model_parallel_size`` may be omitted (or equal D); ``context_parallel_size`` C > 1
+    makes TSP x CP: the sequence group is megatron-core's tensor-and-context-parallel group of
+    D*C ranks (``get_tensor_sequence_and_context_parallel_group``). The check runs on every
+    rank and is agreed on collectively before any group is made.
     """
     global _TSP_SIZE
     if not dist.is_initialized():
@@ -146,6 +148,29 @@ def get_tensor_sequence_parallel_rank() -> int:
 def get_tensor_sequence_parallel_src_rank() -> int:
     _require()
     return mpu.get_tensor_model_parallel_src_rank()
+
+
+def get_tensor_sequence_and_context_parallel_group():
+    """The sequence group of TSP x CP: megatron-core's tensor-and-context-parallel group (D*C
+    ranks, rank = cp_rank * D + tsp_rank; ``TSPLayout.sequence_rank``). Without CP it is the TSP
+    group itself."""
+    _require()
+    if mpu.get_context_parallel_world_size() == 1:
+        return get_tensor_sequence_parallel_group()
+    return mpu.get_tensor_and_context_parallel_group()
+
+
+def resolve_sequence_group(tsp_group, pg_collection=None):
+    """The sequence group of a layer whose TSP group is ``tsp_group``: ``pg_collection.tp_cp``
+    (or the global tensor-and-context-parallel group) when context parallelism is on, else
+    ``tsp_group``."""
+    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if cp is None:
+        cp = mpu.get_context_parallel_group(check_initialized=False)
+    if cp is None or dist.get_world_size(cp) == 1:
+        return tsp_group
+    group = getattr(pg_collection, "tp_cp", None) if pg_collection is not None else None
+    return group if group is not None else mpu.get_tensor_and_context_parallel_group()
 
 
 def resolve_group(pg_collection=None, tp_group=None):

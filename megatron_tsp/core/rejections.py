@@ -226,13 +226,22 @@ ROWS: Tuple[Rejection, ...] = (
         "--tensor-model-parallel-size at 1 (or equal to D)",
         example=("3",),
     ),
+    # --context-parallel-size C is TSP x CP (the sequence axis spans the D*C tensor-and-context
+    # group, core/layout.py); only Megatron's CP attention communication does not apply.
     Rejection(
-        "--context-parallel-size",
-        "context_parallel_size",
-        above(1),
-        "TSP already shards the sequence over its group; use one or the other",
-        config_field="context_parallel_size",
-        example=("2",),
+        "--cp-comm-type",
+        "cp_comm_type",
+        Condition(
+            "other than `p2p` (the default) or `allgather`",
+            lambda v, d: (
+                v is not None
+                and any(t not in ("p2p", "allgather") for t in ([v] if isinstance(v, str) else v))
+            ),
+        ),
+        "TSP x CP moves K/V itself (one all-gather of each head group's K/V over the D*C "
+        "tensor-and-context-parallel group, dK/dV by its reduce-scatter); Megatron's "
+        "context-parallel attention exchanges are not used",
+        example=("a2a",),
     ),
     Rejection(
         "--hierarchical-context-parallel-sizes",

@@ -27,21 +27,26 @@ def check_parallel_layout(
     if not isinstance(d, int) or d < 1:
         raise ValueError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
     rejections.check_values(
-        {
-            "tensor_model_parallel_size": tensor_model_parallel_size,
-            "context_parallel_size": context_parallel_size,
-        },
+        {"tensor_model_parallel_size": tensor_model_parallel_size},
         d,
         config_value=False,
     )  # command-line values, not a config
+    # TSP x CP: the core API accepts context_parallel_size C (the sequence group is the D*C
+    # tensor-and-context-parallel group, see core/layout.py); the launcher still refuses it.
+    if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+        raise ValueError(
+            f"--context-parallel-size must be a positive integer, got {context_parallel_size!r}"
+        )
     if pipeline_model_parallel_size < 1:
         raise ValueError(
             f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}"
         )
-    model_parallel = d * pipeline_model_parallel_size
+    model_parallel = d * context_parallel_size * pipeline_model_parallel_size
     if world_size % model_parallel != 0:
+        cp = f"--context-parallel-size={context_parallel_size} x "
+        cp = cp if context_parallel_size > 1 else ""
         raise ValueError(
-            f"world size {world_size} is not divisible by {TSP_FLAG}={d} x "
+            f"world size {world_size} is not divisible by {TSP_FLAG}={d} x {cp}"
             f"--pipeline-model-parallel-size={pipeline_model_parallel_size} = {model_parallel}"
         )
 
@@ -110,7 +115,9 @@ def check_transformer_config(
             "TSP runs on the tensor-parallel ranks with sequence-parallel activations: "
             "set sequence_parallel=True (--sequence-parallel) in the TransformerConfig"
         )
-    rejections.check_config(config, d)
+    # context_parallel_size > 1 is TSP x CP, which the core layers run (hierarchical and hybrid
+    # CP stay refused by their rows)
+    rejections.check_config(config, d, overrides={"context_parallel_size": 1})
     check_expert_layout(config.num_moe_experts, config.expert_tensor_parallel_size, d)
     check_model_shape(
         d,
@@ -122,6 +129,9 @@ def check_transformer_config(
         hidden_size=config.hidden_size,
         kv_channels=config.kv_channels,
     )
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if seq_length is not None and cp > 1:
+        check_sequence_length(seq_length, d * cp)  # zigzag over the D*C sequence group
 
 
 TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]

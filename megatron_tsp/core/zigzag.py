@@ -64,6 +64,8 @@ def get_batch_on_this_tsp_rank(
     batch: Dict[str, Optional[torch.Tensor]],
     group_size: Optional[int] = None,
     permute_attention_mask: bool = True,
+    context_parallel_size: int = 1,
+    cp_rank: int = 0,
 ) -> Dict[str, Optional[torch.Tensor]]:
     """Zigzag-permute a Megatron ``get_batch`` dict along the sequence.
 
@@ -100,6 +102,8 @@ def get_batch_on_this_tsp_rank(
         from megatron_tsp.core import parallel_state
 
         group_size = parallel_state.get_tensor_sequence_parallel_world_size()
+    if context_parallel_size > 1:
+        return _cp_batch(batch, group_size, context_parallel_size, cp_rank, permute_attention_mask)
     out: Dict[str, Optional[torch.Tensor]] = {}
     for key, value in batch.items():
         if value is None or group_size == 1:
@@ -115,6 +119,33 @@ def get_batch_on_this_tsp_rank(
             out[key] = permute(value, group_size, dim=BATCH_SEQ_DIM)
         else:
             out[key] = value
+    for key in ("tokens", "position_ids", "labels"):
+        mark_zigzagged(out.get(key), group_size)
+    return out
+
+
+def _cp_batch(batch, group_size: int, cp_size: int, cp_rank: int, permute_attention_mask: bool):
+    """CP rank ``cp_rank``'s slice of a full batch under TSP x CP (see
+    ``get_batch_on_this_tsp_rank``)."""
+    from megatron_tsp.core.batch_guard import mark_zigzagged
+
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    for key, value in batch.items():
+        if not torch.is_tensor(value) or value.dim() < 2:
+            out[key] = value
+            continue
+        seq = value.shape[-1] if key == "attention_mask" else value.shape[BATCH_SEQ_DIM]
+        check_sequence_length(seq, group_size * cp_size)
+        layout = TSPLayout(group_size * cp_size, seq, context_parallel_size=cp_size)
+        rows = layout.cp_batch_positions(cp_rank, value.device)
+        if key == "attention_mask":
+            out[key] = (
+                value.index_select(-1, layout.permutation(value.device)).index_select(-2, rows)
+                if permute_attention_mask
+                else value
+            )
+        else:
+            out[key] = value.index_select(BATCH_SEQ_DIM, rows)
     for key in ("tokens", "position_ids", "labels"):
         mark_zigzagged(out.get(key), group_size)
     return out

@@ -27,6 +27,7 @@ import argparse
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_tsp.core import rejections
+from megatron_tsp.core.layout import check_sequence_length
 from megatron_tsp.core.validation import (
     TSP_FLAG,
     check_expert_layout,
@@ -276,8 +277,9 @@ def check_validated_args(args) -> None:
 def _check_validated_args(args, d: int) -> None:
     world = getattr(args, "world_size", None)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
     if world is not None:
-        check_parallel_layout(world, d, pp)
+        check_parallel_layout(world, d, pp, context_parallel_size=cp)
     if args.tensor_model_parallel_size != d:
         raise TSPArgumentError(
             f"Megatron changed --tensor-model-parallel-size to {args.tensor_model_parallel_size} "
@@ -302,6 +304,10 @@ def _check_validated_args(args, d: int) -> None:
         hidden_size=getattr(args, "hidden_size", None),
         kv_channels=getattr(args, "kv_channels", None),
     )
+    seq = getattr(args, "seq_length", None)
+    if cp > 1 and seq is not None:
+        # TSP x CP: the zigzag runs over the D*C ranks of the tensor-and-context group
+        check_sequence_length(seq, d * cp, flag="--seq-length")
 
 
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:

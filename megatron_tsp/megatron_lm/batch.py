@@ -2,12 +2,18 @@
 
 In every supported Megatron-LM version ``pretrain_gpt.get_batch`` does: TP rank 0 reads the
 micro-batch, ``get_batch_on_this_tp_rank`` broadcasts it to the other TP ranks, then
-``get_batch_on_this_cp_rank`` slices it for context parallelism (identity when CP = 1, which TSP
-requires). The script imports that function by name at import time from
-``megatron.training.utils`` (core_v0.16) or ``megatron.core.utils`` (0.19 / main); we wrap it in
-both modules before the script runs, so every TSP rank permutes the full broadcast batch to
+``get_batch_on_this_cp_rank`` slices it for context parallelism (identity when CP = 1). The
+script imports that function by name at import time from ``megatron.training.utils``
+(core_v0.16) or ``megatron.core.utils`` (0.19 / main); we wrap it in both modules before the
+script runs, so every TSP rank permutes its (CP rank's) broadcast batch to
 ``[c0, c_{2D-1}, c1, c_{2D-2}, ...]`` and Megatron's contiguous sequence-parallel shards are the
 zigzag chunks.
+
+Under TSP x CP (``--context-parallel-size`` C) Megatron's CP split runs first (CP rank c keeps CP
+chunks c and 2C-1-c of 2C) and this hook zigzags that local sequence over the D TSP ranks: TSP
+rank t of CP rank c then holds chunks q and 2DC-1-q of the D*C zigzag, q = c*D + t, the layout
+TSP x CP attention assumes (``TSPLayout.cp_batch_positions``; ``tests/test_tsp_cp.py`` checks
+the composition equals that one permutation).
 
 The attention mask is left alone: TSP attention never reads it (causality comes from the zigzag
 positions), and the launcher turns Megatron's dataloader mask off

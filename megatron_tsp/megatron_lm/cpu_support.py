@@ -7,6 +7,7 @@ megatron-core assumes CUDA in three places that matter for TSP and its baselines
 3. the model-parallel RNG tracker saves and restores CUDA generator states;
 4. (MoE) the router's gating GEMM tests ``te_general_gemm``, a name megatron-core 0.16 defines
    only when Transformer Engine imports.
+5. under context parallelism, RoPE picks its CP rank's table rows through a pinned CUDA index.
 
 ``enable_cpu_support()`` redirects exactly these to the CPU. It is explicit (never an import side
 effect), idempotent, and undone by ``disable_cpu_support()``. It refuses to run when CUDA is
@@ -42,6 +43,22 @@ def _cpu_set_rng_state(new_state, *args, **kwargs) -> None:
     torch.set_rng_state(new_state)
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron-core's ``get_pos_emb_on_this_cp_rank`` (rows of CP chunks r and 2C-1-r of 2C
+    along ``seq_dim``) with its index on the CPU instead of a pinned buffer copied to CUDA."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    from megatron_tsp.core.layout import TSPLayout
+
+    size, rank = cp_group.size(), cp_group.rank()
+    # Megatron's CP split is the zigzag of C ranks: CP rank r holds chunks r and 2C-1-r
+    index = torch.tensor(TSPLayout(size, 2 * size).chunks_of(rank), device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * size, -1, *shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
+
+
 def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
@@ -66,6 +83,9 @@ _SHIMS = {
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _cpu_set_rng_state,
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _cpu_get_rng_state,
     "megatron.core.transformer.moe.router:router_gating_linear": _cpu_router_gating_linear,
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank": (
+        _cpu_pos_emb_on_this_cp_rank
+    ),
 }
 
 

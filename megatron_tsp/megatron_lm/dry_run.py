@@ -40,7 +40,7 @@ def default_world_size(args) -> int:
     if env > 1:
         return env
     d = tsp_args.tsp_size(args) or args.tensor_model_parallel_size
-    cp = 1 if tsp_args.tsp_size(args) else (args.context_parallel_size or 1)
+    cp = args.context_parallel_size or 1
     return d * (args.pipeline_model_parallel_size or 1) * cp
 
 
@@ -212,7 +212,13 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
         "tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp"
     )
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
-    return {"tp": gen.get_ranks("tp"), "dp": gen.get_ranks("dp"), "pp": gen.get_ranks("pp")}
+    return {
+        "tp": gen.get_ranks("tp"),
+        "dp": gen.get_ranks("dp"),
+        "pp": gen.get_ranks("pp"),
+        "cp": gen.get_ranks("cp"),
+        "tp-cp": gen.get_ranks("tp-cp"),
+    }
 
 
 def moe_layout(args, models) -> Optional[dict]:
@@ -262,14 +268,21 @@ def moe_layout(args, models) -> Optional[dict]:
     }
 
 
-def zigzag_chunks(seq_length: int, d: int) -> List[dict]:
-    """Per TSP rank: its chunk ids and their natural token spans (from ``TSPLayout``)."""
+def zigzag_chunks(seq_length: int, d: int, cp: int = 1) -> List[dict]:
+    """Per rank of the sequence group (TSP, or TSP x CP: D*C ranks): its (TSP rank, CP rank),
+    chunk ids and their natural token spans (from ``TSPLayout``)."""
     from megatron_tsp.core.layout import TSPLayout, check_sequence_length
 
-    check_sequence_length(seq_length, d)
-    layout = TSPLayout(d, seq_length)
+    check_sequence_length(seq_length, d * cp)
+    layout = TSPLayout(d * cp, seq_length, context_parallel_size=cp)
     return [
-        {"rank": r, "chunks": layout.chunks_of(r), "tokens": layout.spans_of(r)} for r in range(d)
+        {
+            "rank": q,
+            "tsp_cp": layout.split_rank(q),
+            "chunks": layout.chunks_of(q),
+            "tokens": layout.spans_of(q),
+        }
+        for q in range(d * cp)
     ]
 
 
@@ -366,7 +379,7 @@ def run(args, build: Callable) -> dict:
         report["moe"] = moe_layout(args, models)
         d = report["tsp"]
         if d:
-            report["zigzag"] = zigzag_chunks(args.seq_length, d)
+            report["zigzag"] = zigzag_chunks(args.seq_length, d, args.context_parallel_size)
         report["cuda_initialized"] = torch.cuda.is_initialized()
         report["patches"] = patches.report_lines()
         tree = patches.imported_megatron_lm_tree()
@@ -419,6 +432,15 @@ def print_report(report: dict) -> None:
         f"  {'TSP' if tsp else 'TP'} groups        : {_fmt_groups(report['groups']['tp'])}",
         f"  DP groups         : {_fmt_groups(report['groups']['dp'])}",
         f"  PP groups         : {_fmt_groups(report['groups']['pp'])}",
+    ]
+    if report["cp"] > 1:
+        lines += [
+            f"  CP groups         : {_fmt_groups(report['groups']['cp'])}",
+            f"  {'sequence groups' if tsp else 'TP x CP groups '}   : "
+            f"{_fmt_groups(report['groups']['tp-cp'])}"
+            + (" (TSP x CP: K/V gathered over these)" if tsp else ""),
+        ]
+    lines += [
         f"  rank {report['rank']:<13d}: tp_rank={report['this_rank']['tp_rank']} "
         f"pp_rank={report['this_rank']['pp_rank']} dp_rank={report['this_rank']['dp_rank']} "
         f"group={report['this_rank']['tp_group']}",
@@ -435,15 +457,18 @@ def print_report(report: dict) -> None:
         s = report["seq_length"]
         first, end = report["zigzag"][0]["tokens"][0]  # rank 0's first chunk: [0, C)
         c = end - first
+        n = len(report["zigzag"])
         lines.append(
-            f"  zigzag            : seq_length {s} = {2 * tsp} chunks of {c} tokens; "
+            f"  zigzag            : seq_length {s} = {2 * n} chunks of {c} tokens; "
             f"micro-batch {report['micro_batch_size']}, global batch {report['global_batch_size']}"
         )
         for row in report["zigzag"]:
             spans = ", ".join(f"[{a}, {b})" for a, b in row["tokens"])
+            who = f"TSP rank {row['rank']}"
+            if report["cp"] > 1:
+                who = f"seq rank {row['rank']} (TSP {row['tsp_cp'][0]}, CP {row['tsp_cp'][1]})"
             lines.append(
-                f"    TSP rank {row['rank']}: chunks {row['chunks'][0]} and {row['chunks'][1]} "
-                f"-> tokens {spans}"
+                f"    {who}: chunks {row['chunks'][0]} and {row['chunks'][1]} -> tokens {spans}"
             )
     moe = report.get("moe")
     if moe:

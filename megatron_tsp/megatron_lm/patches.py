@@ -192,6 +192,12 @@ _CPU_SUPPORT_PATCHES = [
         "without Transformer Engine",
         ("inp", "weight", "bias", "router_dtype"),
     ),
+    _p(
+        CPU_SUPPORT,
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+        "RoPE under context parallelism indexes its table with a pinned CUDA tensor",
+        ("pos_emb", "seq_dim", "cp_group"),
+    ),
 ]
 
 # pretrain_gpt.py on CPU ranks: each CUDA-only call of the loop (the answers themselves are

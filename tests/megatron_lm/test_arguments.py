@@ -115,6 +115,8 @@ def test_defaults_are_accepted():
         ["--position-embedding-type", "rope"],
         ["--transformer-impl", "local"],
         ["--context-parallel-size", "1"],
+        ["--context-parallel-size", "2"],  # TSP x CP
+        ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
         ["--expert-model-parallel-size", "1"],
         ["--tensor-parallel-num-weight-shards", "1"],
     ],
@@ -128,8 +130,8 @@ def test_several_problems_are_listed_together():
     args = parse(
         "--tensor-sequence-parallel-size",
         "2",
-        "--context-parallel-size",
-        "2",
+        "--cp-comm-type",
+        "a2a",
         "--tp-comm-overlap",
         "--moe-expert-capacity-factor",
         "1.0",
@@ -139,7 +141,7 @@ def test_several_problems_are_listed_together():
     text = str(err.value)
     assert text.count("\n  - ") == 3
     for flag in (
-        "--context-parallel-size=2",
+        "--cp-comm-type=a2a",
         "--tp-comm-overlap",
         "--moe-expert-capacity-factor=1.0",
     ):

@@ -213,15 +213,47 @@ def test_dry_run_prints_the_moe_layout():
         assert line in out, (line, out[-3000:])
 
 
+def test_dry_run_tsp_x_cp_prints_both_groups_and_the_chunk_map():
+    """--tensor-sequence-parallel-size 2 --context-parallel-size 2 on 8 ranks: the weight
+    (TSP) groups, the sequence (tensor-and-context) groups, and the 2DC-chunk zigzag per
+    sequence rank q = cp_rank * D + tsp_rank."""
+    _, args = _config_args("tiny-cpu")
+    proc = run_launcher(
+        [
+            _script(),
+            *args,
+            "--context-parallel-size",
+            "2",
+            "--tsp-dry-run",
+            "--tsp-dry-run-world-size",
+            "8",
+            "--tsp-dry-run-rank",
+            "5",
+        ]
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
+    assert "world size        : 8 = TSP 2 x PP 1 x CP 2 x DP 2" in out
+    assert "TSP groups        : [0, 1]  [2, 3]  [4, 5]  [6, 7]" in out
+    assert "CP groups         : [0, 2]  [1, 3]  [4, 6]  [5, 7]" in out
+    assert "sequence groups   : [0, 1, 2, 3]  [4, 5, 6, 7] (TSP x CP" in out
+    seq = int(re.search(r"zigzag\s+: seq_length (\d+) = 8 chunks", out).group(1))
+    c = seq // 8
+    assert (
+        f"seq rank 2 (TSP 0, CP 1): chunks 2 and 5 -> tokens [{2 * c}, {3 * c}), "
+        f"[{5 * c}, {6 * c})" in out
+    ), out[-3000:]
+
+
 def test_dry_run_rejects_unsupported_flags_by_name():
     _, args = _config_args("tiny-cpu")
     proc = run_launcher(
-        [_script(), *args, "--context-parallel-size", "2", "--tp-comm-overlap", "--tsp-dry-run"]
+        [_script(), *args, "--cp-comm-type", "a2a", "--tp-comm-overlap", "--tsp-dry-run"]
     )
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     err = proc.stderr
     assert "megatron_tsp: error:" in err
-    assert "--context-parallel-size=2" in err and "--tp-comm-overlap" in err
+    assert "--cp-comm-type=a2a" in err and "--tp-comm-overlap" in err
     assert "--tensor-sequence-parallel-size=2" in err
 
 

@@ -159,7 +159,7 @@ def test_table_flags_match_megatron_lm_parser(label, tree, python):
 # (None: both)); the message must name the first flag and the mode
 REFUSED = [
     ("tsp", ["--tensor-model-parallel-size", "4"], None),
-    ("tsp", ["--context-parallel-size", "2"], None),
+    ("tsp", ["--cp-comm-type", "a2a"], None),
     ("tsp", ["--hierarchical-context-parallel-sizes", "2", "2"], None),
     ("tsp", ["--hybrid-context-parallel"], None),
     ("tsp", ["--tensor-parallel-num-weight-shards", "2"], ("0.19",)),

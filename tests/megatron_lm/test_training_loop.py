@@ -165,6 +165,21 @@ def test_tsp4_matches_tp4_fewer_kv_heads_than_d(seed):
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_tsp2_cp2_matches_tp2(seed, style):
+    """TSP=2 x CP=2 on 4 ranks (the K/V gathered over the tensor-and-context group, Megatron's
+    own CP batch split composed with the TSP zigzag, Megatron's CP-sliced RoPE table) vs TP=2 x
+    CP=1 on 2 ranks, same data: CP changes only the layout."""
+    args = STYLES[style]
+    tsp = _run(
+        4, seed, *args, "--tensor-sequence-parallel-size", "2", "--context-parallel-size", "2"
+    )
+    ref = _run(2, seed, *args, "--tensor-model-parallel-size", "2")
+    # the 4 ranks are one TSP x CP replica, not two data-parallel TSP=2 replicas
+    assert "data-parallel size: 1, context-parallel size: 2" in tsp.log, tsp.log[-3000:]
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
 def test_bf16_distributed_optimizer_overlap_recompute(seed):
     """bf16 + distributed optimizer + overlap-grad-reduce + gradient-accumulation fusion (the
     runner's fp32-accumulating stand-in) + full recompute."""

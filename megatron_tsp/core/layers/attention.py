@@ -35,6 +35,15 @@ recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective 
 keeps only X_p and recomputes everything per head group (least memory; also used when attention
 dropout is on, which needs the ``sdpa_recompute`` backend).
 
+TSP x CP (``context_parallel_size`` C > 1). The weight shards still travel inside the TSP group
+(D ranks); the K/V all-gather and the dK/dV reduce-scatter run over the sequence group instead,
+megatron-core's tensor-and-context-parallel group of D*C ranks whose zigzag (2DC chunks) is
+``TSPLayout(D*C, S, q, context_parallel_size=C)``. Every TSP group runs head group r at step r
+(the shards are replicated over CP), so one all-gather over D*C ranks gives head group r's K/V
+for all S tokens, and its adjoint sums each key's dK/dV over all D*C ranks' queries. Replicated
+parameters' gradients are summed over TSP (Megatron's SP all-reduce) and CP (the data-parallel
+reduction Megatron runs over DP x CP), as for TP+SP with CP.
+
 The output projection is one GEMM over every head (the contraction over head groups happens
 inside it, so no partial sums exist): its input, the D groups' attention outputs side by side,
 and its weight, the D shards' columns copied as they arrive, are [s/D, b, h] and [h, h] bf16
@@ -79,7 +88,7 @@ from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
 from megatron_tsp.core.layers.rope import RopeTables, local_tables, rotate
 from megatron_tsp.core.layout import TSPLayout
-from megatron_tsp.core.parallel_state import resolve_group
+from megatron_tsp.core.parallel_state import resolve_group, resolve_sequence_group
 from megatron_tsp.core.validation import check_model_shape
 
 try:  # megatron-core >= 0.14
@@ -375,9 +384,21 @@ class _TSPAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, qkv_w, qkv_b, proj_w, rope_q, rope_k, layout, seq_layout, group, fuse, kernel
+        ctx,
+        x,
+        qkv_w,
+        qkv_b,
+        proj_w,
+        rope_q,
+        rope_k,
+        layout,
+        seq_layout,
+        group,
+        fuse,
+        kernel,
+        seq_group,
     ):
-        size = seq_layout.group_size
+        size = seq_layout.weight_group_size
         has_bias = qkv_b is not None
         blocks = seq_layout.causal_blocks
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
@@ -400,7 +421,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             kv = kv_send_buffer(x, layout, fresh=save_outputs, slot=r % 2)
             q = rotate_qkv(mixed, layout, rope_q, rope_k, kv)
             pws = [weight_bias_views(shard.views(), has_bias)[2] for shard in shards]
-            return q, kv, pws, _post_kv_gather(kv, group, seq_layout, slot=r % 2)
+            return q, kv, pws, _post_kv_gather(kv, seq_group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
             stream = _GroupStream(own, group, m, hold=2)
@@ -430,7 +451,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         ctx.rope = _save_rope(ctx, rope_q, rope_k)
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
         ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
-        ctx.seq_layout = seq_layout
+        ctx.seq_layout, ctx.seq_group = seq_layout, seq_group
         # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
         return torch.matmul(context, proj_full.t())
 
@@ -445,6 +466,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             weight_grad_output(qkv_w, g_w, fuse),
             weight_grad_output(qkv_b, g_b, fuse),
             weight_grad_output(proj_w, g_pw, fuse),
+            None,
             None,
             None,
             None,
@@ -546,7 +568,7 @@ class _AttentionBackward:
         self.x, self.flat = x, flat
         self.grad_out, self.rng = grad_out, ctx.rng
         self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
-        self.group, self.kernel = ctx.group, ctx.kernel
+        self.group, self.seq_group, self.kernel = ctx.group, ctx.seq_group, ctx.kernel
         self.blocks = self.seq_layout.causal_blocks
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
@@ -576,7 +598,7 @@ class _AttentionBackward:
             hold = 2 if self.saved_mode else 3
             self.stream = _GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
             current, finishing = self.prepare_group(0), None
-            size = self.seq_layout.group_size // self.m
+            size = self.seq_layout.weight_group_size // self.m
             for r in range(size):
                 partial = [
                     FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
@@ -613,7 +635,7 @@ class _AttentionBackward:
             mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.layout)
             kv = kv_send_buffer(self.x, self.layout, fresh=False, slot=r % 2)
             q = rotate_qkv(mixed, self.layout, self.rope_q, self.rope_k, kv)
-        gather = _post_kv_gather(kv, self.group, self.seq_layout, slot=r % 2)
+        gather = _post_kv_gather(kv, self.seq_group, self.seq_layout, slot=r % 2)
         return _HeadGroup(r, q, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
@@ -651,7 +673,7 @@ class _AttentionBackward:
         else:
             dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         scatter = _KVGradScatter(
-            dks, dvs, self.wire_dtype, self.dtype, self.group, self.seq_layout, slot=group.r % 2
+            dks, dvs, self.wire_dtype, self.dtype, self.seq_group, self.seq_layout, slot=group.r % 2
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -751,18 +773,24 @@ def tsp_self_attention(
     accumulate_into_main_grad: bool = False,
     kernel: Optional[kernels.AttentionKernel] = None,
     seq_layout: Optional[TSPLayout] = None,
+    seq_group=None,
 ):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
     its bias excluded). ``rope_*``: this rank's RoPE tables for q and k (``rope.local_tables``),
     or None. ``kernel``: the attention backend (``kernels.select_kernel`` for
-    ``x`` when None). ``seq_layout``: this rank's zigzag layout (built from ``group`` and the
-    local token count when None)."""
+    ``x`` when None). ``group``: the TSP (weight) group. ``seq_group``: the sequence group (TSP x
+    CP: the D*C tensor-and-context-parallel group; ``group`` when None). ``seq_layout``: this
+    rank's zigzag layout over ``seq_group`` (built from the groups and the local token count
+    when None)."""
     if kernel is None:
         kernel = kernels.select_kernel(
             x.device, x.dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p
         )
+    if seq_group is None:
+        seq_group = group
     if seq_layout is None:
-        seq_layout = TSPLayout.of_group(group, x.shape[0] * dist.get_world_size(group))
+        seq_size, d = dist.get_world_size(seq_group), dist.get_world_size(group)
+        seq_layout = TSPLayout.of_groups(group, seq_group, x.shape[0] * seq_size, seq_size // d)
     elif seq_layout.local_len != x.shape[0]:
         raise ValueError(
             f"TSP attention got {x.shape[0]} local tokens but its layout holds "
@@ -780,6 +808,7 @@ def tsp_self_attention(
         group,
         accumulate_into_main_grad,
         kernel,
+        seq_group,
     )
 
 
@@ -852,6 +881,13 @@ class TSPSelfAttention(SelfAttention):
             kv_channels=config.kv_channels,
         )
         rejections.check_config(config, size, layer="attention")
+        # TSP x CP: K/V travel over the D*C sequence group. Megatron's local core attention
+        # (built by SelfAttention, never called by TSP) refuses CP, so the parent is built with
+        # a CP-free copy of the config; the layer keeps the real one.
+        self_config = config
+        cp_size = getattr(config, "context_parallel_size", 1) or 1
+        if cp_size > 1:
+            config = dataclasses.replace(config, context_parallel_size=1)
         super().__init__(
             config,
             submodules,
@@ -867,7 +903,15 @@ class TSPSelfAttention(SelfAttention):
                 rejections.row_for("qk_layernorm").message(True, size)
                 + f" (the spec gives {type(self).__name__} a q_layernorm / k_layernorm)"
             )
+        self.config = config = self_config
         self.tsp_group = group
+        self.cp_size = cp_size
+        self.seq_group = resolve_sequence_group(group, pg_collection) if cp_size > 1 else group
+        if dist.get_world_size(self.seq_group) != size * cp_size:
+            raise ValueError(
+                f"TSP attention with context_parallel_size={cp_size} needs a sequence group of "
+                f"{size} x {cp_size} ranks, got {dist.get_world_size(self.seq_group)}"
+            )
         scale = config.softmax_scale
         if scale is None:
             scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
@@ -940,6 +984,12 @@ class TSPSelfAttention(SelfAttention):
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
             from megatron_tsp.core.layers.prefill_attention import prefill_attention
 
+            if self.cp_size > 1:
+                raise ValueError(
+                    "TSP prefill does not run under context parallelism "
+                    f"(context_parallel_size={self.cp_size}): TSP x CP is training-only"
+                )
+
             return prefill_attention(
                 self, hidden_states, inference_context or inference_params, rotary_pos_emb
             )
@@ -961,8 +1011,11 @@ class TSPSelfAttention(SelfAttention):
                 f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
                 f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
             )
-        seq_layout = TSPLayout.of_group(
-            self.tsp_group, local_len * dist.get_world_size(self.tsp_group)
+        seq_layout = TSPLayout.of_groups(
+            self.tsp_group,
+            self.seq_group,
+            local_len * dist.get_world_size(self.seq_group),
+            self.cp_size,
         )
         # RoPE tables at this rank's positions: built by the first layer of the step, cached on
         # the embedding tensor (rope.local_tables)
@@ -989,5 +1042,6 @@ class TSPSelfAttention(SelfAttention):
             self.gradient_accumulation_fusion,
             self.attention_kernel,
             seq_layout,
+            self.seq_group,
         )
         return out, self.linear_proj.bias

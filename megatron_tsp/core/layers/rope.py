@@ -101,16 +101,27 @@ def _swap(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTables:
     if emb.dim() != 4 or emb.shape[1] != 1 or emb.shape[2] != 1:
         raise ValueError(f"TSP attention needs a [s, 1, 1, d] rotary table, got {tuple(emb.shape)}")
-    seq = seq_layout.seq_length
-    if emb.shape[0] < seq:
-        raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
+    if seq_layout.context_parallel_size > 1:
+        # Megatron's rotary embedding hands each CP rank its CP-local table (CP chunks c and
+        # 2C-1-c), which holds exactly this CP rank's tokens (``TSPLayout.cp_local_positions``)
+        if emb.shape[0] != seq_layout.cp_local_len:
+            raise ValueError(
+                f"TSP x CP attention expects Megatron's CP-local rotary table of "
+                f"{seq_layout.cp_local_len} positions, got {emb.shape[0]}"
+            )
+        rows = seq_layout.cp_local_positions(emb.device)
+    else:
+        seq = seq_layout.seq_length
+        if emb.shape[0] < seq:
+            raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
+        rows = seq_layout.positions(emb.device)
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     rot = emb.shape[-1]
     # Megatron's RoPE indexes its table by sequence index, not position_ids (see
     # zigzag.get_batch_on_this_tsp_rank for why the two agree): this rank's rows are at its
     # layout positions.
     with torch.no_grad():
-        angles = emb.index_select(0, seq_layout.positions(emb.device))
+        angles = emb.index_select(0, rows)
         fused = fused_rope_kernel(config)
         if fused is not None:
             return RopeTables(rot, interleaved, fused, (angles, -angles))
@@ -138,6 +149,7 @@ def local_tables(
         seq_layout.group_size,
         seq_layout.seq_length,
         seq_layout.rank,
+        seq_layout.context_parallel_size,
         dtype,
         emb.device,
         emb._version,
