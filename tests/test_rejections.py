@@ -61,9 +61,9 @@ def test_conditions():
 
 
 def test_messages_name_flag_value_and_size():
-    row = R.row_for("context_parallel_size")
-    assert row.message(2, 4) == (
-        f"--context-parallel-size=2 cannot be combined with --tensor-sequence-parallel-size=4: "
+    row = R.row_for("cp_comm_type")
+    assert row.message("a2a", 4) == (
+        f"--cp-comm-type=a2a cannot be combined with --tensor-sequence-parallel-size=4: "
         f"{row.reason}"
     )
     hybrid = R.row_for("num_moe_experts", R.TSP_MLP)
