@@ -120,7 +120,10 @@ def _golden_tsp_memory(seq, D, recompute):
     tables = seq * hn * 4 + 3 * t * hn * b
     head += ws_fwd + tables
     if recompute == "full":
-        rec = layer - t * h * b  # the recomputed layer (its input is the stored checkpoint)
+        # the recomputed layer (its input is the stored checkpoint) and its output, held by the
+        # checkpoint's backward; the attention phase also holds the output's gradient
+        rec = layer  # - the input (checkpointed) + the output (held): same bytes
+        attn_work += t * h * b
         first = [rec + mlp_work + ws_fwd, rec - mlp_part + attn_work + ws_bwd]
         later = [
             rec + mlp_work + ws_bwd - t * h * b,

@@ -444,6 +444,10 @@ def _tsp_backward_working_sets(
         "first_block_dkv": (bs * shape.kv_hidden / G) * b,
         "kernel_dkv_outputs": _kernel_dkv_bytes(shape, D, o.attn_kernel),
     }
+    if o.tsp_recompute_attn:
+        # the head group's recomputed rotated q, attention output and fp32 log-sum-exp (its K/V
+        # are recomputed into the workspace's send slots)
+        attn["recomputed_q_out_lse"] = t * (2 * h * b + shape.heads * 4) / G
     return mlp, attn
 
 
@@ -491,6 +495,12 @@ def _tsp_backward_peak(
     _, ws_all = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn)
     mlp_phase = full + sum(mlp_work.values())
     attn_phase = full - mlp_part + sum(attn_work.values())
+    if recompute == "full":
+        # the checkpoint's backward holds the recomputed layer output and its gradient until the
+        # whole layer is done; the attention backward's incoming gradient (output gradient +
+        # the MLP branch's) is then a second [s/D, b, h] tensor
+        mlp_phase += t * shape.hidden * b
+        attn_phase += 2 * t * shape.hidden * b
     # bytes beyond num_layers x per_layer: without recompute the current layer's saved tensors
     # are one of the stored layers; with full recompute its stored input is, and the recomputed
     # tensors (``full``) come on top
