@@ -81,34 +81,63 @@ def _golden_tsp_memory(seq, D, recompute):
     local = L * (12 * h * h / D + 4 * h) + 2 * vpad * h / D + 2 * h
     t = seq / D  # local tokens
     # saved per layer: LN1/LN2 inputs and outputs (4h), LayerNorm mean+rstd (2 x 2 floats of
-    # b bytes), the local fp32 RoPE table (hn), saved attention: q,k,v (3h), the output once
-    # (h), the fp32 log-sum-exp per head; the MLP keeps its per-shard fc1 outputs (F = 4h rows;
-    # no recompute unless asked)
-    layer = t * (4 * h * b + 4 * b + 4 * hn + 3 * h * b + 1 * h * b + 4 * heads + 4 * h * b)
-    transient = (
-        2 * (8 * h * h) / D * b  # two MLP weight-shard buffers (W_mlp = 8h^2 > 4h^2)
-        + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
+    # b bytes), saved attention: rotated q and packed k,v (3h), the output once (h), the fp32
+    # log-sum-exp per head; the MLP keeps its per-shard fc1 outputs (F = 4h rows; no recompute
+    # unless asked). The RoPE tables are per step.
+    layer = t * (4 * h * b + 4 * b + 3 * h * b + 1 * h * b + 4 * heads + 4 * h * b)
+    # freed before the attention backward: the residual, the MLP input and its stats, fc1 outs
+    mlp_part = t * (2 * h * b + 2 * b + 4 * h * b)
+    mlp_work = (
+        t * h * b  # the layer output's gradient
         + t * h * 4  # fp32 grad_x accumulator
+        + 2 * (8 * h * h) / D * b  # the MLP weight shard read and the next in flight
+        + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
+        # step t's activation output, its gradient, d(fc1); step t-1's activation and d(fc1)
+        + 5 * t * 4 * h / D * b
+    )
+    attn_work = (
+        t * h * b  # the layer output's gradient
+        + t * h * 4  # fp32 grad_x accumulator
+        + t * h * b  # d(context)
+        + (1 + 3) * 4 * h * h / D * b  # own attention shard + 3 stream buffers (hold 2)
+        + 4 * h * h / D * 4  # fp32 weight-gradient partial of the group's shard
         # the first chunk's bf16 dK/dV (up to S/2 keys) kept while the second chunk's runs
         + (seq * h / D) * b
         # the kernel's bf16 dK/dV for the chunk whose keys span S (aten_flash: one
         # call, native GQA), before both are summed into the send buffer
         + (2 * seq * h / D) * b
-        + t * 4 * h / D * b
-    )  # one MLP shard's activation output (its fc1 output is saved)
+    )
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
-    # persistent K/V comm workspace: forward 3 gathered/natural [S, 2h/D] + 2 local send buffers;
-    # backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers
+    # persistent K/V comm workspace: forward 2 gathered + 1 natural-order [S, 2h/D] (saved
+    # attention keeps its packed local K/V as saved tensors); backward adds 2 dK/dV send
+    # [S, 2h/D] + 2 local receive buffers, allocated in the first backward layer's attention
     kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
-    ws_fwd = (3 * kv_full + 2 * kv_local) * b
-    ws_bwd = ws_fwd + (2 * kv_full + 2 * kv_local) * b  # bf16 dK/dV reduce-scatter buffers
-    head += ws_fwd
-    if recompute == "full":  # + the recomputed attention forward's fp32 output accumulator
-        acts, bwd = L * t * h * b, transient + layer + t * h * 4 + ws_bwd
+    ws_fwd = 3 * kv_full * b
+    ws_bwd = ws_fwd + 2 * (kv_full + kv_local) * b
+    # Megatron's fp32 rotary frequencies [S, hn] + TSP's cos/sin/swapped-sin [S/D, hn] bf16
+    tables = seq * hn * 4 + 3 * t * hn * b
+    head += ws_fwd + tables
+    if recompute == "full":
+        # the recomputed layer (its input is the stored checkpoint) and its output, held by the
+        # checkpoint's backward; the attention phase also holds the output's gradient
+        rec = layer  # - the input (checkpointed) + the output (held): same bytes
+        attn_work += t * h * b
+        first = [rec + mlp_work + ws_fwd, rec - mlp_part + attn_work + ws_bwd]
+        later = [
+            rec + mlp_work + ws_bwd - t * h * b,
+            rec - mlp_part + attn_work + ws_bwd - t * h * b,
+        ]
+        extra = max(first + later) + 3 * t * hn * b  # the recompute rebuilds the local tables
+        acts = L * t * h * b
     else:
-        acts, bwd = L * layer, transient + ws_bwd
+        first = [mlp_work + ws_fwd, attn_work - mlp_part + ws_bwd]
+        later = [mlp_work + ws_bwd - layer, attn_work - mlp_part + ws_bwd - layer]
+        extra = max(first + later)
+        acts = L * layer
+    # + the output layer's gathered input, kept by Megatron's global memory buffer
+    bwd = extra + tables + seq * h * b
     fwd_peak = head >= bwd
     return {
         "params": 2 * local,

@@ -23,7 +23,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_tsp.core import model_shape
 from megatron_tsp.core.model_shape import ModelShape, available_models
@@ -250,6 +250,10 @@ class Options:
     # issue 12 §2)
     tsp_kv_pipelined: bool = True
     cp_regather_kv: bool = True
+    # the dX GEMM's fp32 accumulation copies its bf16 operands to fp32 (``precision.matmul_acc``
+    # off CUDA, where the GEMM cannot write fp32 from bf16 inputs); None: iff attn_kernel is the
+    # CPU kernel ("cpu_flash"), i.e. a CPU run such as the fake-tensor tool's
+    cpu_gemm_upcast: Optional[bool] = None
     grad_reduce_bytes: int = 4  # fp32 grad reduction (bf16 runs accumulate-allreduce-grads-in-fp32)
     # TSP weight-gradient traffic (owner reduce, MLP gradient ring) bytes per element: None = the
     # accumulation dtype, as the layers send it (fp32 in bf16 runs); 2 is a what-if (bf16 wire)
@@ -273,10 +277,11 @@ def _layer_activation_bytes(
     as the code saves them (measured with saved-tensor hooks and the fake-tensor tool).
 
     TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
-    Function's input, the residual, the MLP Function's input), the norms' statistics, the local
-    RoPE table; saved attention backward: each head group's local q/k/v, its output (kept once,
-    saved once) and fp32 log-sum-exp; the MLP its per-shard fc1 outputs (only its input with
-    TSP's opt-in fc1 recompute, ``tsp_recompute_mlp=True``).
+    Function's input, the residual, the MLP Function's input), the norms' statistics; saved
+    attention backward: the rotated q and each head group's packed local K/V, the attention
+    output (kept once, saved once) and fp32 log-sum-exp; the MLP its per-shard fc1 outputs (only
+    its input with TSP's opt-in fc1 recompute, ``tsp_recompute_mlp=True``). The RoPE tables
+    are per step (``_tsp_step_tables``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
     fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
@@ -289,9 +294,11 @@ def _layer_activation_bytes(
     if s.kind == "tsp":
         t = bs / s.tp
         out = {
+            # the layer input (saved by the input norm), the attention Function's input (the
+            # norm output), the residual after attention and the MLP Function's input
             "norm_in_out": 4 * t * h * b,
             "norm_stats": 2 * norm_stats * t * b,
-            "rope_table": t * hn * 4 if rope else 0.0,
+            # the RoPE tables are built once per step (``_tsp_step_tables``), not per layer
         }
         if not o.tsp_recompute_attn:
             out["attn_qkv"] = t * (h + 2 * hkv) * b
@@ -329,19 +336,33 @@ def _head_groups(shape: LayerShape, D: int) -> int:
     return min(D, shape.groups)
 
 
-def _tsp_comm_workspace(shape: LayerShape, D: int, kv_grad_fp32: bool = False):
+def _tsp_comm_workspace(
+    shape: LayerShape,
+    D: int,
+    kv_grad_fp32: bool = False,
+    saved_attention: bool = True,
+    grad_slots: Optional[int] = None,
+):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
-    all layers, allocated once): (in forward, in backward). Forward: two gathered and one
-    natural-order [S, b, 2 h_kv / G] K/V buffers and two packed local K/V send buffers (model
-    dtype); backward adds two dK/dV send buffers [S, b, 2 h_kv / G] and two local receive buffers
-    in the dK/dV wire dtype (the model dtype; the accumulation dtype with ``kv_grad_fp32``).
-    G: the head groups (``_head_groups``: D, or the query groups when fewer)."""
+    all layers, allocated on first use): (in forward, in backward). G: the head groups
+    (``_head_groups``: D, or the query groups when fewer); a kind of buffer has one slot per head
+    group in flight, min(2, G) slots. Forward: the gathered [S, b, 2 h_kv / G] K/V (one per slot)
+    and one natural-order copy of it; with recomputed attention also the packed local K/V send
+    buffers [S/D, b, 2 h_kv / G] (one per slot; saved attention keeps a fresh send buffer per
+    head group instead, counted with the saved tensors). Backward adds, per slot, a dK/dV send
+    buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the dK/dV wire dtype (the
+    model dtype; the accumulation dtype with ``kv_grad_fp32``). ``grad_slots``: how many of the
+    backward slots exist (default: all; the first layer's backward allocates them one head
+    group at a time, see ``_tsp_backward_peak``)."""
     b = shape.dtype_bytes
     acc = fm.accumulation_bytes(b) if kv_grad_fp32 else b
-    kv_full = 2 * shape.tokens * shape.kv_hidden / _head_groups(shape, D)
+    G = _head_groups(shape, D)
+    slots = min(2, G)
+    kv_full = 2 * shape.tokens * shape.kv_hidden / G
     kv_local = kv_full / D
-    fwd = (3 * kv_full + 2 * kv_local) * b
-    return fwd, fwd + (2 * kv_full + 2 * kv_local) * acc
+    fwd = (slots * kv_full + kv_full + (0 if saved_attention else slots * kv_local)) * b
+    grad_slots = slots if grad_slots is None else grad_slots
+    return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
 
 
 _TOP_LEFT_KERNELS = ("cudnn", "cpu_flash")
@@ -373,31 +394,133 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     return out
 
 
+def _tsp_backward_working_sets(
+    shape: LayerShape, s: Strategy, o: Options
+) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """One TSP layer's backward working set beyond what it saved and the comm workspace, in its
+    two phases (they do not overlap: the MLP backward runs first and frees its buffers):
+    (MLP backward, attention backward), tensor by tensor as ``mlp.py`` / ``attention.py`` hold
+    them at their largest."""
+    b = shape.dtype_bytes
+    acc = fm.accumulation_bytes(b)
+    bs, h = shape.tokens, shape.hidden
+    D = s.tp
+    gb = acc if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
+    t = bs / D
+    F_, rows = shape.ffn_hidden, shape.fc1_rows
+    G = _head_groups(shape, D)
+    m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
+    mlp = {
+        "grad_out": t * h * b,  # the layer output's gradient, held through the layer
+        "grad_x_accumulator": t * h * acc,
+        # the shard being read and the next one in flight (the packed own shard is let go)
+        "weight_shard_buffers": min(2, D) * shape.w_mlp / D * b,
+        # own shard, two send buffers (one on the wire while the next is filled), one receive
+        "grad_accumulators": (4 if D > 1 else 1) * shape.w_mlp / D * gb,
+        # step t's activation output, its gradient and d(fc1 output), while step t-1's
+        # activation output and d(fc1 output) rows are still referenced (they are rebound only
+        # when ``input_grads`` returns)
+        "mlp_shard_mid": (3 * F_ + 2 * rows) * t / D * b,
+    }
+    if o.tsp_recompute_mlp:
+        mlp["mlp_shard_fc1_recomputed"] = t * rows / D * b
+    cpu_upcast = (
+        o.cpu_gemm_upcast if o.cpu_gemm_upcast is not None else o.attn_kernel == "cpu_flash"
+    )
+    if cpu_upcast:
+        # ``precision.matmul_acc`` off CUDA: fp32 copies of d(fc1 output) and the fc1 shard
+        mlp["dx_gemm_fp32_operands"] = (t * rows / D + rows * h / D) * acc
+    hold = 3 if o.tsp_recompute_attn else 2
+    attn = {
+        "grad_out": t * h * b,
+        "grad_x_accumulator": t * h * acc,
+        "context_grad": t * h * b,  # d(context) [s/D, b, h] from the one projection GEMM
+        # the packed own shard and the stream's spare buffers (``_GroupStream``)
+        "weight_shard_buffers": (1 + min((hold + 1) * m, D)) * shape.w_attn / D * b,
+        "weight_grad_partials": m * shape.w_attn / D * acc,  # one fp32 shard per weight shard
+        # the first causal block's dK/dV (the kernel's output, up to half the sequence: rank
+        # D-1's early chunk) kept while the second block's backward runs, until both are
+        # summed into the send buffer
+        "first_block_dkv": (bs * shape.kv_hidden / G) * b,
+        "kernel_dkv_outputs": _kernel_dkv_bytes(shape, D, o.attn_kernel),
+    }
+    if o.tsp_recompute_attn:
+        # the head group's recomputed rotated q, attention output and fp32 log-sum-exp (its K/V
+        # are recomputed into the workspace's send slots)
+        attn["recomputed_q_out_lse"] = t * (2 * h * b + shape.heads * 4) / G
+    return mlp, attn
+
+
+def _tsp_step_tables(shape: LayerShape, s: Strategy, rope: bool) -> float:
+    """Per-step tensors every TSP layer reads: Megatron's rotary frequencies [S, 1, 1, hn]
+    (fp32, built by GPTModel) and TSP's local RoPE tables (cos, sin and the swapped sin,
+    [s/D, hn] in the model dtype, built once per step)."""
+    if not rope:
+        return 0.0
+    return shape.tokens * shape.head_dim * 4 + 3 * shape.tokens / s.tp * shape.head_dim * (
+        shape.dtype_bytes
+    )
+
+
+def _tsp_backward_peak(
+    shape: LayerShape, s: Strategy, o: Options, num_layers: int, recompute: str, rope: bool
+) -> float:
+    """TSP's backward peak beyond params/grads/optimizer and the layers' stored activations
+    (``num_layers`` x saved tensors, or x the layer input with full recompute), the largest of:
+    the first backward layer (the last one) in its MLP and its attention phase, when the comm
+    workspace holds only the forward buffers (its dK/dV buffers are allocated per head group
+    as the attention backward reaches them), and a later layer in both phases, with the whole
+    workspace but one layer less stored (its activations were freed)."""
+    b = shape.dtype_bytes
+    t = shape.tokens / s.tp
+    saved = _layer_activation_bytes(shape, s, o, rope)
+    full = sum(saved.values())
+    # the MLP part of the saved tensors (freed by the time the attention backward runs): the
+    # residual, the MLP Function's input with its norm statistics, the kept fc1 outputs
+    mlp_part = 2 * t * shape.hidden * b + saved["norm_stats"] / 2 + saved.get("mlp_fc1_out", 0.0)
+    per_layer = full
+    if recompute == "full":
+        # the recomputed layer's saved tensors; its input is already stored (the checkpoint)
+        full -= t * shape.hidden * b
+        per_layer = t * shape.hidden * b
+    mlp_work, attn_work = _tsp_backward_working_sets(shape, s, o)
+    G = _head_groups(shape, s.tp)
+    saved_attn = not o.tsp_recompute_attn
+    _, ws_first_mlp = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, 0)
+    # the first layer's attention: the kernel of the last group runs with the earlier groups'
+    # send/receive slots allocated
+    _, ws_first_attn = _tsp_comm_workspace(
+        shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, min(2, G - 1)
+    )
+    _, ws_all = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn)
+    mlp_phase = full + sum(mlp_work.values())
+    attn_phase = full - mlp_part + sum(attn_work.values())
+    if recompute == "full":
+        # the checkpoint's backward holds the recomputed layer output and its gradient until the
+        # whole layer is done; the attention backward's incoming gradient (output gradient +
+        # the MLP branch's) is then a second [s/D, b, h] tensor
+        mlp_phase += t * shape.hidden * b
+        attn_phase += 2 * t * shape.hidden * b
+    # bytes beyond num_layers x per_layer: without recompute the current layer's saved tensors
+    # are one of the stored layers; with full recompute its stored input is, and the recomputed
+    # tensors (``full``) come on top
+    offset = 0.0 if recompute == "full" else per_layer
+    cands = [mlp_phase + ws_first_mlp - offset, attn_phase + ws_first_attn - offset]
+    if num_layers > 1:  # a later layer: the layer after it (in forward order) was freed
+        cands += [mlp_phase + ws_all - offset - per_layer, attn_phase + ws_all - offset - per_layer]
+    extra = max(cands)
+    if recompute == "full" and rope:
+        extra += 3 * t * shape.head_dim * b  # the recomputed forward rebuilds the local tables
+    return extra
+
+
 def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[str, float]:
     """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
     bs, h, hkv = shape.tokens, shape.hidden, shape.kv_hidden
     if s.kind == "tsp":
-        D = s.tp
-        gb = fm.accumulation_bytes(b) if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
-        t = bs / D
-        G = _head_groups(shape, D)
-        m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
-        out = {
-            "weight_shard_buffers": max(min(2 * m, D) * shape.w_attn, 2 * shape.w_mlp) / D * b,
-            "grad_accumulators": 4 * shape.w_mlp / D * gb,
-            "grad_x_accumulator": t * h * fm.accumulation_bytes(b),
-            # the first causal block's dK/dV (the kernel's output, up to half the sequence: rank
-            # D-1's early chunk) kept while the second block's backward runs, until both are
-            # summed into the send buffer; the gathered K/V and the send/receive buffers live
-            # in the persistent comm workspace (``_tsp_comm_workspace``)
-            "first_block_dkv": (bs * hkv / G) * b,
-        }
-        out["kernel_dkv_outputs"] = _kernel_dkv_bytes(shape, D, o.attn_kernel)
-        # one shard's activation output in the backward (and its fc1 output when recomputed)
-        mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
-        out["mlp_shard_mid"] = t * mid / D * b
-        return out
+        mlp, attn = _tsp_backward_working_sets(shape, s, o)
+        return mlp if sum(mlp.values()) >= sum(attn.values()) else attn
     t = bs / s.cp
     if s.kind == "hybrid":
         # attention: Megatron's gathered QKV input + dgrad; MLP: TSP's shard buffers, fp32
@@ -478,10 +601,6 @@ def analytic_memory(
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
         backward_extra = layer_act + transient  # the recomputed layer and its backward
-        if s.kind == "tsp":
-            # the recomputed attention forward's output-projection operands: every head group's
-            # output [tokens / D, heads x head_dim] and every shard's projection columns
-            backward_extra += (shape.tokens / s.tp * shape.w_proj / m.hidden + shape.w_proj) * b
     elif recompute == "none":
         activations = m.num_layers * layer_act
         backward_extra = transient
@@ -503,9 +622,18 @@ def analytic_memory(
         + 47 * head_tokens
     )
     if s.kind == "tsp":
-        ws_fwd, ws_bwd = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32)
-        logits += ws_fwd
-        backward_extra += ws_bwd
+        ws_fwd, _ = _tsp_comm_workspace(
+            shape, s.tp, o.tsp_kv_grad_fp32, saved_attention=not o.tsp_recompute_attn
+        )
+        tables = _tsp_step_tables(shape, s, m.rope)
+        logits += ws_fwd + tables
+        backward_extra = (
+            _tsp_backward_peak(shape, s, o, m.num_layers, recompute, m.rope)
+            + tables
+            # Megatron's global memory buffer keeps the output layer's all-gathered input
+            # [tokens, b, h] (sequence-parallel GEMM) through the backward
+            + head_tokens * m.hidden * b
+        )
     forward_peak = logits >= backward_extra
     return {
         "params": local_params * b,
