@@ -308,12 +308,13 @@ def test_cli_validate(capsys):
 
 @pytest.mark.slow
 def test_full_scale_7b_128k_d8():
-    """One rank of 7B / S=128k / D=8, bf16, no activation recompute (~2.5 min).
+    """One rank of 7B / S=128k / D=8, bf16, no activation recompute (~3 min).
 
-    TSP with the attention recomputed in backward keeps only layer inputs and stays at or below
-    the paper's 38.8 GB (we measure 38.1); the default saved-attention TSP (55.3 GB, issue 12:
-    below the 58.7 GB it measured before the output was saved once) needs far less than Megatron
-    TP=8 + SP (101.4 GB)."""
+    The default TSP layer (saved attention, per-shard fc1 outputs kept: no recompute at all, the
+    FLOPs of TP+SP) needs far less than Megatron TP=8 + SP (101.4 GB): measured 72.6 GB. With
+    TSP's opt-in fc1 recompute it is below the 58.7 GB measured before the attention output was
+    saved once (55.3 GB), and with the attention recomputed too it keeps only layer inputs and
+    stays at or below the paper's 38.8 GB (38.1 GB)."""
     full = dict(
         model=load_model("7b"), world_size=8, tp=8, seq=131072, count_flops=False, count_comm=False
     )
@@ -324,8 +325,17 @@ def test_full_scale_7b_128k_d8():
     assert tsp.static_bytes["Gradient"] == 4 * n
     assert abs(tsp.static_bytes["Optstate"] - 12 * n) <= 64
     tpsp = run_step(RunConfig(scheme="tpsp", **full))
-    assert 45e9 < tsp.peak_bytes < 0.7 * tpsp.peak_bytes, (tsp.peak_bytes, tpsp.peak_bytes)
-    assert tsp.peak_bytes < 58.7e9, tsp.peak_bytes
-    lean = run_step(RunConfig(scheme="tsp", tsp_attention_backward="recompute", **full))
+    assert 45e9 < tsp.peak_bytes < 0.75 * tpsp.peak_bytes, (tsp.peak_bytes, tpsp.peak_bytes)
+    rec_fc1 = run_step(RunConfig(scheme="tsp", tsp_mlp_recompute_activation=True, **full))
+    assert rec_fc1.peak_bytes < 58.7e9, rec_fc1.peak_bytes
+    assert rec_fc1.peak_bytes < tsp.peak_bytes
+    lean = run_step(
+        RunConfig(
+            scheme="tsp",
+            tsp_attention_backward="recompute",
+            tsp_mlp_recompute_activation=True,
+            **full,
+        )
+    )
     assert 0.9 * 38.8e9 <= lean.peak_bytes <= 38.8e9, lean.peak_bytes
-    assert lean.peak_bytes < tsp.peak_bytes
+    assert lean.peak_bytes < rec_fc1.peak_bytes
