@@ -335,7 +335,23 @@ class TSPLayout:
         return dest
 
 
+def _outside_dispatch_modes(build):
+    """Build a cached host table with no dispatch mode active: a table first asked for inside
+    ``FakeTensorMode`` (the memory and traffic tools run the layers on fake tensors in-process)
+    would otherwise be cached as a fake tensor and serve garbage to every real run after it."""
+
+    @functools.wraps(build)
+    def real(*args):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return build(*args)
+
+    return real
+
+
 @functools.lru_cache(maxsize=64)
+@_outside_dispatch_modes
 def _host_permutation(group_size: int, seq_length: int) -> torch.Tensor:
     layout = TSPLayout(group_size, seq_length)
     spans = [span for r in range(group_size) for span in layout.spans_of(r)]
@@ -343,6 +359,7 @@ def _host_permutation(group_size: int, seq_length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
+@_outside_dispatch_modes
 def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
     perm = _host_permutation(group_size, seq_length)
     inv = torch.empty_like(perm)
@@ -351,6 +368,7 @@ def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
+@_outside_dispatch_modes
 def _host_late_owners(group_size: int, n_late: int) -> torch.Tensor:
     """Owners of the late chunks D, D+1, .. (n_late of them): D-1, D-2, .."""
     return torch.arange(group_size - 1, group_size - 1 - n_late, -1)
@@ -376,5 +394,10 @@ def _table(
     key = (kind, group_size, seq_length, torch.device(device))
     table = _DEVICE_TABLES.get(key)
     if table is None:
-        table = _DEVICE_TABLES[key] = host.to(device)
+        table = host.to(device)
+        # a copy made under FakeTensorMode is fake: used for that run only, never cached
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(table, FakeTensor):
+            _DEVICE_TABLES[key] = table
     return table
