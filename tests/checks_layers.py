@@ -497,10 +497,12 @@ def check_attention_dropout_grads(d, seed, attention_backward, dropout=0.3, step
             value.add_(v, alpha=step)
         analytic[f"d/d {name}"] = inner
         numeric[f"d/d {name}"] = (plus - minus) / (2 * step)
+    # central differences in fp64 with h = 1e-6: their own error reached 1.9e-6 of the largest
+    # directional derivative on some seeds (a wrong dropout mask or routing errs by O(1))
     return assert_close(
         analytic,
         numeric,
-        rtol=1e-6,
+        rtol=1e-5,
         what=f"attention dropout={dropout} backward={attention_backward} D={d} "
         f"gradient vs finite differences, seed={seed}",
     )
