@@ -42,6 +42,22 @@ def _recorder(events):
     return record
 
 
+def _trace_forward_backward(layer, x):
+    """One forward and backward of ``layer`` on ``x`` traced: the events of each phase."""
+    events = []
+    remove = comm.observe(_recorder(events))
+    try:
+        with _KernelTrace(events):
+            out, _ = layer(x)
+        fwd = list(events)
+        events.clear()
+        with _KernelTrace(events):
+            out.backward(torch.randn_like(out))
+        return fwd, list(events)
+    finally:
+        remove()
+
+
 def queue_stalls(events):
     """Posts that stall the single hardware queue (``comm``'s queue model): a transfer posted
     while the previous one is still in flight (not waited) with no GEMM or attention kernel
@@ -92,19 +108,7 @@ def trace_layer_overlap(d, backward="saved", seq=32, batch=2, hidden=32, heads=8
                 **{**layer.head_layout.__dict__, "backward": backward}
             )
         x = torch.randn(seq // size, batch, hidden, requires_grad=True)
-        events = []
-        remove = comm.observe(_recorder(events))
-        try:
-            with _KernelTrace(events):
-                out, _ = layer(x)
-            fwd = list(events)
-            events.clear()
-            grad = torch.randn_like(out)
-            with _KernelTrace(events):
-                out.backward(grad)
-            bwd = list(events)
-        finally:
-            remove()
+        fwd, bwd = _trace_forward_backward(layer, x)
         results[kind] = {"fwd": blocking(fwd), "bwd": blocking(bwd)}
     return results
 
@@ -159,18 +163,7 @@ def attention_queue_order(d, backward="saved", seq=32, batch=2, hidden=32, heads
         **{**layer.head_layout.__dict__, "backward": backward}
     )
     x = torch.randn(seq // size, batch, hidden, requires_grad=True)
-    events = []
-    remove = comm.observe(_recorder(events))
-    try:
-        with _KernelTrace(events):
-            out, _ = layer(x)
-        fwd = list(events)
-        events.clear()
-        with _KernelTrace(events):
-            out.backward(torch.randn_like(out))
-        bwd = list(events)
-    finally:
-        remove()
+    fwd, bwd = _trace_forward_backward(layer, x)
     large = ("reduce_scatter_tensor",)
     order = [e[2] if e[0] == "post" else e[1] for e in bwd if e[0] != "wait"]
     return {
@@ -194,19 +187,7 @@ def trace_mlp_queue(d, dtype_name="bfloat16", seq=32, batch=2, hidden=32, ffn=64
     for name, value in layer_kwargs.items():
         setattr(layer, name, value)
     x = torch.randn(seq // size, batch, hidden, dtype=dtype, requires_grad=True)
-    events = []
-    remove = comm.observe(_recorder(events))
-    try:
-        with _KernelTrace(events):
-            out, _ = layer(x)
-        fwd = list(events)
-        events.clear()
-        grad = torch.randn_like(out)
-        with _KernelTrace(events):
-            out.backward(grad)
-        bwd = list(events)
-    finally:
-        remove()
+    fwd, bwd = _trace_forward_backward(layer, x)
     shard = sum(p.numel() for p in (layer.linear_fc1.weight, layer.linear_fc1.bias))
     shard += layer.linear_fc2.weight.numel()
     return {
