@@ -12,6 +12,7 @@ import math
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -209,6 +210,33 @@ class _FusedRopeStandIn:
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
 
 
+def attention_with_random_weights(config, attention_backward, seed, dtype, group):
+    """A ``TSPSelfAttention`` (Megatron's local submodules) and the full random weights, scaled
+    by 0.3 and drawn from ``seed``, it holds its shards of: ``(layer, full state)``."""
+    layer = TSPSelfAttention(
+        config,
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+        ),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_backward=attention_backward,
+    )
+    torch.manual_seed(seed)
+    size = dist.get_world_size(group)
+    full = {}
+    for n, p in layer.named_parameters():
+        sharded, dim, _ = sharding.sharding_of(p)
+        shape = list(p.shape)
+        if sharded:
+            shape[dim] *= size
+        full[n] = torch.randn(shape, dtype=dtype) * 0.3
+    sharding.load_full_state(layer, full, group)
+    return layer, full
+
+
 def check_attention(
     d,
     seed,
@@ -244,26 +272,7 @@ def check_attention(
         rotary_interleaved=rotary_interleaved,
     )
     ref_config = copy.copy(config)
-    layer = TSPSelfAttention(
-        config,
-        SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=DotProductAttention,
-            linear_proj=RowParallelLinear,
-        ),
-        layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
-        attention_backward=attention_backward,
-    )
-    torch.manual_seed(seed)
-    full = {}
-    for n, p in layer.named_parameters():
-        sharded, dim, stride = sharding.sharding_of(p)
-        shape = list(p.shape)
-        if sharded:
-            shape[dim] *= size
-        full[n] = torch.randn(shape, dtype=dtype) * 0.3
-    sharding.load_full_state(layer, full, group)
+    layer, full = attention_with_random_weights(config, attention_backward, seed, dtype, group)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
     freqs = None

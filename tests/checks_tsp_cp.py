@@ -14,20 +14,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.attention import SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
 
 import tests.common as common
 from megatron_tsp.core import parallel_state as tsp_state
 from megatron_tsp.core import sharding, zigzag
-from megatron_tsp.core.layers.attention import TSPSelfAttention
 from megatron_tsp.core.layout import TSPLayout
 from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 from tests import checks_gpt
-from tests.checks_layers import _grad_pairs, reference_attention
+from tests.checks_layers import _grad_pairs, attention_with_random_weights, reference_attention
 from tests.common import (
     DTYPES,
     TOL,
@@ -100,26 +95,7 @@ def check_attention_cp(
         add_bias_linear=bias,
         context_parallel_size=c,
     )
-    layer = TSPSelfAttention(
-        config,
-        SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=DotProductAttention,
-            linear_proj=RowParallelLinear,
-        ),
-        layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
-        attention_backward=attention_backward,
-    )
-    torch.manual_seed(seed)
-    full = {}
-    for n, p in layer.named_parameters():
-        sharded, dim, stride = sharding.sharding_of(p)
-        shape = list(p.shape)
-        if sharded:
-            shape[dim] *= d
-        full[n] = torch.randn(shape, dtype=dtype) * 0.3
-    sharding.load_full_state(layer, full, g["tp"])
+    layer, full = attention_with_random_weights(config, attention_backward, seed, dtype, g["tp"])
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
     freqs = local_freqs = None
