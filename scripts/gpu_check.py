@@ -210,9 +210,39 @@ def _count_kernels(layer, x, dy, freqs, device) -> Dict[str, int]:
     events = prof.events()
     if device == "cuda":
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        return {"kernels": len(kernels), "kind": "CUDA kernels"}
-    leaves = [e for e in events if e.name.startswith("aten::") and not e.cpu_children]
-    return {"kernels": len(leaves), "kind": "leaf aten ops (CPU smoke)"}
+        kind = "CUDA kernels"
+    else:
+        kernels = [e for e in events if e.name.startswith("aten::") and not e.cpu_children]
+        kind = "leaf aten ops (CPU smoke)"
+    # the summed durations of those kernels: beside the step's wall time, the share the device
+    # is busy (a step much longer than its kernels is bound by the host: Python, launches)
+    busy = sum(e.time_range.elapsed_us() for e in kernels) * 1e-6
+    by_name: Dict[str, dict] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, {"kernel": e.name, "launches": 0, "s": 0.0})
+        entry["launches"] += 1
+        entry["s"] += e.time_range.elapsed_us() * 1e-6
+    top = sorted(by_name.values(), key=lambda entry: -entry["s"])[:12]
+    return {"kernels": len(kernels), "kind": kind, "busy_s": busy, "top": top}
+
+
+def _host_profile(layer, x, dy, freqs, device, path: str) -> None:
+    """cProfile of one layer step: where the host's time goes (top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    layer_step(layer, x, dy, freqs)
+    _sync(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def _fake_peak(scheme, d, model, seq, dtype, device) -> Dict[str, float]:
@@ -269,7 +299,9 @@ def _snapshot_bytes(snapshot) -> Tuple[int, Dict[str, int]]:
     return total, by_cat
 
 
-def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
+def time_scheme(
+    scheme, d, model, seq, dtype, device, iters, warmup, host_profile_path=None
+) -> dict:
     from megatron_tsp.core.comm import WORKSPACE
 
     WORKSPACE.clear()  # a previous scheme's persistent buffers are not this scheme's memory
@@ -310,6 +342,9 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
         times.append(time.perf_counter() - t0)
     layer.zero_grad(set_to_none=True)
     kernels = _count_kernels(layer, x, dy, freqs, device)
+    if host_profile_path:
+        layer.zero_grad(set_to_none=True)
+        _host_profile(layer, x, dy, freqs, device, host_profile_path)
     params = sum(p.numel() for p in layer.parameters())
     kernel_name = getattr(layer.self_attention, "attention_kernel_name", None)  # TSP only
     del layer, x, dy
@@ -322,6 +357,8 @@ def time_scheme(scheme, d, model, seq, dtype, device, iters, warmup) -> dict:
         "step_s_median": statistics.median(times),
         "kernels_per_layer_step": kernels["kernels"],
         "kernel_kind": kernels["kind"],
+        "kernel_busy_s": kernels["busy_s"],
+        "top_kernels_by_time": kernels["top"],
         "max_memory_allocated_bytes": peak,
         "memory_before_step_bytes": base,
         "step_peak_bytes": peak - base,
@@ -344,17 +381,38 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def precision_check(model, seq, device) -> dict:
-    """TSP layer at D=1 in bf16 vs the same layer in fp32 (bf16-representable weights/data)."""
-    out = {}
-    runs = {}
-    setup_groups("tsp", 1, model, seq)
+@contextlib.contextmanager
+def _unpinned():
+    from megatron_tsp.core.layers import kernels
+
+    pinned = os.environ.pop(kernels.ENV_OVERRIDE, None)
+    try:
+        yield
+    finally:
+        if pinned is not None:
+            os.environ[kernels.ENV_OVERRIDE] = pinned
+
+
+def _bf16_vs_fp32(scheme, model, seq, device) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """One scheme's layer at D=1 in bf16 vs the same layer in fp32: relative errors of the
+    output, the input gradient and every weight gradient, and the attention kernel each ran.
+    Weights are seeded by parameter name, so both schemes run the very same weights."""
+    import zlib
+
+    errors, kernels_used, runs = {}, {}, {}
+    setup_groups(scheme, 1, model, seq)
     for dtype in (torch.float32, torch.bfloat16):
-        layer, freqs = build_layer("tsp", 1, model, seq, dtype, device, init=True)
-        torch.manual_seed(7)
+        # the fp32 reference takes the default kernel for fp32: the backend pinned for the timed
+        # bf16 layers (flash, cuDNN) may not run fp32 at all
+        with _unpinned() if dtype == torch.float32 else contextlib.nullcontext():
+            layer, freqs = build_layer(scheme, 1, model, seq, dtype, device, init=True)
+        kernels_used[str(dtype).split(".")[-1]] = getattr(
+            layer.self_attention, "attention_kernel_name", "sdpa"
+        )
         with torch.no_grad():
-            for name, p in layer.named_parameters():  # same bf16-representable weights
-                noise = torch.randn(p.shape) * 0.05
+            for name, p in layer.named_parameters():  # bf16-representable weights
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                noise = torch.randn(p.shape, generator=g) * 0.05
                 value = 1.0 + noise if "layernorm" in name and name.endswith("weight") else noise
                 p.copy_(value.to(torch.bfloat16).to(p.dtype))
         x, dy = layer_inputs(1, model, seq, torch.bfloat16, device, seed=3)
@@ -362,20 +420,29 @@ def precision_check(model, seq, device) -> dict:
         runs[dtype] = (y, gx, {n: p.grad.detach().clone() for n, p in layer.named_parameters()})
         del layer
     (y32, g32, w32), (y16, g16, w16) = runs[torch.float32], runs[torch.bfloat16]
-    out["output"] = _rel(y16, y32)
-    out["grad:input"] = _rel(g16, g32)
+    errors["output"] = _rel(y16, y32)
+    errors["grad:input"] = _rel(g16, g32)
     for name in w32:
-        out[f"grad:{name}"] = _rel(w16[name], w32[name])
-    return out
+        errors[f"grad:{name}"] = _rel(w16[name], w32[name])
+    return errors, kernels_used
+
+
+def precision_check(model, seq, device) -> Tuple[Dict[str, float], Dict[str, str], dict]:
+    """TSP's and Megatron's layer (D=1), each in bf16 against itself in fp32 on the same
+    weights and data: TSP's errors, the kernels it ran, and Megatron's errors beside them."""
+    tsp, kernels_used = _bf16_vs_fp32("tsp", model, seq, device)
+    megatron, megatron_kernels = _bf16_vs_fp32("tpsp", model, seq, device)
+    return tsp, kernels_used, {"errors": megatron, "attention_kernels": megatron_kernels}
 
 
 # --------------------------------------------------------------------------------------------
 # attention backends: checked before timing, one pinned
 
 
-def verify_attention_backends(model, device, dtype, te_emulator=None) -> dict:
+def verify_attention_backends(model, device, dtype, te_emulator=None, timed=None) -> dict:
     """Check each available backend (``kernel_check``), then pin the one the TSP layers will
-    run: the default choice for this layer when verified, else the first verified one."""
+    run: ``timed`` when given (it must have passed), else the default choice for this layer
+    when verified, else the first verified one."""
     import contextlib
 
     from megatron_tsp.core.layers import kernels
@@ -397,7 +464,16 @@ def verify_attention_backends(model, device, dtype, te_emulator=None) -> dict:
     gqa = (model.query_groups or model.heads) != model.heads
     default = kernels.kernel_choice(device, dtype, head_dim, gqa, 0.0, capability)
     report["default"] = default
-    report["timed"] = kernel_check.pin_backend(report, default)
+    if timed is not None:
+        result = report["checked"].get(timed)
+        if result is None or not result["verified"]:
+            raise RuntimeError(
+                f"--timed-backend={timed}: not verified on this machine "
+                f"({result['error'] or result['errors'] if result else 'not available'})"
+            )
+        report["timed"] = timed
+    else:
+        report["timed"] = kernel_check.pin_backend(report, default)
     report["te_emulator"] = te_emulator
     os.environ[kernels.ENV_OVERRIDE] = report["timed"]
     return report
@@ -458,9 +534,10 @@ def write_report(result: dict, out_dir: str) -> None:
         *_backend_lines(result["attention_backends"]),
         "## (a) one rank's layer step, forward + backward",
         "",
-        "| scheme | step ms (median) | kernels / layer step | allocated before the step GB "
+        "| scheme | step ms (median) | kernels / layer step | kernels' summed time ms "
+        "| allocated before the step GB "
         "| step peak − before GB | fake-tensor prediction of it GB | persistent buffers GB |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, name in SCHEMES.items():
         r = a[key]
@@ -471,6 +548,7 @@ def write_report(result: dict, out_dir: str) -> None:
         )
         lines.append(
             f"| {name} | {1e3 * r['step_s_median']:.2f} | {r['kernels_per_layer_step']}"
+            f" | {1e3 * r['kernel_busy_s']:.2f}"
             f" | {_gb(r['memory_before_step_bytes'])} | {_gb(r['step_peak_bytes'])}"
             f" | {fake} | {_gb(r['workspace_bytes_after_step'])} |"
         )
@@ -480,18 +558,49 @@ def write_report(result: dict, out_dir: str) -> None:
         "allocated before it; the persistent buffers (TSP's communication workspace) are "
         "allocated inside the measured step and counted in its peak.",
         "",
-        f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** ({a['tsp']['kernel_kind']}).",
+        f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** ({a['tsp']['kernel_kind']}); "
+        f"kernels' summed time: **{a['tsp']['kernel_busy_s'] / a['tpsp']['kernel_busy_s']:.3f}** "
+        "(a step far longer than its kernels' summed time is bound by the host).",
+        *_top_kernel_lines(a),
         "",
         "## (b) TSP layer, bf16 vs fp32 (D=1)",
         "",
-        "| tensor | relative error |",
-        "|---|---|",
+        "attention kernel: "
+        + ", ".join(f"{k} {v}" for k, v in b.get("attention_kernels", {}).items()),
+        "",
+        "Each layer in bf16 against itself in fp32, same bf16-representable weights and data; "
+        "Megatron's layer (local spec, SDPA core attention) beside TSP's.",
+        "",
+        "| tensor | TSP relative error | Megatron relative error | TSP / Megatron |",
+        "|---|---|---|---|",
     ]
+    megatron_errors = b.get("megatron_d1", {}).get("errors", {})
     for k, v in b["d1"].items():
-        lines.append(f"| {k} | {v:.3e} |")
+        m = megatron_errors.get(k)
+        ratio = f"{v / m:.3f}" if m else "-"
+        lines.append(
+            f"| {k} | {v:.3e} | {m:.3e} | {ratio} |" if m else f"| {k} | {v:.3e} | - | - |"
+        )
     lines += ["", f"D>1: {b['d_gt_1']}", ""]
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines))
+
+
+def _top_kernel_lines(a: dict) -> list:
+    lines = []
+    for key, name in SCHEMES.items():
+        lines += [
+            "",
+            f"{name}: kernels by summed time in the profiled step",
+            "",
+            "| kernel | launches | ms |",
+            "|---|---|---|",
+        ]
+        for k in a[key].get("top_kernels_by_time", []):
+            label = k["kernel"] if len(k["kernel"]) <= 80 else k["kernel"][:77] + "..."
+            label = label.replace("|", "\\|")
+            lines.append(f"| `{label}` | {k['launches']} | {1e3 * k['s']:.2f} |")
+    return lines
 
 
 def parse_args(argv=None):
@@ -519,6 +628,17 @@ def parse_args(argv=None):
         help="group size D (TSP) = TP size (TP+SP) (default 8; 2 with --cpu-smoke)",
     )
     p.add_argument("--skip-fake", action="store_true", help="skip the fake-tensor prediction")
+    p.add_argument(
+        "--timed-backend",
+        default=None,
+        help="time the TSP layers with this attention backend (it must pass the check); "
+        "default: the layer's default choice",
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also write host_profile_<scheme>.txt: cProfile of one layer step (Python time)",
+    )
     p.add_argument(
         "--te-emulator",
         choices=("2.8", "2.15"),
@@ -571,7 +691,7 @@ def main(argv=None) -> int:
     model = dataclasses.replace(model, num_layers=1)
     dtype = torch.bfloat16
     t0 = time.time()
-    backends = verify_attention_backends(model, device, dtype, args.te_emulator)
+    backends = verify_attention_backends(model, device, dtype, args.te_emulator, args.timed_backend)
     print(
         "[backends]",
         {n: (r["verified"], r["error"] or r["errors"]) for n, r in backends["checked"].items()},
@@ -581,7 +701,13 @@ def main(argv=None) -> int:
     )
     timing = {}
     for scheme in SCHEMES:
-        timing[scheme] = time_scheme(scheme, d, model, seq, dtype, device, iters, args.warmup)
+        profile_path = None
+        if args.host_profile:
+            os.makedirs(args.out_dir, exist_ok=True)
+            profile_path = os.path.join(args.out_dir, f"host_profile_{scheme}.txt")
+        timing[scheme] = time_scheme(
+            scheme, d, model, seq, dtype, device, iters, args.warmup, profile_path
+        )
         timing[scheme]["fake_peak_bytes"] = timing[scheme]["fake_before_step_bytes"] = None
         if not args.skip_fake:
             fk = _fake_peak(scheme, d, model, seq, dtype, device)
@@ -590,7 +716,8 @@ def main(argv=None) -> int:
             timing[scheme]["fake_peak_by_category"] = fk["by_category"]
         print(
             f"[a] {scheme}: {1e3 * timing[scheme]['step_s_median']:.2f} ms, "
-            f"{timing[scheme]['kernels_per_layer_step']} kernels, "
+            f"{timing[scheme]['kernels_per_layer_step']} kernels "
+            f"(busy {1e3 * timing[scheme]['kernel_busy_s']:.2f} ms), "
             f"step peak - before {timing[scheme]['step_peak_bytes']}, "
             f"fake {timing[scheme]['fake_peak_bytes']} - "
             f"{timing[scheme]['fake_before_step_bytes']}",
@@ -603,15 +730,23 @@ def main(argv=None) -> int:
         )
     timing["ratio_tsp_over_tpsp"] = timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
     prec_seq = seq if args.cpu_smoke else min(seq, 8192)
+    errors, kernels_used, megatron = precision_check(model, prec_seq, device)
     precision = {
-        "d1": precision_check(model, prec_seq, device),
+        "d1": errors,
+        "attention_kernels": kernels_used,
+        "megatron_d1": megatron,
         "seq": prec_seq,
         "d_gt_1": "not run on one GPU: torch's threaded process group implements no "
         "isend/irecv/reduce (the MLP ring and the attention owner reduce "
         "need them); D=4 bf16 vs TP+SP is tests/test_precision.py (CPU)",
     }
     print(
-        "[b] bf16 vs fp32 (D=1):", {k: f"{v:.2e}" for k, v in precision["d1"].items()}, flush=True
+        "[b] bf16 vs fp32 (D=1), TSP error / Megatron error:",
+        {
+            k: f"{v:.2e} / {precision['megatron_d1']['errors'].get(k, float('nan')):.2e}"
+            for k, v in precision["d1"].items()
+        },
+        flush=True,
     )
     try:
         import megatron.core as mc

@@ -68,7 +68,7 @@ def _check_memory(timing, fake):
         (("--te-emulator", "2.15"), 2, 64, 2, True),
         (
             ("--skip-fake", "--d", "4", "--seq", "32", "--iters", "1", "--warmup", "0")
-            + ("--te-emulator", "2.8"),
+            + ("--te-emulator", "2.8", "--timed-backend", "sdpa_recompute", "--host-profile"),
             4,
             32,
             1,
@@ -93,6 +93,11 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         r = timing[scheme]
         assert len(r["step_s"]) == iters and all(t > 0 for t in r["step_s"])
         assert r["kernels_per_layer_step"] > 0
+        assert 0 < r["kernel_busy_s"]
+        profile = tmp_path / f"host_profile_{scheme}.txt"
+        assert profile.exists() is ("--host-profile" in argv)
+        if profile.exists():
+            assert "layer_step" in profile.read_text()
     _check_memory(timing, fake)
     # TSP holds 1/D of the weights like TP=D: same parameter count per rank
     assert timing["tsp"]["layer_params"] == timing["tpsp"]["layer_params"]
@@ -100,7 +105,23 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         timing["ratio_tsp_over_tpsp"]
         == timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
     )
+    # the bf16 layer ran the verified, pinned backend; the fp32 reference its own default (the
+    # pinned one may not run fp32: flash / cuDNN on the GPU)
+    kernels_used = report["precision"]["attention_kernels"]
+    assert kernels_used["bfloat16"] == report["attention_backends"]["timed"]
+    assert kernels_used["float32"]
     prec = report["precision"]["d1"]
+    # Megatron's layer against itself on the same weights: the same tensors, errors of the same
+    # order (neither scheme is compared with the other's fp32 run)
+    megatron = report["precision"]["megatron_d1"]["errors"]
+    assert set(prec) <= set(megatron), set(prec) - set(megatron)
+    for name, err in prec.items():
+        assert 0.2 < err / megatron[name] < 5, (name, err, megatron[name])
+    assert "| TSP / Megatron |" in md
+    for scheme in ("tsp", "tpsp"):
+        top = timing[scheme]["top_kernels_by_time"]
+        assert top and sum(k["launches"] for k in top) <= timing[scheme]["kernels_per_layer_step"]
+        assert sum(k["s"] for k in top) <= timing[scheme]["kernel_busy_s"] * (1 + 1e-9)
     assert {
         "output",
         "grad:input",
@@ -122,13 +143,18 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         keys = {"out", "dq", "dk", "dv"} | ({"lse"} if name != "sdpa_recompute" else set())
         assert {k for k, e in r["errors"].items() if e is not None} == keys
         assert all(0 < e < bk["tolerance"] for e in r["errors"].values() if e is not None)
-    assert bk["timed"] == bk["default"] == "cpu_flash"
-    assert timing["tsp"]["attention_kernel"] == "cpu_flash"
-    assert (
-        "## attention backends, checked before timing" in md and "Timed with: **cpu_flash**" in md
-    )
+    timed = argv[argv.index("--timed-backend") + 1] if "--timed-backend" in argv else "cpu_flash"
+    assert bk["default"] == "cpu_flash" and bk["timed"] == timed
+    assert timing["tsp"]["attention_kernel"] == timed
+    assert "## attention backends, checked before timing" in md and f"Timed with: **{timed}**" in md
     for name in bk["checked"]:
         assert f"| {name} |" in md
+
+
+def test_gpu_check_refuses_an_unverified_timed_backend(tmp_path):
+    proc = _run(tmp_path, "--skip-fake", "--timed-backend", "cudnn")
+    assert proc.returncode != 0
+    assert "--timed-backend=cudnn: not verified on this machine" in proc.stderr
 
 
 def test_gpu_check_refuses_a_layout_it_cannot_split(tmp_path):

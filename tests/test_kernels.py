@@ -390,11 +390,41 @@ def test_te_fused_call_is_by_keyword_in_the_named_layout(make_kernel, version):
             ),
             "aten_flash",
         ),
+        # sm90+, MHA, head_dim 64 / 128: cuDNN (faster than FA2 on an H200, docs/gpu_check.md)
         (
             dict(
                 device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(9, 0)
             ),
+            "cudnn",
+        ),
+        (
+            dict(
+                device_type="cuda", dtype=torch.float16, head_dim=64, gqa=False, capability=(10, 0)
+            ),
+            "cudnn",
+        ),
+        (
+            dict(
+                device_type="cuda", dtype=torch.bfloat16, head_dim=96, gqa=False, capability=(9, 0)
+            ),
             "aten_flash",
+        ),
+        (
+            dict(
+                device_type="cuda", dtype=torch.bfloat16, head_dim=128, gqa=False, capability=(8, 0)
+            ),
+            "aten_flash",
+        ),
+        (
+            dict(
+                device_type="cuda",
+                dtype=torch.bfloat16,
+                head_dim=128,
+                gqa=False,
+                capability=(9, 0),
+                dropout_p=0.1,
+            ),
+            "sdpa_recompute",
         ),
         (dict(device_type="cuda", dtype=torch.float32, head_dim=128, gqa=False), "sdpa_recompute"),
         (dict(device_type="cuda", dtype=torch.float16, head_dim=320, gqa=False), "sdpa_recompute"),

@@ -176,3 +176,35 @@ def test_cuda_fallback_without_out_dtype(monkeypatch):
         assert all(t.dtype == torch.float32 for t in args if isinstance(t, torch.Tensor))
         if gemm != "mm.default":
             assert result is acc
+
+
+def test_fake_tensors_where_torch_decomposes_addmm_dtype_out_wrongly(monkeypatch):
+    """torch 2.11's decomposition table sends ``addmm.dtype_out`` to the plain ``addmm`` rule, which
+    reads ``out_dtype`` as ``beta``: the fake-tensor tools raised a TypeError on an H200 image.
+    Reproduced here by giving this torch's table that entry: the plain op then fails under
+    FakeTensorMode, and ``matmul_acc`` on fake tensors issues the fp32 GEMM + ``add_`` form."""
+    from torch._decomp import decomposition_table
+
+    ops = torch.ops.aten.addmm
+    assert not precision.fake_addmm_dtype_out_broken()  # this torch: its own dtype rule
+    monkeypatch.setitem(decomposition_table, ops.dtype_out, decomposition_table[ops.default])
+    precision.fake_addmm_dtype_out_broken.cache_clear()
+    try:
+        assert precision.fake_addmm_dtype_out_broken()
+        with FakeTensorMode():
+            a = torch.empty(4, 8, dtype=torch.bfloat16)
+            b = torch.empty(8, 3, dtype=torch.bfloat16)
+            acc = torch.empty(4, 3)
+            with pytest.raises(TypeError):
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        monkeypatch.setattr(precision, "MM_OUT_DTYPE", True)
+        monkeypatch.setattr(precision, "ADDMM_FP32_ACC", True)
+        ops_seen, (a, b, acc), result = _on_fake_cuda(
+            torch.bfloat16, lambda a, b, acc: matmul_acc(a, b, acc)
+        )
+        assert _names(ops_seen) == ["mm.dtype", "add_.Tensor"], _names(ops_seen)
+        assert ops_seen[1][1][0] is acc and result is acc
+    finally:
+        monkeypatch.undo()
+        precision.fake_addmm_dtype_out_broken.cache_clear()
+    assert not precision.fake_addmm_dtype_out_broken()

@@ -92,6 +92,17 @@ FLASH = frozenset({"_scaled_dot_product_flash_attention", "_flash_attention_forw
 FLASH_BWD = frozenset({"_scaled_dot_product_flash_attention_backward", "_flash_attention_backward"})
 CUDNN = frozenset({"_scaled_dot_product_cudnn_attention"})
 CUDNN_BWD = frozenset({"_scaled_dot_product_cudnn_attention_backward"})
+# top-left causal alignment, like cuDNN: memory-efficient attention (SDPA's fallback on CUDA) and
+# the CPU flash kernel (``--cpu-smoke`` runs of the GPU scripts record on CPU)
+OTHER_SDPA = frozenset(
+    {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+)
+OTHER_SDPA_BWD = frozenset(
+    {
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +191,7 @@ def visited_pairs(lq: int, lk: int, causal: bool, bottom_right: bool) -> int:
 
 def _attention_flops(name: str, args, kwargs) -> int:
     """[b, h, s, d] layouts (SDPA's); causal flag at the schema's ``is_causal``."""
-    if name in FLASH | CUDNN:
+    if name in FLASH | CUDNN | OTHER_SDPA:
         q, k, v = args[0], args[1], args[2]
     else:  # backward: grad_out, q, k, v, ...
         q, k, v = args[1], args[2], args[3]
@@ -188,7 +199,7 @@ def _attention_flops(name: str, args, kwargs) -> int:
     b, h, lq, d = (int(s) for s in q.shape)
     lk, dv = int(k.shape[2]), int(v.shape[3])
     pairs = visited_pairs(lq, lk, causal, bottom_right=name in FLASH | FLASH_BWD)
-    per_pair = (d + dv) if name in FLASH | CUDNN else (3 * d + 2 * dv)
+    per_pair = (d + dv) if name in FLASH | CUDNN | OTHER_SDPA else (3 * d + 2 * dv)
     return 2 * b * h * pairs * per_pair
 
 
@@ -236,7 +247,7 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     rec = OpRecord(name, phase, "kernel", read=read, written=written)
     if name in GEMMS:
         rec.flops, rec.flop_kind = _gemm_flops(name, args), "gemm"
-    elif name in FLASH | FLASH_BWD | CUDNN | CUDNN_BWD:
+    elif name in FLASH | FLASH_BWD | CUDNN | CUDNN_BWD | OTHER_SDPA | OTHER_SDPA_BWD:
         _SCHEMAS.setdefault(name, func._schema)
         rec.flops, rec.flop_kind = _attention_flops(name, args, kwargs), "attention"
     elif "attention" in name:

@@ -19,10 +19,17 @@ What the CUDA GEMM accepts depends on the torch release, so it is decided once, 
   mat2 must have the same dtype"): one fp32 GEMM result, then ``acc.add_`` (a temporary of
   ``acc``'s size);
 * older torch has no ``out_dtype``: the operands are upcast (exact, but an fp32 GEMM).
+
+Shape-only runs (``FakeTensorMode``: the memory and traffic tools) need torch's fake kernel of
+``addmm.dtype_out``. torch 2.11 (seen on an H200 image) has none: it decomposes the op with the
+plain ``addmm`` rule, which reads ``out_dtype`` as ``beta`` and raises a TypeError. There, and only
+for fake tensors, the 2.8 / 2.9 form is issued instead (``fake_addmm_dtype_out_broken``): the
+prediction then counts one transient fp32 buffer of ``acc``'s size that the GPU run does not have.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,6 +48,25 @@ MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
 # From torch 2.10 the CUDA ``addmm.dtype_out`` also takes an fp32 ``self`` beside bf16/fp16
 # matrices, which is what accumulating in place into an fp32 buffer needs.
 ADDMM_FP32_ACC = MM_OUT_DTYPE and torch.__version__ >= "2.10"
+
+
+@functools.lru_cache(maxsize=None)
+def fake_addmm_dtype_out_broken() -> bool:
+    """torch's decomposition table sends ``addmm.dtype_out`` to the plain ``addmm`` rule (torch
+    2.11), so FakeTensorMode cannot run it (see the module docstring)."""
+    from torch._decomp import decomposition_table
+
+    ops = torch.ops.aten.addmm
+    rule = decomposition_table.get(ops.dtype_out) if hasattr(ops, "dtype_out") else None
+    return rule is not None and rule is decomposition_table.get(ops.default)
+
+
+def _in_place_fp32_gemm(acc: torch.Tensor) -> bool:
+    if not ADDMM_FP32_ACC:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (is_fake(acc) and fake_addmm_dtype_out_broken())
 
 
 def _gpu_out_dtype(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -69,7 +95,7 @@ def matmul_acc(
     if _gpu_out_dtype(a, out_dtype):
         if acc is None:
             return torch.mm(a, b, out_dtype=out_dtype)
-        if ADDMM_FP32_ACC:
+        if _in_place_fp32_gemm(acc):
             return torch.addmm(acc, a, b, out_dtype=out_dtype, out=acc)
         return acc.add_(torch.mm(a, b, out_dtype=out_dtype))
     if acc is None:
