@@ -123,6 +123,22 @@ def test_scatter_keys_sums_blocks_into_gathered_order(d, src_dtype, dest_dtype):
             expected = natural[gathered].to(dest_dtype)
             assert torch.equal(packed[..., :2], expected), (r, len(sources))
             assert packed[..., 2:].isnan().all()
+            # the same sources as parts (layout.KeyRows): a top-left kernel's prefix and
+            # diagonal, and every block cut at each chunk boundary: bitwise the same result
+            for cut in ("diagonal", "every_chunk"):
+                split = [_split_rows(t, c, cut) for t in sources]
+                parted = torch.full((s, 3, 4), float("nan"), dtype=dest_dtype)
+                layout.scatter_keys(parted.narrow(2, 0, 2), split)
+                same = torch.equal(parted[..., :2], packed[..., :2])
+                assert same and parted[..., 2:].isnan().all(), (r, len(sources), cut)
+
+
+def _split_rows(t, c, cut):
+    if cut == "diagonal":
+        sizes = [t.shape[0] - c, c] if t.shape[0] > c else [c]
+    else:
+        sizes = [c] * (t.shape[0] // c)
+    return tuple(t.split(sizes)) if len(sizes) > 1 else (t,)
 
 
 def test_tables_on_a_device_are_cached():

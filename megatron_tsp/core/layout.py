@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+# A causal block's key rows (its dK or dV): one tensor, or tensors that follow one another
+# along dim 0 (a top-left kernel's prefix and diagonal parts).
+KeyRows = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-length") -> None:
@@ -273,42 +277,51 @@ class TSPLayout:
             for i, c in enumerate(self.chunk_ids)
         )
 
-    def scatter_keys(self, dest: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    def scatter_keys(self, dest: torch.Tensor, sources: Sequence[KeyRows]) -> torch.Tensor:
         """Write the sum of natural-order key-row tensors into ``dest`` [S, ...] in gathered
         (rank) order, what a reduce-scatter over the group sends; returns ``dest``.
 
-        ``sources``: tensors [n_i * C, ...] holding natural positions [0, n_i * C) (a causal
-        block's dK or dV; every block's keys start at position 0). Rows no source covers are
-        zeroed; where two overlap, their sum is computed in the wider of the sources' and
-        ``dest``'s precision and rounded once into ``dest``. No natural-order temporary: the
-        early half of the gathered order is a strided view of the natural chunks 0..D-1, the
-        late half holds chunks 2D-1..D (one ``index_copy_``). At most two sources, the shorter
-        inside the early half (the two blocks of a zigzag rank); anything else goes through one
+        ``sources``: per source the rows [n_i * C, ...] of natural positions [0, n_i * C) (a
+        causal block's dK or dV; every block's keys start at position 0), given as one tensor or
+        as a sequence of tensors that follow one another along the rows (``KeyRows``: a
+        top-left attention kernel returns a block's prefix and diagonal dK apart, and joining
+        them would copy the whole block once more). Rows no source covers are zeroed; where two
+        overlap, their sum is computed in the wider of the sources' and ``dest``'s precision and
+        rounded once into ``dest``. No natural-order temporary: the early half of the gathered
+        order is a strided view of the natural chunks 0..D-1, the late half holds chunks
+        2D-1..D (``index_copy_``, one per part). At most two sources, the shorter inside the
+        early half (the two blocks of a zigzag rank); anything else goes through one
         natural-order sum."""
         d, c = self.group_size, self.chunk_len
         if dest.shape[0] != self.seq_length:
             raise ValueError(f"scatter_keys: dest has {dest.shape[0]} rows, need {self.seq_length}")
-        srcs = sorted(sources, key=lambda t: t.shape[0], reverse=True)
-        counts = [t.shape[0] // c for t in srcs]
-        if any(t.shape[0] % c or t.shape[0] > self.seq_length for t in srcs):
+        parts = [_key_parts(t) for t in sources]
+        rows = [sum(p.shape[0] for p in ps) for ps in parts]
+        bad = [[p.shape[0] for p in ps] for ps, n in zip(parts, rows) if n > self.seq_length]
+        bad += [[p.shape[0] for p in ps] for ps in parts if any(p.shape[0] % c for p in ps)]
+        if bad:
             raise ValueError(
-                f"scatter_keys: source rows {[t.shape[0] for t in srcs]} are not whole chunks of "
-                f"{c} within {self.seq_length}"
+                f"scatter_keys: source rows {bad} are not whole chunks of {c} within "
+                f"{self.seq_length}"
             )
+        order = sorted(range(len(parts)), key=lambda i: rows[i], reverse=True)
+        srcs = [parts[i] for i in order]
+        counts = [rows[i] // c for i in order]
         if len(srcs) > 2 or (len(srcs) == 2 and counts[1] > d):
+            wide = torch.promote_types(dest.dtype, torch.float32)
+            for ps in srcs:
+                for p in ps:
+                    wide = torch.promote_types(wide, p.dtype)
             total = torch.zeros(
-                (self.seq_length,) + tuple(dest.shape[1:]),
-                dtype=torch.promote_types(
-                    torch.promote_types(dest.dtype, srcs[0].dtype), torch.float32
-                ),
-                device=dest.device,
+                (self.seq_length,) + tuple(dest.shape[1:]), dtype=wide, device=dest.device
             )
-            for t in srcs:
-                total.narrow(0, 0, t.shape[0]).add_(t)
+            for ps in srcs:
+                for lo, p in _chunk_pieces(ps, c, 0, sum(q.shape[0] for q in ps) // c):
+                    total.narrow(0, lo * c, p.shape[0]).add_(p)
             return dest.copy_(total.index_select(0, self.permutation(dest.device)))
 
-        def chunks(t, lo, hi):
-            return t.narrow(0, lo * c, (hi - lo) * c).unflatten(0, (hi - lo, c))
+        def chunks(view, n):
+            return view.unflatten(0, (n, c))
 
         by_owner = dest.unflatten(0, (d, 2, c))
         early, late = by_owner[:, 0], by_owner[:, 1]  # early[k]: chunk k; late[o]: chunk 2D-1-o
@@ -316,23 +329,61 @@ class TSPLayout:
         n_early = min(n_long, d)
         n_both = counts[1] if len(srcs) == 2 else 0
         if n_both:
-            a, b = chunks(longest, 0, n_both), chunks(srcs[1], 0, n_both)
-            if torch.result_type(a, b) == dest.dtype:
-                torch.add(a, b, out=early[:n_both])  # one rounding of the wide sum
-            else:  # a wider destination: exact copy, then the add in its precision
-                early[:n_both].copy_(a)
-                early[:n_both].add_(b)
-        if n_early > n_both:
-            early[n_both:n_early].copy_(chunks(longest, n_both, n_early))
+            for lo, hi, a, b in _aligned_pieces(longest, srcs[1], c, n_both):
+                a, b = chunks(a, hi - lo), chunks(b, hi - lo)
+                if torch.result_type(a, b) == dest.dtype:
+                    torch.add(a, b, out=early[lo:hi])  # one rounding of the wide sum
+                else:  # a wider destination: exact copy, then the add in its precision
+                    early[lo:hi].copy_(a)
+                    early[lo:hi].add_(b)
+        for lo, p in _chunk_pieces(longest, c, n_both, n_early):
+            early[lo : lo + p.shape[0] // c].copy_(chunks(p, p.shape[0] // c))
         if n_early < d:
             early[n_early:].zero_()
         n_late = n_long - n_early
         if n_late:
             owners = _table("late_owners", d, n_late, dest.device)
-            late.index_copy_(0, owners, chunks(longest, d, n_long).to(dest.dtype))
+            for lo, p in _chunk_pieces(longest, c, d, n_long):
+                n = p.shape[0] // c
+                late.index_copy_(0, owners.narrow(0, lo - d, n), chunks(p, n).to(dest.dtype))
         if n_late < d:
             late[: d - n_late].zero_()
         return dest
+
+
+def _key_parts(rows) -> List[torch.Tensor]:
+    return [rows] if isinstance(rows, torch.Tensor) else list(rows)
+
+
+def _chunk_pieces(parts: Sequence[torch.Tensor], c: int, lo: int, hi: int):
+    """The rows of chunks [lo, hi) of ``parts`` (consecutive row blocks, each whole chunks of
+    ``c`` rows), as ``(first chunk, view)`` pieces, one per part they touch."""
+    out, start = [], 0
+    for p in parts:
+        n = p.shape[0] // c
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            out.append((a, p.narrow(0, (a - start) * c, (b - a) * c)))
+        start += n
+    return out
+
+
+def _aligned_pieces(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], c: int, n: int):
+    """Chunks [0, n) of two part lists cut at the union of their part boundaries:
+    ``(lo, hi, x rows, y rows)`` per piece."""
+    cuts = {0, n}
+    for parts in (x, y):
+        start = 0
+        for p in parts:
+            start += p.shape[0] // c
+            if start < n:
+                cuts.add(start)
+    bounds = sorted(cuts)
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        (_, xv), (_, yv) = _chunk_pieces(x, c, lo, hi)[0], _chunk_pieces(y, c, lo, hi)[0]
+        out.append((lo, hi, xv, yv))
+    return out
 
 
 def _outside_dispatch_modes(build):

@@ -8,14 +8,16 @@ scheduler, RNG and data position. Then, from the same initial weights and data:
 * TSP D=2 saves at iteration 2; stock TP=2 loads that checkpoint with ``--use-checkpoint-args
   --use-mp-args-from-checkpoint-args`` (the stored args must be a stock run's: no TSP spec) and
   continues; stock TP=2 + SP (Megatron's local layers with the SP-capable norm) loads it too;
-* TSP D=2 loads stock TP=2's checkpoint and continues.
+* TSP D=2 loads stock TP=2's checkpoint and continues;
+* TSP D=2 x CP=2 (4 ranks) saves at iteration 2 and stock TP=2 continues from it; TSP x CP
+  loads stock TP=2's checkpoint and continues.
 
 Iterations 3 and 4 (loss and grad norm) must equal the stock resume up to fp32 reduction order
 (TSP and TP sum in different orders; measured below 1e-6 relative). The stock resume itself is
 checked against an uninterrupted 4-iteration run (equal bit for bit on this path).
 
-Needs MEGATRON_LM_PATH (CI: scripts/megatron_lm_sources.sh). Seven 2-rank runs: about 2 minutes on
-2 free cores.
+Needs MEGATRON_LM_PATH (CI: scripts/megatron_lm_sources.sh). Eight 2-rank and two 4-rank runs:
+about 3 minutes on 2 free cores.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ TRAINING = [
 ]
 TP = ["--tensor-model-parallel-size", "2"]
 TSP = ["--tensor-sequence-parallel-size", "2"]
+TSP_CP = TSP + ["--context-parallel-size", "2"]
 # Stock TP=2 + SP on CPU: Megatron's local layers, the norm that accepts sequence parallelism
 # (Megatron's CPU norm asserts it is off). A block spec object, as core_v0.16's --spec expects.
 TP_SP = TP + ["--sequence-parallel", "--spec", "tests.megatron_lm.local_sp_spec", "block_spec"]
@@ -112,12 +115,12 @@ TP_SP = TP + ["--sequence-parallel", "--spec", "tests.megatron_lm.local_sp_spec"
 LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
 
 
-def _run(args, stock=False):
+def _run(args, stock=False, nproc=2):
     env = {"PYTHONPATH": REPO}
     return run_training(
         os.path.join(CHECKOUT, "pretrain_gpt.py"),
         MODEL + TRAINING + ["--seed", str(SEED)] + list(args),
-        2,
+        nproc,
         env=env,
         stock=stock,
     )
@@ -144,6 +147,10 @@ def runs(tmp_path_factory):
     )
     out["tpsp_from_tsp"] = _run(TP_SP + ["--load", str(root / "tsp")], stock=True)
     out["tsp_from_tp"] = _run(TSP + ["--load", str(root / "tp")])
+    # TSP x CP (4 ranks: weights over the TSP pair, tokens over all four) against stock TP=2
+    out["tsp_cp_save"] = _run(TSP_CP + save + ["--save", str(root / "tsp_cp")], nproc=4)
+    out["tp_from_tsp_cp"] = _run(TP + ["--load", str(root / "tsp_cp")], stock=True)
+    out["tsp_cp_from_tp"] = _run(TSP_CP + ["--load", str(root / "tp")], nproc=4)
     return out
 
 
@@ -191,6 +198,20 @@ def test_tsp_checkpoint_resumes_under_stock_tp_sp(runs):
 
 def test_tp_checkpoint_resumes_under_tsp(runs):
     _same(runs["tsp_from_tp"], runs["tp_resume"], [3, 4])
+
+
+def test_tsp_cp_before_the_save_matches_tp(runs):
+    _same(runs["tsp_cp_save"], runs["tp_save"], [1, 2])
+
+
+def test_tsp_cp_checkpoint_resumes_under_stock_tp(runs):
+    """Saved by TSP=2 x CP=2 on 4 ranks, resumed by stock TP=2 (CP=1) on 2: CP changes only the
+    token layout, so the checkpoint is TP=2's."""
+    _same(runs["tp_from_tsp_cp"], runs["tp_resume"], [3, 4])
+
+
+def test_tp_checkpoint_resumes_under_tsp_cp(runs):
+    _same(runs["tsp_cp_from_tp"], runs["tp_resume"], [3, 4])
 
 
 def test_use_checkpoint_args_does_not_carry_the_tsp_spec(runs):

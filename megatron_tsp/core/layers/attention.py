@@ -261,7 +261,8 @@ def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
 
 class _KVGradScatter:
     """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
-    (natural-order key rows, one tensor per block) are summed straight into a ``WORKSPACE`` send
+    (natural-order key rows per block, ``layout.KeyRows``: one tensor, or a top-left kernel's
+    prefix and diagonal parts) are summed straight into a ``WORKSPACE`` send
     buffer [S, b, 2 * ng/D, hn] in rank order (``TSPLayout.scatter_keys``: no full-sequence
     accumulator, no reorder pass) at construction; ``post()`` posts its reduce-scatter, ``wait()``
     (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
@@ -279,8 +280,9 @@ class _KVGradScatter:
 
     def __init__(self, dks, dvs, wire_dtype, dtype, group, seq_layout: TSPLayout, slot: int):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
-        _, b, groups, dim = dks[0].shape
-        shape, device = (seq_layout.seq_length, b, 2 * groups, dim), dks[0].device
+        first = dks[0] if isinstance(dks[0], torch.Tensor) else dks[0][0]  # layout.KeyRows
+        _, b, groups, dim = first.shape
+        shape, device = (seq_layout.seq_length, b, 2 * groups, dim), first.device
         if seq_layout.group_size == 1:
             self.send = torch.empty(shape, dtype=wire_dtype, device=device)
         else:

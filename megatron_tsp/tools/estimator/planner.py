@@ -240,10 +240,11 @@ class Options:
     tsp_recompute_mlp: bool = False
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
     tsp_regather_kv: bool = True
-    # attention kernel backend (layers/kernels.py): "aten_flash" (the CUDA default: one call per
-    # zigzag chunk, native GQA), "cudnn" / "cpu_flash" (top-left causal: a chunk runs as prefix +
-    # diagonal and concatenates their dK/dV; they repeat K/V for GQA), "te_fused" (one call per
-    # chunk on contiguous bshd copies of K/V)
+    # attention kernel backend (layers/kernels.py): "aten_flash" (one call per zigzag chunk,
+    # native GQA), "cudnn" / "cpu_flash" (top-left causal: a chunk runs as prefix + diagonal,
+    # whose dK/dV parts are not joined; they repeat K/V for GQA), "te_fused" (one call per chunk
+    # on contiguous bshd copies of K/V). The layers pick cudnn on sm90+ for MHA; there its memory
+    # equals aten_flash's, so the default models both.
     attn_kernel: str = "aten_flash"
     # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (what the layers
     # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the code before
@@ -374,8 +375,8 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
     whole sequence S), before ``TSPLayout.scatter_keys`` sums it into the send buffer: the kernel's
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
-    prefix block and a diagonal block and concatenates their dK/dV (twice the bytes at the
-    moment of the cat); te_fused holds contiguous copies of the chunk's K and V (as many bytes
+    prefix block and a diagonal block and hands both parts over as they are (no concatenation,
+    ``backward_parts``): S keys' worth, as one call would; te_fused holds contiguous copies of the chunk's K and V (as many bytes
     as its dK/dV) while its backward runs; a kernel without native GQA computes dK/dV per query
     head from K/V repeated to the query heads, then folds them to the key/value heads."""
     if kernel not in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS + ("aten_flash", "sdpa_recompute"):
@@ -388,7 +389,7 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     per_head_group = 2 * shape.tokens / _head_groups(shape, D) * b
     repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
     width = shape.hidden if repeat else shape.kv_hidden  # heads the kernel computes dK/dV for
-    out = per_head_group * width * (2 if kernel in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS else 1)
+    out = per_head_group * width * (2 if kernel in _COPY_KV_KERNELS else 1)
     if repeat:  # the repeated K/V inputs and the folded dK/dV
         out += per_head_group * (shape.hidden + shape.kv_hidden)
     return out
