@@ -377,8 +377,9 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
     prefix block and a diagonal block and hands both parts over as they are (no concatenation,
     ``backward_parts``): S keys' worth, as one call would; te_fused holds contiguous copies of
-    the chunk's K and V (as many bytes as its dK/dV) while its backward runs; a kernel without native GQA computes dK/dV per query
-    head from K/V repeated to the query heads, then folds them to the key/value heads."""
+    the chunk's K and V (as many bytes as its dK/dV) while its backward runs; a kernel without
+    native GQA computes dK/dV per query head from K/V repeated to the query heads, then folds them
+    to the key/value heads."""
     if kernel not in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS + ("aten_flash", "sdpa_recompute"):
         raise ValueError(
             f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
