@@ -121,6 +121,7 @@ def test_baseline_attention_gqa_square(seed):
         ("tp", {}),
         ("cp", {}),
         ("tsp", {"recompute": "full"}),
+        ("tsp", {"tp": 2, "cp": 2}),  # TSP x CP: K/V over the tensor-and-context group
     ],
 )
 def test_fake_peak_matches_real_run(scheme, kw):

@@ -350,9 +350,9 @@ def test_cli_plan_smoke(tmp_path):
 
 def test_kernel_dkv_workspace_by_backend():
     """The attention kernel's dK/dV outputs in the backward working set: one head group over the
-    whole sequence for aten_flash (one bottom-right call, native GQA); twice that for top-left
-    kernels (prefix + diagonal blocks, then their concatenation) and for te_fused (contiguous
-    K/V copies beside its dK/dV); kernels without native GQA
+    whole sequence for aten_flash (one bottom-right call, native GQA) and for top-left kernels
+    (prefix + diagonal blocks, their dK/dV parts never joined); twice that for te_fused
+    (contiguous K/V copies beside its dK/dV); kernels without native GQA
     also hold K/V repeated to the query heads and dK/dV per query head before the fold."""
     m = ModelShape(
         name="g", hidden=1024, num_layers=2, heads=16, query_groups=4, ffn=4096, vocab=1000
@@ -363,7 +363,7 @@ def test_kernel_dkv_workspace_by_backend():
     assert pl._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
     assert pl._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
     assert pl._kernel_dkv_bytes(shape, D, "cpu_flash") == pytest.approx(
-        2 * unit * 1024 + unit * (1024 + 256)
+        unit * 1024 + unit * (1024 + 256)
     )
     with pytest.raises(ValueError, match="attn_kernel='fa9'"):
         pl._kernel_dkv_bytes(shape, D, "fa9")

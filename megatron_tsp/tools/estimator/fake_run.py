@@ -92,7 +92,8 @@ class RunConfig:
     @property
     def label(self) -> str:
         if self.scheme == "tsp":
-            suffix = " attn-rec" if self.tsp_attention_backward == "recompute" else ""
+            suffix = f"xCP{self.cp}" if self.cp > 1 else ""
+            suffix += " attn-rec" if self.tsp_attention_backward == "recompute" else ""
             if self.tsp_mlp_recompute_activation:
                 suffix += " rec-fc1"
             if self.tsp_kv_grad_fp32:
@@ -108,8 +109,8 @@ class RunConfig:
     def validate(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.scheme != "cp" and self.cp != 1:
-            raise ValueError(f"--cp {self.cp} needs scheme 'cp'")
+        if self.scheme not in ("cp", "tsp") and self.cp != 1:
+            raise ValueError(f"--cp {self.cp} needs scheme 'cp' (TP x CP) or 'tsp' (TSP x CP)")
         if self.scheme == "cp" and self.cp < 2:
             raise ValueError("scheme 'cp' needs --cp >= 2")
         if self.world_size % (self.tp * self.cp):
@@ -127,7 +128,7 @@ class RunConfig:
             ffn_hidden_size=m.ffn_hidden,
         )
         split = {
-            "tsp": 2 * self.tp,
+            "tsp": 2 * self.tp * self.cp,
             "cp": 2 * self.cp * self.tp,
             "tpsp": self.tp,
             "hybrid": self.tp,
@@ -306,7 +307,9 @@ def init_parallel(cfg: RunConfig) -> None:
         tsp_ps.destroy_model_parallel()
     kwargs = dict(create_gloo_process_groups=False)
     if cfg.scheme == "tsp":
-        tsp_ps.initialize_model_parallel(tensor_sequence_parallel_size=cfg.tp, **kwargs)
+        tsp_ps.initialize_model_parallel(
+            tensor_sequence_parallel_size=cfg.tp, context_parallel_size=cfg.cp, **kwargs
+        )
     else:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp, **kwargs
@@ -724,7 +727,7 @@ def _local_batch(cfg: RunConfig):
     local_seq, b = cfg.seq // cfg.cp, cfg.micro_batch
     tokens = torch.randint(0, cfg.model.vocab, (b, local_seq))
     labels = torch.randint(0, cfg.model.vocab, (b, local_seq))
-    if cfg.scheme == "cp":
+    if cfg.cp > 1:  # TP x CP and TSP x CP: Megatron's own CP split (TSP composes with it)
         from megatron_tsp.core.layout import TSPLayout
 
         cp_layout = TSPLayout(cfg.cp, cfg.seq, mpu.get_context_parallel_rank())
