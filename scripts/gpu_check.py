@@ -125,6 +125,31 @@ def _run_config(scheme, d, model, seq, dtype, init):
     )
 
 
+def device_and_model(cpu_smoke: bool):
+    """("cpu", a tiny one-layer model) for ``--cpu-smoke``, else ("cuda", one 7B layer)."""
+    from megatron_tsp.core.model_shape import ModelShape, load_model
+
+    if cpu_smoke:
+        return "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
+    return "cuda", dataclasses.replace(load_model("7b"), num_layers=1)
+
+
+def layout_problems(model, seq: int, d: int) -> list:
+    """What stops ``seq`` tokens and ``model``'s heads from splitting over D=``d`` ranks."""
+    problems = []
+    if seq % (2 * d):
+        problems.append(f"--seq={seq} is not a multiple of 2 x --d={d} (two chunks per rank)")
+    if model.heads % d:
+        problems.append(f"the model's {model.heads} attention heads are not divisible by --d={d}")
+    return problems
+
+
+def markdown_kernel_name(name: str, width: int) -> str:
+    """A kernel's name for a markdown table cell: at most ``width`` characters, pipes escaped."""
+    label = name if len(name) <= width else name[: width - 3] + "..."
+    return label.replace("|", "\\|")
+
+
 def setup_groups(scheme: str, d: int, model, seq: int) -> None:
     """A fake world of ``d`` ranks (this process is rank 0) and the scheme's Megatron groups.
     Outside FakeTensorMode: group creation checks its configuration with a real collective."""
@@ -597,8 +622,7 @@ def _top_kernel_lines(a: dict) -> list:
             "|---|---|---|",
         ]
         for k in a[key].get("top_kernels_by_time", []):
-            label = k["kernel"] if len(k["kernel"]) <= 80 else k["kernel"][:77] + "..."
-            label = label.replace("|", "\\|")
+            label = markdown_kernel_name(k["kernel"], 80)
             lines.append(f"| `{label}` | {k['launches']} | {1e3 * k['s']:.2f} |")
     return lines
 
@@ -666,29 +690,22 @@ def main(argv=None) -> int:
     if args.te_emulator and not args.cpu_smoke:
         print("--te-emulator is a CPU stand-in for TE: use it with --cpu-smoke", file=sys.stderr)
         return 2
-    from megatron_tsp.core.model_shape import ModelShape, load_model
-    from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
-
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu-smoke on a CPU machine", file=sys.stderr)
+        return 2
+    device, model = device_and_model(args.cpu_smoke)
     if args.cpu_smoke:
-        device, model = "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
         seq, d, iters = args.seq or 64, args.d or 2, args.iters or 2
     else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --cpu-smoke on a CPU machine", file=sys.stderr)
-            return 2
-        device, model = "cuda", load_model("7b")
         seq, d, iters = args.seq or 131072, args.d or 8, args.iters or 3
-    problems = []
-    if seq % (2 * d):
-        problems.append(f"--seq={seq} is not a multiple of 2 x --d={d} (two chunks per rank)")
-    if model.heads % d:
-        problems.append(f"the model's {model.heads} attention heads are not divisible by --d={d}")
+    problems = layout_problems(model, seq, d)
     if problems:
         print("gpu_check: " + "; ".join(problems), file=sys.stderr)
         return 2
     if args.cpu_smoke:
+        from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
+
         enable_cpu_support()
-    model = dataclasses.replace(model, num_layers=1)
     dtype = torch.bfloat16
     t0 = time.time()
     backends = verify_attention_backends(model, device, dtype, args.te_emulator, args.timed_backend)

@@ -74,26 +74,18 @@ def run_step(scheme: str, d: int, seq: int, out_dir: str, cpu_smoke: bool) -> di
     import torch
 
     from megatron_tsp.core.comm import WORKSPACE
-    from megatron_tsp.core.model_shape import ModelShape, load_model
     from megatron_tsp.tools import traffic
 
+    if not cpu_smoke and not torch.cuda.is_available():
+        raise SystemExit("hbm_check step: no CUDA device (use --cpu-smoke on a CPU machine)")
+    device, model = gc.device_and_model(cpu_smoke)
+    problems = gc.layout_problems(model, seq, d)
+    if problems:
+        raise SystemExit("hbm_check step: " + "; ".join(problems))
     if cpu_smoke:
         from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
 
         enable_cpu_support()
-        device, model = "cpu", ModelShape(hidden=64, num_layers=1, heads=4, vocab=128)
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("hbm_check step: no CUDA device (use --cpu-smoke on a CPU machine)")
-        device, model = "cuda", load_model("7b")
-    import dataclasses
-
-    model = dataclasses.replace(model, num_layers=1)
-    if seq % (2 * d) or model.heads % d:
-        raise SystemExit(
-            f"hbm_check step: --seq={seq} must be a multiple of 2 x --d={d} and the model's "
-            f"{model.heads} heads divisible by --d"
-        )
     WORKSPACE.clear()
     gc.setup_groups(scheme, d, model, seq)
     layer, freqs = gc.build_layer(scheme, d, model, seq, torch.bfloat16, device, init=False)
@@ -218,6 +210,8 @@ def report(directory: str) -> dict:
 
 
 def render(result: dict) -> str:
+    from gpu_check import markdown_kernel_name
+
     schemes = result["schemes"]
     any_setup = next(iter(schemes.values()))["setup"]
     lines = [
@@ -256,8 +250,7 @@ def render(result: dict) -> str:
             "| --- | ---: | ---: | ---: |",
         ]
         for k in s["top_kernels"]:
-            name = k["kernel"] if len(k["kernel"]) <= 90 else k["kernel"][:87] + "..."
-            name = name.replace("|", "\\|")
+            name = markdown_kernel_name(k["kernel"], 90)
             lines.append(
                 f"| `{name}` | {k['launches']} | {k['bytes'] / 1e9:.3f} | {1e3 * k['time_s']:.2f} |"
             )

@@ -33,6 +33,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -64,8 +65,6 @@ def fake_addmm_dtype_out_broken() -> bool:
 def _in_place_fp32_gemm(acc: torch.Tensor) -> bool:
     if not ADDMM_FP32_ACC:
         return False
-    from torch._subclasses.fake_tensor import is_fake
-
     return not (is_fake(acc) and fake_addmm_dtype_out_broken())
 
 
