@@ -315,8 +315,8 @@ class TSPLayout:
             total = torch.zeros(
                 (self.seq_length,) + tuple(dest.shape[1:]), dtype=wide, device=dest.device
             )
-            for ps in srcs:
-                for lo, p in _chunk_pieces(ps, c, 0, sum(q.shape[0] for q in ps) // c):
+            for ps, n in zip(srcs, counts):
+                for lo, p in _chunk_pieces(ps, c, 0, n):
                     total.narrow(0, lo * c, p.shape[0]).add_(p)
             return dest.copy_(total.index_select(0, self.permutation(dest.device)))
 
