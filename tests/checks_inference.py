@@ -187,3 +187,74 @@ def check_sampling_and_errors(d, seed):
     again = engine.generate(prompts, 6).tokens  # still usable after the errors
     assert again == greedy, (again, greedy)
     return {"sampled": a, "errors": errors}
+
+
+def check_generation_cp(d, c, seed, style, dtype_name="float64", new_tokens=4, groups=None):
+    """TSP x CP prefill (D*C ranks) + TP=D decode on CP rank 0: greedy tokens equal the
+    single-process model's on every rank; on CP rank 0 the cache equals a TP=D prefill's and
+    the prefill logits the single model's; chunked equals one-shot; the other CP ranks keep no
+    cache and return CP rank 0's result; prompts shorter than 2DC fall back to TP prefill."""
+    import dataclasses
+
+    from tests.checks_tsp_cp import setup_tsp_cp
+
+    dtype = DTYPES[dtype_name]
+    ref, params = _reference(style, seed, dtype, groups)
+    g = setup_tsp_cp(d, c, seed)
+    config = _config(
+        d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"], groups
+    )
+    config = dataclasses.replace(config, context_parallel_size=c)
+    model = _gpt(config, get_gpt_block_tsp_spec(config), style)
+    sharding.load_full_state(model, params, g["tp"])
+    engine = TSPInferenceEngine(model)
+    assert (engine.seq_size, engine.cp_size, engine.cp_rank) == (d * c, c, g["cp_rank"])
+    serving = g["cp_rank"] == 0
+    step = 2 * d * c
+    out = {}
+
+    length = 2 * step + 3  # not a multiple of 2DC: padded
+    prompts = _prompts(seed, [length, length])
+    tsp = engine.generate(prompts, new_tokens)
+    tp = engine.generate(prompts, new_tokens, prefill="tp")
+    chunked = engine.generate(prompts, new_tokens, prefill_chunk_tokens=step)
+    assert tsp.prefill_mode == "tsp" and tp.prefill_mode == "tp"
+    if serving:
+        out["cache_tsp_vs_tp"] = _cache_err(tsp.context, tp.context, length + new_tokens - 1, 2)
+        out["cache_chunked_vs_oneshot"] = _cache_err(
+            chunked.context, tsp.context, length + new_tokens - 1, 2
+        )
+    else:
+        for res in (tsp, tp, chunked):
+            assert not res.context.key_value_memory_dict, "a CP rank > 0 kept a KV cache"
+    out["prefill_logits_tsp_vs_tp"] = rel_err(tsp.prefill_logits, tp.prefill_logits)
+    out["prefill_logits_chunked_vs_oneshot"] = rel_err(chunked.prefill_logits, tsp.prefill_logits)
+    for i, p in enumerate(prompts):
+        want, ref_logits = _greedy_reference(ref, p, new_tokens)
+        out[f"prefill_logits_vs_single[{i}]"] = rel_err(tsp.prefill_logits[i], ref_logits)
+        for name, res in (("tsp", tsp), ("tp", tp), ("chunked", chunked)):
+            if res.tokens[i] != want:
+                raise AssertionError(
+                    f"TSP{d} x CP{c} {name} prefill, prompt {i} (len {len(p)}): generated "
+                    f"{res.tokens[i]}, single-process model {want} (seed {seed})"
+                )
+
+    # Mixed lengths: a shared prefix of at least 2DC (TSP), and one below 2DC (TP fallback).
+    for lengths in ([step + 5, step + 1], [step - 1, step + 2]):
+        prompts = _prompts(seed + len(lengths) + lengths[0], lengths)
+        res = engine.generate(prompts, new_tokens)
+        assert res.prefill_mode == ("tsp" if min(lengths) >= step else "tp"), res.prefill_mode
+        for i, p in enumerate(prompts):
+            want, _ = _greedy_reference(ref, p, new_tokens)
+            if res.tokens[i] != want:
+                raise AssertionError(
+                    f"TSP{d} x CP{c}, lengths {lengths}, prompt {i}: generated "
+                    f"{res.tokens[i]}, single-process model {want} (seed {seed})"
+                )
+    try:
+        engine.generate(prompts, 1, prefill_chunk_tokens=2 * d)
+    except ValueError as e:
+        assert f"= {step}" in str(e) and "context-parallel size" in str(e), str(e)
+    else:
+        raise AssertionError("prefill_chunk_tokens=2D was accepted under TSP x CP")
+    return out

@@ -123,3 +123,12 @@ def test_prefill_memory_tool(tmp_path):
         assert r["peak"] >= r["breakdown"]["Parameter"] + r["kv_cache"], r
     assert rows["tsp"]["peak"] < rows["tp"]["peak"], rows
     assert rows["tsp"]["peak"] < rows["cp"]["peak"], rows
+
+
+@pytest.mark.parametrize("style,groups", [("gpt2", None), ("llama", 2)])
+def test_generation_tsp_x_cp(pool4, seed, style, groups):
+    """TSP2 x CP2 prefill over 4 ranks, TP=2 decode on CP rank 0: greedy tokens equal the
+    single-process model's on every rank; CP rank 0's cache equals a TP=2 prefill's."""
+    results = pool4.run(checks_inference.check_generation_cp, 2, 2, seed, style, groups=groups)
+    worst = {k: max(r.get(k, 0.0) for r in results) for k in results[0]}
+    assert max(worst.values()) <= 1e-12, worst

@@ -15,7 +15,7 @@ import torch
 from megatron.core.parallel_state import RankGenerator
 
 from megatron_tsp.core.layout import TSPLayout
-from tests import checks_tsp_cp
+from tests import checks_inference, checks_tsp_cp
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_attention_layer_late_completion(pool4, seed, backward):
 @pytest.mark.slow
 def test_d4_c2_layer_and_gpt_fp64(pool8, seed):
     """(D, C) = (4, 2) on 8 ranks: the layer with 4 K/V heads (saved) and with 2 (< D, recompute),
-    GPT-2 and Llama (GQA) models."""
+    GPT-2 and Llama (GQA) models, and generation (TSP x CP prefill, TP decode)."""
     pool8.run(checks_tsp_cp.check_cp_batch, 4, 2, seed)
     pool8.run(checks_tsp_cp.check_attention_cp, 4, 2, seed, groups=4)
     pool8.run(
@@ -147,3 +147,8 @@ def test_d4_c2_layer_and_gpt_fp64(pool8, seed):
     )
     for style in ("gpt2", "llama"):
         pool8.run(checks_tsp_cp.check_gpt_cp, 4, 2, seed, style, rtol=1e-10)
+    # Inference: TSP4 x CP2 prefill over 8 ranks (GQA with fewer K/V heads than D), TP=4 decode
+    # on CP rank 0, tokens equal to the single-process model's (tests/test_inference.py: D=2).
+    results = pool8.run(checks_inference.check_generation_cp, 4, 2, seed, "llama", groups=2)
+    worst = {k: max(r.get(k, 0.0) for r in results) for k in results[0]}
+    assert max(worst.values()) <= 1e-12, worst

@@ -14,6 +14,15 @@
   (``check_decode_model``): RoPE scaling, interpolation and the rest cannot differ silently
   between prefill and decode.
 
+TSP x CP (a model built with ``context_parallel_size`` C > 1): the prefill runs over the whole
+sequence group (D*C ranks, every rank 1/(D*C) of the prompt, each head group's K/V gathered over
+all of them), and the cache ends on the TSP group of CP rank 0, exactly where a TP=D decode of
+that group reads it; decode runs there. Decode is not spread over CP: one token per step needs
+every cached position of every layer, so a CP-split cache would add a cross-node log-sum-exp
+merge per layer to every token, to a step bound by latency; the cache a TP=D group holds is what
+TP=D decode of the same prompt needs anyway. The other CP ranks keep no cache and receive the
+result (tokens, prefill logits) from CP rank 0.
+
 Prompt handling: the prefilled slice is padded at the end to a multiple of 2D (causal attention
 keeps padding invisible to real tokens; padded cache rows are overwritten by the first decode
 steps before anything reads them). A batch whose prompts differ in length is prefilled up to the
@@ -74,8 +83,9 @@ MATH_GPT_ARGS = (
     "seq_len_interpolation_factor",
 )
 # TransformerConfig fields the decode model sets differently on purpose: decode runs Megatron's
-# plain TP=D path (one token per step cannot be split along the sequence).
-DECODE_CONFIG_CHANGES = {"sequence_parallel": False}
+# plain TP=D path (one token per step cannot be split along the sequence; under TSP x CP one TSP
+# group decodes).
+DECODE_CONFIG_CHANGES = {"sequence_parallel": False, "context_parallel_size": 1}
 
 
 def gpt_model_args(model) -> dict:
@@ -159,8 +169,7 @@ def check_decode_model(tsp_model, decode_model, gpt_kwargs=None) -> None:
                 f"{getattr(rope_b, name, None)!r} vs {getattr(rope_a, name, None)!r}"
             )
     length = tsp_model.max_sequence_length
-    table_a = rope_a(length).cpu()
-    table_b = rope_b(length).cpu()
+    table_a, table_b = whole_rope_table(rope_a, length), whole_rope_table(rope_b, length)
     if table_a.shape != table_b.shape or not torch.equal(table_a, table_b):
         given = gpt_kwargs or {}
         raise ValueError(
@@ -170,6 +179,26 @@ def check_decode_model(tsp_model, decode_model, gpt_kwargs=None) -> None:
             f"{gpt_model_args(tsp_model)!r}. Build the model with build_tsp_gpt_model (it "
             "records its arguments) or pass the same arguments to TSPInferenceEngine"
         )
+
+
+def whole_rope_table(rope, length: int) -> torch.Tensor:
+    """Megatron's RoPE table of ``length`` positions, all of them: ``RotaryEmbedding.forward``
+    returns only this CP rank's slice when its CP group has more than one rank."""
+    get_emb = getattr(rope, "get_emb", None)
+    return (get_emb(length) if get_emb is not None else rope(length)).cpu()
+
+
+def sequence_group_of(model, tsp_group):
+    """The sequence group the model's TSP attention layers gather K/V over (TSP x CP: D*C ranks;
+    the TSP group without CP)."""
+    groups = {
+        id(m.seq_group): m.seq_group
+        for m in model.modules()
+        if getattr(m, "tsp_group", None) is not None and hasattr(m, "seq_group")
+    }
+    if len(groups) > 1:
+        raise ValueError("the model's TSP attention layers use different sequence groups")
+    return next(iter(groups.values())) if groups else tsp_group
 
 
 def build_decode_model(tsp_model, **gpt_kwargs):
@@ -212,6 +241,11 @@ def build_decode_model(tsp_model, **gpt_kwargs):
             "TSP and decode models have different parameter sets: "
             f"{sorted(set(source) ^ {n for n, _ in decode.named_parameters()})}"
         )
+    rope = getattr(decode, "rotary_pos_emb", None)
+    if rope is not None:
+        # Under TSP x CP the rotary embedding took the CP group from the global state and would
+        # return this CP rank's slice of the table; decode runs unsplit on one TSP group.
+        rope.cp_group = None
     _check_materialised(decode)
     check_decode_model(tsp_model, decode, kwargs)
     return decode
@@ -265,13 +299,20 @@ def local_embedding(model, ids, positions) -> torch.Tensor:
     return mine
 
 
-def prefill_slice(model, ids, positions, context, rotary_table, size: int) -> torch.Tensor:
+def prefill_slice(
+    model, ids, positions, context, rotary_table, size: int, cp_rank: int = 0, cp_size: int = 1
+) -> torch.Tensor:
     """One TSP prefill pass of the TSP ``GPTModel`` over ``ids`` [b, S] (natural order, S a
-    multiple of 2D) at cache offset ``context.sequence_len_offset``; returns this rank's final-norm
-    hidden states of its zigzag chunks, ``[S/D, b, h]``. The layers' KV caches are filled."""
-    local = local_embedding(
-        model, zigzag.permute(ids, size, dim=1), zigzag.permute(positions, size, dim=1)
-    )
+    multiple of 2 x ``size``) at cache offset ``context.sequence_len_offset``; returns this rank's
+    final-norm hidden states of its zigzag chunks, ``[S/size, b, h]``. The layers' KV caches are
+    filled. ``size``: the sequence group's ranks (D, or D*C under TSP x CP of ``cp_size`` C,
+    where CP rank ``cp_rank``'s TSP group embeds slice ``cp_rank`` of the gathered order)."""
+    ids, positions = zigzag.permute(ids, size, dim=1), zigzag.permute(positions, size, dim=1)
+    if cp_size > 1:
+        width = ids.shape[1] // cp_size
+        ids = ids.narrow(1, cp_rank * width, width)
+        positions = positions.narrow(1, cp_rank * width, width)
+    local = local_embedding(model, ids, positions)
     return model.decoder(
         hidden_states=local,
         attention_mask=None,
@@ -314,6 +355,12 @@ class TSPInferenceEngine:
         self.group = group if group is not None else get_tensor_sequence_parallel_group()
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        # TSP x CP: the prefill runs over the sequence group (D*C ranks), decode on CP rank 0.
+        self.seq_group = sequence_group_of(tsp_model, self.group)
+        self.seq_size = dist.get_world_size(self.seq_group)
+        self.cp_size = self.seq_size // self.size
+        self.cp_rank = dist.get_rank(self.seq_group) // self.size
+        self.serving = self.cp_rank == 0
         self.vocab_size = tsp_model.vocab_size
         self.max_positions = tsp_model.max_sequence_length
         self.device = next(tsp_model.parameters()).device
@@ -352,15 +399,16 @@ class TSPInferenceEngine:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}: must be one of {PREFILL_MODES}")
         if prefill_chunk_tokens is not None:
-            step = 2 * self.size
+            step = 2 * self.seq_size
             if (
                 not isinstance(prefill_chunk_tokens, int)
                 or prefill_chunk_tokens < step
                 or prefill_chunk_tokens % step
             ):
+                cp = f" x context-parallel size {self.cp_size}" if self.cp_size > 1 else ""
                 raise ValueError(
                     f"prefill_chunk_tokens={prefill_chunk_tokens!r}: must be a positive multiple "
-                    f"of 2 x tensor-sequence-parallel size = {step}"
+                    f"of 2 x tensor-sequence-parallel size{cp} = {step}"
                 )
             if prefill == "tp":
                 raise ValueError(
@@ -379,8 +427,9 @@ class TSPInferenceEngine:
         prefill: str = "auto",
         prefill_chunk_tokens: Optional[int] = None,
     ) -> GenerationResult:
-        """Prefill the prompts (TSP, or TP when shorter than 2D tokens or ``prefill='tp'``),
-        then decode up to ``max_new_tokens`` per prompt under Megatron TP=D."""
+        """Prefill the prompts (TSP, or TP when shorter than 2D tokens -- 2DC under TSP x CP -- or
+        ``prefill='tp'``), then decode up to ``max_new_tokens`` per prompt under Megatron TP=D
+        (on CP rank 0's TSP group under TSP x CP; every rank returns the same result)."""
         sampling = sampling or SamplingParams()
         self.check_request(
             prompts, max_new_tokens, sampling, stop_tokens, prefill, prefill_chunk_tokens
@@ -392,7 +441,7 @@ class TSPInferenceEngine:
         shortest, longest = min(lengths), max(lengths)
         mode = prefill
         if mode == "auto":
-            mode = "tsp" if shortest >= 2 * self.size else "tp"
+            mode = "tsp" if shortest >= 2 * self.seq_size else "tp"
         chunk = prefill_chunk_tokens or shortest
         padded_end = self._padded_end(shortest, chunk) if mode == "tsp" else shortest
         context = StaticInferenceContext(batch, max(padded_end, longest + max_new_tokens))
@@ -403,9 +452,10 @@ class TSPInferenceEngine:
 
         self._sync()
         start = time.perf_counter()
+        logits = None  # under TSP x CP a TP prefill runs on CP rank 0 only
         if mode == "tsp":
             logits = self._prefill_tsp(tokens, shortest, chunk, context)
-        else:
+        elif self.serving:
             logits = self._prefill_tp(tokens[:, :shortest], context)
         self._sync()
         prefill_s = time.perf_counter() - start
@@ -420,24 +470,41 @@ class TSPInferenceEngine:
             decode_seconds=0.0,
             context=context,
         )
-        if max_new_tokens == 0:
-            return result
-        self._decode(
-            prompts,
-            tokens,
-            lengths,
-            logits,
-            max_new_tokens,
-            sampling,
-            set(int(t) for t in stop_tokens),
-            context,
-            result,
-        )
+        if max_new_tokens > 0 and self.serving:
+            self._decode(
+                prompts,
+                tokens,
+                lengths,
+                logits,
+                max_new_tokens,
+                sampling,
+                set(int(t) for t in stop_tokens),
+                context,
+                result,
+            )
+        self._share_result(result)
         return result
+
+    def _share_result(self, result: GenerationResult) -> None:
+        """TSP x CP: CP rank 0 decoded; every other rank receives its tokens, logits and counts
+        (one object broadcast over the sequence group, from its rank 0)."""
+        if self.cp_size == 1:
+            return
+        logits = result.prefill_logits.cpu() if self.serving else None
+        shared = [result.tokens, logits, result.decode_tokens, result.decode_seconds]
+        dist.broadcast_object_list(
+            shared,
+            src=dist.get_global_rank(self.seq_group, 0),
+            group=self.seq_group,
+            device=self.device if self.device.type == "cuda" else None,
+        )
+        if not self.serving:
+            result.tokens, logits, result.decode_tokens, result.decode_seconds = shared
+            result.prefill_logits = logits.to(self.device)
 
     # ------------------------------------------------------------------ prefill
     def _padded_end(self, length: int, chunk: int) -> int:
-        step = 2 * self.size
+        step = 2 * self.seq_size
         last_start = ((length - 1) // chunk) * chunk
         return last_start + -(-(length - last_start) // step) * step
 
@@ -451,13 +518,15 @@ class TSPInferenceEngine:
         return logits[:, -1]
 
     def _prefill_tsp(self, tokens, length, chunk, context):
-        """Chunks [o, o + chunk) of the first ``length`` tokens, each padded to a multiple of 2D,
-        through the TSP model; returns the full-vocabulary logits of token ``length - 1``."""
-        model, size = self.tsp_model, self.size
+        """Chunks [o, o + chunk) of the first ``length`` tokens, each padded to a multiple of 2D
+        (2DC under TSP x CP), through the TSP model; returns the full-vocabulary logits of token
+        ``length - 1``."""
+        model, size = self.tsp_model, self.seq_size
         batch = tokens.shape[0]
         table = None
         if self.position == "rope":
-            table = model.rotary_pos_emb(context.max_sequence_length)
+            table = whole_rope_table(model.rotary_pos_emb, context.max_sequence_length)
+            table = table.to(self.device)
         context.enable_prefill_mode()
         hidden = None
         for start in range(0, length, chunk):
@@ -466,7 +535,9 @@ class TSPInferenceEngine:
             ids = tokens[:, start : start + padded]
             positions = self._positions(start, padded, batch)
             context.sequence_len_offset = start
-            local = prefill_slice(model, ids, positions, context, table, size)
+            local = prefill_slice(
+                model, ids, positions, context, table, size, self.cp_rank, self.cp_size
+            )
             if start + chunk >= length:
                 hidden = self._token_hidden(local, real - 1, padded)
         return self._full_logits(hidden)
@@ -481,15 +552,17 @@ class TSPInferenceEngine:
 
     def _token_hidden(self, local, index: int, seq: int) -> torch.Tensor:
         """Hidden state [b, h] of natural position ``index`` of a zigzag-split slice of ``seq``
-        tokens, broadcast from the rank that holds it."""
-        size = self.size
+        tokens, broadcast over the sequence group from the rank that holds it."""
+        size = self.seq_size
         owner, row = TSPLayout(size, seq).owner(index)
-        if self.rank == owner:
+        if dist.get_rank(self.seq_group) == owner:
             hidden = local[row].contiguous()
         else:
             hidden = torch.empty(local.shape[1:], dtype=local.dtype, device=local.device)
         if size > 1:
-            dist.broadcast(hidden, src=dist.get_global_rank(self.group, owner), group=self.group)
+            dist.broadcast(
+                hidden, src=dist.get_global_rank(self.seq_group, owner), group=self.seq_group
+            )
         return hidden
 
     def _full_logits(self, hidden) -> torch.Tensor:

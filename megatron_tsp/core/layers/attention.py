@@ -986,12 +986,6 @@ class TSPSelfAttention(SelfAttention):
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
             from megatron_tsp.core.layers.prefill_attention import prefill_attention
 
-            if self.cp_size > 1:
-                raise ValueError(
-                    "TSP prefill does not run under context parallelism "
-                    f"(context_parallel_size={self.cp_size}): TSP x CP is training-only"
-                )
-
             return prefill_attention(
                 self, hidden_states, inference_context or inference_params, rotary_pos_emb
             )

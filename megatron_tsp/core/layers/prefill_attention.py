@@ -12,6 +12,14 @@ hook). Rank p holds the zigzag chunks p and 2D-1-p of the prompt slice being pre
     Y_p += causal_attention(RoPE(q), RoPE([cache; K_r]), [cache; V_r]) @ W_proj_r^T
     (RoPE of the gathered keys in place, block by block, after the owner cached them)
 
+TSP x CP (the layer's ``cp_size`` C > 1): the prompt slice is cut over the sequence group (D*C
+ranks, ``TSPLayout.of_groups``), so rank q holds chunks q and 2DC-1-q of 2DC. The weight
+broadcasts stay inside the TSP group (the shards are replicated over CP); each head group's K/V
+is all-gathered over all D*C ranks, so every rank attends over the whole prompt as without CP.
+Only the TSP group of CP rank 0 (the one that decodes, see ``megatron_tsp.inference``) writes
+the cache; the other CP ranks take part in the prefill and keep no cache. Chunked prefill: the
+cached prefix is broadcast over the sequence group from the owner at CP rank 0.
+
 Fewer K/V heads than ranks (ng < D, megatron-core's TP layout, see ``attention.py``): the loop
 runs over the ng head groups, step j takes the D/ng shards j*D/ng .. of group j's QKV block and
 output projection, gathers the group's one K/V head once, and every rank of the group (the TP=D
@@ -28,7 +36,9 @@ Communication per layer per rank (all forward, no autograd): D broadcasts of one
 zigzag chunks, received straight into natural-order rows); for chunked prefill D broadcasts of
 ``[o, b, 2 ng/D, hn]`` cached K/V from their owners. With ng < D: ng head groups, so ng pairs of
 all-gathers of ``[S/(2D), b, 2, hn]`` and ng cached-prefix broadcasts (from each group's first
-rank); the weight broadcasts are unchanged.
+rank); the weight broadcasts are unchanged. Under TSP x CP the all-gathers (chunks of
+``S/(2DC)`` rows) and the cached-prefix broadcasts run over the D*C ranks of the sequence group,
+the weight broadcasts over the D ranks of the TSP group.
 
 The inference-only code deliberately does not reuse the training autograd Function's internals
 (attention.py is free to change them); it shares the public pieces: ``comm``, the layout and
@@ -102,15 +112,17 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     """
     check_context(module, context)
     group = module.tsp_group
+    seq_group = getattr(module, "seq_group", group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq_size = dist.get_world_size(seq_group)
     layout = module.head_layout
     local_len, batch = hidden_states.shape[0], hidden_states.shape[1]
     if local_len % 2 != 0:
         raise ValueError(
             f"TSP prefill got {local_len} local tokens: the prompt slice must split "
-            f"into 2 x {size} zigzag chunks"
+            f"into 2 x {seq_size} zigzag chunks"
         )
-    seq = local_len * size
+    seq = local_len * seq_size
     offset, b0 = context.sequence_len_offset, context.batch_size_offset
     if offset + seq > context.max_sequence_length:
         raise ValueError(
@@ -122,13 +134,16 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     q_table, k_table = (
         rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
     )
-    seq_layout = TSPLayout(size, seq, rank)
+    seq_layout = TSPLayout.of_groups(group, seq_group, seq, seq_size // size)
+    serving = seq_layout.split_rank(seq_layout.rank)[1] == 0  # CP rank 0 keeps the cache
     freqs_q = freqs_k = None
     if q_table is not None:
         positions = offset + seq_layout.positions(q_table.device)
         freqs_q = q_table.index_select(0, positions)
         freqs_k = k_table[: offset + seq]
-    key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
+    key_mem = val_mem = None
+    if serving:
+        key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
     has_bias = module.linear_qkv.bias is not None
     own = FlatShard.pack(
         [module.linear_qkv.weight]
@@ -147,10 +162,10 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
             mixed = mixed.view(local_len, batch, groups, -1)
             q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
             q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
-            kv = _natural_kv(torch.cat([k, v], dim=2), offset, group, seq_layout)
+            kv = _natural_kv(torch.cat([k, v], dim=2), offset, seq_group, seq_layout)
             if offset > 0:  # every rank of the group caches the same rows: the first sends
-                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r * m, group, rank)
-            if rank // m == r:  # what a TP=D rank of this group's prefill would cache
+                _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r * m, seq_group)
+            if serving and rank // m == r:  # what a TP=D rank of this group's prefill caches
                 key_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, groups:]
             k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
@@ -217,17 +232,18 @@ def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Te
     return kv
 
 
-def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, group, rank) -> None:
-    """Rows [0, offset) of ``kv``: head group ``owner``'s cached K/V (before RoPE), broadcast by
-    its owner."""
+def _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, owner, seq_group) -> None:
+    """Rows [0, offset) of ``kv``: head group ``owner``'s cached K/V (before RoPE), broadcast over
+    the sequence group by ``owner``, the TSP rank of CP rank 0 holding that group's cache (its
+    sequence rank equals its TSP rank)."""
     prefix = kv[:offset]
-    groups = key_mem.shape[2]
     batch = kv.shape[1]
-    if rank == owner:
+    if dist.get_rank(seq_group) == owner:
+        groups = key_mem.shape[2]
         prefix[:, :, :groups] = key_mem[:offset, b0 : b0 + batch]
         prefix[:, :, groups:] = val_mem[:offset, b0 : b0 + batch]
-    if dist.get_world_size(group) > 1:
-        broadcast_from(prefix, owner, group, async_op=False)
+    if dist.get_world_size(seq_group) > 1:
+        broadcast_from(prefix, owner, seq_group, async_op=False)
 
 
 ROPE_BLOCK = 16384  # rows of K rotated at a time: bounds RoPE's temporaries at long prompts
