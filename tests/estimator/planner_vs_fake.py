@@ -22,6 +22,13 @@ def layouts(d):
         ("tpsp-full", "tpsp", "tp_sp", d, 1, "full", None),
         ("tsp-full", "tsp", "tsp", d, 1, "full", "saved"),
         ("tpcp", "cp", "tp_cp", d // 2, 2, "none", None),
+        # TSP x CP (``--scheme tsp --cp C``): TSP of d/2 and of d, times CP 2
+        ("tspcp", "tsp", "tsp_cp", d // 2, 2, "none", "saved"),
+        ("tspcp-attn-recompute", "tsp", "tsp_cp", d // 2, 2, "none", "recompute"),
+        ("tspcp-full", "tsp", "tsp_cp", d // 2, 2, "full", "saved"),
+        ("tspcp-d", "tsp", "tsp_cp", d, 2, "none", "saved"),
+        ("tspcp-d-attn-recompute", "tsp", "tsp_cp", d, 2, "none", "recompute"),
+        ("tspcp-d-full", "tsp", "tsp_cp", d, 2, "full", "saved"),
     ]
 
 

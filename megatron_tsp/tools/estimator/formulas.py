@@ -62,6 +62,17 @@ through Transformer Engine passes K/V around a ring of P2P steps instead; it mov
 per rank - C-1 steps of 2B(S/C)h_kv forward, K/V plus dK/dV backward - but one peer per step.)
 The data-parallel weight-grad reduce-scatter and parameter all-gather over the CP x DP group are per
 step, not per layer: see ``dp_step_comm``.
+
+TSP x CP, TSP group D (weights, inside a node) x CP of C (across nodes): the weight rows of TSP
+over the D ranks of the TSP group (broadcasts, MLP ring, weight-grad reduces: bytes independent of
+C), and each head group's K/V all-gathered over the D*C ranks of the sequence group (Megatron's
+tensor-and-context-parallel group), dK/dV reduce-scattered over it:
+    f_DC * 2BSh_kv per K/V collective, f_DC = (DC-1)/DC, S the full sequence
+``kv_flavour="ring"`` is a WHAT-IF the layers do not implement: the TSP all-gather stays inside
+the node and a P2P ring over the C nodes passes each node's K/V block on (Megatron's CP P2P ring
+with one TSP gather per block): per K/V term f_D * 2BSh_kv intra-node (C blocks of BS/C tokens)
+and (C-1)/(DC) * 2BSh_kv across nodes (each rank forwards its own share of a block, C-1 steps):
+the same total, f_D + (C-1)/(DC) = f_DC, split over two kinds of link.
 """
 
 from __future__ import annotations
@@ -480,6 +491,63 @@ def tp_cp_layer_terms(
     return tp + cp_layer_terms(shape, C, regather_kv_bwd=regather_kv_bwd, kv_shard=T)
 
 
+def tsp_cp_layer_terms(
+    shape: LayerShape,
+    D: int,
+    C: int,
+    *,
+    kv_flavour: str = "all_gather",
+    **tsp_kw,
+) -> List[CommTerm]:
+    """TSP of D (weight axis, group ``tsp``) x CP of C: every weight term of ``tsp_layer_terms``
+    unchanged, the K/V terms over the D*C sequence group (group ``seq``), as the layers issue them
+    (``kv_flavour="all_gather"``).
+
+    ``kv_flavour="ring"`` is a what-if the layers do not implement: each K/V term becomes one
+    ``ring`` term (group ``cp_ring``) of f_D * 2BSh_kv received inside the node (the TSP gather /
+    reduce-scatter of each of the C node blocks) plus (C-1)/(DC) * 2BSh_kv across nodes (C-1 P2P
+    hops, each rank forwarding its own share of a block), hidden behind attention compute like
+    Megatron's CP ring (``attn_core``). ``ring_split`` gives the two parts."""
+    if kv_flavour not in ("all_gather", "ring"):
+        raise ValueError(f"kv_flavour must be 'all_gather' or 'ring', got {kv_flavour!r}")
+    terms = tsp_layer_terms(shape, D, **tsp_kw)
+    if C == 1:
+        return terms
+    kv = 2 * shape.tokens * shape.kv_hidden
+    out = []
+    for t in terms:
+        if t.category != "activation":  # weights and weight grads stay inside the TSP group
+            out.append(t)
+            continue
+        fp32_wire = t.op == "reduce_scatter" and tsp_kw.get("kv_grad_reduce_in_fp32", False)
+        per_elem = accumulation_bytes(shape.dtype_bytes) if fp32_wire else shape.dtype_bytes
+        if kv_flavour == "all_gather":
+            n = ring_factor(D * C) * kv
+            out.append(dataclasses.replace(t, elements=n, nbytes=n * per_elem, group="seq"))
+            continue
+        n = sum(ring_split(D, C)) * kv
+        out.append(
+            dataclasses.replace(
+                t,
+                op="ring",
+                elements=n,
+                nbytes=n * per_elem,
+                group="cp_ring",
+                overlap="attn_core",
+                link="p2p",
+                chunks=t.chunks * C,
+                what=t.what + " (what-if: CP ring across nodes, TSP gather per node block)",
+            )
+        )
+    return out
+
+
+def ring_split(D: int, C: int) -> tuple:
+    """The what-if CP ring of ``tsp_cp_layer_terms``: (inside the node, across nodes) fractions
+    of 2BSh_kv one rank receives per K/V term."""
+    return ring_factor(D), (C - 1) / (D * C)
+
+
 def sum_terms(terms: List[CommTerm], by: str = "phase") -> Dict[str, float]:
     """Received bytes summed by ``phase`` (always the four PHASES keys), ``category`` or ``op``."""
     out: Dict[str, float] = {p: 0.0 for p in PHASES} if by == "phase" else {}
@@ -525,6 +593,10 @@ def cp_layer_comm(shape: LayerShape, C: int, **kw) -> Dict[str, float]:
 
 def tp_cp_layer_comm(shape: LayerShape, T: int, C: int, **kw) -> Dict[str, float]:
     return sum_terms(tp_cp_layer_terms(shape, T, C, **kw))
+
+
+def tsp_cp_layer_comm(shape: LayerShape, D: int, C: int, **kw) -> Dict[str, float]:
+    return sum_terms(tsp_cp_layer_terms(shape, D, C, **kw))
 
 
 def fwd(comm: Dict[str, float]) -> float:

@@ -8,7 +8,12 @@ Strategies over one group of size D (the rest of the GPUs are data parallel):
     hybrid  TP = D + SP attention with the TSP MLP ring (Megatron-LM ``--tsp-mlp``)
     tp      Megatron TP = D without sequence parallelism (the paper's baseline)
     cp      Megatron CP = D (distributed optimizer shards over CP x DP)
-    tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2)
+    tp_cp   TP (+SP) = T times CP = C with T*C = D (every factorisation with T, C >= 2); with
+            ``--cp C``: TP+SP = D (inside a node) times CP = C (across nodes)
+    tsp_cp  TSP = D (inside a node) times CP = C (across nodes), ``--cp C``: weights move inside
+            the TSP group, each head group's K/V is all-gathered over the D*C sequence group
+    tsp_cp_ring  WHAT-IF, not implemented in the layers: as tsp_cp, with the K/V passed around a
+            P2P ring over the C nodes (one TSP all-gather per node block inside the node)
 
 Models are the package's model files (``megatron_tsp/models/``, ``core.model_shape``), hardware
 profiles JSON files in ``megatron_tsp/tools/estimator/hardware/``; ``--model`` and ``--hardware``
@@ -158,9 +163,12 @@ def load_hardware(name_or_path: Union[str, HardwareSpec]) -> HardwareSpec:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Strategy:
-    kind: str  # tsp, tp_sp, hybrid, tp, cp, tp_cp
+    kind: str  # tsp, tp_sp, hybrid, tp, cp, tp_cp, tsp_cp
     tp: int = 1  # tensor (or TSP) degree
     cp: int = 1
+    # TSP x CP's K/V exchange: "all_gather" over the D*C sequence group (what the layers do) or
+    # "ring" (what-if: a CP P2P ring across nodes, the TSP gather inside the node)
+    kv_flavour: str = "all_gather"
 
     @property
     def degree(self) -> int:
@@ -175,7 +183,13 @@ class Strategy:
             "tp": f"TP{self.tp}",
             "cp": f"CP{self.cp}",
             "tp_cp": f"TP{self.tp}+SPxCP{self.cp}",
+            "tsp_cp": f"TSP{self.tp}xCP{self.cp}" + (" ring" if self.kv_flavour == "ring" else ""),
         }[self.kind]
+
+    @property
+    def is_tsp(self) -> bool:
+        """TSP layers (weights move, tokens stay), with or without CP."""
+        return self.kind in ("tsp", "tsp_cp")
 
     @property
     def weight_shards(self) -> int:
@@ -183,23 +197,35 @@ class Strategy:
 
 
 def make_strategy(kind: str, degree: int, tp: Optional[int] = None) -> Strategy:
+    """``degree``: the whole group (T*C for tp_cp / tsp_cp, whose ``tp`` must divide it)."""
     if kind in ("tsp", "tp_sp", "hybrid", "tp"):
         return Strategy(kind, tp=degree)
     if kind == "cp":
         return Strategy(kind, cp=degree)
-    if kind == "tp_cp":
+    if kind in ("tp_cp", "tsp_cp", "tsp_cp_ring"):
         if tp is None or degree % tp:
-            raise ValueError(f"tp_cp needs tp dividing {degree}")
-        return Strategy(kind, tp=tp, cp=degree // tp)
+            raise ValueError(f"{kind} needs tp dividing {degree}")
+        if kind == "tp_cp":
+            return Strategy(kind, tp=tp, cp=degree // tp)
+        flavour = "ring" if kind == "tsp_cp_ring" else "all_gather"
+        return Strategy("tsp_cp", tp=tp, cp=degree // tp, kv_flavour=flavour)
     raise ValueError(f"unknown strategy {kind!r}")
 
 
 def default_strategies(
-    degree: int, kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp")
+    degree: int,
+    kinds: Sequence[str] = ("tsp", "tp_sp", "hybrid", "cp", "tp_cp", "tp"),
+    cps: Sequence[int] = (),
 ) -> List[Strategy]:
+    """One strategy per kind over a group of ``degree``; with ``cps`` (context-parallel sizes C),
+    tp_cp / tsp_cp / tsp_cp_ring are TP+SP or TSP of ``degree`` times CP of each C."""
     out = []
     for k in kinds:
-        if k == "tp_cp":
+        if k in ("tsp_cp", "tsp_cp_ring") or (k == "tp_cp" and cps):
+            if not cps:
+                raise ValueError(f"{k} needs the context-parallel sizes (--cp C)")
+            out += [make_strategy(k, degree * c, degree) for c in cps]
+        elif k == "tp_cp":
             out += [
                 make_strategy(k, degree, t)
                 for t in range(2, degree)
@@ -215,6 +241,8 @@ def _as_strategy(strategy: Union[str, Strategy], degree: Optional[int]) -> Strat
         return strategy
     if degree is None:
         raise ValueError("give degree= with a strategy name")
+    if strategy in ("tsp_cp", "tsp_cp_ring"):
+        raise ValueError(f"{strategy}: give a Strategy (TSP and CP sizes)")
     if strategy == "tp_cp":
         t = int(math.isqrt(degree))
         while degree % t:
@@ -277,12 +305,12 @@ def _layer_activation_bytes(
     """Bytes one layer keeps for its backward on one rank (no full recompute), tensor by tensor,
     as the code saves them (measured with saved-tensor hooks and the fake-tensor tool).
 
-    TSP (t = local tokens B*S/D): the two norm inputs and outputs (the layer input, the attention
-    Function's input, the residual, the MLP Function's input), the norms' statistics; saved
-    attention backward: the rotated q and each head group's packed local K/V, the attention
-    output (kept once, saved once) and fp32 log-sum-exp; the MLP its per-shard fc1 outputs (only
-    its input with TSP's opt-in fc1 recompute, ``tsp_recompute_mlp=True``). The RoPE tables
-    are per step (``_tsp_step_tables``).
+    TSP (t = local tokens B*S/D, B*S/(D*C) under TSP x CP): the two norm inputs and outputs
+    (the layer input, the attention Function's input, the residual, the MLP Function's input),
+    the norms' statistics; saved attention backward: the rotated q and each head group's packed
+    local K/V, the attention output (kept once, saved once) and fp32 log-sum-exp; the MLP its
+    per-shard fc1 outputs (only its input with TSP's opt-in fc1 recompute,
+    ``tsp_recompute_mlp=True``). The RoPE tables are per step (``_tsp_step_tables``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
     fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
@@ -292,8 +320,8 @@ def _layer_activation_bytes(
     F_, rows = shape.ffn_hidden, shape.fc1_rows
     bs = shape.tokens
     norm_stats = 2 if shape.normalization == "LayerNorm" else 1  # mean + rstd, or rstd
-    if s.kind == "tsp":
-        t = bs / s.tp
+    if s.is_tsp:
+        t = bs / s.degree  # TSP x CP: the tokens are spread over the D*C sequence ranks
         out = {
             # the layer input (saved by the input norm), the attention Function's input (the
             # norm output), the residual after attention and the MLP Function's input
@@ -343,6 +371,8 @@ def _tsp_comm_workspace(
     kv_grad_fp32: bool = False,
     saved_attention: bool = True,
     grad_slots: Optional[int] = None,
+    cp: int = 1,
+    kv_flavour: str = "all_gather",
 ):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated on first use): (in forward, in backward). G: the head groups
@@ -354,13 +384,18 @@ def _tsp_comm_workspace(
     buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the dK/dV wire dtype (the
     model dtype; the accumulation dtype with ``kv_grad_fp32``). ``grad_slots``: how many of the
     backward slots exist (default: all; the first layer's backward allocates them one head
-    group at a time, see ``_tsp_backward_peak``)."""
+    group at a time, see ``_tsp_backward_peak``). TSP x CP (``cp`` = C): the gathered buffers
+    still span the whole sequence, the local ones are [S/(DC), ...]; the what-if ring
+    (``kv_flavour="ring"``, not in the layers) holds two node blocks [S/C, ...] (the one
+    attended and the one in flight) where the all-gather holds the whole sequence."""
     b = shape.dtype_bytes
     acc = fm.accumulation_bytes(b) if kv_grad_fp32 else b
     G = _head_groups(shape, D)
     slots = min(2, G)
     kv_full = 2 * shape.tokens * shape.kv_hidden / G
-    kv_local = kv_full / D
+    kv_local = kv_full / (D * cp)
+    if kv_flavour == "ring" and cp > 1:
+        kv_full = 2 * kv_full / cp
     fwd = (slots * kv_full + kv_full + (0 if saved_attention else slots * kv_local)) * b
     grad_slots = slots if grad_slots is None else grad_slots
     return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
@@ -408,7 +443,7 @@ def _tsp_backward_working_sets(
     bs, h = shape.tokens, shape.hidden
     D = s.tp
     gb = acc if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
-    t = bs / D
+    t = bs / s.degree  # local tokens (TSP x CP: over the D*C sequence ranks)
     F_, rows = shape.ffn_hidden, shape.fc1_rows
     G = _head_groups(shape, D)
     m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
@@ -446,6 +481,10 @@ def _tsp_backward_working_sets(
         "first_block_dkv": (bs * shape.kv_hidden / G) * b,
         "kernel_dkv_outputs": _kernel_dkv_bytes(shape, D, o.attn_kernel),
     }
+    if s.kv_flavour == "ring":
+        # what-if: the kernel sees one node block of S/C keys at a time
+        attn["first_block_dkv"] /= s.cp
+        attn["kernel_dkv_outputs"] /= s.cp
     if o.tsp_recompute_attn:
         # the head group's recomputed rotated q, attention output and fp32 log-sum-exp (its K/V
         # are recomputed into the workspace's send slots)
@@ -455,12 +494,13 @@ def _tsp_backward_working_sets(
 
 def _tsp_step_tables(shape: LayerShape, s: Strategy, rope: bool) -> float:
     """Per-step tensors every TSP layer reads: Megatron's rotary frequencies [S, 1, 1, hn]
-    (fp32, built by GPTModel) and TSP's local RoPE tables (cos, sin and the swapped sin,
-    [s/D, hn] in the model dtype, built once per step)."""
+    (fp32, built by GPTModel; [S/C, ...] under CP, Megatron keeps this CP rank's chunks) and
+    TSP's local RoPE tables (cos, sin and the swapped sin, [s/D, hn] in the model dtype, s/(DC)
+    under CP, built once per step)."""
     if not rope:
         return 0.0
-    return shape.tokens * shape.head_dim * 4 + 3 * shape.tokens / s.tp * shape.head_dim * (
-        shape.dtype_bytes
+    return shape.tokens / s.cp * shape.head_dim * 4 + 3 * shape.tokens / s.degree * (
+        shape.head_dim * shape.dtype_bytes
     )
 
 
@@ -474,7 +514,7 @@ def _tsp_backward_peak(
     as the attention backward reaches them), and a later layer in both phases, with the whole
     workspace but one layer less stored (its activations were freed)."""
     b = shape.dtype_bytes
-    t = shape.tokens / s.tp
+    t = shape.tokens / s.degree
     saved = _layer_activation_bytes(shape, s, o, rope)
     full = sum(saved.values())
     # the MLP part of the saved tensors (freed by the time the attention backward runs): the
@@ -488,13 +528,14 @@ def _tsp_backward_peak(
     mlp_work, attn_work = _tsp_backward_working_sets(shape, s, o)
     G = _head_groups(shape, s.tp)
     saved_attn = not o.tsp_recompute_attn
-    _, ws_first_mlp = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, 0)
+    ws = dict(cp=s.cp, kv_flavour=s.kv_flavour)
+    _, ws_first_mlp = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, 0, **ws)
     # the first layer's attention: the kernel of the last group runs with the earlier groups'
     # send/receive slots allocated
     _, ws_first_attn = _tsp_comm_workspace(
-        shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, min(2, G - 1)
+        shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, min(2, G - 1), **ws
     )
-    _, ws_all = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn)
+    _, ws_all = _tsp_comm_workspace(shape, s.tp, o.tsp_kv_grad_fp32, saved_attn, **ws)
     mlp_phase = full + sum(mlp_work.values())
     attn_phase = full - mlp_part + sum(attn_work.values())
     if recompute == "full":
@@ -520,7 +561,7 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
     """One layer's working set in its backward, beyond what it saved."""
     b = shape.dtype_bytes
     bs, h, hkv = shape.tokens, shape.hidden, shape.kv_hidden
-    if s.kind == "tsp":
+    if s.is_tsp:
         mlp, attn = _tsp_backward_working_sets(shape, s, o)
         return mlp if sum(mlp.values()) >= sum(attn.values()) else attn
     t = bs / s.cp
@@ -594,7 +635,7 @@ def analytic_memory(
     repl = ls.replicated_params
     emb = vpad * m.hidden * (1 if m.tied_embeddings else 2)
     local_params = m.num_layers * (sharded / T + repl) + emb / T + m.final_norm_params()
-    dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
+    dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp", "tsp_cp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
     layer_act = sum(_layer_activation_bytes(shape, s, o, m.rope).values())
@@ -623,9 +664,14 @@ def analytic_memory(
         # sum-exp, predicted logit (fp32), target index (int64), mask: ~47 B
         + 47 * head_tokens
     )
-    if s.kind == "tsp":
+    if s.is_tsp:
         ws_fwd, _ = _tsp_comm_workspace(
-            shape, s.tp, o.tsp_kv_grad_fp32, saved_attention=not o.tsp_recompute_attn
+            shape,
+            s.tp,
+            o.tsp_kv_grad_fp32,
+            saved_attention=not o.tsp_recompute_attn,
+            cp=s.cp,
+            kv_flavour=s.kv_flavour,
         )
         tables = _tsp_step_tables(shape, s, m.rope)
         logits += ws_fwd + tables
@@ -671,11 +717,40 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
         return fm.cp_layer_terms(shape, s.cp, regather_kv_bwd=o.cp_regather_kv)
     if s.kind == "tp_cp":
         return fm.tp_cp_layer_terms(shape, s.tp, s.cp, regather_kv_bwd=o.cp_regather_kv)
+    if s.kind == "tsp_cp":
+        return fm.tsp_cp_layer_terms(
+            shape,
+            s.tp,
+            s.cp,
+            kv_flavour=s.kv_flavour,
+            grad_dtype_bytes=o.tsp_grad_comm_bytes,
+            regather_kv_bwd=o.tsp_regather_kv,
+            kv_pipelined=o.tsp_kv_pipelined,
+            recompute_attn=o.tsp_recompute_attn,
+            kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
+        )
     raise ValueError(s.kind)
 
 
 def _term_time(t: fm.CommTerm, s: Strategy, hw: HardwareSpec) -> float:
-    size, stride = {"tsp": (s.tp, 1), "tp": (s.tp, 1), "cp": (s.cp, s.tp)}[t.group]
+    # (ranks, spacing) of each group: TP / TSP inside a node, CP's ranks D apart (one per node
+    # when D fills the node), TSP x CP's sequence group all D*C ranks (C nodes, D per node)
+    if t.group == "cp_ring":
+        # what-if CP ring of TSP x CP: the next block's hop across nodes (one NIC share per
+        # rank) runs while the node gathers the current block over NVLink: the slower link sets
+        # the pace
+        intra, inter = fm.ring_split(s.tp, s.cp)
+        share = t.nbytes / (intra + inter)
+        return max(
+            intra * share / hw.bandwidth(s.tp, 1),
+            inter * share / hw.bandwidth(s.cp, s.tp, "p2p"),
+        )
+    size, stride = {
+        "tsp": (s.tp, 1),
+        "tp": (s.tp, 1),
+        "cp": (s.cp, s.tp),
+        "seq": (s.tp * s.cp, 1),
+    }[t.group]
     return t.nbytes / hw.bandwidth(size, stride, t.link) if t.nbytes else 0.0
 
 
@@ -703,8 +778,8 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
 
 def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
     return dict(
-        recompute_mlp_fc1=(s.kind in ("tsp", "hybrid") and o.tsp_recompute_mlp),
-        recompute_attn_core=(s.kind == "tsp" and o.tsp_recompute_attn),
+        recompute_mlp_fc1=(s.kind in ("tsp", "tsp_cp", "hybrid") and o.tsp_recompute_mlp),
+        recompute_attn_core=(s.is_tsp and o.tsp_recompute_attn),
         full_recompute=full,
         causal_fraction=o.causal_fraction,
         bwd_factor=o.bwd_factor,
@@ -791,6 +866,7 @@ def _head_time(
         "tp": "tp",
         "cp": "cp",
         "tp_cp": "tp_sp",
+        "tsp_cp": "tsp",
     }[s.kind]
     head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
     hc = fm.head_comm(head_shape, s.tp, head_kind)
@@ -816,12 +892,13 @@ def _step_comm(
     """Once per step: the replicated-grad all-reduce (SP-tagged params) and the data-parallel
     gradient reduce / parameter gather, with what the layers' compute does not hide."""
     repl = 0.0
-    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp"):
+    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp", "tsp_cp"):
         repl = fm.replicated_grad_allreduce(
             shape, s.tp, m.num_layers, m.final_norm_params(), o.grad_reduce_bytes
         ) / hw.bandwidth(s.tp, 1)
-    dp_group = dp * (s.cp if s.kind in ("cp", "tp_cp") else 1)
-    dp_stride = s.tp if s.kind in ("cp", "tp_cp") else s.degree
+    with_cp = s.kind in ("cp", "tp_cp", "tsp_cp")
+    dp_group = dp * (s.cp if with_cp else 1)
+    dp_stride = s.tp if with_cp else s.degree
     dpc = fm.dp_step_comm(
         local_params,
         dp_group,
@@ -1032,6 +1109,12 @@ def assumptions(
         "= f*6BSh",
         "CP modelled as all-gather K/V (TE's default P2P ring moves the same bytes per rank); "
         f"bwd re-gather K/V={o.cp_regather_kv}; K/V traffic hides only behind attention compute",
+        "TSP x CP (tsp_cp, --cp C): TSP's weight traffic inside the node (TSP group of D), each "
+        "head group's K/V all-gather / dK/dV reduce-scatter over the D*C sequence group across C "
+        "nodes (the node's NICs), pipelined one head group ahead as without CP; tsp_cp_ring is a "
+        "what-if (not in the layers): the TSP gather per node block over NVLink paced against "
+        "a one-NIC P2P hop across nodes, hidden behind attention compute; both use the FLOP "
+        "compute model",
         "overlap: TSP weight/grad traffic is data-independent (prefetch, hides behind any compute "
         "of the phase) except the first forward weight broadcast (and with attention recompute "
         "the first backward one), the last attention weight-grad reduce and the MLP gradient "
@@ -1225,19 +1308,28 @@ def plan(
         ),
         "throughput_regions": regions,
         "strategies": strategies,
+        "tsp_cp_comparison": (
+            tsp_cp_comparison(m, hw, strategies, seq, gpus, o)
+            if any(s.kind == "tsp_cp" for s in strategies)
+            else []
+        ),
     }
 
 
 def cheapest_fitting_layer_time(
-    model, hw, kind: str, seq: int, gpus: int, degree: int, o: Options
+    model, hw, kind: Union[str, Strategy], seq: int, gpus: int, degree: int, o: Options
 ) -> dict:
-    """Per-layer step time (fwd + bwd incl. exposed comm, one micro-batch) of ``kind`` at the
-    cheapest recompute setting whose analytic peak fits in the GPU's HBM. Settings, cheapest
-    first: TSP saved attention, TSP attention recompute, full recompute; TP+SP / others: none,
-    full. Returns the chosen setting, its memory and time (and every candidate)."""
+    """Per-layer step time (fwd + bwd incl. exposed comm, one micro-batch) of ``kind`` (a name
+    with group size ``degree``, or a ``Strategy``) at the cheapest recompute setting whose
+    analytic peak fits in the GPU's HBM. Settings, cheapest first: TSP saved attention, TSP
+    attention recompute, full recompute; TP+SP / others: none, full. Returns the chosen setting,
+    its memory, layer and step time (and every candidate)."""
     m, hw = load_model(model), load_hardware(hw)
-    s = make_strategy(kind, degree) if kind != "tp_cp" else _as_strategy(kind, degree)
-    settings = [("none", False)] + ([("none", True)] if kind == "tsp" else []) + [("full", False)]
+    if isinstance(kind, Strategy):
+        s = kind
+    else:
+        s = make_strategy(kind, degree) if kind != "tp_cp" else _as_strategy(kind, degree)
+    settings = [("none", False)] + ([("none", True)] if s.is_tsp else []) + [("full", False)]
     candidates = []
     for recompute, attn in settings:
         oo = replace(o, recompute=recompute, tsp_recompute_attn=attn)
@@ -1248,7 +1340,7 @@ def cheapest_fitting_layer_time(
                 s,
                 seq,
                 o.micro_batch,
-                dp=gpus // degree,
+                dp=gpus // s.degree,
                 recompute=recompute,
                 distributed_optimizer=o.distributed_optimizer,
                 options=oo,
@@ -1262,12 +1354,70 @@ def cheapest_fitting_layer_time(
                 "mem_bytes": mem,
                 "layer_s": layer,
                 "exposed_s": sum(r["layer_exposed_s"].values()),
+                "step_s": r["step_s"],
+                "tokens_per_s": r["tokens_per_s"],
                 "fits": mem <= hw.hbm_gb * GB,
             }
         )
     fitting = [c for c in candidates if c["fits"]]
     best = min(fitting, key=lambda c: c["layer_s"]) if fitting else None
     return {"strategy": s.label, "best": best, "candidates": candidates}
+
+
+def tsp_cp_comparison(
+    m: ModelShape,
+    hw: HardwareSpec,
+    strategies: Sequence[Strategy],
+    seq: int,
+    gpus: int,
+    o: Options,
+) -> List[dict]:
+    """For every CP size C among ``strategies``' TSP x CP / TP+SP x CP: each layout at its
+    cheapest fitting recompute setting (``cheapest_fitting_layer_time``), side by side."""
+    by_c: Dict[int, Dict[str, Strategy]] = {}
+    for s in strategies:
+        if s.kind == "tsp_cp":
+            by_c.setdefault(s.cp, {})["tsp_cp_ring" if s.kv_flavour == "ring" else "tsp_cp"] = s
+        elif s.kind == "tp_cp":
+            by_c.setdefault(s.cp, {})["tp_cp"] = s
+    out = []
+    for c in sorted(by_c):
+        row = {"cp": c, "dp": None}
+        for key, s in by_c[c].items():
+            row["dp"] = gpus // s.degree
+            row[key] = cheapest_fitting_layer_time(m, hw, s, seq, gpus, s.degree, o)
+        out.append(row)
+    return out
+
+
+def tsp_cp_report(rows: List[dict], hw: HardwareSpec) -> List[str]:
+    """The lines ``render`` prints for ``tsp_cp_comparison``."""
+    lines = [
+        f"TSP x CP vs TP+SP x CP at equal C, each at its cheapest recompute that fits in "
+        f"{hw.hbm_gb:g} GB (step s / tokens/s; 'ring' is a what-if the layers do not implement):"
+    ]
+    for r in rows:
+        parts = []
+        for key in ("tsp_cp", "tsp_cp_ring", "tp_cp"):
+            if key not in r:
+                continue
+            res = r[key]
+            b = res["best"]
+            if b is None:
+                least = min(res["candidates"], key=lambda x: x["mem_bytes"])
+                parts.append(f"{res['strategy']}: nothing fits ({least['mem_bytes'] / GB:.1f} GB)")
+                continue
+            parts.append(
+                f"{res['strategy']}: {b['setting']}, {b['mem_bytes'] / GB:.1f} GB, "
+                f"{b['step_s']:.1f} s, {b['tokens_per_s'] / 1e3:.1f}k tok/s"
+            )
+        lines.append(f"  C={r['cp']:<4} DP={r['dp']:<4} " + " | ".join(parts))
+        a, t = r.get("tsp_cp", {}).get("best"), r.get("tp_cp", {}).get("best")
+        if a and t:
+            lines.append(
+                f"  {'':<16} TSPxCP / TP+SPxCP step time: {a['step_s'] / t['step_s']:.2f}x"
+            )
+    return lines
 
 
 def layer_time_report(
@@ -1342,6 +1492,8 @@ def render(p: dict) -> str:
     )
     if "tsp" in [r["kind"] for r in p["rows"]] and p["seq"] % (2 * p["degree"]) == 0:
         lines += [""] + layer_time_report(m, hw, p["seq"], p["gpus"], p["degree"], o)
+    if p.get("tsp_cp_comparison"):
+        lines += [""] + tsp_cp_report(p["tsp_cp_comparison"], hw)
     pc = paper_check(m, o)
     thr = (m.published or {}).get("throughput_tokens_per_s")
     if thr and thr["gpus"] == p["gpus"] and thr["hardware"] == hw.name and thr["seq"] == p["seq"]:
@@ -1407,7 +1559,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
         help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
-        "--tsp-mlp), cp, tp_cp, tp",
+        "--tsp-mlp), cp, tp_cp, tp, tsp_cp (TSP x CP, needs --cp), tsp_cp_ring (what-if: "
+        "TSP x CP with a CP P2P ring across nodes, not implemented in the layers)",
+    )
+    ap.add_argument(
+        "--cp",
+        default="",
+        help="comma-separated context-parallel sizes C: tsp_cp / tsp_cp_ring / tp_cp become "
+        "TSP or TP+SP of --degree (inside a node) x CP of each C (across nodes); sizes whose "
+        "D*C does not divide --gpus are skipped",
     )
     ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
@@ -1476,7 +1636,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
-    strategies = default_strategies(args.degree, kinds)
+    cps = [int(c) for c in args.cp.split(",") if c.strip()]
+    bad = [c for c in cps if c < 2 or args.gpus % (args.degree * c)]
+    if bad:
+        print(
+            f"megatron-tsp plan: skipping --cp {bad} (each C >= 2 with D*C dividing --gpus)",
+            file=sys.stderr,
+        )
+    cps = [c for c in cps if c not in bad]
+    if not cps and {"tsp_cp", "tsp_cp_ring"} & set(kinds):
+        print("megatron-tsp plan: tsp_cp needs --cp C", file=sys.stderr)
+        return 2
+    strategies = default_strategies(args.degree, kinds, cps)
     if args.seq_length % (2 * args.degree):
         print(
             f"warning: S={args.seq_length} not divisible by 2D={2 * args.degree} "
