@@ -65,8 +65,12 @@ def _token_losses_and_step(model, batch):
 
 def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     """One bf16 step of TSP-d (``kind`` "tsp"; "tsp_kv_fp32": with the dK/dV reduce-scatter in
-    fp32) or Megatron TP=d+SP from ``full_params``: loss, per-token losses (natural order),
-    local activations by module, the local-slice function and full grads."""
+    fp32; "tsp_cp2" / "tsp_cp2_kv_fp32": TSP-d x CP=2) or Megatron TP=d+SP from
+    ``full_params``: loss, per-token losses (natural order), local activations by module, the
+    local-slice function and full grads."""
+    if kind.startswith("tsp_cp2"):
+        kv_fp32 = kind == "tsp_cp2_kv_fp32"
+        return _run_bf16_tsp_cp(d, 2, style, full_params, data, dims, vocab, seq, kv_fp32)
     kv_fp32 = kind == "tsp_kv_fp32"
     kind = "tsp" if kv_fp32 else kind
     if kind == "tsp":
@@ -101,6 +105,62 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
         local_slice,
         group,
         sharding.gather_full_state(model, group, grads=True),
+    )
+
+
+def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=False):
+    """``_run_bf16`` for TSP-d x CP-c on d*c ranks: Megatron's CP batch split then the TSP
+    zigzag (one permutation over the d*c sequence ranks), the loss normalised by the whole
+    batch's mask count and summed over CP, gradients summed over CP (DDP's DP x CP reduction)
+    then over TSP for the replicated ones."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tests.checks_tsp_cp import setup_tsp_cp
+
+    g = setup_tsp_cp(d, c, 0)
+    config = dataclasses.replace(_config(d, torch.bfloat16, style, **dims), context_parallel_size=c)
+    config.tsp_kv_grad_reduce_in_fp32 = kv_fp32
+    model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, parallel_output=True)
+    model.to(torch.bfloat16)
+    sharding.load_full_state(
+        model, {n: t.to(torch.bfloat16) for n, t in full_params.items()}, g["tp"]
+    )
+    acts = _capture_activations(model)
+    local = zigzag.get_batch_on_this_tsp_rank(
+        data, d, context_parallel_size=c, cp_rank=g["cp_rank"]
+    )
+    losses = model(
+        local["tokens"], local["position_ids"], local["attention_mask"], labels=local["labels"]
+    )
+    mask = local["loss_mask"].to(losses.dtype)
+    part = (losses * mask).sum() / data["loss_mask"].sum()
+    part.backward()
+    loss = part.detach().double()
+    dist.all_reduce(loss, group=g["cp"])
+    # Megatron's DDP for bf16: each rank's gradient is added to an fp32 main_grad, summed over
+    # DP x CP in fp32 and handed to the optimizer in fp32 (never rounded back to bf16). The
+    # parameters become fp32 after the step only so that .grad can hold the fp32 sum.
+    for p in model.parameters():
+        if p.grad is not None:
+            summed = p.grad.float()
+            dist.all_reduce(summed, group=g["cp"])
+            p.data, p.grad = p.data.float(), summed
+    sharding.allreduce_sequence_parallel_grads(model, g["tp"])
+    # this CP rank's TSP group returns its tokens in gathered order; CP ranks' slices follow
+    # one another in the gathered order of the d*c sequence ranks
+    pieces = [torch.empty_like(losses) for _ in range(c)]
+    dist.all_gather(pieces, losses.detach().contiguous(), group=g["cp"])
+    token_losses = natural_order(torch.cat(pieces, dim=1), d * c, dim=1)
+    q = g["q"]
+    return (
+        loss,
+        token_losses,
+        acts,
+        lambda t: zigzag_rows(t, d * c, q),
+        g["seq"],
+        sharding.gather_full_state(model, g["tp"], grads=True),
     )
 
 
@@ -143,7 +203,8 @@ def bf16_errors_vs_fp64(
     """Loss, per-token loss, per-layer activation and per-parameter gradient errors of TSP-d and
     TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
     breaks TSP's fp32 accumulation there, to show that the criteria can fail. ``kinds``: the
-    runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32)."""
+    runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32,
+    "tsp_cp2": TSP-d x CP=2 on 2d ranks, "tsp_cp2_kv_fp32": with the dK/dV wire in fp32)."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)
