@@ -48,7 +48,7 @@ def _mlp(d, dtype, gated, bias, hidden, ffn):
     )
 
 
-def _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32=None):
+def _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32=None, kv_grad_a2a=False):
     config = make_config(
         d,
         dtype,
@@ -57,6 +57,7 @@ def _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32=None):
         num_query_groups=groups,
         add_bias_linear=bias,
     )
+    config.tsp_kv_grad_all_to_all = kv_grad_a2a
     return config, TSPSelfAttention(
         config,
         SelfAttentionSubmodules(
@@ -91,16 +92,18 @@ def measure_layer(
     gated=False,
     bias=True,
     kv_grad_fp32=None,
+    kv_grad_a2a=False,
 ):
     """Run one TSP layer forward + backward under a CommCounter; return counted comm.
-    ``kv_grad_fp32``: the attention's ``kv_grad_reduce_in_fp32`` (None: the default)."""
+    ``kv_grad_fp32``: the attention's ``kv_grad_reduce_in_fp32`` (None: the default);
+    ``kv_grad_a2a``: ``config.tsp_kv_grad_all_to_all``."""
     dtype = getattr(torch, dtype_name)
     setup_tsp(d)
     _, size, _ = group_info()
     if kind == "mlp":
         _, layer = _mlp(d, dtype, gated, bias, hidden, ffn)
     else:
-        _, layer = _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32)
+        _, layer = _attention(d, dtype, heads, groups, bias, hidden, kv_grad_fp32, kv_grad_a2a)
     x = torch.randn(seq // size, batch, hidden, dtype=dtype, requires_grad=True)
     with CommCounter() as counter:
         out, _ = layer(x)
@@ -133,3 +136,32 @@ def trace_layer(kind, d, seq=32, batch=2, hidden=32):
             out.backward(grad)
         bwd = list(trace.events)
     return {"fwd": fwd, "bwd": bwd}
+
+
+def check_all_to_all_sum_rounds_once(seed, rows=64, width=96):
+    """``comm.post_all_to_all_sum`` on bf16 partials: this rank's rows are the fp32 sum of every
+    rank's bf16 block rounded once, bitwise; the ring reduce-scatter of the same partials (bf16
+    at every hop) is returned beside it for the caller to compare against the exact sum."""
+    import torch.distributed as dist
+
+    from megatron_tsp.core.comm import post_all_to_all_sum, post_reduce_scatter
+
+    setup_tsp(dist.get_world_size())
+    group, size, rank = group_info()
+    gen = torch.Generator().manual_seed(seed)
+    partials = [
+        torch.randn(size * rows, width, generator=gen, dtype=torch.float64) for _ in range(size)
+    ]
+    mine = partials[rank].to(torch.bfloat16)
+    summed = post_all_to_all_sum(mine, group, torch.float32, purpose="test_a2a").wait()
+    ring = post_reduce_scatter(mine.clone(), group, purpose="test_rs").wait().double()
+    block = slice(rank * rows, (rank + 1) * rows)
+    once = sum(p[block].to(torch.bfloat16).float() for p in partials)
+    exact = sum(p[block] for p in partials)
+    assert summed.dtype == torch.float32 and torch.equal(summed, once), "not one fp32 sum"
+    one_rounding = (exact.to(torch.bfloat16).double() - exact).norm() / exact.norm()
+    return {
+        "a2a": ((summed.to(torch.bfloat16).double() - exact).norm() / exact.norm()).item(),
+        "ring": ((ring - exact).norm() / exact.norm()).item(),
+        "one_rounding": one_rounding.item(),
+    }

@@ -252,9 +252,11 @@ def check_attention(
     rotary_interleaved=False,
     rotary_percent=1.0,
     rope_fusion=False,
+    kv_grad_all_to_all=False,
 ):
     """``rope_fusion``: ``apply_rope_fusion`` on, with ``_FusedRopeStandIn`` as Megatron's fused
-    kernel (the reference keeps the unfused formula)."""
+    kernel (the reference keeps the unfused formula). ``kv_grad_all_to_all``: dK/dV summed by an
+    all-to-all (``config.tsp_kv_grad_all_to_all``)."""
     import copy
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -272,6 +274,7 @@ def check_attention(
         rotary_interleaved=rotary_interleaved,
     )
     ref_config = copy.copy(config)
+    config.tsp_kv_grad_all_to_all = kv_grad_all_to_all
     layer, full = attention_with_random_weights(config, attention_backward, seed, dtype, group)
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)
@@ -325,7 +328,8 @@ def check_attention(
         rtol=TOL[dtype],
         what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
         f"rope={rope} interleaved={rotary_interleaved} rotary_percent={rotary_percent} "
-        f"fused={rope_fusion} backward={attention_backward} seed={seed}",
+        f"fused={rope_fusion} backward={attention_backward} a2a={kv_grad_all_to_all} "
+        f"seed={seed}",
     )
 
 

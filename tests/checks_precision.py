@@ -68,9 +68,11 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     fp32; "tsp_cp2" / "tsp_cp2_kv_fp32": TSP-d x CP=2) or Megatron TP=d+SP from
     ``full_params``: loss, per-token losses (natural order), local activations by module, the
     local-slice function and full grads."""
+    a2a = kind.endswith("_a2a")  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
+    kind = kind.removesuffix("_a2a")
     if kind.startswith("tsp_cp2"):
         kv_fp32 = kind == "tsp_cp2_kv_fp32"
-        return _run_bf16_tsp_cp(d, 2, style, full_params, data, dims, vocab, seq, kv_fp32)
+        return _run_bf16_tsp_cp(d, 2, style, full_params, data, dims, vocab, seq, kv_fp32, a2a)
     kv_fp32 = kind == "tsp_kv_fp32"
     kind = "tsp" if kv_fp32 else kind
     if kind == "tsp":
@@ -84,6 +86,7 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     config = _config(d, torch.bfloat16, style, **dims)
     if kv_fp32:  # read by TSPSelfAttention (Megatron-LM: --tsp-kv-grad-reduce-in-fp32)
         config.tsp_kv_grad_reduce_in_fp32 = True
+    config.tsp_kv_grad_all_to_all = a2a
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     sharding.load_full_state(
@@ -108,7 +111,7 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     )
 
 
-def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=False):
+def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=False, a2a=False):
     """``_run_bf16`` for TSP-d x CP-c on d*c ranks: Megatron's CP batch split then the TSP
     zigzag (one permutation over the d*c sequence ranks), the loss normalised by the whole
     batch's mask count and summed over CP, gradients summed over CP (DDP's DP x CP reduction)
@@ -122,6 +125,7 @@ def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=F
     g = setup_tsp_cp(d, c, 0)
     config = dataclasses.replace(_config(d, torch.bfloat16, style, **dims), context_parallel_size=c)
     config.tsp_kv_grad_reduce_in_fp32 = kv_fp32
+    config.tsp_kv_grad_all_to_all = a2a
     model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)
     sharding.load_full_state(
@@ -204,7 +208,8 @@ def bf16_errors_vs_fp64(
     TP=d+SP (bf16) against fp64. ``plant_bf16_accumulation`` ('mlp' / 'attention') deliberately
     breaks TSP's fp32 accumulation there, to show that the criteria can fail. ``kinds``: the
     runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32,
-    "tsp_cp2": TSP-d x CP=2 on 2d ranks, "tsp_cp2_kv_fp32": with the dK/dV wire in fp32)."""
+    "tsp_cp2": TSP-d x CP=2 on 2d ranks, "tsp_cp2_kv_fp32": with the dK/dV wire in fp32; a
+    "_a2a" suffix: the dK/dV summed by an all-to-all, --tsp-kv-grad-all-to-all)."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)

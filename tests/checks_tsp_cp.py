@@ -81,6 +81,7 @@ def check_attention_cp(
     batch=2,
     hidden=32,
     attention_backward="saved",
+    kv_grad_all_to_all=False,
 ):
     """One TSP x CP attention layer vs full-sequence causal attention: output, input gradient,
     every weight gradient (summed over CP, then per TSP shard / over TSP for replicated ones)."""
@@ -95,6 +96,7 @@ def check_attention_cp(
         add_bias_linear=bias,
         context_parallel_size=c,
     )
+    config.tsp_kv_grad_all_to_all = kv_grad_all_to_all
     layer, full = attention_with_random_weights(config, attention_backward, seed, dtype, g["tp"])
     x_full = torch.randn(seq, batch, hidden, dtype=dtype)
     dy_full = torch.randn(seq, batch, hidden, dtype=dtype)

@@ -63,6 +63,7 @@ WRAPPED = (
     "all_gather_into_tensor",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "all_to_all_single",
     "batch_isend_irecv",
 )
 
@@ -363,6 +364,11 @@ class _LateDist:
     ):
         return self._gather_scatter(
             "reduce_scatter_tensor", output, input, op, group=group, async_op=async_op
+        )
+
+    def all_to_all_single(self, output, input, group=None, async_op=False):
+        return self._gather_scatter(
+            "all_to_all_single", output, input, group=group, async_op=async_op
         )
 
     # point to point: always asynchronous

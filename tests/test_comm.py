@@ -141,12 +141,14 @@ def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
 
 
 @pytest.mark.parametrize("d", [2, 4])
-@pytest.mark.parametrize("kv_grad_fp32", [False, True])
-def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32):
+@pytest.mark.parametrize("kv_grad_fp32,a2a", [(False, False), (True, False), (False, True)])
+def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32, a2a):
     """bf16 model: the dK/dV reduce-scatter travels in bf16 by default (2 bytes, like TP+SP's
     activation gradients) and in fp32 with ``kv_grad_reduce_in_fp32`` (4 bytes); weights move in
     bf16 and the weight-gradient reduce in fp32. Counted bytes equal the hand formula and
-    estimator/formulas.py for both settings (what ``megatron-tsp memory`` and the planner use)."""
+    estimator/formulas.py for both settings (what ``megatron-tsp memory`` and the planner use).
+    ``a2a`` (--tsp-kv-grad-all-to-all): one all-to-all per head group instead of the
+    reduce-scatter, the same bytes."""
     from megatron_tsp.tools.estimator import formulas as fm
 
     heads, groups = 8, 4
@@ -162,6 +164,7 @@ def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32):
         groups=groups,
         bias=False,
         kv_grad_fp32=kv_grad_fp32,
+        kv_grad_a2a=a2a,
     )
     f = (d - 1) / d
     h_kv = groups * (H // heads)
@@ -172,12 +175,29 @@ def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32):
     shape = fm.LayerShape(
         batch=B, seq=S, hidden=H, heads=heads, query_groups=groups, num_layers=1, dtype_bytes=2
     )
-    comm = fm.tsp_layer_comm(shape, d, kv_grad_reduce_in_fp32=kv_grad_fp32)
+    comm = fm.tsp_layer_comm(shape, d, kv_grad_reduce_in_fp32=kv_grad_fp32, kv_grad_all_to_all=a2a)
+    dkv = [t for t in fm.tsp_layer_terms(shape, d, kv_grad_all_to_all=a2a) if "dK,dV" in t.what]
+    assert [t.op for t in dkv] == ["all_to_all" if a2a else "reduce_scatter"]
     assert comm["attn_fwd"] == pytest.approx(expected["fwd"])
     assert comm["attn_bwd"] == pytest.approx(expected["bwd"])
     for r in results:
         for phase in ("fwd", "bwd"):
             assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
+        scatter = "all_to_all_single" if a2a else "reduce_scatter_tensor"
+        assert r["bwd"]["calls"][scatter] == d, r["bwd"]["calls"]  # one per head-group step
+        other = "reduce_scatter_tensor" if a2a else "all_to_all_single"
+        assert other not in r["bwd"]["calls"], r["bwd"]["calls"]
+
+
+def test_all_to_all_sum_rounds_once(pool4, seed):
+    """--tsp-kv-grad-all-to-all's reduction on 4 ranks: the bf16 partials summed in fp32 at the
+    owner (bitwise one fp32 sum), rounded once; the bf16 ring reduce-scatter of the same
+    partials rounds at every hop and is further from the exact sum."""
+    results = pool4.run(checks_comm.check_all_to_all_sum_rounds_once, seed)
+    for r in results:
+        # partials already rounded to bf16 + one rounding: ~1.4x one rounding (docs/precision.md)
+        assert r["a2a"] < 1.6 * r["one_rounding"], (seed, r)
+        assert r["a2a"] < r["ring"], (seed, r)
 
 
 @pytest.mark.parametrize("d", [2, 4])

@@ -189,6 +189,30 @@ def test_attention_matches_reference(
     )
 
 
+@pytest.mark.parametrize(
+    "d,groups,backward", [(2, 4, "saved"), (4, 8, "recompute"), (4, 2, "saved")]
+)
+def test_attention_kv_grad_all_to_all(pool4, seed, d, groups, backward):
+    """dK/dV summed over the group by an all-to-all and an fp32 add at the owner
+    (--tsp-kv-grad-all-to-all) instead of the reduce-scatter: fp64 parity, MHA, GQA and fewer
+    K/V heads than D."""
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        "float64",
+        heads=8,
+        groups=groups,
+        bias=True,
+        rope=True,
+        seq=16,
+        batch=2,
+        hidden=64,
+        attention_backward=backward,
+        kv_grad_all_to_all=True,
+    )
+
+
 @pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize(
     "interleaved,percent,fused,backward",

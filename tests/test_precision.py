@@ -46,11 +46,13 @@ TOKEN_LOSS_TOLERANCE = 1.15
 GRAD_MEDIAN_TOLERANCE = 1.05
 WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.07}
 SEEDS = 3
-# TSP2 x CP2 against TP2+SP, 10 seeds per style (docs/precision.md): per-seed attention
-# weight-gradient ratio mean 1.03 (0.98-1.09), 1.01-1.02 with the fp32 dK/dV wire; median
-# gradient error 1.02 / 1.00. Five seeds keep the mean's spread (~0.013) well inside the bound.
+# TSP2 x CP2 against TP2+SP, 2 x 10 seeds per style (docs/precision.md). bf16 ring
+# reduce-scatter of dK/dV (default): per-seed attention weight-gradient ratio mean 1.03-1.045
+# (0.98-1.12), median gradient error mean 0.98-1.01 (0.92-1.11): 5-seed means reach 1.05, hence
+# the wider bound for it. --tsp-kv-grad-all-to-all: attention 1.03-1.04, median gradient 0.99-1.00,
+# held to the C = 1 bounds.
 CP_SEEDS = 5
-CP_ATTENTION_WEIGHT_GRAD_TOLERANCE = 1.10
+CP_RING_TOLERANCE = 1.10
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -83,21 +85,23 @@ def test_gpt_bf16_tsp_x_cp_no_less_accurate_than_tp_sp(pool4, seed, style):
     rank holds which tokens, and the fp64 model is the common reference.
 
     Gradients are summed over CP in fp32 and not rounded back, as Megatron's DDP does for bf16.
-    The attention weight gradients get ``CP_ATTENTION_WEIGHT_GRAD_TOLERANCE``: the bf16 dK/dV
-    reduce-scatter now sums D*C = 4 bf16 partials instead of D (docs/precision.md, TSP x CP)."""
-    runs = []
-    for i in range(CP_SEEDS):
-        run = pool4.run(
-            checks_precision.bf16_errors_vs_fp64, 2, seed + i, style, kinds=("tp_sp", "tsp_cp2")
-        )[0]
-        run["tsp"] = run.pop("tsp_cp2")
-        runs.append(run)
-    _report_and_check_gpt(
-        runs,
-        seed,
-        f"{style}, TSP2 x CP2 vs TP2+SP",
-        {".self_attention.linear_": CP_ATTENTION_WEIGHT_GRAD_TOLERANCE},
-    )
+    The attention weight gradients and the median gradient get ``CP_RING_TOLERANCE``: the bf16 dK/dV
+    reduce-scatter now sums D*C = 4 bf16 partials instead of D, rounding at each hop
+    (docs/precision.md, TSP x CP). With ``--tsp-kv-grad-all-to-all`` (the partials summed in
+    fp32 at the owner) the C = 1 criteria hold unchanged."""
+    kinds = ("tp_sp", "tsp_cp2", "tsp_cp2_a2a")
+    raw = [
+        pool4.run(checks_precision.bf16_errors_vs_fp64, 2, seed + i, style, kinds=kinds)[0]
+        for i in range(CP_SEEDS)
+    ]
+    ring = {".self_attention.linear_": CP_RING_TOLERANCE}
+    for kind, weights, median in (
+        ("tsp_cp2", ring, CP_RING_TOLERANCE),
+        ("tsp_cp2_a2a", None, None),
+    ):
+        runs = [{"tp_sp": r["tp_sp"], "tsp": r[kind]} for r in raw]
+        what = f"{style}, TSP2 x CP2 ({kind}) vs TP2+SP"
+        _report_and_check_gpt(runs, seed, what, weights, median)
 
 
 @pytest.mark.parametrize("plant", ["mlp", "attention"])
@@ -129,7 +133,7 @@ def _mean_of(runs, kind, *keys):
     return statistics.mean(values)
 
 
-def _report_and_check_gpt(runs, seed, style, weight_tolerance=None):
+def _report_and_check_gpt(runs, seed, style, weight_tolerance=None, grad_median_tolerance=None):
     print(
         f"\n{style} bf16 D={D}, error vs fp64, mean of {len(runs)} seeds from {seed} (TP+SP | TSP)"
     )
@@ -142,7 +146,7 @@ def _report_and_check_gpt(runs, seed, style, weight_tolerance=None):
     for metric, tolerance in (
         ("loss", None),
         ("token_losses", TOKEN_LOSS_TOLERANCE),
-        ("grad_median", GRAD_MEDIAN_TOLERANCE),
+        ("grad_median", grad_median_tolerance or GRAD_MEDIAN_TOLERANCE),
     ):
         a, b = (_mean_of(runs, k, metric) for k in ("tp_sp", "tsp"))
         note = "(printed only)" if tolerance is None else f"(TSP <= {tolerance} x TP+SP)"

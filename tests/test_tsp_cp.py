@@ -121,10 +121,11 @@ def test_layer_cp_4_ranks_as_c4(pool4, seed):
     pool4.run(checks_tsp_cp.check_attention_cp, 1, 4, seed, groups=4)
 
 
-@pytest.mark.parametrize("backward", ["saved", "recompute"])
-def test_attention_layer_late_completion(pool4, seed, backward):
-    """The K/V gathers and dK/dV reduce-scatters over the D*C group, with transfers completing
-    as late as on a GPU (``tests/late_completion.py``): no buffer touched while in flight."""
+@pytest.mark.parametrize("backward,a2a", [("saved", False), ("recompute", False), ("saved", True)])
+def test_attention_layer_late_completion(pool4, seed, backward, a2a):
+    """The K/V gathers and dK/dV reduce-scatters (``a2a``: all-to-alls, --tsp-kv-grad-all-to-all)
+    over the D*C group, with transfers completing as late as on a GPU
+    (``tests/late_completion.py``): no buffer touched while in flight, results exact."""
     pool4.run(
         checks_tsp_cp.check_attention_cp,
         2,
@@ -132,6 +133,7 @@ def test_attention_layer_late_completion(pool4, seed, backward):
         seed,
         groups=4,
         attention_backward=backward,
+        kv_grad_all_to_all=a2a,
         late_completion=True,
     )
 

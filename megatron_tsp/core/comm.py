@@ -342,6 +342,35 @@ def post_reduce_scatter(
     )
 
 
+def post_all_to_all_sum(
+    full: torch.Tensor,
+    group,
+    sum_dtype: torch.dtype,
+    slot: int = 0,
+    purpose: str = "all_to_all_sum",
+) -> Pending:
+    """The reduce-scatter of ``post_reduce_scatter`` as an all-to-all: block j of ``full``
+    ``[D * s, ...]`` goes to rank j, which receives every rank's block for its rows into a
+    ``WORKSPACE`` buffer the size of ``full`` and sums the D blocks in ``sum_dtype``;
+    ``wait()`` returns that ``[s, ...]`` sum. Same bytes as the reduce-scatter, but the partials
+    are added once, in ``sum_dtype``, where a ring reduce-scatter rounds to the wire dtype at
+    every hop. ``full`` must stay untouched until ``wait()``."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return done(full.to(sum_dtype))
+    full = full.contiguous()
+    received = WORKSPACE.get(purpose, slot, tuple(full.shape), full.dtype, full.device)
+    work = dist.all_to_all_single(received, full, group=group, async_op=True)
+    block = (size, full.shape[0] // size) + tuple(full.shape[1:])
+    return Pending(
+        "all_to_all_single",
+        [work],
+        lambda: received.view(block).sum(0, dtype=sum_dtype),
+        payload=purpose,
+        nbytes=_nbytes(full),
+    )
+
+
 def reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:
     """SUM-reduce a ``[D * s, ...]`` tensor over the group; rank r keeps rows of block r."""
     size = dist.get_world_size(group)

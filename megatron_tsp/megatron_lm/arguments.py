@@ -43,6 +43,7 @@ SPEC_ATTR = "tsp_block_spec"
 TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
 TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
 KV_GRAD_FP32_FLAG = "--tsp-kv-grad-reduce-in-fp32"
+KV_GRAD_A2A_FLAG = "--tsp-kv-grad-all-to-all"
 
 
 class TSPArgumentError(ValueError):
@@ -93,6 +94,18 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "also keeps the sum over the D ranks in fp32, at twice the bytes of the largest "
         "backward transfer (bf16 runs). Default: the compute dtype, as TP+SP's activation-"
         "gradient reduce-scatters.",
+    )
+    group.add_argument(
+        KV_GRAD_A2A_FLAG,
+        dest="tsp_kv_grad_all_to_all",
+        action="store_true",
+        default=False,
+        help="Sum TSP attention's dK/dV over the sequence group with an all-to-all of the "
+        "partials, added in fp32 at each token's owner, instead of a reduce-scatter: the same "
+        "bytes on the wire, one rounding however many ranks the group has (a ring "
+        "reduce-scatter in bf16 rounds at every hop: 6x the error of one rounding over the 64 "
+        "ranks of TSP8 x CP8). Costs a receive buffer the size of one head group's "
+        "full-sequence dK/dV.",
     )
     group.add_argument(
         "--tsp-dry-run",
@@ -167,17 +180,11 @@ def translate_args(args) -> None:
     No-op when neither ``--tensor-sequence-parallel-size`` nor ``--tsp-mlp`` is given. Raises
     ``TSPArgumentError``.
     """
-    if getattr(args, "tsp_kv_grad_reduce_in_fp32", False) and tsp_size(args) is None:
-        # only TSP's attention has a dK/dV reduce-scatter (--tsp-mlp keeps Megatron's attention)
-        hybrid = (
-            f" ({TSP_MLP_FLAG} keeps Megatron's attention, which has none)"
-            if tsp_mlp_requested(args)
-            else ""
-        )
-        raise TSPArgumentError(
-            f"{KV_GRAD_FP32_FLAG} needs {TSP_FLAG}: it sets the wire dtype of TSP attention's "
-            f"dK/dV reduce-scatter{hybrid}"
-        )
+    for flag, dest in (
+        (KV_GRAD_FP32_FLAG, "tsp_kv_grad_reduce_in_fp32"),
+        (KV_GRAD_A2A_FLAG, "tsp_kv_grad_all_to_all"),
+    ):
+        _check_needs_tsp(args, flag, dest)
     if tsp_mlp_requested(args):
         _translate_tsp_mlp_args(args)
         return
@@ -203,6 +210,20 @@ def translate_args(args) -> None:
         args.create_attention_mask_in_dataloader = False
         args.tsp_disabled_dataloader_mask = True
     args.spec = [SPEC_MODULE, SPEC_ATTR]
+
+
+def _check_needs_tsp(args, flag: str, dest: str) -> None:
+    if getattr(args, dest, False) and tsp_size(args) is None:
+        # only TSP's attention has a dK/dV reduce-scatter (--tsp-mlp keeps Megatron's attention)
+        hybrid = (
+            f" ({TSP_MLP_FLAG} keeps Megatron's attention, which has none)"
+            if tsp_mlp_requested(args)
+            else ""
+        )
+        raise TSPArgumentError(
+            f"{flag} needs {TSP_FLAG}: it sets how TSP attention's dK/dV are summed over the "
+            f"sequence group{hybrid}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +334,7 @@ def _check_validated_args(args, d: int) -> None:
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
     """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
     flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
-    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG, KV_GRAD_FP32_FLAG}
+    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG, KV_GRAD_FP32_FLAG, KV_GRAD_A2A_FLAG}
     out: List[str] = []
     skip = False
     for item in argv:

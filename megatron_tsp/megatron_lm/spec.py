@@ -54,6 +54,9 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
 
     cfg = _transformer_config(config)
     _mark_tsp_groups(cfg)
+    if _megatron_arg("tsp_kv_grad_all_to_all"):
+        # read by TSPSelfAttention from the config (not a TransformerConfig field)
+        cfg.tsp_kv_grad_all_to_all = True
     return get_gpt_block_tsp_spec(
         cfg,
         normalization=cfg.normalization,

@@ -23,6 +23,7 @@ def test_group_is_in_help_and_parses():
         "--tsp-dry-run-world-size",
         "--tsp-dry-run-rank",
         "--tsp-kv-grad-reduce-in-fp32",
+        "--tsp-kv-grad-all-to-all",
     ):
         assert flag in help_text
     args = parser.parse_args(["--tensor-sequence-parallel-size", "4", "--tsp-dry-run"])
@@ -197,19 +198,26 @@ def test_validated_args_errors(fields, named):
     assert named in str(err.value)
 
 
-def test_kv_grad_fp32_flag():
-    """``--tsp-kv-grad-reduce-in-fp32``: off by default, kept by the translation, refused by name
+@pytest.mark.parametrize(
+    "flag,dest",
+    [
+        ("--tsp-kv-grad-reduce-in-fp32", "tsp_kv_grad_reduce_in_fp32"),
+        ("--tsp-kv-grad-all-to-all", "tsp_kv_grad_all_to_all"),
+    ],
+)
+def test_kv_grad_flags(flag, dest):
+    """The dK/dV reduction flags: off by default, kept by the translation, refused by name
     without TSP (plain TP+SP, or --tsp-mlp, which keeps Megatron's attention)."""
-    assert parse("--tensor-sequence-parallel-size", "2").tsp_kv_grad_reduce_in_fp32 is False
-    args = parse("--tensor-sequence-parallel-size", "2", "--tsp-kv-grad-reduce-in-fp32")
+    assert getattr(parse("--tensor-sequence-parallel-size", "2"), dest) is False
+    args = parse("--tensor-sequence-parallel-size", "2", flag)
     A.translate_args(args)
-    assert args.tsp_kv_grad_reduce_in_fp32 is True
+    assert getattr(args, dest) is True
     for argv in (
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"],
     ):
-        with pytest.raises(A.TSPArgumentError, match="--tsp-kv-grad-reduce-in-fp32 needs"):
-            A.translate_args(parse(*argv, "--tsp-kv-grad-reduce-in-fp32"))
+        with pytest.raises(A.TSPArgumentError, match=f"{flag} needs"):
+            A.translate_args(parse(*argv, flag))
 
 
 def test_strip_tsp_flags():
@@ -223,6 +231,7 @@ def test_strip_tsp_flags():
         "--tsp-dry-run-rank",
         "3",
         "--tsp-kv-grad-reduce-in-fp32",
+        "--tsp-kv-grad-all-to-all",
         "--seq-length",
         "64",
     ]

@@ -102,6 +102,7 @@ def test_help_lists_the_tsp_group():
         "--tensor-sequence-parallel-size",
         "--tsp-mlp",
         "--tsp-kv-grad-reduce-in-fp32",
+        "--tsp-kv-grad-all-to-all",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
         "--tsp-dry-run-rank",

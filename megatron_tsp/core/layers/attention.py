@@ -78,6 +78,7 @@ from megatron_tsp.core.comm import (
     done,
     labelled,
     post_all_gather,
+    post_all_to_all_sum,
     post_reduce_scatter,
     reduce_to,
     weight_bias_views,
@@ -113,6 +114,10 @@ class HeadLayout:
     # the dK/dV reduce-scatter in the accumulation dtype (fp32 for bf16/fp16) instead of the
     # compute dtype (--tsp-kv-grad-reduce-in-fp32)
     kv_grad_fp32: bool = False
+    # the dK/dV sum over the sequence group as an all-to-all of the partials, added in the
+    # accumulation dtype at the owner (--tsp-kv-grad-all-to-all): one rounding whatever the
+    # group size, where the ring reduce-scatter rounds to the wire dtype at each of its hops
+    kv_grad_all_to_all: bool = False
     shards_per_group: int = 1  # m = D / ng weight shards per step when ng < D, else 1
 
     @property
@@ -276,10 +281,26 @@ class _KVGradScatter:
     at 7B/128k/D=8 from 0.72x to 0.95x TP+SP's) and the D partials are summed by the collective
     in bf16. ``HeadLayout.kv_grad_fp32`` sends the accumulation dtype instead: the D ranks' sum
     stays unrounded until the owner casts it once (docs/precision.md has both settings'
-    gradient errors against TP+SP's)."""
+    gradient errors against TP+SP's).
 
-    def __init__(self, dks, dvs, wire_dtype, dtype, group, seq_layout: TSPLayout, slot: int):
+    ``sum_dtype`` (``HeadLayout.kv_grad_all_to_all``): an all-to-all instead of the
+    reduce-scatter (``comm.post_all_to_all_sum``): the same bytes, the group's partials added in
+    ``sum_dtype`` at the owner, so one rounding however many ranks the sequence group has; the
+    receive buffer is the size of the send buffer."""
+
+    def __init__(
+        self,
+        dks,
+        dvs,
+        wire_dtype,
+        dtype,
+        group,
+        seq_layout: TSPLayout,
+        slot: int,
+        sum_dtype: Optional[torch.dtype] = None,
+    ):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
+        self.sum_dtype = sum_dtype
         first = dks[0] if isinstance(dks[0], torch.Tensor) else dks[0][0]  # layout.KeyRows
         _, b, groups, dim = first.shape
         shape, device = (seq_layout.seq_length, b, 2 * groups, dim), first.device
@@ -293,7 +314,11 @@ class _KVGradScatter:
             self.pending = done(self.send)
 
     def post(self) -> None:
-        if self.pending is None:
+        if self.pending is None and self.sum_dtype is not None:
+            self.pending = post_all_to_all_sum(
+                self.send, self.group, self.sum_dtype, slot=self.slot, purpose="kv_grad"
+            )
+        elif self.pending is None:
             self.pending = post_reduce_scatter(
                 self.send, self.group, slot=self.slot, purpose="kv_grad"
             )
@@ -675,7 +700,14 @@ class _AttentionBackward:
         else:
             dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
         scatter = _KVGradScatter(
-            dks, dvs, self.wire_dtype, self.dtype, self.seq_group, self.seq_layout, slot=group.r % 2
+            dks,
+            dvs,
+            self.wire_dtype,
+            self.dtype,
+            self.seq_group,
+            self.seq_layout,
+            slot=group.r % 2,
+            sum_dtype=self.acc_dtype if self.layout.kv_grad_all_to_all else None,
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -863,6 +895,7 @@ class TSPSelfAttention(SelfAttention):
         pg_collection=None,
         attention_backward: Optional[str] = None,
         kv_grad_reduce_in_fp32: Optional[bool] = None,
+        kv_grad_all_to_all: Optional[bool] = None,
         **kwargs,
     ):
         attention_backward = attention_backward_from_config(config, attention_backward)
@@ -929,6 +962,11 @@ class TSPSelfAttention(SelfAttention):
                 getattr(config, "tsp_kv_grad_reduce_in_fp32", False)
                 if kv_grad_reduce_in_fp32 is None
                 else kv_grad_reduce_in_fp32
+            ),
+            kv_grad_all_to_all=bool(
+                getattr(config, "tsp_kv_grad_all_to_all", False)
+                if kv_grad_all_to_all is None
+                else kv_grad_all_to_all
             ),
             # ng < D: megatron-core gives each rank one K/V head (num_query_groups_per_partition
             # = 1) and the np/ng query heads of its group; a TSP step covers the D/ng shards of

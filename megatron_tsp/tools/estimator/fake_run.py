@@ -80,6 +80,7 @@ class RunConfig:
     tsp_attention_backward: Optional[str] = None
     tsp_mlp_recompute_activation: Optional[bool] = None
     tsp_kv_grad_fp32: Optional[bool] = None  # dK/dV reduce-scatter in fp32 (default: compute)
+    tsp_kv_grad_a2a: bool = False  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
 
     @property
     def dp(self) -> int:
@@ -98,6 +99,8 @@ class RunConfig:
                 suffix += " rec-fc1"
             if self.tsp_kv_grad_fp32:
                 suffix += " dkv-fp32"
+            if self.tsp_kv_grad_a2a:
+                suffix += " dkv-a2a"
             return f"TSP D={self.tp}{suffix}"
         if self.scheme == "hybrid":
             rec = " rec-fc1" if self.tsp_mlp_recompute_activation else ""
@@ -694,6 +697,7 @@ def _prepare(cfg: RunConfig):
     init_fake_world(cfg.world_size)
     init_parallel(cfg)
     config = transformer_config(cfg)
+    config.tsp_kv_grad_all_to_all = cfg.tsp_kv_grad_a2a  # read by TSPSelfAttention
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
     torch.manual_seed(1234)
     return config

@@ -178,11 +178,14 @@ def tsp_layer_terms(
     kv_pipelined: bool = True,
     recompute_attn: bool = False,
     kv_grad_reduce_in_fp32: bool = False,
+    kv_grad_all_to_all: bool = False,
 ) -> List[CommTerm]:
     """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
     per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
     do). ``kv_grad_reduce_in_fp32``: the dK/dV reduce-scatter in the accumulation dtype instead
-    of the compute dtype (the layers' ``kv_grad_reduce_in_fp32``).
+    of the compute dtype (the layers' ``kv_grad_reduce_in_fp32``). ``kv_grad_all_to_all``: the
+    dK/dV sum as an all-to-all of the partials (the layers' ``kv_grad_all_to_all``): the same
+    bytes, another collective.
 
     Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
@@ -266,14 +269,15 @@ def tsp_layer_terms(
     t += [
         _term(
             "attn_bwd",
-            "reduce_scatter",
+            "all_to_all" if kv_grad_all_to_all else "reduce_scatter",
             "activation",
             f * kv,
             accumulation_bytes(b) if kv_grad_reduce_in_fp32 else b,
             "tsp",
             kv_overlap,
             chunks=head_groups,
-            what="reduce-scatter dK,dV to token owners"
+            what=("all-to-all" if kv_grad_all_to_all else "reduce-scatter")
+            + " dK,dV to token owners"
             + (" (fp32 wire)" if kv_grad_reduce_in_fp32 else ""),
         ),
         _term(
@@ -519,7 +523,9 @@ def tsp_cp_layer_terms(
         if t.category != "activation":  # weights and weight grads stay inside the TSP group
             out.append(t)
             continue
-        fp32_wire = t.op == "reduce_scatter" and tsp_kw.get("kv_grad_reduce_in_fp32", False)
+        fp32_wire = t.op in ("reduce_scatter", "all_to_all") and tsp_kw.get(
+            "kv_grad_reduce_in_fp32", False
+        )
         per_elem = accumulation_bytes(shape.dtype_bytes) if fp32_wire else shape.dtype_bytes
         if kv_flavour == "all_gather":
             n = ring_factor(D * C) * kv

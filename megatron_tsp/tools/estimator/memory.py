@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(Megatron-LM's --tsp-kv-grad-reduce-in-fp32)",
     )
     r.add_argument(
+        "--tsp-kv-grad-all-to-all",
+        action="store_true",
+        help="TSP attention: sum dK/dV with an all-to-all and an fp32 add at the owner instead "
+        "of the reduce-scatter (Megatron-LM's --tsp-kv-grad-all-to-all)",
+    )
+    r.add_argument(
         "--table-tsp-variants",
         action="store_true",
         help="--table: also TSP with attention recompute",
@@ -200,6 +206,7 @@ def _config(args, scheme, tp, cp, seq, fake=True):
             True if args.tsp_recompute_fc1 and scheme in ("tsp", "hybrid") else None
         ),
         tsp_kv_grad_fp32=(True if args.tsp_kv_grad_reduce_in_fp32 and scheme == "tsp" else None),
+        tsp_kv_grad_a2a=bool(args.tsp_kv_grad_all_to_all and scheme == "tsp"),
     )
 
 
