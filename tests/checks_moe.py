@@ -15,6 +15,11 @@ The experts are perturbed per global expert id after initialisation (expert ``e`
 ``+ 0.01 * (e + 1)`` on every weight, in every model), so experts differ even where
 ``use_cpu_initialization`` made them equal, and a model that put expert ``e``'s weights on the
 wrong rank or applied them to the wrong tokens would fail.
+
+The TSP expert ring (``check_moe_ring``, ``check_moe_ring_traffic``,
+``check_expert_ring_zero_tokens``): ``tsp_moe_ring`` with expert-tensor-parallel size D and
+expert-model-parallel size 1, against the same single-process model and Megatron TP=D+SP with
+ETP=D, EP=1 (allgather dispatcher).
 """
 
 from __future__ import annotations
@@ -46,33 +51,34 @@ CASES = {
 NUM_EXPERTS = 4
 
 
-def _ensure_groups(tp: int, ep: int) -> None:
-    """Megatron groups with tensor-parallel size ``tp`` and expert-model-parallel size ``ep``
-    (expert-tensor-parallel 1); ``tests.common``'s cache is invalidated so the next dense check
-    re-creates its own groups."""
-    if common._current == ("moe", tp, ep):
+def _ensure_groups(tp: int, ep: int, etp: int = 1) -> None:
+    """Megatron groups with tensor-parallel size ``tp``, expert-model-parallel size ``ep`` and
+    expert-tensor-parallel size ``etp`` (1: experts whole; ``tp``: the expert ring's layout);
+    ``tests.common``'s cache is invalidated so the next dense check re-creates its own groups."""
+    if common._current == ("moe", tp, ep, etp):
         return
     tsp_state.destroy_model_parallel()
     tsp_state.initialize_model_parallel(
         tensor_sequence_parallel_size=tp,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=etp,
         create_gloo_process_groups=False,
     )
-    common._current = ("moe", tp, ep)
+    common._current = ("moe", tp, ep, etp)
 
 
-def _setup(tp: int, ep: int, seed: int, tsp: bool) -> None:
+def _setup(tp: int, ep: int, seed: int, tsp: bool, etp: int = 1) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    _ensure_groups(tp, ep)
+    _ensure_groups(tp, ep, etp)
     tsp_state._TSP_SIZE = tp if tsp else None
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def _config(d, ep, dtype, case, dispatcher):
+def _config(d, ep, dtype, case, dispatcher, etp=1, ring=False):
+    """``ring``: the TSP expert ring (``config.tsp_moe_ring``), with ``etp`` = D and ``ep`` = 1."""
     spec = CASES[case]
-    return make_config(
+    config = make_config(
         d,
         dtype,
         num_layers=spec["layers"],
@@ -91,9 +97,11 @@ def _config(d, ep, dtype, case, dispatcher):
         moe_z_loss_coeff=1e-3,
         moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=etp,
         **spec["moe"],
     )
+    config.tsp_moe_ring = ring
+    return config
 
 
 def _single_spec(config):
@@ -172,16 +180,17 @@ def _step(model, batch):
 
 def _expert_and_grads(model, ep_rank, ep, group):
     """Every gradient at full (single-process) size and name: TP-sharded parameters gathered over
-    the tensor-parallel group, experts gathered over the expert-model-parallel group."""
+    the tensor-parallel group (the expert ring's experts too: expert-TP is that group), whole
+    experts (EP > 1) gathered over the expert-model-parallel group."""
     dense = {}
     experts = {}
     for name, p in model.named_parameters():
-        if _global_expert(name, ep_rank, ep) is None:
+        if _global_expert(name, ep_rank, ep) is None or ep == 1:
             continue
         experts[name] = p.grad
     full = sharding.gather_full_state(model, group, grads=True)
     for name in list(full):
-        if _global_expert(name, ep_rank, ep) is None:
+        if name not in experts:
             dense[name] = full[name]
     ep_group = mpu.get_expert_model_parallel_group()
     for name, g in experts.items():
@@ -252,14 +261,18 @@ def _compare(actual, expected, aux, ref_aux, rtol, what):
 def _load_full(model, full_params, group, ep_rank, ep):
     """Load single-process parameters: experts by global id, the rest as their TP shards."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    etp_size = mpu.get_expert_tensor_parallel_world_size()
+    etp_rank = mpu.get_expert_tensor_parallel_rank()
     for name, p in model.named_parameters():
-        if _global_expert(name, ep_rank, ep) is not None:
-            p.copy_(full_params[_full_name(name, ep_rank, ep)])
-            continue
-        value = full_params[name]
+        # experts by global id, sharded over the expert-TP group (1 rank when folded, the TSP
+        # group under the expert ring)
+        expert = _global_expert(name, ep_rank, ep) is not None
+        value = full_params[_full_name(name, ep_rank, ep)]
         sharded, dim, stride = sharding.sharding_of(p)
         if sharded:
-            value = sharding.shard(value, dim, stride, size, rank)
+            value = sharding.shard(
+                value, dim, stride, etp_size if expert else size, etp_rank if expert else rank
+            )
         p.copy_(value)
 
 
@@ -309,6 +322,63 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
         expected[f"grad:{name}"] = tp_grads[name]
     what = f"TSP vs Megatron TP={d}+SP MoE ({case}, EP={ep}, {dispatcher}), seed={seed}"
     return _compare(actual, expected, aux, tp_aux, rtol, what)
+
+
+def check_moe_ring(d, seed, case, rtol=1e-10):
+    """The TSP expert ring (``tsp_moe_ring``: every expert sharded 1/D per rank, ETP=D, EP=1) vs
+    the single-process stock model (full-size gradients by name) and vs Megatron TP=D+SP with
+    ETP=D, EP=1 and the allgather dispatcher (its state dict loads into the ring model with
+    ``strict=True``; local gradients), all three on the same weights (the single model's,
+    experts perturbed per global id): loss, logged aux losses, every gradient. Returns
+    ``{"single": errors, "tp_sp": errors}``."""
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+
+    _setup(1, 1, seed, tsp=False)
+    ref_config = _config(1, 1, dtype, case, "allgather")
+    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
+    _perturb_experts(ref, 0, 1)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss, ref_aux = _step(ref, data)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    _setup(d, 1, seed, tsp=False, etp=d)
+    group = mpu.get_tensor_model_parallel_group()
+    config = _config(d, 1, dtype, case, "allgather", etp=d)
+    tp_model = _model(config, _tp_sp_spec(config), "llama", vocab, seq, False)
+    _load_full(tp_model, ref_params, group, 0, 1)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
+    tp_loss, tp_aux = _run(tp_model, data, group, 1)
+    tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
+
+    _setup(d, 1, seed, tsp=True, etp=d)
+    ring_config = _config(d, 1, dtype, case, "allgather", etp=d, ring=True)
+    model = _model(ring_config, get_gpt_block_tsp_spec(ring_config), "llama", vocab, seq, False)
+    from megatron_tsp.core.layers.moe_ring import TSPRingExperts
+
+    if not any(isinstance(m, TSPRingExperts) for m in model.modules()):
+        raise AssertionError("tsp_moe_ring=True built no TSPRingExperts")
+    model.load_state_dict(state, strict=True)
+    loss, aux = _run(model, zigzag.get_batch_on_this_tsp_rank(data, d), group, 1)
+    what = f"TSP expert ring ({case}, D={d}) vs"
+    actual = {"loss": loss}
+    expected = {"loss": tp_loss}
+    for name, p in model.named_parameters():
+        actual[f"grad:{name}"] = p.grad
+        expected[f"grad:{name}"] = tp_grads[name]
+    errors = {
+        "tp_sp": _compare(
+            actual, expected, aux, tp_aux, rtol, f"{what} Megatron TP={d}+SP ETP={d} EP=1"
+        )
+    }
+    grads = _expert_and_grads(model, 0, 1, group)
+    actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
+    expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
+    errors["single"] = _compare(
+        actual, expected, aux, ref_aux, rtol, f"{what} single-process stock GPTModel, seed={seed}"
+    )
+    return errors
 
 
 def worst(per_rank_errors) -> dict:
@@ -386,3 +456,133 @@ def _moe_pattern(config):
     from megatron_tsp.core.specs import moe_layer_pattern
 
     return moe_layer_pattern(config)
+
+
+def ring_traffic_formula(d, num_layers, num_experts, hidden, moe_ffn, weight_bytes, grad_bytes):
+    """Collectives of the TSP expert ring per rank (docs/moe.md), summed over ``num_layers`` MoE
+    layers, SwiGLU experts without biases: one expert's shard is fc1 [2F/D, h] + fc2 [h, F/D] =
+    3Fh/D elements. Forward: D-1 hops (one isend + one irecv each) of the packed shard of all E
+    experts; backward: the same D-1 weight hops plus D-1 gradient-accumulator hops (its dtype:
+    fp32 for bf16 weights); the router's all-reduce of the E token counts (int64) for the aux
+    loss, as under TP+SP. Nothing else: no all-gather, reduce-scatter or all-to-all of tokens."""
+    shard = num_experts * 3 * moe_ffn * hidden // d
+    w, g, hops = shard * weight_bytes, shard * grad_bytes, d - 1
+    one = {
+        "fwd": {
+            "isend": (hops, hops * w),
+            "irecv": (hops, hops * w),
+            "all_reduce": (1, 8 * num_experts),
+        },
+        "bwd": {"isend": (2 * hops, hops * (w + g)), "irecv": (2 * hops, hops * (w + g))},
+    }
+    return {
+        phase: {op: (num_layers * c, num_layers * b) for op, (c, b) in ops.items() if c}
+        for phase, ops in one.items()
+    }
+
+
+def check_moe_ring_traffic(d, seed, dtype_name="float64", case="moe"):
+    """The collectives inside the expert ring's MoE layers (``CommCounter``, forward and backward)
+    equal ``ring_traffic_formula`` op by op (calls and payload bytes). Returns the counts and, for
+    comparison, the folded schedule's allgather-dispatcher bytes at the same shape (EP = D)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tsp.tools.comm_counter import CommCounter, label_modules
+
+    dtype = getattr(torch, dtype_name)
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+    _setup(d, 1, seed, tsp=True, etp=d)
+    config = _config(d, 1, dtype, case, "allgather", etp=d, ring=True)
+    model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
+    label_modules(model, {MoELayer: "moe"})
+    with CommCounter() as counter:
+        _step(model, zigzag.get_batch_on_this_tsp_rank(data, d))
+    got = {
+        phase: {
+            op: (v["calls"], v["payload"])
+            for op, v in counter.by_op(scope="moe", phase=phase).items()
+        }
+        for phase in ("fwd", "bwd")
+    }
+    elt = torch.finfo(dtype).bits // 8
+    grad_elt = 4 if elt < 4 else elt
+    formula = ring_traffic_formula(
+        d,
+        sum(_moe_pattern(config)),
+        NUM_EXPERTS,
+        config.hidden_size,
+        config.moe_ffn_hidden_size,
+        elt,
+        grad_elt,
+    )
+    if got != formula:
+        raise AssertionError(
+            f"expert ring traffic (D={d}, {dtype_name}) {got} != formula {formula}"
+        )
+    return got
+
+
+def check_expert_ring_zero_tokens(d, seed, with_bias):
+    """``tsp_expert_ring`` directly, fp64, with token counts that differ per rank and include
+    experts with no tokens on a rank and a rank with no tokens at all (every rank still takes
+    every ring step): output, input gradient and every weight-shard gradient equal the full
+    SwiGLU experts applied per token, the weight gradients summed over the ranks' tokens."""
+    import torch.nn.functional as F
+
+    from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
+
+    _ensure_groups(d, 1, d)
+    group = tsp_state.get_tensor_sequence_parallel_group()
+    rank = dist.get_rank(group)
+    dtype, h, ffn, experts = torch.float64, 8, 12, 3
+    g = torch.Generator().manual_seed(seed)
+    full = []
+    for _ in range(experts):
+        w1 = torch.randn(2 * ffn, h, generator=g, dtype=dtype)
+        b1 = torch.randn(2 * ffn, generator=g, dtype=dtype)
+        w2 = torch.randn(h, ffn, generator=g, dtype=dtype)
+        full.append((w1, b1, w2) if with_bias else (w1, None, w2))
+    counts = [0] * experts if rank == d - 1 else [(e + rank) % 3 for e in range(experts)]
+    local = torch.Generator().manual_seed(seed + 1 + rank)
+    x = torch.randn(sum(counts), h, generator=local, dtype=dtype)
+    dy = torch.randn(sum(counts), h, generator=local, dtype=dtype)
+
+    def act(pre):
+        gate, up = pre.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    shards = []
+    for w1, b1, w2 in full:
+        shards.append(sharding.shard(w1, 0, 2, d, rank))
+        if b1 is not None:
+            shards.append(sharding.shard(b1, 0, 2, d, rank))
+        shards.append(sharding.shard(w2, 1, 1, d, rank))
+    shards = [s.clone().requires_grad_(True) for s in shards]
+    x_ring = x.clone().requires_grad_(True)
+    out = tsp_expert_ring(x_ring, counts, shards, with_bias, group, act)
+    out.backward(dy)
+
+    x_ref = x.clone().requires_grad_(True)
+    ref_params = [
+        [t.clone().requires_grad_(True) if t is not None else None for t in e] for e in full
+    ]
+    parts = []
+    for x_e, (w1, b1, w2) in zip(x_ref.split(counts), ref_params):
+        pre = x_e @ w1.t() + (b1 if b1 is not None else 0)
+        parts.append(act(pre) @ w2.t())
+    ref_out = torch.cat(parts)
+    ref_out.backward(dy)
+    actual = {"out": out.detach(), "grad_x": x_ring.grad}
+    expected = {"out": ref_out.detach(), "grad_x": x_ref.grad}
+    i = 0
+    for e, (w1, b1, w2) in enumerate(ref_params):
+        for name, t, dim, stride in (("w1", w1, 0, 2), ("b1", b1, 0, 2), ("w2", w2, 1, 1)):
+            if t is None:
+                continue
+            summed = t.grad.clone()
+            dist.all_reduce(summed, group=group)  # every rank's tokens contribute
+            actual[f"grad:{e}.{name}"] = shards[i].grad
+            expected[f"grad:{e}.{name}"] = sharding.shard(summed, dim, stride, d, rank)
+            i += 1
+    return assert_close(actual, expected, rtol=1e-10, what=f"expert ring D={d}, zero tokens")

@@ -1,7 +1,8 @@
 """Mixture-of-Experts under TSP, experts folded onto the TSP axis (``tests/checks_moe.py``):
 megatron-core's MoELayer behind TSP attention equals the single-process stock model and stock
 Megatron TP=D+SP with the same expert-model-parallel size, fp64: loss, logged aux losses, every
-gradient (experts perturbed per global id)."""
+gradient (experts perturbed per global id). The TSP expert ring (``tsp_moe_ring``: experts
+sharded 1/D, ETP=D, EP=1) against both references, with empty experts, and its counted bytes."""
 
 import pytest
 
@@ -29,3 +30,29 @@ def test_moe_equals_megatron_tp_sp(pool4, seed, d, ep, case):
 def test_moe_traffic_equals_tp_sp(pool4, seed, d, ep):
     counts = pool4.run(checks_moe.check_moe_traffic_equals_tp_sp, d, ep, seed)
     print(f"rank 0 MoE-layer collectives: {counts[0]}")
+
+
+@pytest.mark.parametrize("case", list(checks_moe.CASES))
+@pytest.mark.parametrize("d", [2, 4], ids=["D2", "D4"])
+def test_moe_ring_matches_single_and_tp_sp_fp64(pool4, seed, d, case):
+    """The TSP expert ring (every expert sharded 1/D, ETP=D, EP=1, tokens stay) equals the
+    single-process model and Megatron TP=D+SP with ETP=D, EP=1 (allgather dispatcher)."""
+    errors = pool4.run(checks_moe.check_moe_ring, d, seed, case)
+    for ref in ("single", "tp_sp"):
+        print(f"vs {ref}: worst relative errors: {checks_moe.worst([e[ref] for e in errors])}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+@pytest.mark.parametrize("d", [2, 4], ids=["D2", "D4"])
+def test_moe_ring_traffic_formula(pool4, seed, d, dtype):
+    """Per MoE layer and rank the ring sends E x (D-1) expert shards forward, the same plus the
+    gradient accumulator (fp32 in bf16) backward, and no token collectives (docs/moe.md)."""
+    counts = pool4.run(checks_moe.check_moe_ring_traffic, d, seed, dtype)
+    print(f"rank 0 expert-ring collectives: {counts[0]}")
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "fc1-bias"])
+def test_moe_ring_zero_tokens(pool4, seed, with_bias):
+    """Experts without tokens on a rank, and a rank without tokens, still take every ring step."""
+    errors = pool4.run(checks_moe.check_expert_ring_zero_tokens, 4, seed, with_bias)
+    print(f"worst relative errors: {checks_moe.worst(errors)}")

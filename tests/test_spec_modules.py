@@ -15,12 +15,18 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_tsp.core.layers.mlp import TSPMLP
+from megatron_tsp.core.layers.moe_ring import TSPRingMoELayer
 from megatron_tsp.core.layers.norm import (
     SequenceParallelLayerNorm,
     SequenceParallelNorm,
     SequenceParallelRMSNorm,
 )
-from megatron_tsp.core.specs import TSPMLPSpec, _drop_tsp_mlp_notice, get_gpt_layer_tsp_spec
+from megatron_tsp.core.specs import (
+    TSPMLPSpec,
+    TSPRingMoESpec,
+    _drop_tsp_mlp_notice,
+    get_gpt_layer_tsp_spec,
+)
 from tests.common import make_config
 
 HIDDEN = 16
@@ -120,3 +126,8 @@ def test_tsp_mlp_notice_is_dropped_and_only_that_one():
     assert _drop_tsp_mlp_notice(other) is True
     logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     assert _drop_tsp_mlp_notice in logger.filters
+    # the TSP expert ring's MoE layer (a MoELayer subclass: megatron-core 0.16 logs it too)
+    ring = get_gpt_layer_tsp_spec(num_experts=4, moe_ring=True).submodules.mlp
+    assert isinstance(ring, TSPRingMoESpec) and ring.module is TSPRingMoELayer
+    assert _drop_tsp_mlp_notice(_notice(ring)) is False
+    assert _drop_tsp_mlp_notice(_notice(ModuleSpec(module=TSPRingMoELayer))) is True

@@ -153,6 +153,9 @@ class Rejection:
     example: Tuple[str, ...] = ()
     stage: str = PARSED
     label: Optional[str] = None  # how messages name the flag, when not ``flag`` itself
+    # dest of a switch that lifts the row (that mode checks the setting itself): the expert
+    # ring's own layout rule replaces the folded schedule's expert-tensor-parallel row
+    unless: Optional[str] = None
 
     def refuses(self, value: Any, d: Optional[int] = None) -> bool:
         return self.condition.refuses(value, d)
@@ -316,11 +319,12 @@ ROWS: Tuple[Rejection, ...] = (
     Rejection(
         "--expert-tensor-parallel-size",
         "expert_tensor_parallel_size",
-        Condition("other than 1", lambda v, d: v not in (None, 1)),
+        Condition("other than 1 (without `--tsp-moe-ring`)", lambda v, d: v not in (None, 1)),
         _EP_FOLDED + ", so each expert is whole on its rank (expert-tensor-parallel size 1; "
-        "the launcher sets it); experts sharded over the TSP ranks are the TSP expert ring "
-        "schedule, which is not implemented yet",
+        "the launcher sets it); for experts sharded over the D TSP ranks add --tsp-moe-ring "
+        "(the TSP expert ring: expert-tensor-parallel size D, expert-model-parallel size 1)",
         example=("2",),
+        unless="tsp_moe_ring",
     ),
     Rejection(
         "--moe-grouped-gemm",
@@ -871,6 +875,8 @@ def refusals_for_args(args, d: Optional[int], mode: str = TSP, stage: str = PARS
     out = []
     for r in rows(mode, stage=stage):
         value = getattr(args, r.dest, None)
+        if r.unless and getattr(args, r.unless, False):
+            continue
         if r.refuses(value, d):
             out.append(r.message(value, d, mode))
     return out

@@ -17,6 +17,11 @@ and the dispatcher exchanges exactly the tokens it exchanges under TP+SP. The ro
 balancing statistics are summed over ``pg_collection.tp_cp``, which is the TSP group here, so the
 aux loss sees the same token set as under TP+SP (docs/moe.md).
 
+The TSP expert ring (``config.tsp_moe_ring``, Megatron-LM ``--tsp-moe-ring``): every rank holds
+1/D of every expert (expert-tensor-parallel size D, expert-model-parallel size 1), tokens stay on
+their rank and each expert's weight shards circulate on the MLP's P2P ring
+(``megatron_tsp/core/layers/moe_ring.py``).
+
 ``get_gpt_layer_tsp_mlp_spec`` / ``get_gpt_block_tsp_mlp_spec`` are the hybrid for a TP+SP run
 (Megatron-LM ``--tsp-mlp``): Megatron's local layer spec with only the MLP replaced by the TSP
 MLP ring; no zigzag, no batch permutation.
@@ -58,16 +63,24 @@ class TSPMLPSpec(ModuleSpec):
     """
 
 
+class TSPRingMoESpec(ModuleSpec):
+    """``ModuleSpec`` of the TSP expert ring's MoE layer (``TSPRingMoELayer``), named for the same
+    reason as ``TSPMLPSpec``: megatron-core 0.16's ``TransformerLayer`` hands ``pg_collection``
+    only to an MLP spec whose module is exactly ``MoELayer`` and logs "Unknown MLP type" for a
+    subclass; ``TSPRingMoELayer`` then takes megatron-core's default process groups (the MoE
+    layer's own fallback), which are the groups this layer needs, so the notice is dropped."""
+
+
 _TRANSFORMER_LAYER_LOGGER = "megatron.core.transformer.transformer_layer"
 
 
 def _drop_tsp_mlp_notice(record: logging.LogRecord) -> bool:
     """Logging filter: False (drop) for megatron-core's "Unknown MLP type" notice about a
-    ``TSPMLPSpec``, True for everything else."""
+    ``TSPMLPSpec`` or ``TSPRingMoESpec``, True for everything else."""
     message = record.getMessage()
     return not (
         message.startswith("Unknown MLP type:")
-        and f"{TSPMLPSpec.__module__}.{TSPMLPSpec.__qualname__}" in message
+        and any(f"{c.__module__}.{c.__qualname__}" in message for c in (TSPMLPSpec, TSPRingMoESpec))
     )
 
 
@@ -95,6 +108,25 @@ def _moe_spec(num_experts: int, moe_grouped_gemm: bool = False) -> ModuleSpec:
     )
 
 
+def _moe_ring_spec(num_experts: int) -> ModuleSpec:
+    """The TSP expert ring (``--tsp-moe-ring``): megatron-core's local MoE spec with
+    ``TSPRingMoELayer`` (local dispatcher) and ``TSPRingExperts`` (a ``SequentialMLP`` whose
+    experts, sharded 1/D per rank like ETP=D, run on the weight ring); router and shared expert
+    are Megatron's (``megatron_tsp/core/layers/moe_ring.py``)."""
+    import copy
+
+    from megatron_tsp.core.layers.moe_ring import TSPRingExperts, TSPRingMoELayer
+
+    stock = copy.deepcopy(_moe_spec(num_experts))
+    stock.submodules.experts.module = TSPRingExperts
+    return TSPRingMoESpec(
+        module=TSPRingMoELayer,
+        params=stock.params,
+        submodules=stock.submodules,
+        metainfo=stock.metainfo,
+    )
+
+
 def get_gpt_layer_tsp_spec(
     normalization: Optional[str] = None,
     qk_layernorm: bool = False,
@@ -104,6 +136,7 @@ def get_gpt_layer_tsp_spec(
     mlp_recompute_activation: bool = False,
     kv_grad_reduce_in_fp32: Optional[bool] = None,
     moe_grouped_gemm: bool = False,
+    moe_ring: bool = False,
 ) -> ModuleSpec:
     """TransformerLayer spec with TSP attention and the TSP MLP, or, with ``num_experts``,
     megatron-core's ``MoELayer`` (local modules) as the MLP (see the module docstring).
@@ -120,6 +153,9 @@ def get_gpt_layer_tsp_spec(
     ``kv_grad_reduce_in_fp32``: the attention's dK/dV reduce-scatter travels in the accumulation
     dtype (fp32 for bf16/fp16; Megatron-LM flag ``--tsp-kv-grad-reduce-in-fp32``) instead of
     the compute dtype; None follows ``config.tsp_kv_grad_reduce_in_fp32`` (default False).
+    ``moe_ring`` (with ``num_experts``): the TSP expert ring instead of experts folded onto the
+    TSP axis (docs/moe.md; the config needs expert-tensor-parallel size D, expert-model-parallel
+    size 1).
     """
     rejections.check_values(
         {
@@ -154,7 +190,11 @@ def get_gpt_layer_tsp_spec(
             mlp=(
                 _tsp_mlp_spec(mlp_recompute_activation)
                 if num_experts is None
-                else _moe_spec(num_experts, moe_grouped_gemm)
+                else (
+                    _moe_ring_spec(num_experts)
+                    if moe_ring
+                    else _moe_spec(num_experts, moe_grouped_gemm)
+                )
             ),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
@@ -223,8 +263,9 @@ def get_gpt_block_tsp_spec(
 ) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage: TSP layers plus the TSP final norm. With
     ``config.num_moe_experts`` the layers ``moe_layer_pattern`` marks 1 are MoE layers
-    (TSP attention + megatron-core's ``MoELayer``), the others dense TSP layers
-    (``kv_grad_reduce_in_fp32``: see ``get_gpt_layer_tsp_spec``)."""
+    (TSP attention + megatron-core's ``MoELayer``, or with ``config.tsp_moe_ring`` the TSP expert
+    ring), the others dense TSP layers (``kv_grad_reduce_in_fp32``: see
+    ``get_gpt_layer_tsp_spec``)."""
     from megatron_tsp.core.validation import check_transformer_config
 
     check_transformer_config(config)
@@ -241,7 +282,10 @@ def get_gpt_block_tsp_spec(
             layer_specs=[dense] * num_layers, layer_norm=SequenceParallelNorm
         )
     moe = get_gpt_layer_tsp_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **kwargs
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        moe_ring=bool(getattr(config, "tsp_moe_ring", False)),
+        **kwargs,
     )
     pattern = moe_layer_pattern(config)
     layers = [moe if pattern[i] else dense for i in _layer_ids_on_stage(config, vp_stage, pp_rank)]

@@ -92,13 +92,52 @@ def check_model_shape(
         check_sequence_length(seq_length, d)
 
 
-def check_expert_layout(num_experts: Optional[int], expert_tensor_parallel_size, d: int) -> None:
-    """MoE under TSP ("EP folded onto the TSP axis") runs every expert whole on one rank.
+MOE_RING_FLAG = "--tsp-moe-ring"
 
-    A ``TransformerConfig`` (and Megatron-LM after ``validate_args``) defaults the
+
+def check_expert_layout(
+    num_experts: Optional[int],
+    expert_tensor_parallel_size,
+    d: int,
+    expert_model_parallel_size: Optional[int] = None,
+    moe_ring: bool = False,
+) -> None:
+    """The expert layout of MoE under TSP, per schedule (docs/moe.md).
+
+    Experts folded onto the TSP axis (default): every expert whole on one rank, expert-tensor-
+    parallel size 1. A ``TransformerConfig`` (and Megatron-LM after ``validate_args``) defaults the
     expert-tensor-parallel size to the tensor-parallel size D, so the ``--expert-tensor-parallel-
     size`` row of the table is checked here only for models with experts; the message is the
-    row's."""
+    row's.
+
+    The TSP expert ring (``moe_ring``, ``--tsp-moe-ring``): every expert sharded over the D TSP
+    ranks as megatron-core shards it for expert-tensor-parallel size D, expert-model-parallel size
+    1; other sizes are refused naming the flag and the numbers (``None``: not given, the launcher
+    fills in D and 1)."""
+    if moe_ring:
+        if not num_experts:
+            raise rejections.TSPRejection(
+                f"{MOE_RING_FLAG} runs the MoE layers' experts on the TSP weight ring; it "
+                "needs --num-experts"
+            )
+        problems = []
+        if expert_tensor_parallel_size not in (None, d):
+            problems.append(
+                f"--expert-tensor-parallel-size={expert_tensor_parallel_size} cannot be combined "
+                f"with {MOE_RING_FLAG} and {TSP_FLAG}={d}: the expert ring shards every expert "
+                f"over the {d} TSP ranks (expert-tensor-parallel size {d}; leave the flag out or "
+                f"set it to {d})"
+            )
+        if expert_model_parallel_size not in (None, 1):
+            problems.append(
+                f"--expert-model-parallel-size={expert_model_parallel_size} cannot be combined "
+                f"with {MOE_RING_FLAG} ({TSP_FLAG}={d}): every TSP rank holds 1/{d} of every "
+                "expert, so the "
+                "experts are not spread over ranks (expert-model-parallel size 1; without "
+                f"{MOE_RING_FLAG} the experts are spread over the expert-model-parallel ranks)"
+            )
+        rejections.raise_if_any(problems)
+        return
     if num_experts and expert_tensor_parallel_size not in (None, 1):
         row = rejections.row_for("expert_tensor_parallel_size")
         raise rejections.TSPRejection(row.message(expert_tensor_parallel_size, d))
@@ -118,7 +157,13 @@ def check_transformer_config(
     # context_parallel_size > 1 is TSP x CP, which the core layers run (hierarchical and hybrid
     # CP stay refused by their rows)
     rejections.check_config(config, d, overrides={"context_parallel_size": 1})
-    check_expert_layout(config.num_moe_experts, config.expert_tensor_parallel_size, d)
+    check_expert_layout(
+        config.num_moe_experts,
+        config.expert_tensor_parallel_size,
+        d,
+        config.expert_model_parallel_size,
+        moe_ring=bool(getattr(config, "tsp_moe_ring", False)),
+    )
     check_model_shape(
         d,
         num_attention_heads=config.num_attention_heads,

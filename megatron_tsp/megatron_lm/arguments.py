@@ -29,6 +29,7 @@ from typing import Iterable, List, Optional, Sequence
 from megatron_tsp.core import rejections
 from megatron_tsp.core.layout import check_sequence_length
 from megatron_tsp.core.validation import (
+    MOE_RING_FLAG,
     TSP_FLAG,
     check_expert_layout,
     check_model_shape,
@@ -108,6 +109,18 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "full-sequence dK/dV.",
     )
     group.add_argument(
+        MOE_RING_FLAG,
+        dest="tsp_moe_ring",
+        action="store_true",
+        default=False,
+        help="MoE layers: the TSP expert ring instead of experts folded onto the TSP axis. Every "
+        "rank holds 1/D of every expert (megatron-core's layout for --expert-tensor-parallel-size "
+        "D --expert-model-parallel-size 1, which the launcher sets; checkpoints are TP=D+SP's "
+        "with ETP=D), tokens never leave their rank (no dispatcher all-gather / all-to-all) and "
+        "each expert's weight shards circulate on the TSP MLP's P2P ring. Pays off when a layer "
+        "has many tokens and few experts (docs/moe.md).",
+    )
+    group.add_argument(
         "--tsp-dry-run",
         action="store_true",
         default=False,
@@ -185,6 +198,11 @@ def translate_args(args) -> None:
         (KV_GRAD_A2A_FLAG, "tsp_kv_grad_all_to_all"),
     ):
         _check_needs_tsp(args, flag, dest)
+    if getattr(args, "tsp_moe_ring", False) and tsp_size(args) is None:
+        raise TSPArgumentError(
+            f"{MOE_RING_FLAG} needs {TSP_FLAG}: it shards the experts over the TSP group and "
+            "runs them on the TSP weight ring"
+        )
     if tsp_mlp_requested(args):
         _translate_tsp_mlp_args(args)
         return
@@ -194,6 +212,17 @@ def translate_args(args) -> None:
     if not isinstance(d, int) or d < 1:
         raise TSPArgumentError(f"{TSP_FLAG} must be a positive integer, got {d!r}")
     check_supported(args)
+    if getattr(args, "tsp_moe_ring", False):
+        try:  # the sizes as typed (None: not given)
+            check_expert_layout(
+                vars(args).get("num_experts"),
+                getattr(args, "expert_tensor_parallel_size", None),
+                d,
+                getattr(args, "expert_model_parallel_size", None),
+                moe_ring=True,
+            )
+        except ValueError as exc:
+            raise TSPArgumentError(str(exc)) from exc
     user_spec = getattr(args, "spec", None)
     if user_spec and list(user_spec) != [SPEC_MODULE, SPEC_ATTR]:
         args.tsp_replaced_spec = list(user_spec)
@@ -201,9 +230,10 @@ def translate_args(args) -> None:
     args.sequence_parallel = d > 1
     # MoE under TSP folds the experts onto the expert-model-parallel ranks whole (expert-tensor-
     # parallel size 1); Megatron would default --expert-tensor-parallel-size to
-    # --tensor-model-parallel-size (= D), which is the expert ring's layout, not this schedule's.
+    # --tensor-model-parallel-size (= D), which is the expert ring's layout (--tsp-moe-ring),
+    # where it is left at D.
     if vars(args).get("num_experts") and getattr(args, "expert_tensor_parallel_size", 1) is None:
-        args.expert_tensor_parallel_size = 1
+        args.expert_tensor_parallel_size = d if getattr(args, "tsp_moe_ring", False) else 1
     # TSP attention is causal by construction and never reads an attention mask: do not let
     # Megatron build an S x S mask per sample (69 GB at 128k), broadcast it and hand it around.
     if getattr(args, "create_attention_mask_in_dataloader", False):
@@ -312,7 +342,11 @@ def _check_validated_args(args, d: int) -> None:
             "needs sequence-parallel activations"
         )
     check_expert_layout(
-        vars(args).get("num_experts"), getattr(args, "expert_tensor_parallel_size", None), d
+        vars(args).get("num_experts"),
+        getattr(args, "expert_tensor_parallel_size", None),
+        d,
+        getattr(args, "expert_model_parallel_size", None),
+        moe_ring=bool(getattr(args, "tsp_moe_ring", False)),
     )
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
     check_model_shape(
@@ -334,7 +368,13 @@ def _check_validated_args(args, d: int) -> None:
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
     """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
     flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
-    flags_alone = {"--tsp-dry-run", TSP_MLP_FLAG, KV_GRAD_FP32_FLAG, KV_GRAD_A2A_FLAG}
+    flags_alone = {
+        "--tsp-dry-run",
+        TSP_MLP_FLAG,
+        KV_GRAD_FP32_FLAG,
+        KV_GRAD_A2A_FLAG,
+        MOE_RING_FLAG,
+    }
     out: List[str] = []
     skip = False
     for item in argv:

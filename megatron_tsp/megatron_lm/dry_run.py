@@ -221,12 +221,28 @@ def group_layout(args) -> Dict[str, List[List[int]]]:
     }
 
 
+def _moe_schedule(args) -> str:
+    """Which MoE schedule the run uses, in words (the dry run prints it)."""
+    if not tsp_args.tsp_size(args):
+        return "Megatron's MoELayer"
+    if getattr(args, "tsp_moe_ring", False):
+        return (
+            "TSP expert ring (--tsp-moe-ring: every expert sharded 1/D per rank, its weight "
+            "shards on the TSP P2P ring; tokens stay, no dispatcher communication)"
+        )
+    return (
+        "experts folded onto the TSP axis (megatron-core MoELayer behind TSP attention; "
+        "--tsp-moe-ring would shard every expert over the TSP ranks instead)"
+    )
+
+
 def moe_layout(args, models) -> Optional[dict]:
     """The MoE layout of the run (None without experts): schedule, experts per rank and this
     rank's global expert ids, the expert groups from Megatron's own rank generator (same order
     as ``initialize_model_parallel``'s expert grid), and the layers of this stage that are MoE."""
     from megatron.core import parallel_state as mpu
     from megatron.core.parallel_state import RankGenerator
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     experts = vars(args).get("num_experts")
     if not experts:
@@ -246,17 +262,13 @@ def moe_layout(args, models) -> Optional[dict]:
     for model in models:
         decoder = getattr(model, "decoder", None)
         for layer in getattr(decoder, "layers", None) or []:
-            if type(getattr(layer, "mlp", None)).__name__ == "MoELayer":
+            if isinstance(getattr(layer, "mlp", None), MoELayer):
                 moe_layers.append(layer.layer_number)
     return {
         "num_experts": experts,
         "topk": getattr(args, "moe_router_topk", None),
         "dispatcher": getattr(args, "moe_token_dispatcher_type", None),
-        "schedule": (
-            "experts folded onto the TSP axis (megatron-core MoELayer behind TSP attention)"
-            if tsp_args.tsp_size(args)
-            else "Megatron's MoELayer"
-        ),
+        "schedule": _moe_schedule(args),
         "ep": ep,
         "etp": etp,
         "experts_per_rank": per_rank,
@@ -474,11 +486,17 @@ def print_report(report: dict) -> None:
     if moe:
         lines += [
             f"  MoE               : {moe['num_experts']} experts, top-{moe['topk']}, "
-            f"{moe['dispatcher']} dispatcher; {moe['schedule']}"
-            + ("; TSP expert ring: not implemented" if tsp else ""),
-            f"  experts           : {moe['experts_per_rank']} per rank (EP {moe['ep']}, "
-            f"expert-TP {moe['etp']}); rank {report['rank']} holds experts "
-            f"{moe['local_experts']}",
+            + (
+                f"{moe['dispatcher']} dispatcher; {moe['schedule']}"
+                if not moe["schedule"].startswith("TSP expert ring")
+                else moe["schedule"]
+            ),
+            (
+                f"  experts           : {moe['experts_per_rank']} per rank (EP {moe['ep']}, "
+                f"expert-TP {moe['etp']}); rank {report['rank']} holds "
+                + ("1/" + str(moe["etp"]) + " of experts " if moe["etp"] > 1 else "experts ")
+                + f"{moe['local_experts']}"
+            ),
             f"  EP groups         : {_fmt_groups(moe['ep_groups'])}",
             f"  expert-TP groups  : {_fmt_groups(moe['etp_groups'])}",
             f"  expert-DP groups  : {_fmt_groups(moe['expert_dp_groups'])}",

@@ -57,6 +57,9 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     if _megatron_arg("tsp_kv_grad_all_to_all"):
         # read by TSPSelfAttention from the config (not a TransformerConfig field)
         cfg.tsp_kv_grad_all_to_all = True
+    if _megatron_arg("tsp_moe_ring"):
+        # read by get_gpt_block_tsp_spec and the config check (not a TransformerConfig field)
+        cfg.tsp_moe_ring = True
     return get_gpt_block_tsp_spec(
         cfg,
         normalization=cfg.normalization,
@@ -130,13 +133,43 @@ def describe_attention_backends(model) -> Optional[str]:
     return "attention backend: " + "; ".join(parts)
 
 
+def describe_moe_schedule(model) -> Optional[str]:
+    """ "MoE schedule: TSP expert ring in 1 MoE layer" (or "experts folded onto the TSP axis")
+    for a TSP model with MoE layers; None for a model without any or a non-TSP model."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tsp.core.layers.moe_ring import TSPRingMoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers or not _is_tsp_model(model):
+        return None
+    ring = sum(isinstance(m, TSPRingMoELayer) for m in layers)
+    parts = []
+    for n, what in (
+        (ring, "TSP expert ring"),
+        (len(layers) - ring, "experts folded onto the TSP axis"),
+    ):
+        if n:
+            parts.append(f"{what} in {n} MoE layer{'s' if n > 1 else ''}")
+    return "MoE schedule: " + "; ".join(parts)
+
+
+def _is_tsp_model(model) -> bool:
+    from megatron_tsp.core.layers.attention import TSPSelfAttention
+
+    return any(isinstance(m, TSPSelfAttention) for m in model.modules())
+
+
 def _log_attention_backends(model) -> None:
-    """Name the attention backend in the training log when the model is built (rank 0)."""
+    """Name the attention backend (and the MoE schedule) in the training log when the model is
+    built (rank 0)."""
     import os
 
-    text = describe_attention_backends(model)
-    if text is not None and os.environ.get("RANK", "0") == "0":
-        print(f"[megatron_tsp] {text}", flush=True)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for text in (describe_attention_backends(model), describe_moe_schedule(model)):
+        if text is not None:
+            print(f"[megatron_tsp] {text}", flush=True)
 
 
 def _resolve_tsp_spec(original):

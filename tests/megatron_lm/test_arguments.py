@@ -273,3 +273,42 @@ def test_checkpoints_store_a_stock_runs_args():
     hybrid.spec, hybrid.tsp_mlp = [A.SPEC_MODULE, "tsp_mlp_block_spec"], True
     stored = wrapped(hybrid, None, None)["args"]
     assert stored.spec is None and not hasattr(stored, "tsp_mlp")
+
+
+def test_tsp_moe_ring_translation_and_refusals():
+    """--tsp-moe-ring: expert-TP left at (or set to) D, EP 1; any other expert layout, the flag
+    without TSP or without experts, refused naming the flag and the numbers. Without the flag
+    the folded schedule's expert-TP 1 is unchanged, and expert-TP D names the ring."""
+    base = ["--tensor-sequence-parallel-size", "4", "--num-experts", "8"]
+    args = parse(*base, "--tsp-moe-ring")
+    A.translate_args(args)
+    assert args.tsp_moe_ring is True and args.expert_tensor_parallel_size == 4
+    args = parse(*base, "--tsp-moe-ring", "--expert-tensor-parallel-size", "4")
+    A.translate_args(args)
+    assert args.expert_tensor_parallel_size == 4
+    args = parse(*base)
+    A.translate_args(args)
+    assert args.tsp_moe_ring is False and args.expert_tensor_parallel_size == 1
+    with pytest.raises(A.TSPArgumentError, match="add --tsp-moe-ring"):
+        A.translate_args(parse(*base, "--expert-tensor-parallel-size", "4"))
+    for extra, named in (
+        (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size=2"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size=2"),
+    ):
+        with pytest.raises(A.TSPArgumentError) as err:
+            A.translate_args(parse(*base, "--tsp-moe-ring", *extra))
+        assert named in str(err.value) and "--tsp-moe-ring" in str(err.value)
+        assert "--tensor-sequence-parallel-size=4" in str(err.value)
+    with pytest.raises(A.TSPArgumentError, match="--tsp-moe-ring .* needs --num-experts"):
+        A.translate_args(parse("--tensor-sequence-parallel-size", "4", "--tsp-moe-ring"))
+    with pytest.raises(A.TSPArgumentError, match="--tsp-moe-ring needs --tensor-sequence"):
+        A.translate_args(
+            parse("--tensor-model-parallel-size", "4", "--num-experts", "8", "--tsp-moe-ring")
+        )
+    args = _validated(num_experts=8, expert_model_parallel_size=1)
+    args.tsp_moe_ring, args.expert_tensor_parallel_size = True, 4
+    A.check_validated_args(args)
+    args.expert_tensor_parallel_size = 1
+    with pytest.raises(A.TSPArgumentError, match="--expert-tensor-parallel-size=1"):
+        A.check_validated_args(args)
+    assert A.strip_tsp_flags(["--tsp-moe-ring", "--num-layers", "2"]) == ["--num-layers", "2"]

@@ -103,6 +103,7 @@ def test_help_lists_the_tsp_group():
         "--tsp-mlp",
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
+        "--tsp-moe-ring",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
         "--tsp-dry-run-rank",
@@ -204,11 +205,44 @@ def test_dry_run_prints_the_moe_layout():
     assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
     for line in (
         "MoE               : 4 experts, top-2, allgather dispatcher; experts folded onto the TSP "
-        "axis (megatron-core MoELayer behind TSP attention); TSP expert ring: not implemented",
+        "axis (megatron-core MoELayer behind TSP attention; --tsp-moe-ring would shard every "
+        "expert over the TSP ranks instead)",
         "experts           : 2 per rank (EP 2, expert-TP 1); rank 3 holds experts [2, 3]",
         "EP groups         : [0, 1]  [2, 3]",
         "expert-TP groups  : [0]  [1]  [2]  [3]",
         "expert-DP groups  : [0, 2]  [1, 3]",
+        "MoE layers        : [2] on this stage",
+    ):
+        assert line in out, (line, out[-3000:])
+
+
+def test_dry_run_prints_the_moe_ring_layout():
+    """--tsp-moe-ring: the launcher leaves expert-TP at D = 2 (EP 1), the ring's MoE layer is
+    built in layer 2, and the dry run names the schedule: every rank holds half of every
+    expert."""
+    model = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 "
+        "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 "
+        "--global-batch-size 2 --train-iters 1 --lr 1e-3 --transformer-impl local "
+        "--no-gradient-accumulation-fusion --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 1024 --swiglu --disable-bias-linear --normalization RMSNorm "
+        "--tensor-sequence-parallel-size 2 --tsp-moe-ring --num-experts 4 "
+        "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-aux-loss-coeff 1e-2"
+    ).split()
+    proc = run_launcher(
+        [_script(), *model, "--moe-layer-freq", "[0,1]", "--tsp-dry-run"]
+        + ["--tsp-dry-run-world-size", "2", "--tsp-dry-run-rank", "1"]
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
+    for line in (
+        "MoE               : 4 experts, top-2, TSP expert ring (--tsp-moe-ring: every expert "
+        "sharded 1/D per rank, its weight shards on the TSP P2P ring; tokens stay, no "
+        "dispatcher communication)",
+        "experts           : 4 per rank (EP 1, expert-TP 2); rank 1 holds 1/2 of experts "
+        "[0, 1, 2, 3]",
+        "EP groups         : [0]  [1]",
+        "expert-TP groups  : [0, 1]",
         "MoE layers        : [2] on this stage",
     ):
         assert line in out, (line, out[-3000:])

@@ -3,8 +3,9 @@ through ``cpu_runner``: TSP D=2 with EP=2, and DP2 x TSP2 with EP=4, against sto
 the same EP (the local TP+SP block with Megatron's own dense / MoE layers and
 sequence-parallel-tagged norms, ``tp_sp_block_spec``), same weights and data, Megatron's own log.
 
-Checkpoints saved under either layout resume under the other. Needs MEGATRON_LM_PATH. About 7
-minutes on a loaded 2-core machine (seven 2-rank and two 4-rank runs).
+Checkpoints saved under either layout resume under the other. The TSP expert ring
+(``--tsp-moe-ring``) against TP=2+SP with expert-TP 2, EP 1, and resuming its checkpoint. Needs
+MEGATRON_LM_PATH. About 8 minutes on a loaded 2-core machine (ten 2-rank and two 4-rank runs).
 """
 
 import re
@@ -109,3 +110,48 @@ def test_checkpoints_interchange_with_tp2_sp_ep2(seed, tmp_path):
             f"resumed: loss {run.losses} vs {resumed.losses}; "
             f"grad norm {run.grad_norms} vs {resumed.grad_norms}"
         )
+
+
+def test_tsp2_moe_ring_matches_tp2_sp_etp2_and_resumes_its_checkpoint(seed, tmp_path):
+    """The TSP expert ring (--tsp-moe-ring: every expert sharded over the 2 TSP ranks, EP 1) vs
+    TP=2+SP with --expert-tensor-parallel-size 2 --expert-model-parallel-size 1 (Megatron's
+    allgather dispatcher), same MoE flags, 4 iterations: loss and grad norm per iteration. TP+SP
+    saves at iterations 2 and 4; the ring resumes its iteration-2 checkpoint (the tracker file
+    pointed at it) and iterations 3-4 equal TP+SP's uninterrupted ones (three runs)."""
+    moe = [
+        a if a != "2" or i != MOE.index("--expert-model-parallel-size") + 1 else "1"
+        for i, a in enumerate(MOE)
+    ]
+    args = loop.STYLES["llama"] + moe + ["--train-iters", "4"]
+    tp_sp = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    tp_sp += loop.TP_SP_CPU
+    ring = ["--tensor-sequence-parallel-size", "2", "--tsp-moe-ring"]
+    ckpt = tmp_path / "tp_sp"
+    ref = loop._run(2, seed, *args, *tp_sp, "--save-interval", "2", "--save", str(ckpt))
+    tsp = loop._run(2, seed, *args, *ring)
+    assert "[megatron_tsp] MoE schedule: TSP expert ring in 1 MoE layer" in tsp.log, tsp.log[-3000:]
+    assert tsp.iterations == ref.iterations == [1, 2, 3, 4], (tsp.iterations, ref.iterations)
+    assert len(set(ref.losses)) == 4  # training happened
+    for a, b in zip(tsp.losses, ref.losses):
+        assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (tsp.losses, ref.losses)
+    for a, b in zip(tsp.grad_norms, ref.grad_norms):
+        assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (tsp.grad_norms, ref.grad_norms)
+    balance, ref_balance = (
+        _logged(tsp.log, "load_balancing_loss"),
+        _logged(ref.log, "load_balancing_loss"),
+    )
+    assert len(balance) == len(ref_balance) >= 4, (balance, ref_balance)
+    for a, b in zip(balance, ref_balance):
+        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = loop._run(2, seed, *args, *ring, "--load", str(ckpt))
+    assert resumed.iterations == [3, 4], resumed.iterations
+    for a, b in zip(resumed.losses, ref.losses[2:]):
+        assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (resumed.losses, ref.losses)
+    for a, b in zip(resumed.grad_norms, ref.grad_norms[2:]):
+        assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (resumed.grad_norms, ref.grad_norms)
+    print(
+        f"ring vs TP+SP ETP=2: loss {tsp.losses} vs {ref.losses}; grad norm {tsp.grad_norms} vs "
+        f"{ref.grad_norms}; resumed from TP+SP's iteration 2: loss {resumed.losses}, grad norm "
+        f"{resumed.grad_norms}"
+    )

@@ -173,6 +173,9 @@ REFUSED = [
     ("tsp", ["--external-cuda-graph"], None),
     # MoE (experts folded onto the TSP ranks; "tsp-moe" below is the accepted control)
     ("tsp", ["--expert-tensor-parallel-size", "2", "--num-experts", "4"], None),
+    # the expert ring ("tsp-moe-ring" below is its accepted control): ETP = D, EP = 1 only
+    ("tsp", ["--expert-tensor-parallel-size", "1", "--tsp-moe-ring", "--num-experts", "4"], None),
+    ("tsp", ["--expert-model-parallel-size", "2", "--tsp-moe-ring", "--num-experts", "4"], None),
     ("tsp", ["--moe-grouped-gemm", "--num-experts", "4"], None),
     ("tsp", ["--moe-expert-capacity-factor", "1.0", "--num-experts", "4"], None),
     ("tsp", ["--moe-router-load-balancing-type", "sinkhorn", "--num-experts", "4"], None),
@@ -267,6 +270,20 @@ MODES = {
         "64",
         "--moe-layer-freq",
         "[0,1]",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ],
+    # the TSP expert ring: the launcher leaves expert-TP at D (EP 1); any dispatcher type
+    "tsp-moe-ring": [
+        "--tensor-sequence-parallel-size",
+        "2",
+        "--tsp-moe-ring",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-shared-expert-intermediate-size",
+        "64",
         "--moe-token-dispatcher-type",
         "alltoall",
     ],
