@@ -586,3 +586,57 @@ def check_expert_ring_zero_tokens(d, seed, with_bias):
             expected[f"grad:{e}.{name}"] = sharding.shard(summed, dim, stride, d, rank)
             i += 1
     return assert_close(actual, expected, rtol=1e-10, what=f"expert ring D={d}, zero tokens")
+
+
+def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
+    """bf16 accuracy of both MoE schedules against Megatron TP=D+SP with the same expert layout,
+    each against the fp64 single-process model on the same bf16-representable weights and batch:
+    the folded schedule (EP=D, ETP=1) and the TSP expert ring (EP=1, ETP=D). Returns, per run
+    ("tp_sp_ep", "tsp_ep", "tp_sp_etp", "tsp_ring"), the loss error and every parameter's
+    relative gradient error (Frobenius, full size)."""
+    dtype64 = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+
+    _setup(1, 1, seed, tsp=False)
+    ref_config = _config(1, 1, dtype64, case, "allgather")
+    ref = _norms_to(
+        _model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype64
+    )
+    _perturb_experts(ref, 0, 1)
+    with torch.no_grad():  # bf16-representable weights: every run starts from these exactly
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).to(dtype64))
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss, _ = _step(ref, data)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    def run(tsp, ep, etp, ring):
+        _setup(d, ep, seed, tsp=tsp, etp=etp)
+        group = mpu.get_tensor_model_parallel_group()
+        ep_rank = mpu.get_expert_model_parallel_rank()
+        config = _config(d, ep, torch.bfloat16, case, "allgather", etp=etp, ring=ring)
+        spec = get_gpt_block_tsp_spec(config) if tsp else _tp_sp_spec(config)
+        model = _model(config, spec, "llama", vocab, seq, False).to(torch.bfloat16)
+        _load_full(
+            model, {n: t.to(torch.bfloat16) for n, t in ref_params.items()}, group, ep_rank, ep
+        )
+        batch_ = zigzag.get_batch_on_this_tsp_rank(data, d) if tsp else data
+        loss, _ = _run(model, batch_, group, ep)
+        _reduce_expert_grads(model, ep_rank, ep)
+        grads = _expert_and_grads(model, ep_rank, ep, group)
+        per_param = {
+            n: ((grads[n].double() - g).norm() / g.norm().clamp_min(1e-30)).item()
+            for n, g in ref_grads.items()
+        }
+        return {
+            "loss": abs(loss.double().item() - ref_loss.item()) / abs(ref_loss.item()),
+            "per_param": per_param,
+        }
+
+    return {
+        "tp_sp_ep": run(False, d, 1, False),
+        "tsp_ep": run(True, d, 1, False),
+        "tp_sp_etp": run(False, 1, d, False),
+        "tsp_ring": run(True, 1, d, True),
+    }
