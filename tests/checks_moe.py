@@ -49,6 +49,8 @@ CASES = {
     "dense_then_moe": dict(layers=2, moe=dict(moe_layer_freq=[0, 1])),
 }
 NUM_EXPERTS = 4
+ROUTING_MARGIN = 0.01  # relative to the router logits' standard deviation
+ROUTING_MARGIN_DRAWS = 60
 
 
 def _ensure_groups(tp: int, ep: int, etp: int = 1) -> None:
@@ -592,11 +594,11 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
     """bf16 accuracy of both MoE schedules against Megatron TP=D+SP with the same expert layout,
     each against the fp64 single-process model on the same bf16-representable weights and batch:
     the folded schedule (EP=D, ETP=1) and the TSP expert ring (EP=1, ETP=D). Returns, per run
-    ("tp_sp_ep", "tsp_ep", "tp_sp_etp", "tsp_ring"), the loss error and every parameter's
-    relative gradient error (Frobenius, full size)."""
+    ("tp_sp_ep", "tsp_ep", "tp_sp_etp", "tsp_ring"), the loss error, every parameter's
+    relative gradient error (Frobenius, full size) and the tokens routed to other experts than
+    the fp64 model's ("flips", summed over routers)."""
     dtype64 = DTYPES["float64"]
     vocab, seq, batch = 128, 32, 2
-    data = _batch(seed, batch, seq, vocab)
 
     _setup(1, 1, seed, tsp=False)
     ref_config = _config(1, 1, dtype64, case, "allgather")
@@ -608,7 +610,21 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
         for p in ref.parameters():
             p.copy_(p.to(torch.bfloat16).to(dtype64))
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    # A batch whose top-k choices are all at least ROUTING_MARGIN apart (router logits' standard
+    # deviations) in the fp64 model: bf16 rounding moves logits by less, so no run should route
+    # a token elsewhere; the runs' "flips" say whether that held.
+    for draw in range(ROUTING_MARGIN_DRAWS):
+        data = _batch(seed + 7919 * draw, batch, seq, vocab)
+        if _min_routing_margin(ref, data) >= ROUTING_MARGIN:
+            break
+    else:
+        raise AssertionError(f"no batch in {ROUTING_MARGIN_DRAWS} with routing margins >= "
+                             f"{ROUTING_MARGIN} (seed={seed})")
+    ref_maps = []
+    hooks = _record_routing(ref, ref_maps)
     ref_loss, _ = _step(ref, data)
+    for h in hooks:
+        h.remove()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
 
     def run(tsp, ep, etp, ring):
@@ -622,7 +638,12 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
             model, {n: t.to(torch.bfloat16) for n, t in ref_params.items()}, group, ep_rank, ep
         )
         batch_ = zigzag.get_batch_on_this_tsp_rank(data, d) if tsp else data
+        maps = []
+        hooks = _record_routing(model, maps)
         loss, _ = _run(model, batch_, group, ep)
+        for h in hooks:
+            h.remove()
+        flips = _routing_flips(maps, ref_maps, group, d, tsp, batch)
         _reduce_expert_grads(model, ep_rank, ep)
         grads = _expert_and_grads(model, ep_rank, ep, group)
         per_param = {
@@ -632,6 +653,7 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
         return {
             "loss": abs(loss.double().item() - ref_loss.item()) / abs(ref_loss.item()),
             "per_param": per_param,
+            "flips": flips,
         }
 
     return {
@@ -640,3 +662,52 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
         "tp_sp_etp": run(False, 1, d, False),
         "tsp_ring": run(True, 1, d, True),
     }
+
+
+def _record_routing(model, maps):
+    """Forward hooks appending each router's routing map ([tokens, experts], bool) to ``maps``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [
+        m.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach().clone()))
+        for m in model.modules()
+        if isinstance(m, TopKRouter)
+    ]
+
+
+def _routing_flips(maps, ref_maps, group, d, tsp, batch):
+    """Tokens (summed over routers) whose chosen experts differ from the fp64 model's: the local
+    maps are gathered over the TSP / SP group and put back in sequence order."""
+    flips = 0
+    for local, ref in zip(maps, ref_maps):
+        local = local.reshape(-1, batch, local.shape[-1])
+        parts = [torch.empty_like(local) for _ in range(d)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        full = torch.cat(parts, dim=0)
+        if tsp:
+            full = zigzag.unpermute(full, d, dim=0)
+        ref = ref.reshape(full.shape)
+        flips += int((full != ref).any(dim=-1).sum())
+    return flips
+
+
+def _min_routing_margin(model, data):
+    """The smallest gap, over every router and token of one forward of ``model``, between the
+    k-th and (k+1)-th largest router logit, relative to that router's logits' standard
+    deviation."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    margins = []
+
+    def record(router, args, out):
+        logits = args[0] @ router.weight.t()
+        top = logits.topk(router.topk + 1, dim=-1).values
+        margins.append(((top[..., -2] - top[..., -1]).min() / logits.std()).item())
+
+    hooks = [r.register_forward_hook(record) for r in routers]
+    with torch.no_grad():
+        model(data["tokens"], data["position_ids"], data["attention_mask"])
+    for h in hooks:
+        h.remove()
+    return min(margins)

@@ -58,24 +58,46 @@ def test_moe_ring_zero_tokens(pool4, seed, with_bias):
     print(f"worst relative errors: {checks_moe.worst(errors)}")
 
 
+# A near-tie in the router's top-k is decided by rounding: a run that routes one token to another
+# expert than the fp64 model does has an error set by that token (measured: 1.4x or 0.5x TP+SP's
+# in one seed), a coin both schedules toss equally. Seeds where a pair's runs route differently
+# from the fp64 model are set aside (counted, printed) until MOE_BF16_SEEDS seeds route alike.
+MOE_BF16_SEEDS = 4
+MOE_BF16_MAX_DRAWS = 8
+MOE_BF16_MAX_FLIPS = 3  # tokens per run; a routing bug changes far more
+
+
 @pytest.mark.parametrize("d", [4])
 def test_moe_bf16_no_less_accurate_than_tp_sp(pool4, seed, d):
     """bf16, both schedules (experts folded onto the TSP axis, EP=D; the TSP expert ring,
     ETP=D) against Megatron TP=D+SP with the same expert layout, each against the fp64
-    single-process model on the same bf16-representable weights: over three seeds, TSP's median
-    gradient error and its mean error over the expert weights within 5% of TP+SP's (per seed
-    0.60-1.14x, mean 0.8-0.9x; docs/moe.md)."""
+    single-process model on the same bf16-representable weights: over ``MOE_BF16_SEEDS`` seeds
+    whose bf16 runs route every token as the fp64 model does, TSP's median gradient error and its
+    mean error over the expert weights within 5% of TP+SP's (per seed 0.45-0.89x; docs/moe.md).
+    Every run routes at most ``MOE_BF16_MAX_FLIPS`` tokens differently from the fp64 model."""
     import statistics
 
     pairs = {"folded": ("tp_sp_ep", "tsp_ep"), "ring": ("tp_sp_etp", "tsp_ring")}
     ratios = {k: ([], []) for k in pairs}
-    for i in range(3):
+    set_aside = {k: [] for k in pairs}
+    for i in range(MOE_BF16_MAX_DRAWS):
+        if all(len(r[0]) >= MOE_BF16_SEEDS for r in ratios.values()):
+            break
         r = pool4.run(checks_moe.moe_bf16_errors_vs_fp64, d, seed + i)[0]
+        flips = {k: v["flips"] for k, v in r.items()}
+        assert max(flips.values()) <= MOE_BF16_MAX_FLIPS, (flips, f"seed={seed + i}")
         for k, (base, tsp) in pairs.items():
+            if flips[base] or flips[tsp]:
+                set_aside[k].append((seed + i, flips[base], flips[tsp]))
+                continue
             a, b = r[base]["per_param"], r[tsp]["per_param"]
             ratios[k][0].append(statistics.median(b.values()) / statistics.median(a.values()))
             ratios[k][1].append(statistics.mean(b[n] / a[n] for n in a if ".experts." in n))
     for k, (median, experts) in ratios.items():
-        print(f"{k}: median gradient error ratio {median}, expert weights {experts}")
+        print(
+            f"{k}: median gradient error ratio {median}, expert weights {experts}; set aside "
+            f"(seed, TP+SP flips, TSP flips): {set_aside[k]}"
+        )
+        assert len(median) >= MOE_BF16_SEEDS, (k, set_aside[k], f"seed={seed}")
         assert statistics.mean(median) <= 1.05, (k, median, f"seed={seed}")
         assert statistics.mean(experts) <= 1.05, (k, experts, f"seed={seed}")

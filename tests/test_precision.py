@@ -177,15 +177,17 @@ def _report_and_check_gpt(runs, seed, style, weight_tolerance=None, grad_median_
 
 # dK/dV wire (issue 19 §2): seeds per style, and tolerances on the median over seeds of TSP's
 # error / TP+SP's (a median over seeds is robust to the one noisy seed a mean is not). Measured
-# (docs/precision.md, 5 seeds): median gradient error 0.99-1.03 with either wire; the first
-# layer's QKV weight gradient, the one the dK/dV feeds, 1.07 with the bf16 wire (the D partials
-# are rounded and summed in bf16) and 1.00-1.02 with the fp32 wire.
+# (docs/precision.md, Llama, D = 4, the same 10 seeds for each setting): the median gradient
+# error over all parameters 0.99-1.03 with either wire; the first layer's QKV weight gradient,
+# the one the dK/dV feeds, 1.10 (mean; per seed 0.99-1.20) with the bf16 wire, whose collective
+# adds the D partials in bf16, and 1.05 (0.98-1.11) with the fp32 wire, whose only extra rounding
+# is each rank's partial dK/dV leaving the attention kernel in bf16.
 KV_WIRE_SEEDS = 5
 KV_WIRE_TOLERANCE = 1.05  # the median gradient error over all parameters (default wire)
-# One matrix's error ratio varies more from seed to seed: the first layer's QKV weight gradient
-# with the fp32 wire measured 0.97-1.16 per seed (median of 5 seeds 1.00-1.06 across runs), with
-# the bf16 wire 0.98-1.07 for the median; both are held to this bound
-KV_WIRE_QKV_TOLERANCE = 1.15
+# One matrix's ratio varies from seed to seed (per-seed spread about 0.065), so a 5-seed median
+# moves by about 0.035: each wire is held 3 such steps above its measured mean. The bf16 wire's
+# bound is above 1: the default trades 10% on this one matrix for 0.75x TP+SP's wire bytes.
+KV_WIRE_QKV_TOLERANCE = {"qkv": 1.21, "qkv_fp32": 1.15}
 _QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
@@ -197,7 +199,7 @@ def test_gpt_bf16_dkv_wire_within_tp_sp(pool4, seed, style):
     error and the first layer's QKV weight-gradient error (the gradient the dK/dV feeds), printed
     for both settings (docs/precision.md). Asserted, on the median over seeds of TSP's / TP+SP's
     error: the default's median gradient error <= ``KV_WIRE_TOLERANCE``; the QKV weight gradient
-    <= ``KV_WIRE_QKV_TOLERANCE`` with either wire."""
+    within ``KV_WIRE_QKV_TOLERANCE`` for each wire."""
     kinds = ("tp_sp", "tsp", "tsp_kv_fp32")
     runs = [
         pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style, kinds=kinds)[0]
@@ -224,10 +226,6 @@ def test_gpt_bf16_dkv_wire_within_tp_sp(pool4, seed, style):
         "  median over seeds of TSP / TP+SP: "
         + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
     )
-    limits = {
-        "grad_median": KV_WIRE_TOLERANCE,
-        "qkv_fp32": KV_WIRE_QKV_TOLERANCE,
-        "qkv": KV_WIRE_QKV_TOLERANCE,
-    }
+    limits = {"grad_median": KV_WIRE_TOLERANCE, **KV_WIRE_QKV_TOLERANCE}
     for key, limit in limits.items():
         assert medians[key] <= limit, (key, limit, medians, ratios)
