@@ -618,8 +618,10 @@ def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
         if _min_routing_margin(ref, data) >= ROUTING_MARGIN:
             break
     else:
-        raise AssertionError(f"no batch in {ROUTING_MARGIN_DRAWS} with routing margins >= "
-                             f"{ROUTING_MARGIN} (seed={seed})")
+        raise AssertionError(
+            f"no batch in {ROUTING_MARGIN_DRAWS} with routing margins >= "
+            f"{ROUTING_MARGIN} (seed={seed})"
+        )
     ref_maps = []
     hooks = _record_routing(ref, ref_maps)
     ref_loss, _ = _step(ref, data)
