@@ -114,10 +114,26 @@ def _moe_ring_spec(num_experts: int) -> ModuleSpec:
     experts, sharded 1/D per rank like ETP=D, run on the weight ring); router and shared expert
     are Megatron's (``megatron_tsp/core/layers/moe_ring.py``)."""
     import copy
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_tsp.core.layers.moe_ring import TSPRingExperts, TSPRingMoELayer
 
     stock = copy.deepcopy(_moe_spec(num_experts))
+    if isinstance(stock, functools.partial):
+        # megatron-core 0.19: the MoE spec is a builder, partial(MoELayer, submodules=...), whose
+        # experts are partial(SequentialMLP, submodules=...); the ring keeps both submodules
+        submodules = stock.keywords["submodules"]
+        experts = submodules.experts
+        if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+            raise TypeError(f"the TSP expert ring replaces SequentialMLP experts, got {experts!r}")
+        experts = functools.partial(TSPRingExperts, *experts.args, **experts.keywords)
+        return TSPRingMoESpec(
+            module=TSPRingMoELayer,
+            submodules=dataclasses.replace(submodules, experts=experts),
+        )
     stock.submodules.experts.module = TSPRingExperts
     return TSPRingMoESpec(
         module=TSPRingMoELayer,

@@ -219,8 +219,15 @@ class TSPRingExperts(SequentialMLP):
     ``forward`` differs. Every expert is local (EP=1) and its weights are sharded over the TSP
     group, which must be the expert-TP group."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
+        # newer cores pass more keywords (0.19: name): forward those SequentialMLP accepts
+        super().__init__(
+            num_local_experts,
+            config,
+            submodules,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
         ep, etp, tp = pg_collection.ep, pg_collection.expt_tp, pg_collection.tp
         d = dist.get_world_size(tp)
         if dist.get_world_size(ep) != 1 or dist.get_process_group_ranks(
@@ -289,14 +296,20 @@ class TSPRingMoELayer(MoELayer):
     dispatcher and ``TSPRingExperts``. The dispatcher type flag does not matter here (no tokens
     move); megatron-core builds its allgather dispatcher, which this class replaces."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         if config.moe_token_dispatcher_type != "allgather":
             # the alltoall dispatcher's constructor needs CUDA streams and is never used here
             config = copy.copy(config)
             config.moe_token_dispatcher_type = "allgather"
-        super().__init__(config, submodules, layer_number, pg_collection)
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            pg_collection,
+            **kwargs,  # megatron-core 0.19: is_mtp_layer, name
+        )
         self.token_dispatcher = TSPLocalTokenDispatcher(
             self.num_local_experts,
             self.local_expert_indices,
