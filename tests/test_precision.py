@@ -8,6 +8,8 @@ Runtime: about 2 min on 4 gloo ranks (2 shared CPU cores): ~20 s for the MLP tes
 whole-model test (three seeds, an fp64 reference and two bf16 models each).
 """
 
+import math
+import secrets
 import statistics
 
 import pytest
@@ -33,47 +35,57 @@ def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
             assert r["tsp"][name] <= 1.01 * r["tp_sp"][name], (name, r)
 
 
-# Tolerances of the whole-model test (TSP error / TP+SP error, each a mean over SEEDS seeds),
+# Tolerances of the whole-model test (TSP error / TP+SP error, each a mean over GPT_SEEDS seeds),
 # measured over 6-16 seeds per style: TSP's hidden-state error was below TP+SP's in 32/32 single
-# seeds (ratio <= 0.993), so it is asserted without tolerance. The per-token loss and the median
-# gradient error are dominated by rounding both sides do identically (bf16 logits, bf16
-# activations in backward): over sliding 3-seed windows their ratio spanned 0.90-1.08 and
-# 0.95-1.03. The mean per-matrix ratio over the MLP's weight matrices spanned 0.98-1.01 (1.05-1.07
-# with a bf16 accumulator planted in TSP's MLP), over attention's 0.94-1.04 (1.10-1.18 planted in
-# attention; the QKV weight gradient is the noisiest, 0.88-1.23 per seed);
+# seeds (ratio <= 0.993), and in 48/48 more with the bf16 dK/dV wire (docs/precision.md), so it is
+# asserted without tolerance. The per-token loss is dominated by rounding both sides do
+# identically (bf16 logits): over sliding 3-seed windows its ratio spanned 0.90-1.12. The
+# gradients are judged by the geometric mean over all parameters of the per-parameter error ratio
+# (``_grad_geomean``): 24 seeds per style with the default bf16 wire, mean 0.986 / 0.987 (Llama /
+# GPT-2), per-seed sd 0.024 / 0.031, 3-seed means <= 1.011. The median over parameters is printed
+# only: in a two-layer model it is one matrix's error, and five matrices lie within 5% of it, so
+# which one it is changes from seed to seed (per-seed sd 0.05; a CI run drew a 3-seed mean of
+# 1.076 on the same code whose 24-seed mean is 1.008). The mean per-matrix ratio over the MLP's
+# weight matrices spanned 0.98-1.01 (1.05-1.07 with a bf16 accumulator planted in TSP's MLP), over
+# attention's 0.94-1.06 (1.10-1.19 planted in attention; the QKV weight gradient is the noisiest,
+# 0.88-1.29 per seed; with the bf16 dK/dV wire the per-seed mean is 1.019 / 1.026, sd 0.046 /
+# 0.031, and one 5-seed mean read 1.056, hence 1.08);
 # test_gpt_bf16_check_catches_planted_bf16_accumulation shows they catch it.
 TOKEN_LOSS_TOLERANCE = 1.15
-GRAD_MEDIAN_TOLERANCE = 1.05
-WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.07}
+GRAD_GEOMEAN_TOLERANCE = 1.03
+WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.08}
 SEEDS = 3
-# TSP2 x CP2 against TP2+SP, 2 x 10 seeds per style (docs/precision.md). bf16 ring
-# reduce-scatter of dK/dV (default): per-seed attention weight-gradient ratio mean 1.03-1.045
-# (0.98-1.12), median gradient error mean 0.98-1.01 (0.92-1.11): 5-seed means reach 1.05, hence
-# the wider bound for it. --tsp-kv-grad-all-to-all: attention 1.03-1.04, median gradient 0.99-1.00,
-# held to the C = 1 bounds.
+# TSP2 x CP2 against TP2+SP (docs/precision.md): 16 seeds per style with the gradients'
+# geometric-mean criterion: bf16 ring reduce-scatter of dK/dV (default) 1.004 / 0.898 (Llama /
+# GPT-2; 5-seed means <= 1.016), --tsp-kv-grad-all-to-all 0.997 / 0.900; held to the C = 1 bound.
+# The attention weight gradients' per-seed mean ratio 1.050 / 1.018 (5-seed means <= 1.074) with
+# the ring, 1.040 / 1.010 (<= 1.057) with the all-to-all, which is held to the C = 1 bounds. The
+# median gradient error (printed only) read 1.045 / 0.974 per seed, 5-seed means up to 1.086.
+# Hidden states: TSP's error above TP+SP's in 5 of 16 single Llama seeds (<= 1.01), 5-seed means
+# <= 0.995.
 CP_SEEDS = 5
 CP_RING_TOLERANCE = 1.10
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
+def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, style):
     """Two-layer GPTModel (llama: GQA + RoPE + SwiGLU + RMSNorm; gpt2: MHA + learned positions +
-    GeLU + LayerNorm + biases), Megatron's vocab-parallel cross-entropy, three batches/weight sets
-    (seeds ``seed .. seed+2``), errors against fp64 averaged over them.
+    GeLU + LayerNorm + biases), Megatron's vocab-parallel cross-entropy, ``GPT_SEEDS`` batches /
+    weight sets (``_gpt_runs``, shared with the dK/dV-wire test), errors against fp64 averaged
+    over them; TSP with its default (bf16) dK/dV wire.
 
     Forward: each layer's output and the final norm's output (the tensors TSP computes
     differently) must be no less accurate than TP+SP's, without tolerance. The scalar loss error
     is printed but not asserted: it is a signed sum of ~1e-4 per-token errors that cancel to
     ~1e-5, far below bf16 resolution, and over 16 seeds it fell on either side of TP+SP's (7/16
     and 8/16 seeds below). The loss is judged as a tensor instead: the per-token loss error
-    (Frobenius, relative) within ``TOKEN_LOSS_TOLERANCE`` of TP+SP's, and the median (over
-    parameters) gradient error within ``GRAD_MEDIAN_TOLERANCE``. Weight gradients: the mean over
+    (Frobenius, relative) within ``TOKEN_LOSS_TOLERANCE`` of TP+SP's. Gradients: the geometric
+    mean over all parameters of TSP's error / TP+SP's within ``GRAD_GEOMEAN_TOLERANCE`` (the
+    median gradient error is printed). Weight gradients: the mean over
     the linear layers' weight matrices of TSP's error / TP+SP's within ``WEIGHT_GRAD_TOLERANCE``
     (each is one fp32 GEMM rounded once in TP+SP; TSP sums D per-rank partials in fp32)."""
-    runs = [
-        pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style)[0] for i in range(SEEDS)
-    ]
-    _report_and_check_gpt(runs, seed, style)
+    first, raw = _gpt_runs(pool4, style)
+    _report_and_check_gpt([{k: r[k] for k in ("tp_sp", "tsp")} for r in raw], first, style)
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -85,7 +97,7 @@ def test_gpt_bf16_tsp_x_cp_no_less_accurate_than_tp_sp(pool4, seed, style):
     rank holds which tokens, and the fp64 model is the common reference.
 
     Gradients are summed over CP in fp32 and not rounded back, as Megatron's DDP does for bf16.
-    The attention weight gradients and the median gradient get ``CP_RING_TOLERANCE``: the bf16 dK/dV
+    The attention weight gradients get ``CP_RING_TOLERANCE``: the bf16 dK/dV
     reduce-scatter now sums D*C = 4 bf16 partials instead of D, rounding at each hop
     (docs/precision.md, TSP x CP). With ``--tsp-kv-grad-all-to-all`` (the partials summed in
     fp32 at the owner) the C = 1 criteria hold unchanged."""
@@ -95,13 +107,10 @@ def test_gpt_bf16_tsp_x_cp_no_less_accurate_than_tp_sp(pool4, seed, style):
         for i in range(CP_SEEDS)
     ]
     ring = {".self_attention.linear_": CP_RING_TOLERANCE}
-    for kind, weights, median in (
-        ("tsp_cp2", ring, CP_RING_TOLERANCE),
-        ("tsp_cp2_a2a", None, None),
-    ):
+    for kind, weights in (("tsp_cp2", ring), ("tsp_cp2_a2a", None)):
         runs = [{"tp_sp": r["tp_sp"], "tsp": r[kind]} for r in raw]
         what = f"{style}, TSP2 x CP2 ({kind}) vs TP2+SP"
-        _report_and_check_gpt(runs, seed, what, weights, median)
+        _report_and_check_gpt(runs, seed, what, weights)
 
 
 @pytest.mark.parametrize("plant", ["mlp", "attention"])
@@ -133,7 +142,19 @@ def _mean_of(runs, kind, *keys):
     return statistics.mean(values)
 
 
-def _report_and_check_gpt(runs, seed, style, weight_tolerance=None, grad_median_tolerance=None):
+def _grad_geomean(run) -> float:
+    """Geometric mean over all parameters of TSP's gradient error / TP+SP's, for one seed."""
+    base = run["tp_sp"]["per_param"]
+    return math.exp(statistics.mean(math.log(run["tsp"]["per_param"][n] / base[n]) for n in base))
+
+
+def _report_and_check_gpt(
+    runs,
+    seed,
+    style,
+    weight_tolerance=None,
+    grad_geomean_tolerance=GRAD_GEOMEAN_TOLERANCE,
+):
     print(
         f"\n{style} bf16 D={D}, error vs fp64, mean of {len(runs)} seeds from {seed} (TP+SP | TSP)"
     )
@@ -146,13 +167,23 @@ def _report_and_check_gpt(runs, seed, style, weight_tolerance=None, grad_median_
     for metric, tolerance in (
         ("loss", None),
         ("token_losses", TOKEN_LOSS_TOLERANCE),
-        ("grad_median", grad_median_tolerance or GRAD_MEDIAN_TOLERANCE),
+        ("grad_median", None),
     ):
         a, b = (_mean_of(runs, k, metric) for k in ("tp_sp", "tsp"))
         note = "(printed only)" if tolerance is None else f"(TSP <= {tolerance} x TP+SP)"
         print(f"  {metric:26s} {a:.3e} | {b:.3e}  {note}")
         if tolerance is not None and b > tolerance * a:
             failures.append(f"{metric}: TSP {b:.3e} > {tolerance} x TP+SP {a:.3e}")
+    geomean = statistics.mean(_grad_geomean(r) for r in runs)
+    print(
+        f"  gradients: geometric mean over parameters of TSP/TP+SP error {geomean:.3f} "
+        f"(<= {grad_geomean_tolerance})"
+    )
+    if geomean > grad_geomean_tolerance:
+        failures.append(
+            f"gradients: geometric-mean TSP/TP+SP error ratio {geomean:.3f} > "
+            f"{grad_geomean_tolerance}"
+        )
     tolerances = {**WEIGHT_GRAD_TOLERANCE, **(weight_tolerance or {})}
     weight_ratios = {family: [] for family in tolerances}
     for name in runs[0]["tsp"]["per_param"]:
@@ -175,57 +206,78 @@ def _report_and_check_gpt(runs, seed, style, weight_tolerance=None, grad_median_
     assert not failures, f"seed={seed} style={style}: " + "; ".join(failures)
 
 
-# dK/dV wire (issue 19 §2): seeds per style, and tolerances on the median over seeds of TSP's
-# error / TP+SP's (a median over seeds is robust to the one noisy seed a mean is not). Measured
-# (docs/precision.md, Llama, D = 4, the same 10 seeds for each setting): the median gradient
-# error over all parameters 0.99-1.03 with either wire; the first layer's QKV weight gradient,
-# the one the dK/dV feeds, 1.10 (mean; per seed 0.99-1.20) with the bf16 wire, whose collective
-# adds the D partials in bf16, and 1.05 (0.98-1.11) with the fp32 wire, whose only extra rounding
-# is each rank's partial dK/dV leaving the attention kernel in bf16.
-KV_WIRE_SEEDS = 5
-KV_WIRE_TOLERANCE = 1.05  # the median gradient error over all parameters (default wire)
-# One matrix's ratio varies from seed to seed (per-seed spread about 0.065), so a 5-seed median
-# moves by about 0.035: each wire is held 3 such steps above its measured mean. The bf16 wire's
-# bound is above 1: the default trades 10% on this one matrix for 0.75x TP+SP's wire bytes.
+# The whole-model runs of the two tests above and below: per style, GPT_SEEDS consecutive seeds
+# from one fresh seed, each an fp64 reference and three bf16 models (TP+SP, TSP with the default
+# bf16 dK/dV wire, TSP with the fp32 wire), drawn once per test session (~10 s per seed).
+GPT_SEEDS = 5
+_GPT_KINDS = ("tp_sp", "tsp", "tsp_kv_fp32")
+_gpt_cache = {}
+
+
+def _gpt_runs(pool4, style):
+    """``(first seed, [bf16_errors_vs_fp64 result per seed])`` for ``style``, computed once."""
+    if style not in _gpt_cache:
+        first = secrets.randbelow(2**31)
+        print(f"whole-model bf16 runs, {style}: seeds {first}..{first + GPT_SEEDS - 1}")
+        runs = [
+            pool4.run(checks_precision.bf16_errors_vs_fp64, D, first + i, style, kinds=_GPT_KINDS)[
+                0
+            ]
+            for i in range(GPT_SEEDS)
+        ]
+        _gpt_cache[style] = (first, runs)
+    return _gpt_cache[style]
+
+
+# dK/dV wire (issue 19 §2): tolerances on the median over the GPT_SEEDS seeds of TSP's error /
+# TP+SP's (robust to the one noisy seed a mean is not). Measured (docs/precision.md, D = 4, 24
+# seeds per style, the same seeds for each setting): the geometric mean over parameters of the
+# gradient-error ratio 0.986 / 0.987 (Llama / GPT-2) with the bf16 wire and 0.977 / 0.984 with
+# the fp32 wire (5-seed medians <= 1.011); the first layer's QKV weight gradient, the one the
+# dK/dV feeds, 1.061 / 1.065 (per seed 0.92-1.29) with the bf16 wire, whose collective adds the D
+# partials in bf16, and 1.003 / 1.033 (0.86-1.20) with the fp32 wire, whose only extra rounding
+# is each rank's partial dK/dV leaving the attention kernel in bf16. An earlier 10-seed Llama
+# draw read 1.10 / 1.05, one CI run a 5-seed median of 1.178 on the bf16 wire.
+KV_WIRE_TOLERANCE = 1.03  # gradients' geometric-mean ratio, default wire
+# One matrix's ratio varies from seed to seed (per-seed sd up to 0.094), so a 5-seed median moves
+# by about 0.05: each wire's bound is about 2.5 such steps above its measured mean (pooled over
+# every draw: bf16 1.08, fp32 1.03). The bf16 wire's bound is above 1: the default trades
+# 5-10% on this one matrix for 0.75x TP+SP's wire bytes.
 KV_WIRE_QKV_TOLERANCE = {"qkv": 1.21, "qkv_fp32": 1.15}
 _QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_gpt_bf16_dkv_wire_within_tp_sp(pool4, seed, style):
+def test_gpt_bf16_dkv_wire_within_tp_sp(pool4, style):
     """TSP's dK/dV reduce-scatter in bf16 (the default: TP+SP's activation gradients travel in
     bf16 too) against TP+SP and against the fp32 wire (``kv_grad_reduce_in_fp32``), each vs an
-    fp64 model, over ``KV_WIRE_SEEDS`` seeds: per seed the median (over parameters) gradient
-    error and the first layer's QKV weight-gradient error (the gradient the dK/dV feeds), printed
-    for both settings (docs/precision.md). Asserted, on the median over seeds of TSP's / TP+SP's
-    error: the default's median gradient error <= ``KV_WIRE_TOLERANCE``; the QKV weight gradient
-    within ``KV_WIRE_QKV_TOLERANCE`` for each wire."""
-    kinds = ("tp_sp", "tsp", "tsp_kv_fp32")
-    runs = [
-        pool4.run(checks_precision.bf16_errors_vs_fp64, D, seed + i, style, kinds=kinds)[0]
-        for i in range(KV_WIRE_SEEDS)
-    ]
+    fp64 model, over ``GPT_SEEDS`` seeds: per seed the gradients' geometric-mean error ratio and
+    the first layer's QKV weight-gradient error (the gradient the dK/dV feeds), printed for both
+    settings (docs/precision.md). Asserted, on the median over seeds of TSP's / TP+SP's error:
+    the default's geometric-mean ratio <= ``KV_WIRE_TOLERANCE``; the QKV weight gradient within
+    ``KV_WIRE_QKV_TOLERANCE`` for each wire."""
+    first, runs = _gpt_runs(pool4, style)
     print(
-        f"\n{style} bf16 D={D}, error vs fp64 per seed from {seed}: TP+SP | TSP bf16 wire | "
-        "TSP fp32 wire"
+        f"\n{style} bf16 D={D}, error vs fp64 per seed from {first}: TP+SP | TSP bf16 wire | "
+        "TSP fp32 wire (geo: geometric mean over parameters of TSP/TP+SP)"
     )
-    ratios = {"grad_median": [], "qkv": [], "grad_median_fp32": [], "qkv_fp32": []}
+    ratios = {"geo": [], "qkv": [], "geo_fp32": [], "qkv_fp32": []}
     for i, r in enumerate(runs):
-        med = [r[k]["grad_median"] for k in kinds]
-        qkv = [r[k]["per_param"][_QKV] for k in kinds]
+        qkv = [r[k]["per_param"][_QKV] for k in _GPT_KINDS]
+        geo = [_grad_geomean({"tp_sp": r["tp_sp"], "tsp": r[k]}) for k in _GPT_KINDS[1:]]
         print(
-            f"  seed {seed + i}: grad_median {med[0]:.4e} | {med[1]:.4e} | {med[2]:.4e}   "
+            f"  seed {first + i}: geo {geo[0]:.3f} | {geo[1]:.3f}   "
             f"qkv {qkv[0]:.4e} | {qkv[1]:.4e} | {qkv[2]:.4e}"
         )
-        ratios["grad_median"].append(med[1] / med[0])
+        ratios["geo"].append(geo[0])
         ratios["qkv"].append(qkv[1] / qkv[0])
-        ratios["grad_median_fp32"].append(med[2] / med[0])
+        ratios["geo_fp32"].append(geo[1])
         ratios["qkv_fp32"].append(qkv[2] / qkv[0])
     medians = {k: statistics.median(v) for k, v in ratios.items()}
     print(
         "  median over seeds of TSP / TP+SP: "
         + ", ".join(f"{k} {v:.3f}" for k, v in medians.items())
     )
-    limits = {"grad_median": KV_WIRE_TOLERANCE, **KV_WIRE_QKV_TOLERANCE}
+    limits = {"geo": KV_WIRE_TOLERANCE, **KV_WIRE_QKV_TOLERANCE}
     for key, limit in limits.items():
-        assert medians[key] <= limit, (key, limit, medians, ratios)
+        assert medians[key] <= limit, (first, key, limit, medians, ratios)
