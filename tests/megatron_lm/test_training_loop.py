@@ -287,3 +287,33 @@ def test_script_that_bypasses_the_batch_hook_is_refused(tmp_path, seed):
     assert run.returncode != 0 and not run.losses, run.log[-3000:]
     assert "UnpermutedBatchError" in run.log, run.log[-3000:]
     assert "did not pass through get_batch_on_this_tsp_rank" in run.log
+
+
+def test_ranks_forked_from_the_zygote_equal_fresh_processes(seed, monkeypatch):
+    """``cpu_runner`` forks ranks from a process that has imported Megatron-LM once
+    (``rank_zygote``); a fresh process per rank (``TSP_CPU_RUNNER_FORK=0``) gives the same loss
+    and grad norm to the bit, and the same log lines after start-up. A rank that fails is
+    reported with its exit code and log through the zygote too."""
+    from megatron_tsp.megatron_lm import rank_zygote
+
+    started = []
+    original_start = rank_zygote.Zygote.start
+
+    def counting_start(self, *args, **kwargs):
+        started.append(self)
+        return original_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(rank_zygote.Zygote, "start", counting_start)
+    args = STYLES["llama"] + ["--tensor-sequence-parallel-size", "2"]
+    forked = _run(2, seed, *args)
+    assert len(started) == 2, "the ranks were not forked from a zygote"
+    monkeypatch.setenv(rank_zygote.FORK_ENV, "0")
+    fresh = _run(2, seed, *args)
+    assert len(started) == 2
+    assert forked.losses == fresh.losses and forked.grad_norms == fresh.grad_norms
+    monkeypatch.delenv(rank_zygote.FORK_ENV)
+    failed = _run(2, seed, *args, "--num-attention-heads", "3", check=False)
+    assert len(started) == 4
+    assert failed.returncode != 0 and failed.failed_rank is not None
+    log = failed.rank_log(failed.failed_rank)
+    assert "assert args.hidden_size % args.num_attention_heads == 0" in log, log[-3000:]
