@@ -115,9 +115,9 @@ def test_checkpoints_interchange_with_tp2_sp_ep2(seed, tmp_path):
 def test_tsp2_moe_ring_matches_tp2_sp_etp2_and_resumes_its_checkpoint(seed, tmp_path):
     """The TSP expert ring (--tsp-moe-ring: every expert sharded over the 2 TSP ranks, EP 1) vs
     TP=2+SP with --expert-tensor-parallel-size 2 --expert-model-parallel-size 1 (Megatron's
-    allgather dispatcher), same MoE flags, 4 iterations: loss and grad norm per iteration. TP+SP
-    saves at iterations 2 and 4; the ring resumes its iteration-2 checkpoint (the tracker file
-    pointed at it) and iterations 3-4 equal TP+SP's uninterrupted ones (three runs)."""
+    allgather dispatcher), same MoE flags, 4 iterations: loss and grad norm per iteration. Both
+    save at iterations 2 and 4; each resumes the other's iteration-2 checkpoint (the tracker file
+    pointed at it) and iterations 3-4 equal the uninterrupted TP+SP run's (four runs)."""
     moe = [
         a if a != "2" or i != MOE.index("--expert-model-parallel-size") + 1 else "1"
         for i, a in enumerate(MOE)
@@ -126,9 +126,9 @@ def test_tsp2_moe_ring_matches_tp2_sp_etp2_and_resumes_its_checkpoint(seed, tmp_
     tp_sp = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
     tp_sp += loop.TP_SP_CPU
     ring = ["--tensor-sequence-parallel-size", "2", "--tsp-moe-ring"]
-    ckpt = tmp_path / "tp_sp"
+    ckpt, ring_ckpt = tmp_path / "tp_sp", tmp_path / "ring"
     ref = loop._run(2, seed, *args, *tp_sp, "--save-interval", "2", "--save", str(ckpt))
-    tsp = loop._run(2, seed, *args, *ring)
+    tsp = loop._run(2, seed, *args, *ring, "--save-interval", "2", "--save", str(ring_ckpt))
     assert "[megatron_tsp] MoE schedule: TSP expert ring in 1 MoE layer" in tsp.log, tsp.log[-3000:]
     assert tsp.iterations == ref.iterations == [1, 2, 3, 4], (tsp.iterations, ref.iterations)
     assert len(set(ref.losses)) == 4  # training happened
@@ -150,8 +150,16 @@ def test_tsp2_moe_ring_matches_tp2_sp_etp2_and_resumes_its_checkpoint(seed, tmp_
         assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (resumed.losses, ref.losses)
     for a, b in zip(resumed.grad_norms, ref.grad_norms[2:]):
         assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (resumed.grad_norms, ref.grad_norms)
+    (ring_ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    tp_sp_resumed = loop._run(2, seed, *args, *tp_sp, "--load", str(ring_ckpt))
+    assert tp_sp_resumed.iterations == [3, 4], tp_sp_resumed.iterations
+    for a, b in zip(tp_sp_resumed.losses, ref.losses[2:]):
+        assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (tp_sp_resumed.losses, ref.losses)
+    for a, b in zip(tp_sp_resumed.grad_norms, ref.grad_norms[2:]):
+        assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (tp_sp_resumed.grad_norms, ref.grad_norms)
     print(
         f"ring vs TP+SP ETP=2: loss {tsp.losses} vs {ref.losses}; grad norm {tsp.grad_norms} vs "
         f"{ref.grad_norms}; resumed from TP+SP's iteration 2: loss {resumed.losses}, grad norm "
-        f"{resumed.grad_norms}"
+        f"{resumed.grad_norms}; TP+SP resumed from the ring's iteration 2: loss "
+        f"{tp_sp_resumed.losses}, grad norm {tp_sp_resumed.grad_norms}"
     )
