@@ -107,6 +107,87 @@ def test_imports_follow_the_module_map():
     assert not found, "imports outside docs/design.md's module map:\n" + "\n".join(found)
 
 
+def module_graph() -> dict[str, set[str]]:
+    """{module: the package modules it imports, at any depth}; ``from pkg import name`` is an
+    edge to ``pkg.name`` where that is a module, else to ``pkg``."""
+    modules = {}
+    for relpath in package_modules():
+        name = "megatron_tsp." + relpath.removesuffix(".py").replace("/", ".")
+        modules[name.removesuffix(".__init__")] = relpath
+    graph = {}
+    for module, relpath in modules.items():
+        tree = ast.parse((PACKAGE / relpath).read_text())
+        is_package = relpath.endswith("__init__.py")
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = module.split(".")
+                    keep = len(parts) - node.level + (1 if is_package else 0)
+                    base = ".".join(parts[:keep] + ([base] if base else []))
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_module_graph_is_acyclic():
+    """No import cycle anywhere in the package, function-level imports included (an import
+    inside a function only hides a cycle)."""
+    graph = module_graph()
+    assert "megatron_tsp.core.layers.head_groups" in graph["megatron_tsp.core.layers.attention"]
+    assert cycles(graph) == [], cycles(graph)
+
+
+def test_cycle_finder_reports_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_core_rows_allow_no_tool_and_no_integration():
     rows = read_map(DESIGN.read_text())
     for path, allowed in rows.items():

@@ -65,13 +65,13 @@ def check_attention_input() -> None:
     )
 
 
-def _has_tsp_layers(model) -> bool:
-    cached = getattr(model, "_tsp_has_tsp_layers", None)
+def has_zigzag_layers(model) -> bool:
+    """Whether ``model`` has layers that read the zigzag batch (a class attribute
+    ``needs_zigzag_batch``: TSP attention), cached on the model."""
+    cached = getattr(model, "_tsp_has_zigzag_layers", None)
     if cached is None:
-        from megatron_tsp.core.layers.attention import TSPSelfAttention
-
-        cached = any(isinstance(m, TSPSelfAttention) for m in model.modules())
-        model._tsp_has_tsp_layers = cached
+        cached = any(getattr(m, "needs_zigzag_batch", False) for m in model.modules())
+        model._tsp_has_zigzag_layers = cached
     return cached
 
 
@@ -82,7 +82,7 @@ def guard_model_forward(original):
             _ENFORCED
             and getattr(self, "pre_process", False)
             and torch.is_tensor(input_ids)
-            and _has_tsp_layers(self)
+            and has_zigzag_layers(self)
         ):
             return original(self, input_ids, *args, **kwargs)
         previous = _current()

@@ -693,6 +693,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == WORKER_FLAG:
         return _worker(argv[1:])
+    if argv and argv[0] == rank_zygote.ZYGOTE_FLAG and len(argv) == 2:
+        return rank_zygote.serve(argv[1], prepare=apply_cuda_answers, run=_worker)
     parser = argparse.ArgumentParser(
         prog="python -m megatron_tsp.megatron_lm.cpu_runner",
         description="Run Megatron-LM's pretrain_gpt.py on CPU ranks over gloo "

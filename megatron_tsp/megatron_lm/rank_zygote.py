@@ -21,9 +21,11 @@ own zygote. The zygote must be single-threaded when it forks; if its imports sta
 says so and ``cpu_runner`` starts fresh processes instead. ``TSP_CPU_RUNNER_FORK=0`` turns the
 zygote off.
 
-Protocol (JSON lines): the launcher writes ``{"argv", "env", "cwd", "log"}`` per rank and reads
-``{"pid"}``; the zygote writes ``{"exit": pid, "code": returncode}`` when a rank ends (it is the
-ranks' parent, so it reaps them). The zygote exits when its stdin closes.
+The zygote is ``python -m megatron_tsp.megatron_lm.cpu_runner --cpu-runner-zygote SCRIPT``
+(``serve`` with cpu_runner's preparation and rank worker; this module imports nothing of the
+package). Protocol (JSON lines): the launcher writes ``{"argv", "env", "cwd", "log"}`` per rank
+and reads ``{"pid"}``; the zygote writes ``{"exit": pid, "code": returncode}`` when a rank ends
+(it is the ranks' parent, so it reaps them). The zygote exits when its stdin closes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 FORK_ENV = "TSP_CPU_RUNNER_FORK"
 ZYGOTE_FLAG = "--cpu-runner-zygote"
@@ -60,8 +62,8 @@ def _thread_count() -> int:
         return threading.active_count()
 
 
-def _start_rank(request: dict, protocol_fds: List[int]) -> None:
-    """In the forked child: become the rank the request describes, run it, exit."""
+def _start_rank(request: dict, protocol_fds: List[int], run: Callable[[List[str]], int]) -> None:
+    """In the forked child: become the rank the request describes, ``run`` its argv, exit."""
     code = 1
     try:
         for fd in protocol_fds:
@@ -76,10 +78,8 @@ def _start_rank(request: dict, protocol_fds: List[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        from megatron_tsp.megatron_lm import cpu_runner
-
-        sys.argv = [sys.argv[0], cpu_runner.WORKER_FLAG, *request["argv"]]
-        code = cpu_runner._worker(list(request["argv"]))
+        sys.argv = [sys.argv[0], *request["argv"]]
+        code = run(list(request["argv"]))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -97,8 +97,11 @@ def _start_rank(request: dict, protocol_fds: List[int]) -> None:
             os._exit(code if isinstance(code, int) else 1)
 
 
-def _serve(script: str) -> int:
-    """The zygote's main loop (``python -m megatron_tsp.megatron_lm.rank_zygote SCRIPT``)."""
+def serve(script: str, prepare: Callable[[], object], run: Callable[[List[str]], int]) -> int:
+    """The zygote's main loop: ``prepare()`` once (with the script's directory first on
+    ``sys.path``), then fork a rank that calls ``run(argv)`` per request. ``cpu_runner`` runs it
+    in the process it starts with ``ZYGOTE_FLAG`` (``prepare``: ``apply_cuda_answers``, ``run``:
+    its rank worker)."""
     # the protocol keeps private copies of stdin/stdout; stray prints of the imports go to stderr
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(2, 1)
@@ -111,9 +114,7 @@ def _serve(script: str) -> int:
     script_dir = os.path.dirname(os.path.abspath(script))
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)
-    from megatron_tsp.megatron_lm import cpu_runner
-
-    cpu_runner.apply_cuda_answers()
+    prepare()
     threads = _thread_count()
     send({"ready": threads == 1, "threads": threads})
     if threads != 1:
@@ -134,7 +135,7 @@ def _serve(script: str) -> int:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _start_rank(request, [proto_in, proto_out])
+                    _start_rank(request, [proto_in, proto_out], run)
                 children.add(pid)
                 send({"pid": pid})
         while children:
@@ -181,7 +182,7 @@ class Zygote:
     def __init__(self, python: str, script: str, env: Dict[str, str]):
         self.stderr = tempfile.NamedTemporaryFile(prefix="tsp_rank_zygote_", suffix=".log")
         self.proc = subprocess.Popen(
-            [python, "-m", "megatron_tsp.megatron_lm.rank_zygote", ZYGOTE_FLAG, script],
+            [python, "-m", "megatron_tsp.megatron_lm.cpu_runner", ZYGOTE_FLAG, script],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -277,9 +278,3 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != ZYGOTE_FLAG:
-        sys.exit(f"usage: python -m megatron_tsp.megatron_lm.rank_zygote {ZYGOTE_FLAG} SCRIPT")
-    sys.exit(_serve(sys.argv[2]))

@@ -23,6 +23,8 @@ import functools
 import inspect
 from typing import Optional
 
+from megatron_tsp.core.batch_guard import has_zigzag_layers
+
 
 def _transformer_config(config):
     """A ``TransformerConfig`` from either a TransformerConfig or 0.19's ``GPTModelConfig``."""
@@ -141,7 +143,7 @@ def describe_moe_schedule(model) -> Optional[str]:
     from megatron_tsp.core.layers.moe_ring import TSPRingMoELayer
 
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    if not layers or not _is_tsp_model(model):
+    if not layers or not has_zigzag_layers(model):
         return None
     ring = sum(isinstance(m, TSPRingMoELayer) for m in layers)
     parts = []
@@ -152,12 +154,6 @@ def describe_moe_schedule(model) -> Optional[str]:
         if n:
             parts.append(f"{what} in {n} MoE layer{'s' if n > 1 else ''}")
     return "MoE schedule: " + "; ".join(parts)
-
-
-def _is_tsp_model(model) -> bool:
-    from megatron_tsp.core.layers.attention import TSPSelfAttention
-
-    return any(isinstance(m, TSPSelfAttention) for m in model.modules())
 
 
 def _log_attention_backends(model) -> None:

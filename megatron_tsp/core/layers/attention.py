@@ -64,7 +64,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -74,7 +73,6 @@ from megatron_tsp.core.comm import (
     WORKSPACE,
     FlatShard,
     Pending,
-    broadcast_from,
     done,
     labelled,
     post_all_gather,
@@ -85,85 +83,19 @@ from megatron_tsp.core.comm import (
 )
 from megatron_tsp.core.layers import kernels
 from megatron_tsp.core.layers.grads import weight_grad_output
+from megatron_tsp.core.layers.head_groups import (
+    GroupStream,
+    HeadLayout,
+    group_qkv_linear,
+    pack_own_shard,
+)
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
+from megatron_tsp.core.layers.prefill_attention import prefill_attention
 from megatron_tsp.core.layers.rope import RopeTables, local_tables, rotate
 from megatron_tsp.core.layout import TSPLayout
 from megatron_tsp.core.parallel_state import resolve_group, resolve_sequence_group
 from megatron_tsp.core.validation import check_model_shape
-
-try:  # megatron-core >= 0.14
-    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
-except ImportError:  # pragma: no cover - older cores have no YaRN mscale
-    _yarn_get_concentration_factor_from_config = None
-
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """Per-step head geometry and attention constants. A step is one head group (ng >= D: one
-    weight shard, exactly a TP=D rank's heads; ng < D: one K/V head and its np/ng query heads,
-    spread over ``shards_per_group`` consecutive shards, as megatron-core lays out TP=D)."""
-
-    heads: int  # query heads per step (np / D, or np / ng when ng < D)
-    groups: int  # key/value groups per step (ng / D, or 1 when ng < D)
-    head_dim: int
-    softmax_scale: float
-    dropout_p: float
-    config: object  # the TransformerConfig, for RoPE
-    backward: str = "saved"  # "saved": keep (q,k,v, out, lse); "recompute": keep only the input
-    # the dK/dV reduce-scatter in the accumulation dtype (fp32 for bf16/fp16) instead of the
-    # compute dtype (--tsp-kv-grad-reduce-in-fp32)
-    kv_grad_fp32: bool = False
-    # the dK/dV sum over the sequence group as an all-to-all of the partials, added in the
-    # accumulation dtype at the owner (--tsp-kv-grad-all-to-all): one rounding whatever the
-    # group size, where the ring reduce-scatter rounds to the wire dtype at each of its hops
-    kv_grad_all_to_all: bool = False
-    shards_per_group: int = 1  # m = D / ng weight shards per step when ng < D, else 1
-
-    @property
-    def qkv_split(self) -> list:
-        return [self.heads // self.groups * self.head_dim, self.head_dim, self.head_dim]
-
-
-def _rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> torch.Tensor:
-    if freqs is None:
-        return t
-    mscale = 1.0
-    if _yarn_get_concentration_factor_from_config is not None:
-        mscale = _yarn_get_concentration_factor_from_config(config)
-    return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=_NoCP)
-
-
-class _NoCPGroup:
-    """RoPE never reads the CP group for [s, b, ...] tensors; this avoids a global lookup."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-
-_NoCP = _NoCPGroup()
-
-
-def qkv_linear(x, qkv_w, qkv_b, layout: HeadLayout) -> torch.Tensor:
-    """Local tokens through one QKV shard: [s, b, ng/D, (np/ng + 2) * hn] (Megatron's layout)."""
-    mixed = torch.matmul(x, qkv_w.t())
-    if qkv_b is not None:
-        mixed = mixed + qkv_b
-    return mixed.view(*mixed.shape[:2], layout.groups, -1)
-
-
-def group_qkv_linear(x, shards, has_bias: bool, layout: HeadLayout) -> torch.Tensor:
-    """Local tokens through one step's QKV rows, the concatenation of its ``shards`` (one GEMM
-    per shard, no copy of the weights): [s, b, groups, (heads/groups + 2) * hn]."""
-    parts = []
-    for shard in shards:
-        w, b, _ = weight_bias_views(shard.views(), has_bias)
-        parts.append(qkv_linear(x, w, b, layout).flatten(2))
-    mixed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return mixed.view(*mixed.shape[:2], layout.groups, -1)
 
 
 def _column_split(t: torch.Tensor, parts: int) -> list:
@@ -328,57 +260,6 @@ class _KVGradScatter:
         return self.pending.wait().to(self.dtype)
 
 
-class _ShardStream:
-    """Broadcasts the D weight shards in order, one shard ahead of the consumer.
-
-    ``get(r)`` (r non-decreasing) posts shard r+1's broadcast, then waits for shard r. ``hold``:
-    how many consecutive shards the consumer still reads at once (the current one included); the
-    stream keeps hold + 1 spare buffers so an in-flight broadcast never lands in a shard that is
-    still being read. Shard 0's broadcast is posted at construction."""
-
-    def __init__(self, own: FlatShard, group, hold: int = 2):
-        self.own, self.group = own, group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        n_spare = min(hold + 1, self.size) if self.size > 1 else 0
-        self.spare = [FlatShard.like(own) for _ in range(n_spare)]
-        self.pending = {}
-        self.ready = {}
-        self._post(0)
-
-    def _post(self, r: int) -> None:
-        if r >= self.size or self.size == 1 or r in self.pending or r in self.ready:
-            return
-        buf = self.own if r == self.rank else self.spare[r % len(self.spare)]
-        self.pending[r] = (buf, broadcast_from(buf.buffer, r, self.group, async_op=True))
-
-    def get(self, r: int) -> FlatShard:
-        if self.size == 1:
-            return self.own
-        if r not in self.ready:
-            self._post(r)
-            self._post(r + 1)  # prefetch the next shard before computing with this one
-            buf, pending = self.pending.pop(r)
-            pending.wait()
-            self.ready = {r: buf}
-        return self.ready[r]
-
-
-class _GroupStream:
-    """A ``_ShardStream`` read one step (head group) at a time: ``get(j)`` returns the
-    ``shards_per_group`` consecutive shards of step j (j non-decreasing; the last step's list is
-    kept, so asking for it again broadcasts nothing). ``hold``: steps read at once."""
-
-    def __init__(self, own: FlatShard, group, shards_per_group: int, hold: int):
-        self.m = shards_per_group
-        self.stream = _ShardStream(own, group, hold=hold * self.m)
-        self.last = (None, None)
-
-    def get(self, j: int) -> list:
-        if self.last[0] != j:
-            self.last = (j, [self.stream.get(j * self.m + i) for i in range(self.m)])
-        return self.last[1]
-
-
 def _save_layout(n_blocks: int) -> int:
     """Tensors saved per head group in saved mode: its rotated q, its packed K/V send buffer
     (the backward re-sends it as is), then per causal block its output rows and log-sum-exp."""
@@ -430,7 +311,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         blocks = seq_layout.causal_blocks
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
-        own = _pack_own(qkv_w, qkv_b, proj_w)
+        own = pack_own_shard(qkv_w, qkv_b, proj_w)
         # the output projection's operands, filled group by group (see the module docstring)
         cols = proj_w.shape[1]
         context = torch.empty(x.shape[:2] + (size * cols,), dtype=x.dtype, device=x.device)
@@ -451,7 +332,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
             return q, kv, pws, _post_kv_gather(kv, seq_group, seq_layout, slot=r % 2)
 
         with labelled("tsp_attention"):
-            stream = _GroupStream(own, group, m, hold=2)
+            stream = GroupStream(own, group, m, hold=2)
             current = prepare(0)
             for r in range(steps):
                 upcoming = prepare(r + 1) if r + 1 < steps else None
@@ -537,11 +418,6 @@ def _block_rows(rows: torch.Tensor, blocks) -> list:
     return [rows.narrow(0, block.query_start, block.query_len) for block in blocks]
 
 
-def _pack_own(qkv_w, qkv_b, proj_w) -> FlatShard:
-    """This rank's shard as one flat buffer [qkv weight, (qkv bias), proj weight]."""
-    return FlatShard.pack([qkv_w] + ([qkv_b] if qkv_b is not None else []) + [proj_w])
-
-
 @dataclass
 class _HeadGroup:
     """One head group's tensors while they move through the backward pipeline."""
@@ -582,7 +458,7 @@ class _AttentionBackward:
     flash backward that follows it covers it before the next post. Pinned by
     ``tests/test_overlap.py::test_attention_queue_order``.
 
-    Weight shards come from a ``_GroupStream`` (shard r+1's broadcast posted when shard r is
+    Weight shards come from a ``GroupStream`` (shard r+1's broadcast posted when shard r is
     waited); at most two consecutive head groups' shards are read at once in saved mode (r in
     step 2, r-1 in step 5), three in recompute mode (also r+1 in step 3), which sets its ``hold``.
     A head group is one shard, or ``shards_per_group`` when ng < D; its weight gradient is one
@@ -602,7 +478,7 @@ class _AttentionBackward:
         self.acc_dtype = accumulation_dtype(self.dtype)
         self.wire_dtype = self.acc_dtype if self.layout.kv_grad_fp32 else self.dtype
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
-        self.own = _pack_own(qkv_w, qkv_b, proj_w)
+        self.own = pack_own_shard(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
         self.grad_x = torch.zeros(x.shape, dtype=self.acc_dtype, device=x.device)
         self.tokens_x = x.reshape(-1, self.hidden)
@@ -623,7 +499,7 @@ class _AttentionBackward:
         )  # attention dropout: the recomputed forward draws the forward's masks
         with labelled("tsp_attention"), rng_ctx:
             hold = 2 if self.saved_mode else 3
-            self.stream = _GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
+            self.stream = GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
             current, finishing = self.prepare_group(0), None
             size = self.seq_layout.weight_group_size // self.m
             for r in range(size):
@@ -673,7 +549,7 @@ class _AttentionBackward:
                 matmul_acc(dy_rows.t(), part.reshape(-1, part.shape[-1]), acc=g)
 
     def context_grad(self, r: int) -> torch.Tensor:
-        """d_ctx = dY @ W_proj_r: waits group r's shards (``_ShardStream.get`` posts the next
+        """d_ctx = dY @ W_proj_r: waits group r's shards (``ShardStream.get`` posts the next
         shard first). Group r-1 stays readable for ``finish_group``; group r-2 is let go."""
         self.shards[r] = self.stream.get(r)
         self.shards.pop(r - 2, None)
@@ -885,6 +761,9 @@ class TSPSelfAttention(SelfAttention):
     ``(output, proj_bias)`` like ``SelfAttention``.
     """
 
+    # it reads the zigzag batch (batch_guard refuses a natural-order one)
+    needs_zigzag_batch = True
+
     def __init__(
         self,
         config,
@@ -1022,8 +901,6 @@ class TSPSelfAttention(SelfAttention):
         if inference_context is not None or inference_params is not None:
             # Inference hook: TSP prefill into megatron-core's KV cache (decode runs Megatron's
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
-            from megatron_tsp.core.layers.prefill_attention import prefill_attention
-
             return prefill_attention(
                 self, hidden_states, inference_context or inference_params, rotary_pos_emb
             )

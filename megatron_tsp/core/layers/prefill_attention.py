@@ -40,9 +40,11 @@ rank); the weight broadcasts are unchanged. Under TSP x CP the all-gathers (chun
 ``S/(2DC)`` rows) and the cached-prefix broadcasts run over the D*C ranks of the sequence group,
 the weight broadcasts over the D ranks of the TSP group.
 
-The inference-only code deliberately does not reuse the training autograd Function's internals
-(attention.py is free to change them); it shares the public pieces: ``comm``, the layout and
-megatron-core's RoPE; chunk ids, positions and causal blocks come from ``layout.TSPLayout``.
+The inference-only code does not reuse the training autograd Function's internals (attention.py
+is free to change them); it shares the head groups' pieces with it (``head_groups``: the layout
+of a step, the packed own shard, the shard stream, the QKV projection), ``comm``, and Megatron's
+own RoPE call (``rope.megatron_rotary``); chunk ids, positions and causal blocks come from
+``layout.TSPLayout``.
 """
 
 from __future__ import annotations
@@ -53,10 +55,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from megatron_tsp.core.comm import FlatShard, broadcast_from, labelled, weight_bias_views
-
-# RoPE exactly as the training layer applies it (one definition of the CP-free call).
-from megatron_tsp.core.layers.attention import _rope  # noqa: E402
+from megatron_tsp.core.comm import broadcast_from, labelled, weight_bias_views
+from megatron_tsp.core.layers.head_groups import GroupStream, group_qkv_linear, pack_own_shard
+from megatron_tsp.core.layers.rope import megatron_rotary
 from megatron_tsp.core.layout import TSPLayout
 
 
@@ -145,23 +146,20 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     if serving:
         key_mem, val_mem = _static_cache(module, context, hidden_states.dtype, hidden_states.device)
     has_bias = module.linear_qkv.bias is not None
-    own = FlatShard.pack(
-        [module.linear_qkv.weight]
-        + ([module.linear_qkv.bias] if has_bias else [])
-        + [module.linear_proj.weight]
+    own = pack_own_shard(
+        module.linear_qkv.weight, module.linear_qkv.bias, module.linear_proj.weight
     )
     groups, head_dim = layout.groups, layout.head_dim
     m = layout.shards_per_group  # shards per head group: D / ng when ng < D, else 1
     out = None
     with torch.no_grad(), labelled("tsp_prefill_attention"):
-        for r, shards in _broadcast_groups(own, group, size, rank, m):
-            views = [weight_bias_views(shard.views(), has_bias) for shard in shards]
-            parts = [torch.matmul(hidden_states, w.t()) for w, _, _ in views]
-            parts = [p + b if b is not None else p for p, (_, b, _) in zip(parts, views)]
-            mixed = parts[0] if m == 1 else torch.cat(parts, dim=-1)
-            mixed = mixed.view(local_len, batch, groups, -1)
+        stream = GroupStream(own, group, m, hold=1)  # posts shard 0
+        for r in range(size // m):
+            shards = stream.get(r)  # posts the next group's first shard before returning
+            mixed = group_qkv_linear(hidden_states, shards, has_bias, layout)
             q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
-            q = _rope(q.reshape(local_len, batch, layout.heads, head_dim), freqs_q, layout.config)
+            q = q.reshape(local_len, batch, layout.heads, head_dim)
+            q = megatron_rotary(q, freqs_q, layout.config)
             kv = _natural_kv(torch.cat([k, v], dim=2), offset, seq_group, seq_layout)
             if offset > 0:  # every rank of the group caches the same rows: the first sends
                 _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r * m, seq_group)
@@ -173,42 +171,11 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
                 q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset, layout
             )
             del k_all, kv
-            for ctx_part, (_, _, proj_w) in zip(ctx_r.chunk(m, dim=-1), views):  # shard's heads
+            for ctx_part, shard in zip(ctx_r.chunk(m, dim=-1), shards):  # each shard's heads
+                proj_w = weight_bias_views(shard.views(), has_bias)[2]
                 contrib = torch.matmul(ctx_part, proj_w.t())
                 out = contrib if out is None else out.add_(contrib)
     return out, module.linear_proj.bias
-
-
-def _broadcast_groups(own: FlatShard, group, size: int, rank: int, m: int):
-    """Yield (j, [shards j*m .. j*m+m-1]) for the size/m head groups (m = 1: one shard each)."""
-    shards = []
-    for r, shard in _broadcast_shards(own, group, size, rank, hold=m):
-        shards.append(shard)
-        if len(shards) == m:
-            yield r // m, shards
-            shards = []
-
-
-def _broadcast_shards(own: FlatShard, group, size: int, rank: int, hold: int = 1):
-    """Yield (r, shard r) for r = 0..D-1; shard r+1's broadcast is posted before r is used.
-    ``hold``: shards the consumer reads at once (one head group's); a spare buffer more than
-    that, so the posted broadcast never lands in a shard still being read."""
-    if size == 1:
-        yield 0, own
-        return
-    spare = [FlatShard.like(own) for _ in range(min(hold + 1, size))]
-
-    def post(r):
-        buf = own if r == rank else spare[r % len(spare)]
-        return buf, broadcast_from(buf.buffer, r, group, async_op=True)
-
-    pending = post(0)
-    for r in range(size):
-        nxt = post(r + 1) if r + 1 < size else None
-        buf, req = pending
-        req.wait()
-        yield r, buf
-        pending = nxt
 
 
 def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Tensor:
@@ -256,7 +223,7 @@ def _rope_in_place(k, freqs, config) -> torch.Tensor:
         return k
     for start in range(0, k.shape[0], ROPE_BLOCK):
         end = min(start + ROPE_BLOCK, k.shape[0])
-        k[start:end] = _rope(k[start:end], freqs[start:end], config)
+        k[start:end] = megatron_rotary(k[start:end], freqs[start:end], config)
     return k
 
 

@@ -53,6 +53,31 @@ def _mscale(config) -> float:
     return float(_yarn_get_concentration_factor_from_config(config))
 
 
+class _NoCPGroup:
+    """RoPE never reads the CP group for [s, b, ...] tensors; this avoids a global lookup."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+_NO_CP = _NoCPGroup()
+
+
+def megatron_rotary(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> torch.Tensor:
+    """Megatron's own ``apply_rotary_pos_emb`` of ``t`` [s, b, h, d] at ``freqs`` (its table rows
+    for those positions; None: no RoPE), with the YaRN mscale Megatron's attention applies and
+    no CP slicing (the caller indexes the table by the tokens' true positions). The prefill
+    rotates through it; the training layer uses the cached tables of ``local_tables``."""
+    if freqs is None:
+        return t
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(t, freqs, config=config, mscale=_mscale(config), cp_group=_NO_CP)
+
+
 def fused_rope_kernel(config) -> Optional[Callable]:
     """The fused RoPE Megatron's ``apply_rotary_pos_emb`` would call for [s, b, h, d] tensors
     (``rope_utils.fused_apply_rotary_pos_emb``: Transformer Engine's), or None where Megatron runs

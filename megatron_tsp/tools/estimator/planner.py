@@ -472,7 +472,7 @@ def _tsp_backward_working_sets(
         "grad_out": t * h * b,
         "grad_x_accumulator": t * h * acc,
         "context_grad": t * h * b,  # d(context) [s/D, b, h] from the one projection GEMM
-        # the packed own shard and the stream's spare buffers (``_GroupStream``)
+        # the packed own shard and the stream's spare buffers (``head_groups.GroupStream``)
         "weight_shard_buffers": (1 + min((hold + 1) * m, D)) * shape.w_attn / D * b,
         "weight_grad_partials": m * shape.w_attn / D * acc,  # one fp32 shard per weight shard
         # the first causal block's dK/dV (the kernel's output, up to half the sequence: rank
