@@ -383,6 +383,74 @@ def check_moe_ring(d, seed, case, rtol=1e-10):
     return errors
 
 
+def check_moe_ring_cp(d, c, seed, case, rtol=1e-10):
+    """The TSP expert ring under TSP x CP (``d`` * ``c`` sequence ranks: Megatron's CP split then
+    the TSP zigzag; every expert sharded over the ``d`` TSP ranks and replicated over CP) vs the
+    single-process stock model: loss (normalised by the whole batch's mask count, summed over
+    CP), logged aux losses, every gradient (summed over CP as DDP does, replicated ones over TSP,
+    gathered to full size)."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+
+    _setup(1, 1, seed, tsp=False)
+    ref_config = _config(1, 1, dtype, case, "allgather")
+    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
+    _perturb_experts(ref, 0, 1)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss, ref_aux = _step(ref, data)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    tsp_state.destroy_model_parallel()
+    tsp_state.initialize_model_parallel(
+        tensor_sequence_parallel_size=d,
+        context_parallel_size=c,
+        expert_tensor_parallel_size=d,
+        create_gloo_process_groups=False,
+    )
+    common._current = ("moe ring x cp", d, c)  # the next check re-creates its own groups
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    tp, cp = tsp_state.get_tensor_sequence_parallel_group(), mpu.get_context_parallel_group()
+    seq_group = tsp_state.get_tensor_sequence_and_context_parallel_group()
+    config = _config(d, 1, dtype, case, "allgather", etp=d)
+    config = dataclasses.replace(config, context_parallel_size=c)
+    config.tsp_moe_ring = True
+    model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
+    _load_full(model, ref_params, tp, 0, 1)
+    local = zigzag.get_batch_on_this_tsp_rank(
+        data, d, context_parallel_size=c, cp_rank=dist.get_rank(cp)
+    )
+    clear_aux_losses_tracker()
+    logits = model(local["tokens"], local["position_ids"], local["attention_mask"])
+    losses = -torch.log_softmax(logits, -1).gather(-1, local["labels"].unsqueeze(-1)).squeeze(-1)
+    part = (losses * local["loss_mask"].to(losses.dtype)).sum() / data["loss_mask"].sum()
+    part.backward()
+    loss = part.detach().clone()
+    dist.all_reduce(loss, group=cp)
+    aux = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry["values"].clone()
+        if entry.get("reduce_group") is not None:
+            dist.all_reduce(values, group=entry["reduce_group"])
+        else:  # z_loss: each rank's mean over its own tokens (see _step), over all D*C ranks
+            dist.all_reduce(values, group=seq_group)
+            values /= dist.get_world_size(seq_group)
+        aux[name] = values
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=cp)
+    sharding.allreduce_sequence_parallel_grads(model, tp)
+    grads = _expert_and_grads(model, 0, 1, tp)
+    actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
+    expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
+    what = f"TSP expert ring x CP ({case}, D={d}, C={c}) vs single-process stock GPTModel"
+    return _compare(actual, expected, aux, ref_aux, rtol, f"{what}, seed={seed}")
+
+
 def worst(per_rank_errors) -> dict:
     """The largest relative error over the ranks, per kind (loss / aux losses / gradients)."""
     out = {}

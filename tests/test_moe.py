@@ -42,6 +42,15 @@ def test_moe_ring_matches_single_and_tp_sp_fp64(pool4, seed, d, case):
         print(f"vs {ref}: worst relative errors: {checks_moe.worst([e[ref] for e in errors])}")
 
 
+@pytest.mark.parametrize("case", sorted(checks_moe.CASES))
+def test_moe_ring_under_tsp_x_cp_matches_single_fp64(pool4, seed, case):
+    """The TSP expert ring under TSP2 x CP2 (4 sequence ranks; experts sharded over the 2 TSP
+    ranks, replicated over CP) equals the single-process stock model in fp64: loss, logged aux
+    losses, every gradient."""
+    errors = pool4.run(checks_moe.check_moe_ring_cp, 2, 2, seed, case)
+    print(f"ring x CP ({case}) worst errors: {checks_moe.worst(errors)}")
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 @pytest.mark.parametrize("d", [2, 4], ids=["D2", "D4"])
 def test_moe_ring_traffic_formula(pool4, seed, d, dtype):
