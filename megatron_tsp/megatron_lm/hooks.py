@@ -88,10 +88,11 @@ def _describe_translation(args) -> str:
     d = tsp_args.tsp_size(args)
     pp = args.pipeline_model_parallel_size
     dp = getattr(args, "data_parallel_size", None)
+    cp = getattr(args, "context_parallel_size", 1) or 1
     text = (
         f"{tsp_args.TSP_FLAG} {d} -> tensor_model_parallel_size={args.tensor_model_parallel_size}, "
         f"sequence_parallel={args.sequence_parallel}, spec={' '.join(args.spec)}; "
-        f"world={args.world_size} = TSP {d} x PP {pp} x DP {dp}"
+        f"world={args.world_size} = TSP {d} x PP {pp}{f' x CP {cp}' if cp > 1 else ''} x DP {dp}"
     )
     if getattr(args, "tsp_disabled_dataloader_mask", False):
         text += (

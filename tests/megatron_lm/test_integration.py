@@ -269,6 +269,7 @@ def test_dry_run_tsp_x_cp_prints_both_groups_and_the_chunk_map():
     out = proc.stdout
     assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
     assert "world size        : 8 = TSP 2 x PP 1 x CP 2 x DP 2" in out
+    assert "world=8 = TSP 2 x PP 1 x CP 2 x DP 2" in out  # the launcher's one-line summary
     assert "TSP groups        : [0, 1]  [2, 3]  [4, 5]  [6, 7]" in out
     assert "CP groups         : [0, 2]  [1, 3]  [4, 6]  [5, 7]" in out
     assert "sequence groups   : [0, 1, 2, 3]  [4, 5, 6, 7] (TSP x CP" in out

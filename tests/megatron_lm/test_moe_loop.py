@@ -163,3 +163,36 @@ def test_tsp2_moe_ring_matches_tp2_sp_etp2_and_resumes_its_checkpoint(seed, tmp_
         f"{resumed.grad_norms}; TP+SP resumed from the ring's iteration 2: loss "
         f"{tp_sp_resumed.losses}, grad norm {tp_sp_resumed.grad_norms}"
     )
+
+
+def test_tsp2_cp2_moe_ring_matches_tp2_sp_etp2(seed):
+    """The TSP expert ring under TSP=2 x CP=2 on 4 ranks (experts sharded over the 2 TSP ranks,
+    replicated over CP; tokens stay on their sequence rank) vs TP=2+SP with ETP=2, EP=1 on 2
+    ranks, same MoE flags and data, 3 iterations: CP changes only the layout, so loss, grad norm
+    and the logged load-balancing loss follow the same curve."""
+    moe = [
+        a if a != "2" or i != MOE.index("--expert-model-parallel-size") + 1 else "1"
+        for i, a in enumerate(MOE)
+    ]
+    args = loop.STYLES["llama"] + moe
+    ring = ["--tensor-sequence-parallel-size", "2", "--tsp-moe-ring"]
+    ring += ["--context-parallel-size", "2"]
+    tsp = loop._run(4, seed, *args, *ring)
+    tp_sp = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    ref = loop._run(2, seed, *args, *tp_sp, *loop.TP_SP_CPU)
+    assert "data-parallel size: 1, context-parallel size: 2" in tsp.log, tsp.log[-3000:]
+    assert "[megatron_tsp] MoE schedule: TSP expert ring in 1 MoE layer" in tsp.log
+    assert tsp.iterations == ref.iterations and len(set(ref.losses)) == len(ref.losses)
+    for a, b in zip(tsp.losses, ref.losses):
+        assert loop._rel(a, b) <= loop.FP32_LOSS_RTOL, (tsp.losses, ref.losses)
+    for a, b in zip(tsp.grad_norms, ref.grad_norms):
+        assert loop._rel(a, b) <= loop.FP32_NORM_RTOL, (tsp.grad_norms, ref.grad_norms)
+    balance = _logged(tsp.log, "load_balancing_loss")
+    ref_balance = _logged(ref.log, "load_balancing_loss")
+    assert len(balance) == len(ref_balance) >= 3, (balance, ref_balance)
+    for a, b in zip(balance, ref_balance):
+        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+    print(
+        f"ring x CP vs TP+SP ETP=2: loss {tsp.losses} vs {ref.losses}; grad norm "
+        f"{tsp.grad_norms} vs {ref.grad_norms}; load balancing {balance} vs {ref_balance}"
+    )
