@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One prepared GPU check for TSP (issue 12 section 5): speed, memory and bf16 accuracy of the
+"""One prepared GPU check for TSP: speed, memory and bf16 accuracy of the
 real layer code on ONE GPU.
 
     python scripts/gpu_check.py --out-dir DIR            # H100 / H200, torch >= 2.11 with CUDA

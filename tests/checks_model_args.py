@@ -1,4 +1,4 @@
-"""One model description everywhere (issue 20): checks run inside every rank of the pool.
+"""One model description everywhere: checks run inside every rank of the pool.
 
 Each math-changing option is switched on in a single-process stock megatron-core model (the
 reference, no cache, full forward per token) and in a TSP model built by ``build_tsp_gpt_model``
@@ -43,7 +43,7 @@ OPTIONS = {
     "rmsnorm_eps_0.1": (dict(layernorm_epsilon=0.1), {}),
     "qkv_bias": (dict(add_qkv_bias=True), {}),
     # As few KV groups as D allows (one per rank: 2 at D=2, the base's 4 at D=4); fewer groups
-    # than D is issue 20's item 2 and refused here.
+    # than D: test_gpt.py::test_fewer_kv_heads_than_d.
     "gqa_groups_eq_d": (dict(num_query_groups="d"), {}),
     "tied_embeddings": ({}, dict(share_embeddings_and_output_weights=True)),
 }

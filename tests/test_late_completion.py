@@ -1,4 +1,4 @@
-"""Late completion (issue 18 §4): the layer, hybrid and inference checks with every asynchronous
+"""Late completion: the layer, hybrid and inference checks with every asynchronous
 transfer completing as late as on a GPU (``tests/late_completion.py``: send buffers read at
 ``wait()``, receive buffers NaN until then, transfers run no earlier than their wait), so a buffer
 read or reused while its transfer may still run fails here although gloo forgives it. Also: the

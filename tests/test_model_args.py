@@ -1,4 +1,4 @@
-"""One model description carried everywhere (issue 20): options that change the math reach the
+"""One model description carried everywhere: options that change the math reach the
 decode model, mismatches are errors naming the field, ``generate --load`` reads every checkpoint
 setting, ``load_full_state`` without initialisation, and no "Unknown MLP type" notice."""
 
@@ -31,7 +31,7 @@ def test_load_full_state_without_initialization(pool4, seed):
     results = pool4.run(checks_model_args.check_load_full_state_without_initialization, 2, seed)
     message, unmarked = results[0]
     assert "not marked" in message
-    if Version(megatron.core.__version__) < Version("0.19"):  # the case issue 20 met
+    if Version(megatron.core.__version__) < Version("0.19"):  # the case first met on 0.16
         assert any(n.endswith("linear_fc2.weight") for n in unmarked), unmarked
 
 

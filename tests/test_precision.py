@@ -1,4 +1,4 @@
-"""bf16 precision: TSP is no less accurate than Megatron TP+SP (issue 12 section 3).
+"""bf16 precision: TSP is no less accurate than Megatron TP+SP.
 
 Both run in bf16 on the same bf16-representable weights and batch at D=4; errors are measured
 against an fp64 single-process model. TSP sums D partials (outputs, grad_x, weight gradients)
@@ -116,7 +116,7 @@ def test_gpt_bf16_tsp_x_cp_no_less_accurate_than_tp_sp(pool4, seed, style):
 @pytest.mark.parametrize("plant", ["mlp", "attention"])
 def test_gpt_bf16_check_catches_planted_bf16_accumulation(pool4, seed, plant):
     """The whole-model criteria can fail: with TSP's MLP or attention partial sums accumulated in
-    bf16 (the regression issue 12 section 3 fixed), the llama-style check must fail."""
+    bf16 (the regression fp32 accumulation fixed), the llama-style check must fail."""
     runs = [
         pool4.run(
             checks_precision.bf16_errors_vs_fp64,
@@ -229,7 +229,7 @@ def _gpt_runs(pool4, style):
     return _gpt_cache[style]
 
 
-# dK/dV wire (issue 19 §2): tolerances on the median over the GPT_SEEDS seeds of TSP's error /
+# dK/dV wire: tolerances on the median over the GPT_SEEDS seeds of TSP's error /
 # TP+SP's (robust to the one noisy seed a mean is not). Measured (docs/precision.md, D = 4, 24
 # seeds per style, the same seeds for each setting): the geometric mean over parameters of the
 # gradient-error ratio 0.986 / 0.987 (Llama / GPT-2) with the bf16 wire and 0.977 / 0.984 with

@@ -1,4 +1,4 @@
-"""TSP x context parallelism (issue 22): the D*C sequence layout and fp64 parity.
+"""TSP x context parallelism: the D*C sequence layout and fp64 parity.
 
 Layout (single process): megatron-core's tensor-and-context-parallel group order is
 ``TSPLayout.sequence_rank``; the zigzag over D*C ranks (chunks q and 2DC-1-q) gives every rank

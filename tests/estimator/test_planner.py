@@ -223,7 +223,7 @@ def test_evaluate_golden_h100():
     )
     # TSP forward: the first head group's weight broadcast (fill) and, K/V all-gathers being
     # pipelined one group ahead (the default, what the layers do), only the first group's; the
-    # blocking what-if (the code before issue 12) exposes every K/V all-gather
+    # blocking what-if (the earlier, unpipelined code) exposes every K/V all-gather
     kv = 7 / 8 * 2 * S * h * 2
     bcast = 7 / 8 * 4 * h * h * 2
     assert tsp["layer_exposed_s"]["fwd"] == pytest.approx((kv / D + bcast / D) / bw)

@@ -191,9 +191,9 @@ def tsp_layer_terms(
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
     reduce-to-owner of the weight gradients likewise exposes only the last (drain); the MLP ring
     hides every weight hop behind a shard's GEMMs, and its gradient accumulator every hop but
-    the last. ``kv_pipelined`` (what the layers do since issue 12): the K/V all-gathers and dK/dV
+    the last. ``kv_pipelined`` (what the layers do): the K/V all-gathers and dK/dV
     reduce-scatters are posted one head group ahead (only fill/drain exposed); False is a what-if,
-    the code before issue 12: each waited on right behind the QKV GEMM of its own group
+    the earlier, unpipelined code: each waited on right behind the QKV GEMM of its own group
     (blocking). The backward's first weight re-broadcast hides behind the first head group's
     attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention
     recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is exposed."""

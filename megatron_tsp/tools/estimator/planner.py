@@ -275,8 +275,8 @@ class Options:
     # equals aten_flash's, so the default models both.
     attn_kernel: str = "aten_flash"
     # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (what the layers
-    # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the code before
-    # issue 12 §2)
+    # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the earlier,
+    # unpipelined layer code)
     tsp_kv_pipelined: bool = True
     cp_regather_kv: bool = True
     # the dX GEMM's fp32 accumulation copies its bf16 operands to fp32 (``precision.matmul_acc``
@@ -1122,7 +1122,7 @@ def assumptions(
         + (
             "pipelined one head group ahead (first group exposed)"
             if o.tsp_kv_pipelined
-            else "BLOCKING (what-if: the code before issue 12)"
+            else "BLOCKING (what-if: the earlier, unpipelined layer code)"
         )
         + "; TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
@@ -1428,7 +1428,7 @@ def layer_time_report(
     kv = (
         "pipelined (fill/drain exposed)"
         if o.tsp_kv_pipelined
-        else "blocking: what-if, the code before issue 12"
+        else "blocking: what-if, the earlier, unpipelined layer code"
     )
     lines = [
         f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
@@ -1589,7 +1589,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="WHAT-IF (not what the layers do): TSP's K/V all-gathers and dK/dV "
         "reduce-scatters waited on right behind their own head group's QKV "
-        "GEMM, as before issue 12 (default: pipelined one head group ahead)",
+        "GEMM, as the earlier layer code did (default: pipelined one head group ahead)",
     )
     ap.add_argument(
         "--compute-model",
