@@ -146,8 +146,7 @@ def _notify(event: str, transfer: "Pending") -> None:
 
 class Pending:
     """An asynchronous transfer in flight. ``wait()`` blocks until it is done and returns
-    ``finish()`` (or None); waiting twice is harmless. Iterating yields the handle itself so code
-    written for request lists (``wait_all``) keeps working.
+    ``finish()`` (or None); waiting twice is harmless.
 
     ``payload`` names what travels (e.g. ``"mlp.weights"``), ``nbytes`` is the size of this
     rank's contribution (the send buffer of a ring step, the buffer of a broadcast or reduce, the
@@ -177,9 +176,6 @@ class Pending:
             self._done, self.works, self._finish = True, [], None
         return self._result
 
-    def __iter__(self):
-        yield self
-
 
 def done(value=None, op: str = "local") -> Pending:
     """A completed transfer (group of size 1): no events, ``wait()`` returns ``value``."""
@@ -205,11 +201,6 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, payload: str = 
     return Pending(
         "ring_exchange", dist.batch_isend_irecv(ops), payload=payload, nbytes=_nbytes(send)
     )
-
-
-def wait_all(requests) -> None:
-    for req in requests or ():
-        req.wait()
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 
 from megatron_tsp.core import rejections
-from megatron_tsp.core.comm import FlatShard, labelled, ring_exchange, wait_all, weight_bias_views
+from megatron_tsp.core.comm import FlatShard, done, labelled, ring_exchange, weight_bias_views
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
@@ -174,7 +174,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                 else ([FlatShard.like(current)] if size == 2 else [])
             )
             for t in range(size):
-                requests, incoming = None, None
+                requests, incoming = done(), None
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
                     requests = ring_exchange(current.buffer, incoming.buffer, group, WEIGHTS)
@@ -188,7 +188,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                     saved_pre.append(pre)
                 hidden = activation(pre)
                 out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out, dtype=acc_dtype)
-                wait_all(requests)
+                requests.wait()
                 if incoming is not None:
                     current = incoming
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
@@ -261,7 +261,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                 acc_recv = grad_shard()
                 to_send = None
                 for t in range(1, size):
-                    wait_all(requests)
+                    requests.wait()
                     current = spare[(t - 1) % len(spare)]
                     requests = None
                     if t < size - 1:  # post the next shard before this step's matmuls
@@ -278,12 +278,12 @@ class _TSPMLPFunction(torch.autograd.Function):
                     filled = acc_out[t % 2]
                     weight_grads(d_rows, hidden, filled)
                     if acc_requests is not None:
-                        wait_all(acc_requests)
+                        acc_requests.wait()
                         filled.buffer.add_(acc_recv.buffer)
                     to_send = filled
                 # The last hop (the pipeline's drain) brings every other rank's contribution
                 # to our own shard.
-                wait_all(ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS))
+                ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS).wait()
                 own.buffer.add_(acc_recv.buffer)
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         accumulate = ctx.accumulate_into_main_grad

@@ -55,7 +55,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from megatron_tsp.core import rejections
-from megatron_tsp.core.comm import FlatShard, labelled, ring_exchange, wait_all, weight_bias_views
+from megatron_tsp.core.comm import FlatShard, done, labelled, ring_exchange, weight_bias_views
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.mlp import _fc1, _grad_buffer_dtype, make_activation
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
@@ -92,7 +92,7 @@ class _ExpertRingFunction(torch.autograd.Function):
             current = FlatShard.pack(params) if size > 1 else None
             spare = [FlatShard.like(current) for _ in range(min(size - 1, 2))]
             for t in range(size):
-                requests, incoming = None, None
+                requests, incoming = done(), None
                 if t < size - 1:
                     incoming = spare[t % len(spare)]
                     requests = ring_exchange(current.buffer, incoming.buffer, group, WEIGHTS)
@@ -102,7 +102,7 @@ class _ExpertRingFunction(torch.autograd.Function):
                     if not recompute:
                         saved_pre.append(pre)
                     matmul_acc(activation(pre), w2.t(), out_e)
-                wait_all(requests)
+                requests.wait()
                 if incoming is not None:
                     current = incoming
         ctx.save_for_backward(x, *params, *saved_pre)
@@ -161,7 +161,7 @@ class _ExpertRingFunction(torch.autograd.Function):
                 acc_recv = FlatShard.like(own)
                 to_send = None
                 for t in range(1, size):
-                    wait_all(requests)
+                    requests.wait()
                     current = spare[(t - 1) % len(spare)]
                     requests = None
                     if t < size - 1:
@@ -177,10 +177,10 @@ class _ExpertRingFunction(torch.autograd.Function):
                     filled = acc_out[t % 2]
                     weight_grads(kept, filled)
                     if acc_requests is not None:
-                        wait_all(acc_requests)
+                        acc_requests.wait()
                         filled.buffer.add_(acc_recv.buffer)
                     to_send = filled
-                wait_all(ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS))
+                ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS).wait()
                 own.buffer.add_(acc_recv.buffer)
         grads = [weight_grad_output(p, g, ctx.accumulate) for p, g in zip(params, own.views())]
         return (grad_x.to(x.dtype), None, None, None, None, None, None, *grads)
