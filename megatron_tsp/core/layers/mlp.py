@@ -38,7 +38,8 @@ import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 
 from megatron_tsp.core import rejections
-from megatron_tsp.core.comm import FlatShard, done, labelled, ring_exchange, weight_bias_views
+from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
+from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
@@ -145,8 +146,8 @@ class _TSPMLPFunction(torch.autograd.Function):
     """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
     steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind, each
-    posted after the next weight step and the dX GEMMs (queue order, ``comm``); no
-    collectives."""
+    posted after the next weight step and the dX GEMMs (queue order: ``weight_ring``, shared
+    with the TSP expert ring); no collectives."""
 
     @staticmethod
     def forward(
@@ -160,37 +161,19 @@ class _TSPMLPFunction(torch.autograd.Function):
         accumulate_into_main_grad,
         recompute_activation,
     ):
-        size = dist.get_world_size(group)
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
         saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
         acc_dtype = accumulation_dtype(x.dtype)
         with labelled("tsp_mlp"):
             out = None  # [tokens, h] partial-output accumulator (fp32 for bf16/fp16)
-            current = FlatShard.pack(params) if size > 1 else None
-            spare = (
-                [FlatShard.like(current), FlatShard.like(current)]
-                if size > 2
-                else ([FlatShard.like(current)] if size == 2 else [])
-            )
-            for t in range(size):
-                requests, incoming = done(), None
-                if t < size - 1:
-                    incoming = spare[t % len(spare)]
-                    requests = ring_exchange(current.buffer, incoming.buffer, group, WEIGHTS)
-                w1, b1, w2 = (
-                    weight_bias_views(current.views(), has_bias)
-                    if size > 1
-                    else (fc1_w, fc1_b, fc2_w)
-                )
+            for _, views in weight_ring.shards(params, group, WEIGHTS):
+                w1, b1, w2 = weight_bias_views(views, has_bias)
                 pre = _fc1(x, w1, b1)
                 if not recompute_activation:
                     saved_pre.append(pre)
                 hidden = activation(pre)
                 out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out, dtype=acc_dtype)
-                requests.wait()
-                if incoming is not None:
-                    current = incoming
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
         # Everything the backward reads goes through save_for_backward (the per-shard fc1
         # outputs too), so saved-tensor hooks (activation offloading) see and can move all of it.
@@ -203,7 +186,6 @@ class _TSPMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, fc1_w, fc1_b, fc2_w, *saved_pre = ctx.saved_tensors
         group, activation = ctx.group, ctx.activation
-        size = dist.get_world_size(group)
         has_bias = fc1_b is not None
         params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
         grad_out = grad_out.contiguous()
@@ -213,10 +195,13 @@ class _TSPMLPFunction(torch.autograd.Function):
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
-        def input_grads(views, step, grad_x):
-            """This shard's activation backward and dX contribution, added onto ``grad_x``
-            (None: starts it, in ``acc_dtype``). Returns ``(grad_x, d_pre rows, hidden rows)``;
-            needs no gradient accumulator, so it runs while the previous hop is in flight."""
+        grad_x = None  # this rank's dX, started by the first shard (``acc_dtype``)
+
+        def input_grads(views, step):
+            """This shard's activation backward and dX contribution, added onto ``grad_x``.
+            Returns ``(d_pre rows, hidden rows)``; needs no gradient accumulator, so it runs
+            while the previous hop is in flight."""
+            nonlocal grad_x
             w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
                 pre = (saved_pre[step] if saved_pre else _fc1(x, w1, b1)).detach()
@@ -226,65 +211,23 @@ class _TSPMLPFunction(torch.autograd.Function):
                 (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
             hidden = hidden.detach().reshape(-1, hidden.shape[-1])
             d_rows = d_pre.reshape(-1, d_pre.shape[-1])
-            return matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype), d_rows, hidden
+            grad_x = matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype)
+            return d_rows, hidden
 
-        def weight_grads(d_rows, hidden, out: FlatShard) -> None:
+        def weight_grads(kept, out: FlatShard) -> None:
             """This rank's tokens' partial weight gradients of the shard, written (not added)
             into ``out`` in ``out``'s dtype (fp32 in bf16 runs)."""
+            d_rows, hidden = kept
             g_w1, g_b1, g_w2 = weight_bias_views(out.views(), has_bias)
             matmul_into(d_rows.t(), tokens_x, g_w1)
             if has_bias:
                 torch.sum(d_rows, dim=0, dtype=g_b1.dtype, out=g_b1)
             matmul_into(tokens_dy.t(), hidden, g_w2)
 
-        def grad_shard() -> FlatShard:
-            return FlatShard(current.shapes, grad_dtype, current.buffer.device)
-
-        # Issue order per step t (see ``comm``'s queue model): the next weight hop W(t+1), the
-        # dX kernels, the accumulator hop A(t-1) of the previous step, the weight-gradient
-        # kernels, then A(t-1) is waited and added. W(t+1) is needed first and never queues
-        # behind A(t-1); A(t-1) follows compute that covers W(t+1), and each transfer is posted
-        # after the previous one was waited or covered, so no kernel waits for a transfer that
-        # is not needed yet. A(t-1) overlaps step t's weight-gradient GEMMs.
-        with labelled("tsp_mlp"):
-            current = FlatShard.pack(params)
-            own = grad_shard()  # this rank's shard: its own contribution, then the sum
-            if size > 1:  # the next shard is posted before this step's matmuls
-                spare = [FlatShard.like(current) for _ in range(2 if size > 2 else 1)]
-                requests = ring_exchange(current.buffer, spare[0].buffer, group, WEIGHTS)
-            grad_x, d_rows, hidden = input_grads(current.views(), 0, None)
-            weight_grads(d_rows, hidden, own)
-            if size > 1:
-                # Two send buffers: step t fills one while the other is still on the wire. One
-                # receive buffer: each hop is waited and added before the next is posted.
-                acc_out = [grad_shard(), grad_shard()]
-                acc_recv = grad_shard()
-                to_send = None
-                for t in range(1, size):
-                    requests.wait()
-                    current = spare[(t - 1) % len(spare)]
-                    requests = None
-                    if t < size - 1:  # post the next shard before this step's matmuls
-                        requests = ring_exchange(
-                            current.buffer, spare[t % len(spare)].buffer, group, WEIGHTS
-                        )
-                    grad_x, d_rows, hidden = input_grads(current.views(), t, grad_x)
-                    acc_requests = None
-                    if to_send is not None:  # A(t-1), behind W(t+1) and the dX kernels
-                        acc_requests = ring_exchange(
-                            to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS
-                        )
-                    # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
-                    filled = acc_out[t % 2]
-                    weight_grads(d_rows, hidden, filled)
-                    if acc_requests is not None:
-                        acc_requests.wait()
-                        filled.buffer.add_(acc_recv.buffer)
-                    to_send = filled
-                # The last hop (the pipeline's drain) brings every other rank's contribution
-                # to our own shard.
-                ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS).wait()
-                own.buffer.add_(acc_recv.buffer)
+        with labelled("tsp_mlp"):  # the schedule and its queue order: ``weight_ring``
+            own = weight_ring.backward(
+                params, group, grad_dtype, input_grads, weight_grads, (WEIGHTS, WEIGHT_GRADS)
+            )
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         accumulate = ctx.accumulate_into_main_grad
         return (

@@ -55,7 +55,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from megatron_tsp.core import rejections
-from megatron_tsp.core.comm import FlatShard, done, labelled, ring_exchange, weight_bias_views
+from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
+from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.mlp import _fc1, _grad_buffer_dtype, make_activation
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
@@ -76,12 +77,11 @@ def _per_expert(views: Sequence[torch.Tensor], has_bias: bool) -> List[tuple]:
 class _ExpertRingFunction(torch.autograd.Function):
     """Forward: D-1 ring hops of the packed all-experts shard, each posted before the current
     shard's GEMMs. Backward: D-1 weight hops plus D-1 gradient-accumulator hops one step behind
-    (``mlp._TSPMLPFunction``'s queue order). ``x`` is [N, h], this rank's tokens permuted by
+    (``weight_ring``, shared with the TSP MLP). ``x`` is [N, h], this rank's tokens permuted by
     expert (``counts[e]`` rows for expert e, possibly 0); returns [N, h] without fc2 bias."""
 
     @staticmethod
     def forward(ctx, x, counts, group, activation, accumulate, recompute, has_bias, *params):
-        size = dist.get_world_size(group)
         acc_dtype = accumulation_dtype(x.dtype)
         xs = x.split(counts)
         hidden_size = params[-1].shape[0]
@@ -89,22 +89,12 @@ class _ExpertRingFunction(torch.autograd.Function):
         out = torch.zeros(x.shape[0], hidden_size, dtype=acc_dtype, device=x.device)
         outs = out.split(counts)
         with labelled(LABEL):
-            current = FlatShard.pack(params) if size > 1 else None
-            spare = [FlatShard.like(current) for _ in range(min(size - 1, 2))]
-            for t in range(size):
-                requests, incoming = done(), None
-                if t < size - 1:
-                    incoming = spare[t % len(spare)]
-                    requests = ring_exchange(current.buffer, incoming.buffer, group, WEIGHTS)
-                views = current.views() if size > 1 else list(params)
+            for _, views in weight_ring.shards(params, group, WEIGHTS):
                 for x_e, out_e, (w1, b1, w2) in zip(xs, outs, _per_expert(views, has_bias)):
                     pre = _fc1(x_e, w1, b1)
                     if not recompute:
                         saved_pre.append(pre)
                     matmul_acc(activation(pre), w2.t(), out_e)
-                requests.wait()
-                if incoming is not None:
-                    current = incoming
         ctx.save_for_backward(x, *params, *saved_pre)
         ctx.num_params = len(params)
         ctx.counts, ctx.group, ctx.activation = counts, group, activation
@@ -116,7 +106,6 @@ class _ExpertRingFunction(torch.autograd.Function):
         x, *rest = ctx.saved_tensors
         params, saved_pre = rest[: ctx.num_params], rest[ctx.num_params :]
         counts, group, activation, has_bias = ctx.counts, ctx.group, ctx.activation, ctx.has_bias
-        size = dist.get_world_size(group)
         num_experts = len(counts)
         acc_dtype = accumulation_dtype(x.dtype)
         grad_dtype = _grad_buffer_dtype(params, ctx.accumulate)
@@ -149,39 +138,10 @@ class _ExpertRingFunction(torch.autograd.Function):
                     torch.sum(d_pre, dim=0, dtype=g_b1.dtype, out=g_b1)
                 matmul_into(dys[e].t(), hidden, g_w2)
 
-        with labelled(LABEL):
-            current = FlatShard.pack(params)
-            own = FlatShard(current.shapes, grad_dtype, current.buffer.device)
-            if size > 1:
-                spare = [FlatShard.like(current) for _ in range(min(size - 1, 2))]
-                requests = ring_exchange(current.buffer, spare[0].buffer, group, WEIGHTS)
-            weight_grads(input_grads(current.views(), 0), own)
-            if size > 1:
-                acc_out = [FlatShard.like(own), FlatShard.like(own)]
-                acc_recv = FlatShard.like(own)
-                to_send = None
-                for t in range(1, size):
-                    requests.wait()
-                    current = spare[(t - 1) % len(spare)]
-                    requests = None
-                    if t < size - 1:
-                        requests = ring_exchange(
-                            current.buffer, spare[t % len(spare)].buffer, group, WEIGHTS
-                        )
-                    kept = input_grads(current.views(), t)
-                    acc_requests = None
-                    if to_send is not None:
-                        acc_requests = ring_exchange(
-                            to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS
-                        )
-                    filled = acc_out[t % 2]
-                    weight_grads(kept, filled)
-                    if acc_requests is not None:
-                        acc_requests.wait()
-                        filled.buffer.add_(acc_recv.buffer)
-                    to_send = filled
-                ring_exchange(to_send.buffer, acc_recv.buffer, group, WEIGHT_GRADS).wait()
-                own.buffer.add_(acc_recv.buffer)
+        with labelled(LABEL):  # the schedule and its queue order: ``weight_ring``
+            own = weight_ring.backward(
+                params, group, grad_dtype, input_grads, weight_grads, (WEIGHTS, WEIGHT_GRADS)
+            )
         grads = [weight_grad_output(p, g, ctx.accumulate) for p, g in zip(params, own.views())]
         return (grad_x.to(x.dtype), None, None, None, None, None, None, *grads)
 
