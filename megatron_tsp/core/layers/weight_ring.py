@@ -70,7 +70,10 @@ def backward(
     if size > 1:  # the next shard is posted before this step's matmuls
         spare = [FlatShard.like(current) for _ in range(min(size - 1, 2))]
         pending = ring_exchange(current.buffer, spare[0].buffer, group, weight_payload)
-    weight_grads(input_grads(current.views(), 0), own)
+    # ``kept`` stays bound until the next step's ``input_grads`` returns, at every step (the
+    # estimator's memory model counts step t-1's tensors next to step t's)
+    kept = input_grads(current.views(), 0)
+    weight_grads(kept, own)
     if size == 1:
         return own
     # Two send buffers: step t fills one while the other is still on the wire. One receive
