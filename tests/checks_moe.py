@@ -151,16 +151,19 @@ def _full_name(name: str, ep_rank: int, ep: int) -> str:
     return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{e}.", name)
 
 
-def _step(model, batch):
+def _step(model, batch, mask_count=None, z_loss_group=None):
     """Masked mean token loss (fp64-exact path: vocab-gathered logits) plus the MoE aux losses
-    the router attached to its activations, backward; returns (loss, aux losses by name)."""
+    the router attached to its activations, backward; returns (loss, aux losses by name).
+    ``mask_count``: the normaliser when ``batch`` is one CP rank's part of the batch (the whole
+    batch's mask count; default: this batch's). ``z_loss_group``: the ranks whose tokens the
+    logged z-loss is averaged over (default: the tensor-parallel group)."""
     clear_aux_losses_tracker()
     logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
     losses = (
         -torch.log_softmax(logits, dim=-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
     )
     mask = batch["loss_mask"].to(losses.dtype)
-    loss = (losses * mask).sum() / mask.sum()
+    loss = (losses * mask).sum() / (mask.sum() if mask_count is None else mask_count)
     loss.backward()
     aux = {}
     for name, entry in get_moe_layer_wise_logging_tracker().items():
@@ -173,11 +176,25 @@ def _step(model, batch):
             # tokens (Megatron logs TP rank 0's under TP+SP; a TSP rank holds other tokens, so
             # that one number differs between the two). Its mean over the tensor-parallel group
             # is the mean over all tokens, the same under TP=1, TP+SP and TSP.
-            tp = mpu.get_tensor_model_parallel_group()
+            tp = z_loss_group or mpu.get_tensor_model_parallel_group()
             dist.all_reduce(values, group=tp)
             values /= dist.get_world_size(tp)
         aux[name] = values
     return loss.detach(), aux
+
+
+def _single_reference(seed, case, data, dispatcher):
+    """The single-process stock model (TP=1, EP=1, fp64, experts perturbed per global id) on the
+    whole batch: ``(parameters, loss, aux losses, gradients)``, by name."""
+    dtype = DTYPES["float64"]
+    vocab, seq = 128, data["tokens"].shape[1]
+    _setup(1, 1, seed, tsp=False)
+    config = _config(1, 1, dtype, case, dispatcher)
+    ref = _norms_to(_model(config, _single_spec(config), "llama", vocab, seq, False), dtype)
+    _perturb_experts(ref, 0, 1)
+    params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    loss, aux = _step(ref, data)
+    return params, loss, aux, {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
 def _expert_and_grads(model, ep_rank, ep, group):
@@ -217,13 +234,7 @@ def check_moe_vs_single(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     vocab, seq, batch = 128, 32, 2
     data = _batch(seed, batch, seq, vocab)
 
-    _setup(1, 1, seed, tsp=False)
-    ref_config = _config(1, 1, dtype, case, dispatcher)
-    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
-    _perturb_experts(ref, 0, 1)
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_loss, ref_aux = _step(ref, data)
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_params, ref_loss, ref_aux, ref_grads = _single_reference(seed, case, data, dispatcher)
 
     _setup(d, ep, seed, tsp=True)
     group = tsp_state.get_tensor_sequence_parallel_group()
@@ -337,13 +348,7 @@ def check_moe_ring(d, seed, case, rtol=1e-10):
     vocab, seq, batch = 128, 32, 2
     data = _batch(seed, batch, seq, vocab)
 
-    _setup(1, 1, seed, tsp=False)
-    ref_config = _config(1, 1, dtype, case, "allgather")
-    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
-    _perturb_experts(ref, 0, 1)
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_loss, ref_aux = _step(ref, data)
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_params, ref_loss, ref_aux, ref_grads = _single_reference(seed, case, data, "allgather")
 
     _setup(d, 1, seed, tsp=False, etp=d)
     group = mpu.get_tensor_model_parallel_group()
@@ -391,58 +396,29 @@ def check_moe_ring_cp(d, c, seed, case, rtol=1e-10):
     gathered to full size)."""
     import dataclasses
 
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from tests.checks_tsp_cp import _sum_over_cp, setup_tsp_cp
 
     dtype = DTYPES["float64"]
     vocab, seq, batch = 128, 32, 2
     data = _batch(seed, batch, seq, vocab)
 
-    _setup(1, 1, seed, tsp=False)
-    ref_config = _config(1, 1, dtype, case, "allgather")
-    ref = _norms_to(_model(ref_config, _single_spec(ref_config), "llama", vocab, seq, False), dtype)
-    _perturb_experts(ref, 0, 1)
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_loss, ref_aux = _step(ref, data)
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_params, ref_loss, ref_aux, ref_grads = _single_reference(seed, case, data, "allgather")
 
-    tsp_state.destroy_model_parallel()
-    tsp_state.initialize_model_parallel(
-        tensor_sequence_parallel_size=d,
-        context_parallel_size=c,
-        expert_tensor_parallel_size=d,
-        create_gloo_process_groups=False,
-    )
-    common._current = ("moe ring x cp", d, c)  # the next check re-creates its own groups
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    tp, cp = tsp_state.get_tensor_sequence_parallel_group(), mpu.get_context_parallel_group()
-    seq_group = tsp_state.get_tensor_sequence_and_context_parallel_group()
+    g = setup_tsp_cp(d, c, seed, expert_tensor_parallel_size=d)
+    tp, cp, seq_group = g["tp"], g["cp"], g["seq"]
     config = _config(d, 1, dtype, case, "allgather", etp=d)
     config = dataclasses.replace(config, context_parallel_size=c)
     config.tsp_moe_ring = True
     model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
     _load_full(model, ref_params, tp, 0, 1)
     local = zigzag.get_batch_on_this_tsp_rank(
-        data, d, context_parallel_size=c, cp_rank=dist.get_rank(cp)
+        data, d, context_parallel_size=c, cp_rank=g["cp_rank"]
     )
-    clear_aux_losses_tracker()
-    logits = model(local["tokens"], local["position_ids"], local["attention_mask"])
-    losses = -torch.log_softmax(logits, -1).gather(-1, local["labels"].unsqueeze(-1)).squeeze(-1)
-    part = (losses * local["loss_mask"].to(losses.dtype)).sum() / data["loss_mask"].sum()
-    part.backward()
-    loss = part.detach().clone()
+    loss, aux = _step(
+        model, local, mask_count=data["loss_mask"].sum(), z_loss_group=seq_group
+    )  # this CP rank's part of the loss
     dist.all_reduce(loss, group=cp)
-    aux = {}
-    for name, entry in get_moe_layer_wise_logging_tracker().items():
-        values = entry["values"].clone()
-        if entry.get("reduce_group") is not None:
-            dist.all_reduce(values, group=entry["reduce_group"])
-        else:  # z_loss: each rank's mean over its own tokens (see _step), over all D*C ranks
-            dist.all_reduce(values, group=seq_group)
-            values /= dist.get_world_size(seq_group)
-        aux[name] = values
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=cp)
+    _sum_over_cp(model, cp)
     sharding.allreduce_sequence_parallel_grads(model, tp)
     grads = _expert_and_grads(model, 0, 1, tp)
     actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}

@@ -35,14 +35,18 @@ from tests.common import (
 )
 
 
-def setup_tsp_cp(d: int, c: int, seed: int) -> dict:
+def setup_tsp_cp(d: int, c: int, seed: int, expert_tensor_parallel_size: int = 1) -> dict:
     """Megatron groups for TSP=d x CP=c (re-created every call; the next ``setup_tsp`` of
-    another check re-creates its own). Returns the ranks and groups, with the sequence rank
-    checked against the definition q = cp_rank * D + tp_rank."""
+    another check re-creates its own), experts sharded over ``expert_tensor_parallel_size``
+    ranks. Returns the ranks and groups, with the sequence rank checked against the definition
+    q = cp_rank * D + tp_rank."""
     tsp_state.destroy_model_parallel()
     common._current = ("tsp x cp", d, c)  # any later setup_tsp / setup_megatron_tp re-inits
     tsp_state.initialize_model_parallel(
-        tensor_sequence_parallel_size=d, context_parallel_size=c, create_gloo_process_groups=False
+        tensor_sequence_parallel_size=d,
+        context_parallel_size=c,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     tp = tsp_state.get_tensor_sequence_parallel_group()

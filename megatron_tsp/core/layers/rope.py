@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_tsp.core.layout import TSPLayout
 
@@ -73,9 +74,9 @@ def megatron_rotary(t: torch.Tensor, freqs: Optional[torch.Tensor], config) -> t
     rotates through it; the training layer uses the cached tables of ``local_tables``."""
     if freqs is None:
         return t
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(t, freqs, config=config, mscale=_mscale(config), cp_group=_NO_CP)
+    return rope_utils.apply_rotary_pos_emb(
+        t, freqs, config=config, mscale=_mscale(config), cp_group=_NO_CP
+    )
 
 
 def fused_rope_kernel(config) -> Optional[Callable]:
@@ -85,8 +86,6 @@ def fused_rope_kernel(config) -> Optional[Callable]:
     does not take). Looked up at call time, so a Transformer Engine imported late is seen."""
     if not getattr(config, "apply_rope_fusion", False) or _mscale(config) != 1.0:
         return None
-    from megatron.core.models.common.embeddings import rope_utils
-
     fused = getattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     if fused is None:
         raise ValueError(
