@@ -61,6 +61,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from megatron_tsp.megatron_lm import rank_zygote
 
 RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
+# a file a rank writes its CLOCK_MONOTONIC time to when it fails: ranks that fail because a peer
+# died exit a few ms after it, often before the launcher looks, and the earliest failure is the
+# one whose log says why
+FAILED_AT_ENV = "TSP_CPU_RUNNER_FAILED_AT"
 # the environment run_training sets per rank or per run (the rest is shared by every rank)
 PER_RUN_ENV = (
     "RANK",
@@ -70,6 +74,7 @@ PER_RUN_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
     RECORD_ENV,
+    FAILED_AT_ENV,
 )
 WORKER_FLAG = "--cpu-runner-worker"
 
@@ -501,6 +506,23 @@ def _recording_training_log(original, path: str):
 # --------------------------------------------------------------------------------------------
 
 
+def _rank_main(argv: List[str]) -> int:
+    """One rank's entry point (fresh process or zygote fork): ``_worker``, noting when it fails
+    in the file ``FAILED_AT_ENV`` names before the exit handlers run."""
+    code: object = 1
+    try:
+        code = _worker(argv)
+        return code
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code
+        raise
+    finally:
+        path = os.environ.get(FAILED_AT_ENV)
+        if path and code != 0:
+            with open(path, "w") as f:
+                f.write(repr(time.monotonic()))
+
+
 def _worker(argv: List[str]) -> int:
     """Inside one rank: answer CUDA, then run the script (through the TSP launcher or stock)."""
     stock = False
@@ -525,21 +547,53 @@ def _worker(argv: List[str]) -> int:
     return launch.main([script] + argv[1:])
 
 
-def _wait_for_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> Tuple[int, Optional[int]]:
-    """``(returncode, failed_rank)`` of a group of rank processes: the first rank seen to exit
-    non-zero (the others are then killed: they would wait for it in a collective until gloo's own
-    timeout, and the rank that exits first with an error is the one whose log says why), or 124
-    and the lowest rank still running when ``timeout`` s pass; ``(0, None)`` when all succeed."""
+def _wait_for_ranks(
+    procs: Sequence[subprocess.Popen],
+    timeout: float,
+    failed_at: Sequence[Optional[str]] = (),
+    grace: float = 5.0,
+) -> Tuple[int, Optional[int]]:
+    """``(returncode, failed_rank)`` of a group of rank processes: the rank that failed first, or
+    124 and the lowest rank still running when ``timeout`` s pass; ``(0, None)`` when all succeed.
+
+    When one rank fails, the ranks waiting for it in a collective fail too, a few ms later (or sit
+    until gloo's own timeout): once a failure is seen, the ranks get ``grace`` s to finish exiting,
+    then the failed rank with the earliest time in its ``failed_at`` file (a rank killed by a
+    signal writes none: the time it was seen dead stands in) is named and the rest are killed."""
     deadline = time.monotonic() + timeout
+    seen_dead: dict = {}
+    settle_by = None
+
+    def failure_time(rank: int) -> Optional[float]:
+        path = failed_at[rank] if rank < len(failed_at) else None
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    return float(f.read())
+            except (OSError, ValueError):  # being written
+                pass
+        return seen_dead.get(rank)
+
     while True:
+        now = time.monotonic()
         codes = [proc.poll() for proc in procs]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                seen_dead.setdefault(rank, now)
         running = [rank for rank, code in enumerate(codes) if code is None]
-        if failed:
-            rank, code = failed[0]
+        if seen_dead and settle_by is None:
+            settle_by = now + grace
+        if settle_by is not None:
+            failing = [r for r in range(len(procs)) if failure_time(r) is not None]
+            # wait for the ranks that noted a failure to exit (their code is the answer)
+            if now < settle_by and any(codes[r] is None for r in failing):
+                time.sleep(0.02)
+                continue
+            rank = min(failing, key=lambda r: (failure_time(r), r))
+            code = codes[rank] if codes[rank] is not None else 1
         elif not running:
             return 0, None
-        elif time.monotonic() > deadline:
+        elif now > deadline:
             rank, code = running[0], 124
         else:
             time.sleep(0.1)
@@ -610,6 +664,7 @@ def run_training(
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="tsp_cpu_run_") as tmp:
         record = os.path.join(tmp, "iterations.jsonl")
+        failed_at = [os.path.join(tmp, f"rank{rank}.failed_at") for rank in range(nproc)]
         procs = []
         for rank in range(nproc):
             rank_env = dict(os.environ)
@@ -624,7 +679,7 @@ def run_training(
                 TORCHDYNAMO_DISABLE="1",
                 CUDA_DEVICE_MAX_CONNECTIONS="1",
                 PYTHONUNBUFFERED="1",
-                **{RECORD_ENV: record},
+                **{RECORD_ENV: record, FAILED_AT_ENV: failed_at[rank]},
             )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
             # env's PYTHONPATH goes in front of (not instead of) the inherited one
@@ -649,7 +704,9 @@ def run_training(
                 (subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out)
             )
         try:
-            returncode, failed_rank = _wait_for_ranks([proc for proc, _ in procs], timeout)
+            returncode, failed_rank = _wait_for_ranks(
+                [proc for proc, _ in procs], timeout, failed_at
+            )
         finally:
             for proc, out in procs:
                 if proc.poll() is None:
@@ -692,9 +749,9 @@ def summary(run: TrainingRun) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == WORKER_FLAG:
-        return _worker(argv[1:])
+        return _rank_main(argv[1:])
     if argv and argv[0] == rank_zygote.ZYGOTE_FLAG and len(argv) == 2:
-        return rank_zygote.serve(argv[1], prepare=apply_cuda_answers, run=_worker)
+        return rank_zygote.serve(argv[1], prepare=apply_cuda_answers, run=_rank_main)
     parser = argparse.ArgumentParser(
         prog="python -m megatron_tsp.megatron_lm.cpu_runner",
         description="Run Megatron-LM's pretrain_gpt.py on CPU ranks over gloo "

@@ -10,7 +10,7 @@ What a forked rank shares with its zygote is exactly what a fresh rank has done 
 per-run steps: the interpreter, ``sys.path`` with the script's directory first, and
 ``apply_cuda_answers()``. Everything that depends on the run happens in the child, as in a fresh
 rank: its environment (``RANK``, ``MASTER_PORT``, ...), the iteration record, the TSP launcher's
-hooks and the script itself (``cpu_runner._worker``). The TSP hooks are installed after the
+hooks and the script itself (``cpu_runner._rank_main``). The TSP hooks are installed after the
 zygote's imports, as they are after ``apply_cuda_answers``'s imports in a fresh rank, and the
 script's own modules (``gpt_builders``, ``model_provider``) are imported only in the child, so a
 hook that a module binds at import is bound as in a fresh rank.

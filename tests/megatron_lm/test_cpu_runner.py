@@ -142,3 +142,54 @@ def test_a_failing_rank_is_named_and_the_others_do_not_hang(tmp_path):
         assert f"training run failed (exit 7), rank {failing}:" in str(e)
     else:
         raise AssertionError("check() accepted a failed run")
+
+
+class _ExitedRank:
+    """A rank process as ``_wait_for_ranks`` sees it: ``poll`` answers its exit code, or None
+    while it runs (``exits_after`` polls)."""
+
+    def __init__(self, code, exits_after=0):
+        self.code, self.polls_left, self.killed = code, exits_after, False
+
+    def poll(self):
+        if self.killed:
+            return -9
+        if self.polls_left > 0:
+            self.polls_left -= 1
+            return None
+        return self.code
+
+    def kill(self):
+        self.killed = True
+
+
+def test_the_rank_that_failed_first_is_named_when_several_are_seen_dead_at_once(tmp_path):
+    """The failing rank exits; the ranks waiting for it in a collective fail a few ms later, and
+    on a loaded machine the launcher first sees them all dead at once. The earliest failure time
+    the ranks noted names the culprit (and its code is the run's), not the lowest rank."""
+    import random
+    import time
+
+    nproc = 4
+    culprit = random.randrange(1, nproc)
+    now = time.monotonic()
+    paths = []
+    for rank in range(nproc):
+        path = tmp_path / f"rank{rank}.failed_at"
+        path.write_text(repr(now - (1.0 if rank == culprit else 0.99)))
+        paths.append(str(path))
+    procs = [_ExitedRank(7 if rank == culprit else 1) for rank in range(nproc)]
+    assert cpu_runner._wait_for_ranks(procs, 30, paths) == (7, culprit), culprit
+
+    # the culprit noted its failure and is still in its exit handlers when the others are seen
+    # dead: the launcher waits for its code
+    procs = [_ExitedRank(7, exits_after=3) if r == culprit else _ExitedRank(1) for r in range(4)]
+    assert cpu_runner._wait_for_ranks(procs, 30, paths) == (7, culprit), culprit
+
+    # a rank killed by a signal notes nothing: the time it was seen dead stands in
+    (tmp_path / f"rank{culprit}.failed_at").unlink()
+    procs = [_ExitedRank(-9) if r == culprit else _ExitedRank(1, exits_after=2) for r in range(4)]
+    for rank in range(nproc):
+        if rank != culprit:
+            (tmp_path / f"rank{rank}.failed_at").unlink()
+    assert cpu_runner._wait_for_ranks(procs, 30, paths) == (-9, culprit), culprit
