@@ -70,9 +70,14 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     local-slice function and full grads."""
     a2a = kind.endswith("_a2a")  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
     kind = kind.removesuffix("_a2a")
+    # activation sums in fp32 (--tsp-activation-sums-in-fp32)
+    sums_fp32 = kind.endswith("_sums_fp32")
+    kind = kind.removesuffix("_sums_fp32")
     if kind.startswith("tsp_cp2"):
         kv_fp32 = kind == "tsp_cp2_kv_fp32"
-        return _run_bf16_tsp_cp(d, 2, style, full_params, data, dims, vocab, seq, kv_fp32, a2a)
+        return _run_bf16_tsp_cp(
+            d, 2, style, full_params, data, dims, vocab, seq, kv_fp32, a2a, sums_fp32
+        )
     kv_fp32 = kind == "tsp_kv_fp32"
     kind = "tsp" if kv_fp32 else kind
     if kind == "tsp":
@@ -87,6 +92,7 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     if kv_fp32:  # read by TSPSelfAttention (Megatron-LM: --tsp-kv-grad-reduce-in-fp32)
         config.tsp_kv_grad_reduce_in_fp32 = True
     config.tsp_kv_grad_all_to_all = a2a
+    config.tsp_activation_sums_in_fp32 = sums_fp32
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     sharding.load_full_state(
@@ -111,7 +117,9 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     )
 
 
-def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=False, a2a=False):
+def _run_bf16_tsp_cp(
+    d, c, style, full_params, data, dims, vocab, seq, kv_fp32=False, a2a=False, sums_fp32=False
+):
     """``_run_bf16`` for TSP-d x CP-c on d*c ranks: Megatron's CP batch split then the TSP
     zigzag (one permutation over the d*c sequence ranks), the loss normalised by the whole
     batch's mask count and summed over CP, gradients summed over CP (DDP's DP x CP reduction)
@@ -126,6 +134,7 @@ def _run_bf16_tsp_cp(d, c, style, full_params, data, dims, vocab, seq, kv_fp32=F
     config = dataclasses.replace(_config(d, torch.bfloat16, style, **dims), context_parallel_size=c)
     config.tsp_kv_grad_reduce_in_fp32 = kv_fp32
     config.tsp_kv_grad_all_to_all = a2a
+    config.tsp_activation_sums_in_fp32 = sums_fp32
     model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, parallel_output=True)
     model.to(torch.bfloat16)
     sharding.load_full_state(
@@ -209,7 +218,8 @@ def bf16_errors_vs_fp64(
     breaks TSP's fp32 accumulation there, to show that the criteria can fail. ``kinds``: the
     runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32,
     "tsp_cp2": TSP-d x CP=2 on 2d ranks, "tsp_cp2_kv_fp32": with the dK/dV wire in fp32; a
-    "_a2a" suffix: the dK/dV summed by an all-to-all, --tsp-kv-grad-all-to-all)."""
+    "_a2a" suffix: the dK/dV summed by an all-to-all, --tsp-kv-grad-all-to-all; "tsp_sums_fp32":
+    TSP with its activation sums in fp32, --tsp-activation-sums-in-fp32)."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)

@@ -121,17 +121,18 @@ def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
     comm = fm.tsp_layer_comm(shape, d)
     assert comm["attn_fwd"] == pytest.approx(expected["fwd"], rel=1e-12)
     assert comm["attn_bwd"] == pytest.approx(expected["bwd"], rel=1e-12)
-    calls = {"broadcast": d, "reduce": d, "all_gather": steps, "reduce_scatter": steps}
+    calls = {"broadcast": d, "reduce": d, "all_gather": 2 * steps, "reduce_scatter": steps}
     for term in fm.tsp_layer_terms(shape, d):
         if term.phase.startswith("attn"):
-            assert term.chunks == calls[term.op], term
+            assert term.chunks * term.calls_per_chunk == calls[term.op], term
     for r in results:
         # one broadcast and (backward) one weight-gradient reduce per weight shard; per head
-        # group one packed K/V all-gather (and in backward one packed dK/dV reduce-scatter)
-        assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": steps}
+        # group two packed K/V all-gathers, the early and the late zigzag halves (and in backward
+        # one packed dK/dV reduce-scatter)
+        assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": 2 * steps}
         assert r["bwd"]["calls"] == {
             "broadcast": d,
-            "all_gather_into_tensor": steps,
+            "all_gather_into_tensor": 2 * steps,
             "reduce_scatter_tensor": steps,
             "reduce": d,
         }
@@ -234,8 +235,11 @@ def test_attention_prefetches_next_shard(pool4, d):
     # shard 0 and shard 1 are both in flight before shard 0's first matmul
     assert bcasts[0] < bcasts[1] < first_mm
     # shard r+1's broadcast is issued before shard r's projection matmuls start
+    # two all-gathers per head group (the early and the late zigzag halves): group r's first
     gathers = [i for i, e in enumerate(fwd) if e == "all_gather_into_tensor"]
-    assert len(gathers) == d
+    assert len(gathers) == 2 * d
+    assert all(gathers[2 * r + 1] == gathers[2 * r] + 1 for r in range(d)), fwd
+    gathers = gathers[::2]
     for r in range(d - 1):
         # shard r+1 is in flight before shard r's K/V gather, and not earlier than one ahead
         assert bcasts[r + 1] < gathers[r]

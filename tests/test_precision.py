@@ -51,6 +51,13 @@ def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
 # 0.88-1.29 per seed; with the bf16 dK/dV wire the per-seed mean is 1.019 / 1.026, sd 0.046 /
 # 0.031, and one 5-seed mean read 1.056, hence 1.08);
 # test_gpt_bf16_check_catches_planted_bf16_accumulation shows they catch it.
+# Those draws had fp32 activation sums. With the default in-place bf16 sums (MLP output, grad_x;
+# docs/precision.md), on 12 more seeds per style (the same seeds for both settings): geometric
+# mean 1.006 / 0.995 (Llama / GPT-2; fp32 sums 0.998 / 0.990), per-seed sd 0.030 / 0.044, the
+# paired difference +0.007 / +0.006; hidden states 0.984 / 0.979 (fp32 sums 0.981 / 0.956). The
+# gradient bound is unchanged, now over GPT_SEEDS = 8 seeds: pooling both draws and adding the
+# paired difference, the expected geometric mean is ~0.997 / 0.994 with per-seed sd ~0.026 /
+# 0.035, so the 8-seed mean sits 3.6 / 2.9 sd below 1.03 (with 5 seeds: 2.8 / 2.3).
 TOKEN_LOSS_TOLERANCE = 1.15
 GRAD_GEOMEAN_TOLERANCE = 1.03
 WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.08}
@@ -209,7 +216,7 @@ def _report_and_check_gpt(
 # The whole-model runs of the two tests above and below: per style, GPT_SEEDS consecutive seeds
 # from one fresh seed, each an fp64 reference and three bf16 models (TP+SP, TSP with the default
 # bf16 dK/dV wire, TSP with the fp32 wire), drawn once per test session (~10 s per seed).
-GPT_SEEDS = 5
+GPT_SEEDS = 8
 _GPT_KINDS = ("tp_sp", "tsp", "tsp_kv_fp32")
 _gpt_cache = {}
 

@@ -53,6 +53,20 @@ def test_gemm_bytes_and_flops():
     assert r.flops == 2 * m * n * k
 
 
+def test_accumulating_into_the_out_tensor_reads_it():
+    """``addmm(acc, a, b, out=acc)`` (an in-place accumulation written with ``out=``) reads acc as
+    its ``self`` input and writes it; only the ``out=`` slot itself is not a read."""
+    m, k, n = 6, 5, 7
+    a, b, acc = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+    r = _only(_record(lambda: torch.addmm(acc, a, b, out=acc)), "addmm")
+    assert (r.read, r.written) == ((m * n + m * k + k * n) * 4, m * n * 4)
+    fresh = torch.empty(m, n)
+    r = _only(_record(lambda: torch.addmm(acc, a, b, out=fresh)), "addmm")
+    assert (r.read, r.written) == ((m * n + m * k + k * n) * 4, m * n * 4)
+    r = _only(_record(lambda: torch.mm(a, b, out=fresh)), "mm")
+    assert (r.read, r.written) == ((m * k + k * n) * 4, m * n * 4)
+
+
 def test_inplace_counts_read_and_write_out_does_not_read():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     r = _only(_record(lambda: x.add_(y)), "add_")
@@ -126,7 +140,9 @@ def test_layer_totals_are_sums_of_ops(layer):
         assert s["kernels"] == len(kernels) > 0
         assert s["bytes"] == sum(r["read"] + r["written"] for r in kernels) > 0
         assert s["bytes_read"] == sum(r["read"] for r in kernels)
-        assert all(r["read"] == r["written"] == 0 for r in s["records"] if r["kind"] != "kernel")
+        # an upload counts its device bytes on its record, apart from the step's
+        rest = [r for r in s["records"] if r["kind"] not in ("kernel", "cached_upload")]
+        assert all(r["read"] == r["written"] == 0 for r in rest)
         ph = s["by_phase"]
         assert ph["forward"]["kernels"] + ph["backward"]["kernels"] == s["kernels"]
         assert ph["forward"]["bytes"] + ph["backward"]["bytes"] == s["bytes"]
@@ -194,3 +210,14 @@ def test_tsp_rope_launches(layer):
     assert not [s for s in by_source if s.startswith("rope_utils.")], by_source
     table_kernels = by_source.get("rope._build", 0) + by_source.get("rope._swap", 0)
     assert 0 < table_kernels <= 12, by_source
+
+
+def test_cached_index_table_uploads_are_not_step_kernels(layer):
+    """The layout's index tables are uploaded on first use and cached on a GPU (never under
+    FakeTensorMode): the recording counts those uploads apart, none as a kernel of the step."""
+    s = layer["tsp"]
+    uploads = [r for r in s["records"] if r["kind"] == "cached_upload"]
+    assert s["cached_uploads"] == len(uploads) > 0
+    assert all(r["source"] in traffic.CACHED_UPLOAD_SOURCES for r in uploads)
+    kernels = [r for r in s["records"] if r["kind"] == "kernel"]
+    assert not [r for r in kernels if r["source"] in traffic.CACHED_UPLOAD_SOURCES]

@@ -215,6 +215,12 @@ class TSPLayout:
         read-only)."""
         return _table("inverse", self.group_size, self.seq_length, device)
 
+    def late_owners(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Owner (group rank) of each late chunk D, D+1, .., 2D-1 in natural order: D-1, .., 0.
+        An all-gather of the ranks' late chunks holds them in owner order, i.e. reversed:
+        ``natural_late = gathered_late[late_owners]`` (shared, read-only)."""
+        return _table("late_owners", self.group_size, self.group_size, device)
+
     def positions_of(self, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Natural positions of ``rank``'s local tokens, in local order (a shared view)."""
         self.chunks_of(rank)  # validates the rank

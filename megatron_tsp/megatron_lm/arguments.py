@@ -45,6 +45,7 @@ TSP_MLP_SPEC_ATTR = "tsp_mlp_block_spec"
 TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
 KV_GRAD_FP32_FLAG = "--tsp-kv-grad-reduce-in-fp32"
 KV_GRAD_A2A_FLAG = "--tsp-kv-grad-all-to-all"
+ACTIVATION_SUMS_FP32_FLAG = "--tsp-activation-sums-in-fp32"
 
 
 class TSPArgumentError(ValueError):
@@ -107,6 +108,18 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "reduce-scatter in bf16 rounds at every hop: 6x the error of one rounding over the 64 "
         "ranks of TSP8 x CP8). Costs a receive buffer the size of one head group's "
         "full-sequence dK/dV.",
+    )
+    group.add_argument(
+        ACTIVATION_SUMS_FP32_FLAG,
+        dest="tsp_activation_sums_in_fp32",
+        action="store_true",
+        default=False,
+        help="Sum the TSP MLP's output over its D weight shards, and the input gradients of the "
+        "MLP and the attention over their shards and head groups, in an fp32 accumulator "
+        "instead of in place in the compute dtype. Default: the GEMMs accumulate in place "
+        "(fp32 arithmetic, one rounding of the running sum per shard: fewer roundings than "
+        "TP+SP's bf16 reduce-scatter of the same sums); fp32 reads and writes the accumulator "
+        "at twice the bytes (bf16 runs).",
     )
     group.add_argument(
         MOE_RING_FLAG,
@@ -198,6 +211,15 @@ def translate_args(args) -> None:
         (KV_GRAD_A2A_FLAG, "tsp_kv_grad_all_to_all"),
     ):
         _check_needs_tsp(args, flag, dest)
+    if (
+        getattr(args, "tsp_activation_sums_in_fp32", False)
+        and tsp_size(args) is None
+        and not tsp_mlp_requested(args)
+    ):
+        raise TSPArgumentError(
+            f"{ACTIVATION_SUMS_FP32_FLAG} needs {TSP_FLAG} or {TSP_MLP_FLAG}: it sets how the "
+            "TSP layers sum over their weight shards"
+        )
     if getattr(args, "tsp_moe_ring", False) and tsp_size(args) is None:
         raise TSPArgumentError(
             f"{MOE_RING_FLAG} needs {TSP_FLAG}: it shards the experts over the TSP group and "
@@ -373,6 +395,7 @@ def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
         TSP_MLP_FLAG,
         KV_GRAD_FP32_FLAG,
         KV_GRAD_A2A_FLAG,
+        ACTIVATION_SUMS_FP32_FLAG,
         MOE_RING_FLAG,
     }
     out: List[str] = []

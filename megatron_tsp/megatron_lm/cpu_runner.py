@@ -659,7 +659,21 @@ def run_training(
     when a rank fails and ``check``.
     """
     python = python or sys.executable
-    port = _free_port()
+    for _ in range(_PORT_ATTEMPTS):
+        run = _run_once(script, args, nproc, env, python, stock, timeout, _free_port())
+        # the port was free when probed and taken before rank 0 bound it (another run on the
+        # machine): nothing ran, try another
+        if run.returncode == 0 or _ADDRESS_IN_USE not in run.rank_log(run.failed_rank or 0):
+            break
+    return run.check() if check else run
+
+
+_PORT_ATTEMPTS = 3
+_ADDRESS_IN_USE = "EADDRINUSE"
+
+
+def _run_once(script, args, nproc, env, python, stock, timeout, port) -> TrainingRun:
+    """One launch of ``run_training`` on rendezvous port ``port``."""
     # The workers import this package: make sure they find the copy this process uses.
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="tsp_cpu_run_") as tmp:
@@ -722,7 +736,7 @@ def run_training(
         if os.path.exists(record):
             with open(record) as f:
                 records = [json.loads(line) for line in f if line.strip()]
-    run = TrainingRun(
+    return TrainingRun(
         returncode=returncode,
         losses=[r["losses"].get(LOSS_KEY) for r in records],
         grad_norms=[r["grad_norm"] for r in records],
@@ -731,7 +745,6 @@ def run_training(
         log=log,
         failed_rank=failed_rank,
     )
-    return run.check() if check else run
 
 
 def parse_log_losses(log: str) -> List[float]:

@@ -59,6 +59,7 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     if _megatron_arg("tsp_kv_grad_all_to_all"):
         # read by TSPSelfAttention from the config (not a TransformerConfig field)
         cfg.tsp_kv_grad_all_to_all = True
+    _activation_sums(cfg)
     if _megatron_arg("tsp_moe_ring"):
         # read by get_gpt_block_tsp_spec and the config check (not a TransformerConfig field)
         cfg.tsp_moe_ring = True
@@ -69,6 +70,12 @@ def tsp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
         pp_rank=pp_rank,
         kv_grad_reduce_in_fp32=_megatron_arg("tsp_kv_grad_reduce_in_fp32"),
     )
+
+
+def _activation_sums(cfg) -> None:
+    if _megatron_arg("tsp_activation_sums_in_fp32"):
+        # read by the TSP MLP, expert ring and attention (not a TransformerConfig field)
+        cfg.tsp_activation_sums_in_fp32 = True
 
 
 def _megatron_arg(name: str):
@@ -94,6 +101,7 @@ def tsp_mlp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional
     from megatron_tsp.core.specs import get_gpt_block_tsp_mlp_spec
 
     cfg = _transformer_config(config)
+    _activation_sums(cfg)
     return get_gpt_block_tsp_mlp_spec(
         cfg, normalization=cfg.normalization, vp_stage=vp_stage, pp_rank=pp_rank
     )

@@ -13,9 +13,11 @@ layer issues with a ``TorchDispatchMode``. Per op it counts:
   ``resize_``). Everything else is one launch (``zeros`` and ``fill_`` are memsets, ``copy_`` and
   ``_to_copy`` are copy kernels). Collectives (``c10d``) are counted apart, not as kernels, and
   so is host work: an op none of whose tensors is on the CUDA device (index tables the layers
-  build on the CPU with ``arange`` / ``cat`` / ``index_put_``; their upload is a ``_to_copy``
-  kernel).
-* **bytes read + written** - reads: every tensor argument, except an ``out=`` argument; writes:
+  build on the CPU with ``arange`` / ``cat`` / ``index_put_``; their upload is a ``_to_copy``,
+  counted apart from the kernels: a GPU uploads each table once and caches it,
+  ``CACHED_UPLOAD_SOURCES``).
+* **bytes read + written** - reads: every tensor input argument (not the ``out=`` argument, but
+  an input that is also the ``out=`` tensor, as in ``addmm(acc, a, b, out=acc)``); writes:
   every tensor the op returns (an in-place op returns the tensor it mutates, so ``x.add_(y)``
   reads x and y and writes x: x counts twice). Ops that overwrite their destination without
   reading it (``copy_``, ``fill_``, ``zero_``, ``index_copy_``) do not count it as read; gathers
@@ -165,6 +167,17 @@ def _out_arguments(func, args, kwargs) -> List:
     return outs
 
 
+def _input_arguments(func, args, kwargs) -> List:
+    """Tensors passed in the op's input (non-``out=``) arguments."""
+    ins = []
+    for i, arg in enumerate(func._schema.arguments):
+        if not arg.is_out:
+            ins += _tensors(
+                kwargs[arg.name] if arg.name in kwargs else args[i] if i < len(args) else None
+            )
+    return ins
+
+
 def _gemm_flops(name: str, args) -> int:
     import torch
 
@@ -226,10 +239,8 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     if namespace == "prim" or func.is_view or name in NOT_KERNELS:  # prim.device: metadata
         return OpRecord(name, phase, "view")
     outs = _out_arguments(func, args, kwargs)
-    out_ids = {id(t) for t in outs}
-    inputs = _unique(
-        t for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in out_ids
-    )
+    # an input that is also the out= tensor (``addmm(acc, a, b, out=acc)``) is still read
+    inputs = _unique(_input_arguments(func, args, kwargs))
     results = _unique(_tensors(out))
     if not any(t.device.type == device_type for t in inputs + results + outs):
         return OpRecord(name, phase, "host")
@@ -288,6 +299,8 @@ def make_recorder(device_type: str = "cuda"):
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
             rec = op_record(func, args, kwargs, out, phase, device_type)
             rec.source = _source(sys._getframe(1))
+            if rec.kind == "kernel" and rec.source in CACHED_UPLOAD_SOURCES:
+                rec.kind = "cached_upload"
             self.records.append(rec)
             return out
 
@@ -296,6 +309,13 @@ def make_recorder(device_type: str = "cuda"):
 
 # --------------------------------------------------------------------------------------------
 # summary
+
+
+# The layout's index tables (zigzag permutations, late-chunk owners) are uploaded once per shape
+# and device and cached (``layout._table``); a copy made under FakeTensorMode is not cached, so
+# every recorded step would pay the first step's uploads. They are counted apart, not as the
+# step's kernels.
+CACHED_UPLOAD_SOURCES = ("layout._table",)
 
 
 def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
@@ -315,6 +335,7 @@ def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
         "collectives": sum(r.kind == "collective" for r in records),
         "views": sum(r.kind == "view" for r in records),
         "host_ops": sum(r.kind == "host" for r in records),
+        "cached_uploads": sum(r.kind == "cached_upload" for r in records),
         "gemm_flops": sum(r.flops for r in kernels if r.flop_kind == "gemm"),
         "attention_flops": sum(r.flops for r in kernels if r.flop_kind == "attention"),
         "by_phase": {},
@@ -356,6 +377,8 @@ class TrafficConfig:
     dtype: str = "bf16"
     schemes: List[str] = field(default_factory=lambda: list(SCHEMES))
     top: int = 8
+    # TSP: the activation sums over shards in fp32 (--tsp-activation-sums-in-fp32)
+    activation_sums_fp32: bool = False
 
 
 def linear_params_per_rank(shape, d: int) -> Dict[str, int]:
@@ -463,11 +486,13 @@ def _layer_and_inputs(cfg, scheme: str, shape):
         micro_batch=cfg.micro_batch,
         dtype=cfg.dtype,
         fake=True,
+        tsp_activation_sums_fp32=cfg.activation_sums_fp32,
     )
     run_cfg.validate()
     with unset_fake_temporarily():  # the process groups are real (fake-backend) objects
         fake_run.init_parallel(run_cfg)
     config = fake_run.transformer_config(run_cfg)
+    config.tsp_activation_sums_in_fp32 = cfg.activation_sums_fp32  # read by the TSP layers
     spec = fake_run.layer_spec(run_cfg, config)
     if scheme == "tpsp":
         for layer in spec.layer_specs:
@@ -650,6 +675,12 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         + ", ".join(
             f"{LABELS[s]} {results[q][s]['collectives']}" for q in seqs[:1] for s in schemes
         )
+        + ". Index-table uploads of the first step (cached on a GPU, not counted): "
+        + ", ".join(
+            f"{LABELS[s]} {results[q][s].get('cached_uploads', 0)}"
+            for q in seqs[:1]
+            for s in schemes
+        )
         + ".",
         "",
         f"Command: `{command}`",
@@ -712,6 +743,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=8, help="top ops by bytes to list")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the summaries here")
+    p.add_argument(
+        "--tsp-activation-sums-in-fp32",
+        action="store_true",
+        help="TSP's MLP output and input gradients summed over the shards in fp32 (Megatron-LM's "
+        "--tsp-activation-sums-in-fp32; default: in place in the compute dtype)",
+    )
     args = p.parse_args(argv)
     args.schemes = [s for s in args.schemes.split(",") if s]
     bad = [s for s in args.schemes if s not in SCHEMES]
@@ -738,6 +775,7 @@ def main(argv=None) -> int:
             dtype=args.dtype,
             schemes=args.schemes,
             top=args.top,
+            activation_sums_fp32=args.tsp_activation_sums_in_fp32,
         )
         print(f"[traffic] S={seq}: recording ...", file=sys.stderr, flush=True)
         res = measure_isolated(cfg)

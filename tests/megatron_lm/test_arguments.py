@@ -24,6 +24,7 @@ def test_group_is_in_help_and_parses():
         "--tsp-dry-run-rank",
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
+        "--tsp-activation-sums-in-fp32",
     ):
         assert flag in help_text
     args = parser.parse_args(["--tensor-sequence-parallel-size", "4", "--tsp-dry-run"])
@@ -220,6 +221,34 @@ def test_kv_grad_flags(flag, dest):
             A.translate_args(parse(*argv, flag))
 
 
+def test_activation_sums_flag(monkeypatch):
+    """--tsp-activation-sums-in-fp32: off by default, kept under TSP and under --tsp-mlp (both
+    have TSP MLPs), refused by name on a plain TP+SP run; the spec hands it to the layers."""
+    from megatron_tsp.megatron_lm import spec as tsp_spec
+
+    flag, dest = "--tsp-activation-sums-in-fp32", "tsp_activation_sums_in_fp32"
+    assert getattr(parse("--tensor-sequence-parallel-size", "2"), dest) is False
+    for argv in (
+        ["--tensor-sequence-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"],
+    ):
+        args = parse(*argv, flag)
+        A.translate_args(args)
+        assert getattr(args, dest) is True
+    with pytest.raises(A.TSPArgumentError, match=f"{flag} needs"):
+        A.translate_args(parse("--tensor-model-parallel-size", "2", "--sequence-parallel", flag))
+
+    class Config:
+        pass
+
+    for given in (False, True):
+        cfg = Config()
+        args = parse("--tensor-sequence-parallel-size", "2", *([flag] if given else []))
+        monkeypatch.setattr(tsp_spec, "_megatron_arg", lambda name: getattr(args, name, None))
+        tsp_spec._activation_sums(cfg)
+        assert getattr(cfg, dest, False) is given
+
+
 def test_strip_tsp_flags():
     argv = [
         "--num-layers",
@@ -232,6 +261,7 @@ def test_strip_tsp_flags():
         "3",
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
+        "--tsp-activation-sums-in-fp32",
         "--seq-length",
         "64",
     ]

@@ -193,3 +193,46 @@ def test_the_rank_that_failed_first_is_named_when_several_are_seen_dead_at_once(
         if rank != culprit:
             (tmp_path / f"rank{rank}.failed_at").unlink()
     assert cpu_runner._wait_for_ranks(procs, 30, paths) == (-9, culprit), culprit
+
+
+_BARRIER = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+print("rank", dist.get_rank(), "passed the barrier", flush=True)
+"""
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_retried(tmp_path, monkeypatch):
+    """The rendezvous port is probed free, then bound by rank 0's store: another process can take
+    it in between (CI saw EADDRINUSE). The run is then relaunched on another port."""
+    import socket
+
+    script = tmp_path / "barrier.py"
+    script.write_text(_BARRIER)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    probe = cpu_runner._free_port
+
+    def next_port():
+        return ports.pop(0) if ports else probe()
+
+    launches = []
+    run_once = cpu_runner._run_once
+
+    def recorded(*args):
+        launches.append(run_once(*args))
+        return launches[-1]
+
+    monkeypatch.setattr(cpu_runner, "_free_port", next_port)
+    monkeypatch.setattr(cpu_runner, "_run_once", recorded)
+    try:
+        run = cpu_runner.run_training(str(script), [], nproc=2, stock=True, timeout=120)
+    finally:
+        taken.close()
+    assert [r.returncode != 0 for r in launches] == [True, False], [r.log for r in launches]
+    assert "EADDRINUSE" in launches[0].log
+    assert "passed the barrier" in run.rank_log(1), run.log[-2000:]

@@ -103,6 +103,7 @@ def test_help_lists_the_tsp_group():
         "--tsp-mlp",
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
+        "--tsp-activation-sums-in-fp32",
         "--tsp-moe-ring",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",

@@ -48,8 +48,10 @@ The output projection is one GEMM over every head (the contraction over head gro
 inside it, so no partial sums exist): its input, the D groups' attention outputs side by side,
 and its weight, the D shards' columns copied as they arrive, are [s/D, b, h] and [h, h] bf16
 buffers of the forward, where D fp32-accumulating GEMMs per chunk read and wrote an fp32 [s/D, b,
-h] accumulator. Other partial sums (grad_x over groups, dK/dV over chunks, weight gradients over
-ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The dK/dV
+h] accumulator. grad_x is summed over the head groups in place by the dgrad GEMMs, in the compute
+dtype (``precision.activation_sum_dtype``: one rounding of the running sum per group; fp32 with
+``HeadLayout.activation_sums_fp32``); the other partial sums (dK/dV over chunks, weight gradients
+over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The dK/dV
 sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
 (``kv_grad_reduce_in_fp32``: in the accumulation dtype).
 """
@@ -73,9 +75,9 @@ from megatron_tsp.core.comm import (
     WORKSPACE,
     FlatShard,
     Pending,
+    all_gather_single,
     done,
     labelled,
-    post_all_gather,
     post_all_to_all_sum,
     post_reduce_scatter,
     reduce_to,
@@ -90,7 +92,7 @@ from megatron_tsp.core.layers.head_groups import (
     pack_own_shard,
 )
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc
+from megatron_tsp.core.layers.precision import accumulation_dtype, activation_sum_dtype, matmul_acc
 from megatron_tsp.core.layers.prefill_attention import prefill_attention
 from megatron_tsp.core.layers.rope import RopeTables, local_tables, rotate
 from megatron_tsp.core.layout import TSPLayout
@@ -180,20 +182,41 @@ def kv_send_buffer(x: torch.Tensor, layout: HeadLayout, fresh: bool, slot: int) 
 
 
 def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
-    """Post one all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
-    ``kv_out``); ``wait()`` returns natural-order views (K, V) [S, b, ng/D, hn] of one
-    ``WORKSPACE`` buffer."""
+    """Post the all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
+    ``kv_out``: this rank's early chunk, then its late chunk); ``wait()`` returns natural-order
+    views (K, V) [S, b, ng/D, hn] of ``WORKSPACE`` slot ``slot``.
+
+    Two all-gathers, one per zigzag half: rank q's early chunk is chunk q, so the early chunks
+    arrive in natural order, straight into the first half of the natural-order buffer; rank q's
+    late chunk is chunk 2D-1-q, so the late chunks arrive reversed, into a half-size buffer, and
+    one ``index_select`` at ``wait()`` puts them in order (``TSPLayout.late_owners``). Only half
+    the sequence is copied, where one all-gather of the packed rows needs a reorder of all of it.
+    One natural-order buffer per slot: group r+2's gather into group r's slot is posted after
+    group r's attention is queued."""
     groups = packed.shape[2] // 2
     if seq_layout.group_size == 1:
         return done((packed.narrow(2, 0, groups), packed.narrow(2, groups, groups)))
+    size, chunk = seq_layout.group_size, packed.shape[0] // 2
+    rest = tuple(packed.shape[1:])
+    kv = WORKSPACE.get("kv_natural", slot, (2 * size * chunk,) + rest, packed.dtype, packed.device)
+    late = WORKSPACE.get("kv_late", slot, (size * chunk,) + rest, packed.dtype, packed.device)
+    early_work = all_gather_single(
+        kv.narrow(0, 0, size * chunk), packed.narrow(0, 0, chunk), group, async_op=True
+    )
+    late_work = all_gather_single(late, packed.narrow(0, chunk, chunk), group, async_op=True)
 
-    def natural(gathered):
-        # one slot: group r+1's K/V is reordered only after group r's attention is done with it
-        kv = WORKSPACE.get("kv_natural", 0, gathered.shape, gathered.dtype, gathered.device)
-        torch.index_select(gathered, 0, seq_layout.inverse(gathered.device), out=kv)
+    def natural():
+        ordered = kv.narrow(0, size * chunk, size * chunk).view(size, -1)
+        torch.index_select(late.view(size, -1), 0, seq_layout.late_owners(kv.device), out=ordered)
         return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
 
-    return post_all_gather(packed, group, slot=slot, purpose="kv_gathered", finish=natural)
+    return Pending(
+        "all_gather_into_tensor",
+        [early_work, late_work],
+        natural,
+        payload="kv_gathered",
+        nbytes=packed.numel() * packed.element_size(),
+    )
 
 
 class _KVGradScatter:
@@ -445,7 +468,7 @@ class _AttentionBackward:
        kernel's forward first) with dK/dV summed over the chunks in fp32 into its send buffer;
        group r-1's dK/dV reduce-scatter is posted once group r's first block is queued (the last
        group's own reduce-scatter right after its attention backward);
-    5. ``finish_group(r - 1)``: wait its reduce-scatter, one dgrad into the fp32 grad_x and one
+    5. ``finish_group(r - 1)``: wait its reduce-scatter, one dgrad onto grad_x and one
        wgrad into its fp32 partial, post its reduce onto the owner.
 
     Queue order. Megatron-LM's scripts set ``CUDA_DEVICE_MAX_CONNECTIONS=1``: every stream feeds
@@ -480,7 +503,9 @@ class _AttentionBackward:
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
         self.own = pack_own_shard(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
-        self.grad_x = torch.zeros(x.shape, dtype=self.acc_dtype, device=x.device)
+        # [tokens, h], started by the first group's dgrad (``activation_sum_dtype``)
+        self.grad_x = None
+        self.grad_x_dtype = activation_sum_dtype(self.dtype, self.layout.activation_sums_fp32)
         self.tokens_x = x.reshape(-1, self.hidden)
         self.dy_rows = [
             rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
@@ -521,7 +546,8 @@ class _AttentionBackward:
                     self.finish_group(finishing)
                 finishing, current = current, upcoming
             self.finish_group(finishing)
-            return self.grad_x.to(self.dtype), self.reducer.finish()
+            grad_x = self.grad_x.to(self.dtype).view(self.x.shape)
+            return grad_x, self.reducer.finish()
 
     def prepare_group(self, r: int) -> _HeadGroup:
         """Group r's rotated q and packed K/V (saved by the forward, or recomputed with shard r's
@@ -641,7 +667,7 @@ class _AttentionBackward:
         for i, (shard, partial) in enumerate(zip(self.shards[group.r], group.partial)):
             w, _, _ = weight_bias_views(shard.views(), self.has_bias)
             d_rows = _column_split(d_all, self.m)[i]  # the QKV rows of shard i of the group
-            matmul_acc(d_rows, w, acc=self.grad_x.view(-1, self.hidden))
+            self.grad_x = matmul_acc(d_rows, w, self.grad_x, dtype=self.grad_x_dtype)
             g_w, g_b, _ = weight_bias_views(partial.views(), self.has_bias)
             matmul_acc(d_rows.t(), self.tokens_x, acc=g_w)
             if self.has_bias:
@@ -847,6 +873,7 @@ class TSPSelfAttention(SelfAttention):
                 if kv_grad_all_to_all is None
                 else kv_grad_all_to_all
             ),
+            activation_sums_fp32=bool(getattr(config, "tsp_activation_sums_in_fp32", False)),
             # ng < D: megatron-core gives each rank one K/V head (num_query_groups_per_partition
             # = 1) and the np/ng query heads of its group; a TSP step covers the D/ng shards of
             # that group block (see the module docstring)

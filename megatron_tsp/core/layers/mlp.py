@@ -20,12 +20,13 @@ Recompute follows Megatron's flags, applied by Megatron itself: ``recompute_gran
 whole layers. ``recompute_activation=True`` is TSP's own opt-in: keep only X_p and recompute each
 shard's fc1 in backward (+2·T·P_fc1 FLOPs per layer, no fc1 outputs kept, no ring replay).
 
-Precision: in bf16/fp16 the D partial outputs, the D ``grad_x`` contributions and the D ranks'
-partial weight gradients are summed in fp32 (``accumulation_dtype``), so the accumulator rides the
-ring in fp32 and is cast once, when handed to ``main_grad`` / autograd. Extra memory: the output
-and ``grad_x`` accumulators ([s/D, b, h] fp32 instead of bf16, O(local tokens)) and four fp32 flat
-gradient shards (O(weights / D), independent of the sequence length); extra traffic: the gradient
-accumulator's hops are 4 bytes/element instead of 2 (``formulas.tsp_layer_terms``).
+Precision: in bf16/fp16 the D ranks' partial weight gradients are summed in fp32
+(``accumulation_dtype``), so the gradient accumulator rides the ring in fp32 and is cast once, when
+handed to ``main_grad`` / autograd (four fp32 flat gradient shards, O(weights / D); its hops are 4
+bytes/element instead of 2, ``formulas.tsp_layer_terms``). The D partial outputs and the D
+``grad_x`` contributions are accumulated in place by the GEMMs in the compute dtype, one rounding
+of the running sum per shard (``precision.activation_sum_dtype``; ``activation_sums_in_fp32``:
+[s/D, b, h] fp32 accumulators instead).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
+from megatron_tsp.core.layers.precision import (
+    accumulation_dtype,
+    activation_sum_dtype,
+    matmul_acc,
+    matmul_into,
+)
 from megatron_tsp.core.parallel_state import resolve_group
 
 # Payload names of the ring's transfers (``comm.Pending.payload``, read by the trace tests).
@@ -160,13 +166,14 @@ class _TSPMLPFunction(torch.autograd.Function):
         activation,
         accumulate_into_main_grad,
         recompute_activation,
+        sums_in_fp32,
     ):
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
         saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
-        acc_dtype = accumulation_dtype(x.dtype)
+        acc_dtype = activation_sum_dtype(x.dtype, sums_in_fp32)
         with labelled("tsp_mlp"):
-            out = None  # [tokens, h] partial-output accumulator (fp32 for bf16/fp16)
+            out = None  # [tokens, h] partial-output accumulator (``activation_sum_dtype``)
             for _, views in weight_ring.shards(params, group, WEIGHTS):
                 w1, b1, w2 = weight_bias_views(views, has_bias)
                 pre = _fc1(x, w1, b1)
@@ -180,6 +187,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w, *saved_pre)
         ctx.group, ctx.activation = group, activation
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
+        ctx.sums_in_fp32 = sums_in_fp32
         return out
 
     @staticmethod
@@ -190,7 +198,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         params = [fc1_w] + ([fc1_b] if has_bias else []) + [fc2_w]
         grad_out = grad_out.contiguous()
 
-        acc_dtype = accumulation_dtype(x.dtype)
+        acc_dtype = activation_sum_dtype(x.dtype, ctx.sums_in_fp32)
         grad_dtype = _grad_buffer_dtype(params, ctx.accumulate_into_main_grad)
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
@@ -239,6 +247,7 @@ class _TSPMLPFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -251,13 +260,16 @@ def tsp_mlp(
     activation: Callable,
     accumulate_into_main_grad: bool = False,
     recompute_activation: bool = False,
+    activation_sums_in_fp32: bool = False,
 ) -> torch.Tensor:
     """``sum_j act(x @ fc1_j^T + b1_j) @ fc2_j^T`` over the D shards of the group, on a ring.
 
     ``recompute_activation``: keep the per-shard fc1 outputs from the forward (False, the
     default: no extra GEMM, TP+SP-sized memory), or recompute each shard's fc1 output in backward
     (True, an explicit opt-in: saves only x). Without grad mode (inference, prefill) no backward
-    will read them, so none are kept whatever ``recompute_activation`` says."""
+    will read them, so none are kept whatever ``recompute_activation`` says.
+    ``activation_sums_in_fp32``: the output and ``grad_x`` sums over the shards in fp32 instead
+    of the compute dtype (``precision.activation_sum_dtype``)."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
@@ -267,6 +279,7 @@ def tsp_mlp(
         activation,
         accumulate_into_main_grad,
         recompute_activation or not torch.is_grad_enabled(),
+        activation_sums_in_fp32,
     )
 
 
@@ -327,6 +340,8 @@ class TSPMLP(MLP):
         self.tsp_activation = make_activation(config)
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.recompute_activation = recompute_activation
+        # --tsp-activation-sums-in-fp32 (not a TransformerConfig field: set by the spec)
+        self.activation_sums_in_fp32 = bool(getattr(config, "tsp_activation_sums_in_fp32", False))
 
     def forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
         if per_token_scale is not None:
@@ -344,5 +359,6 @@ class TSPMLP(MLP):
             self.tsp_activation,
             self.gradient_accumulation_fusion,
             self.recompute_activation,
+            self.activation_sums_in_fp32,
         )
         return out, fc2.bias

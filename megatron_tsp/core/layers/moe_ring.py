@@ -60,7 +60,7 @@ from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.mlp import _fc1, _grad_buffer_dtype, make_activation
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.core.layers.precision import accumulation_dtype, matmul_acc, matmul_into
+from megatron_tsp.core.layers.precision import activation_sum_dtype, matmul_acc, matmul_into
 
 # Payload names of the expert ring's transfers (``comm.Pending.payload``).
 WEIGHTS = "moe_ring.weights"
@@ -81,8 +81,10 @@ class _ExpertRingFunction(torch.autograd.Function):
     expert (``counts[e]`` rows for expert e, possibly 0); returns [N, h] without fc2 bias."""
 
     @staticmethod
-    def forward(ctx, x, counts, group, activation, accumulate, recompute, has_bias, *params):
-        acc_dtype = accumulation_dtype(x.dtype)
+    def forward(
+        ctx, x, counts, group, activation, accumulate, recompute, sums_in_fp32, has_bias, *params
+    ):
+        acc_dtype = activation_sum_dtype(x.dtype, sums_in_fp32)
         xs = x.split(counts)
         hidden_size = params[-1].shape[0]
         saved_pre = []  # [t][e] fc1 outputs, flattened, when not recomputing them
@@ -99,6 +101,7 @@ class _ExpertRingFunction(torch.autograd.Function):
         ctx.num_params = len(params)
         ctx.counts, ctx.group, ctx.activation = counts, group, activation
         ctx.accumulate, ctx.has_bias = accumulate, has_bias
+        ctx.sums_in_fp32 = sums_in_fp32
         return out.to(x.dtype)
 
     @staticmethod
@@ -107,7 +110,7 @@ class _ExpertRingFunction(torch.autograd.Function):
         params, saved_pre = rest[: ctx.num_params], rest[ctx.num_params :]
         counts, group, activation, has_bias = ctx.counts, ctx.group, ctx.activation, ctx.has_bias
         num_experts = len(counts)
-        acc_dtype = accumulation_dtype(x.dtype)
+        acc_dtype = activation_sum_dtype(x.dtype, ctx.sums_in_fp32)
         grad_dtype = _grad_buffer_dtype(params, ctx.accumulate)
         grad_out = grad_out.contiguous()
         xs, dys = x.split(counts), grad_out.split(counts)
@@ -143,7 +146,7 @@ class _ExpertRingFunction(torch.autograd.Function):
                 params, group, grad_dtype, input_grads, weight_grads, (WEIGHTS, WEIGHT_GRADS)
             )
         grads = [weight_grad_output(p, g, ctx.accumulate) for p, g in zip(params, own.views())]
-        return (grad_x.to(x.dtype), None, None, None, None, None, None, *grads)
+        return (grad_x.to(x.dtype), None, None, None, None, None, None, None, *grads)
 
 
 def tsp_expert_ring(
@@ -155,10 +158,12 @@ def tsp_expert_ring(
     activation: Callable,
     accumulate_into_main_grad: bool = False,
     recompute_activation: bool = False,
+    activation_sums_in_fp32: bool = False,
 ) -> torch.Tensor:
     """``expert_e(x_e)`` (without fc2 bias) for every expert e on rows ``counts[e]`` of ``x``,
     each expert's D shards applied on one ring shared by all experts (module docstring).
-    ``params``: per expert ``fc1.weight, [fc1.bias], fc2.weight`` (this rank's shards)."""
+    ``params``: per expert ``fc1.weight, [fc1.bias], fc2.weight`` (this rank's shards).
+    ``activation_sums_in_fp32``: as ``mlp.tsp_mlp``'s."""
     return _ExpertRingFunction.apply(
         x,
         tuple(int(c) for c in counts),
@@ -166,6 +171,7 @@ def tsp_expert_ring(
         activation,
         accumulate_into_main_grad,
         recompute_activation or not torch.is_grad_enabled(),
+        activation_sums_in_fp32,
         has_bias,
         *params,
     )
@@ -204,6 +210,9 @@ class TSPRingExperts(SequentialMLP):
         self.gradient_accumulation_fusion = self.config.gradient_accumulation_fusion
         self.has_fc1_bias = self.local_experts[0].linear_fc1.bias is not None
         self.recompute_activation = False
+        self.activation_sums_in_fp32 = bool(
+            getattr(self.config, "tsp_activation_sums_in_fp32", False)
+        )
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
@@ -230,6 +239,7 @@ class TSPRingExperts(SequentialMLP):
             self.tsp_activation,
             self.gradient_accumulation_fusion,
             self.recompute_activation,
+            self.activation_sums_in_fp32,
         )
         biases = [expert.linear_fc2.bias for expert in self.local_experts]
         if biases[0] is not None:  # fc2's bias is whole on every rank (RowParallelLinear)

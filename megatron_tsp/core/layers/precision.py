@@ -2,9 +2,12 @@
 
 TSP sums D partial results where TP+SP computes one: partial outputs over weight shards, ``grad_x``
 over shards, dK/dV over chunks, and each shard's weight gradient over the D ranks' tokens. Rounding
-every partial to bf16/fp16 before summing would make TSP less accurate than TP+SP, so partial sums
-live in an fp32 accumulator (``accumulation_dtype``) and are cast once at the end. The extra
-buffers are O(weights) or O(local tokens), never O(S).
+every partial to bf16/fp16 before summing would make TSP less accurate than TP+SP, so no partial
+is rounded on its own: weight gradients and dK/dV chunk sums live in an fp32 accumulator
+(``accumulation_dtype``) and are cast once at the end; activation sums (``activation_sum_dtype``)
+are accumulated by the GEMM itself, in place, with one rounding of the running sum per shard
+(fewer roundings than TP+SP's bf16 reduce-scatter makes), or in fp32 on request. The extra buffers
+are O(weights) or O(local tokens), never O(S).
 
 ``matmul_acc`` writes ``a @ b`` into (or onto) an fp32 accumulator: on CUDA through the GEMM's own
 fp32 output (``out_dtype``), so no rounded bf16 intermediate exists; elsewhere (CPU tests) by
@@ -41,6 +44,21 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16 / fp16 compute, the compute dtype otherwise (fp32, fp64)."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def activation_sum_dtype(dtype: torch.dtype, in_fp32: bool = False) -> torch.dtype:
+    """dtype of a sum of D GEMM results that is an activation or an activation gradient (the
+    MLP output over its weight shards, ``grad_x`` over shards and head groups).
+
+    By default the compute dtype, accumulated in place by the GEMM (``addmm`` with beta = 1: the
+    product and the running sum meet in the GEMM's fp32 arithmetic and are rounded once per
+    shard). That is D roundings of the running sum, where TP+SP rounds each of its D partial
+    products and then each of the D-1 additions of its bf16 reduce-scatter; and the accumulator
+    is read and written at 2 bytes per element instead of 4 (the largest part of TSP's extra
+    memory traffic over TP+SP). ``in_fp32`` (``--tsp-activation-sums-in-fp32``): an fp32
+    accumulator (``accumulation_dtype``), cast once at the end. Weight-gradient sums are never
+    in the compute dtype: they land in Megatron's fp32 ``main_grad``."""
+    return accumulation_dtype(dtype) if in_fp32 else dtype
 
 
 # ``aten::mm.dtype`` / ``aten::addmm.dtype`` (a GEMM with an fp32 result from bf16/fp16

@@ -81,6 +81,8 @@ class RunConfig:
     tsp_mlp_recompute_activation: Optional[bool] = None
     tsp_kv_grad_fp32: Optional[bool] = None  # dK/dV reduce-scatter in fp32 (default: compute)
     tsp_kv_grad_a2a: bool = False  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
+    # MLP output / input gradients summed in fp32 (--tsp-activation-sums-in-fp32)
+    tsp_activation_sums_fp32: bool = False
 
     @property
     def dp(self) -> int:
@@ -101,9 +103,12 @@ class RunConfig:
                 suffix += " dkv-fp32"
             if self.tsp_kv_grad_a2a:
                 suffix += " dkv-a2a"
+            if self.tsp_activation_sums_fp32:
+                suffix += " sums-fp32"
             return f"TSP D={self.tp}{suffix}"
         if self.scheme == "hybrid":
             rec = " rec-fc1" if self.tsp_mlp_recompute_activation else ""
+            rec += " sums-fp32" if self.tsp_activation_sums_fp32 else ""
             return f"TP={self.tp}+SP+TSP-MLP{rec}"
         if self.scheme == "cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
@@ -698,6 +703,8 @@ def _prepare(cfg: RunConfig):
     init_parallel(cfg)
     config = transformer_config(cfg)
     config.tsp_kv_grad_all_to_all = cfg.tsp_kv_grad_a2a  # read by TSPSelfAttention
+    # read by the TSP MLP, expert ring and attention
+    config.tsp_activation_sums_in_fp32 = cfg.tsp_activation_sums_fp32
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
     torch.manual_seed(1234)
     return config

@@ -157,15 +157,38 @@ class CommTerm:
     group: str  # tsp, tp, cp
     overlap: str
     link: str = "collective"
-    chunks: int = 1
+    chunks: int = 1  # pipeline stages (head groups, ring steps): the first or last is exposed
+    # collective calls per chunk: the K/V all-gathers issue two per head group, one per zigzag
+    # half (``attention._post_kv_gather``), both waited before that group's attention
+    calls_per_chunk: int = 1
     what: str = ""
 
 
 def _term(
-    phase, op, category, elements, dtype_bytes, group, overlap, link="collective", chunks=1, what=""
+    phase,
+    op,
+    category,
+    elements,
+    dtype_bytes,
+    group,
+    overlap,
+    link="collective",
+    chunks=1,
+    what="",
+    calls_per_chunk=1,
 ):
     return CommTerm(
-        phase, op, category, elements, elements * dtype_bytes, group, overlap, link, chunks, what
+        phase,
+        op,
+        category,
+        elements,
+        elements * dtype_bytes,
+        group,
+        overlap,
+        link,
+        chunks,
+        calls_per_chunk,
+        what,
     )
 
 
@@ -225,6 +248,7 @@ def tsp_layer_terms(
             "tsp",
             kv_overlap,
             chunks=head_groups,
+            calls_per_chunk=2,
             what="all-gather K,V of one head group",
         ),
         _term(
@@ -263,6 +287,7 @@ def tsp_layer_terms(
                 "tsp",
                 kv_overlap,
                 chunks=head_groups,
+                calls_per_chunk=2,
                 what="re-gather K,V",
             )
         )

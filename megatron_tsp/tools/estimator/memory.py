@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "of the reduce-scatter (Megatron-LM's --tsp-kv-grad-all-to-all)",
     )
     r.add_argument(
+        "--tsp-activation-sums-in-fp32",
+        action="store_true",
+        help="TSP / hybrid: sum the MLP output and the input gradients over the weight shards "
+        "in fp32 instead of in place in the compute dtype (Megatron-LM's "
+        "--tsp-activation-sums-in-fp32)",
+    )
+    r.add_argument(
         "--table-tsp-variants",
         action="store_true",
         help="--table: also TSP with attention recompute",
@@ -207,6 +214,9 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         ),
         tsp_kv_grad_fp32=(True if args.tsp_kv_grad_reduce_in_fp32 and scheme == "tsp" else None),
         tsp_kv_grad_a2a=bool(args.tsp_kv_grad_all_to_all and scheme == "tsp"),
+        tsp_activation_sums_fp32=bool(
+            args.tsp_activation_sums_in_fp32 and scheme in ("tsp", "hybrid")
+        ),
     )
 
 

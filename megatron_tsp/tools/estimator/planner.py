@@ -290,6 +290,9 @@ class Options:
     # TSP's dK/dV reduce-scatter in the accumulation dtype (--tsp-kv-grad-reduce-in-fp32);
     # default: the compute dtype, after the local fp32 sum over the chunks
     tsp_kv_grad_fp32: bool = False
+    # the TSP MLP output and the input gradients summed over shards / head groups in fp32
+    # (--tsp-activation-sums-in-fp32); default: in place in the compute dtype
+    tsp_activation_sums_fp32: bool = False
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -377,8 +380,10 @@ def _tsp_comm_workspace(
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated on first use): (in forward, in backward). G: the head groups
     (``_head_groups``: D, or the query groups when fewer); a kind of buffer has one slot per head
-    group in flight, min(2, G) slots. Forward: the gathered [S, b, 2 h_kv / G] K/V (one per slot)
-    and one natural-order copy of it; with recomputed attention also the packed local K/V send
+    group in flight, min(2, G) slots. Forward, per slot: the natural-order [S, b, 2 h_kv / G] K/V
+    (the early chunks gathered straight into it) and the [S/2, ...] gathered late chunks it is
+    reordered from (``attention._post_kv_gather``); with recomputed attention also the packed
+    local K/V send
     buffers [S/D, b, 2 h_kv / G] (one per slot; saved attention keeps a fresh send buffer per
     head group instead, counted with the saved tensors). Backward adds, per slot, a dK/dV send
     buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the dK/dV wire dtype (the
@@ -396,7 +401,10 @@ def _tsp_comm_workspace(
     kv_local = kv_full / (D * cp)
     if kv_flavour == "ring" and cp > 1:
         kv_full = 2 * kv_full / cp
-    fwd = (slots * kv_full + kv_full + (0 if saved_attention else slots * kv_local)) * b
+        gathered = slots * kv_full + kv_full  # per slot the block in flight, one attended
+    else:  # per slot the natural-order K/V and the half-size buffer of the late chunks
+        gathered = slots * 1.5 * kv_full
+    fwd = (gathered + (0 if saved_attention else slots * kv_local)) * b
     grad_slots = slots if grad_slots is None else grad_slots
     return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
 
@@ -443,13 +451,14 @@ def _tsp_backward_working_sets(
     bs, h = shape.tokens, shape.hidden
     D = s.tp
     gb = acc if o.tsp_grad_comm_bytes is None else o.tsp_grad_comm_bytes
+    sums = acc if o.tsp_activation_sums_fp32 else b  # ``precision.activation_sum_dtype``
     t = bs / s.degree  # local tokens (TSP x CP: over the D*C sequence ranks)
     F_, rows = shape.ffn_hidden, shape.fc1_rows
     G = _head_groups(shape, D)
     m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
     mlp = {
         "grad_out": t * h * b,  # the layer output's gradient, held through the layer
-        "grad_x_accumulator": t * h * acc,
+        "grad_x_accumulator": t * h * sums,
         # the shard being read and the next one in flight (the packed own shard is let go)
         "weight_shard_buffers": min(2, D) * shape.w_mlp / D * b,
         # own shard, two send buffers (one on the wire while the next is filled), one receive
@@ -464,13 +473,13 @@ def _tsp_backward_working_sets(
     cpu_upcast = (
         o.cpu_gemm_upcast if o.cpu_gemm_upcast is not None else o.attn_kernel == "cpu_flash"
     )
-    if cpu_upcast:
+    if cpu_upcast and o.tsp_activation_sums_fp32:
         # ``precision.matmul_acc`` off CUDA: fp32 copies of d(fc1 output) and the fc1 shard
         mlp["dx_gemm_fp32_operands"] = (t * rows / D + rows * h / D) * acc
     hold = 3 if o.tsp_recompute_attn else 2
     attn = {
         "grad_out": t * h * b,
-        "grad_x_accumulator": t * h * acc,
+        "grad_x_accumulator": t * h * sums,
         "context_grad": t * h * b,  # d(context) [s/D, b, h] from the one projection GEMM
         # the packed own shard and the stream's spare buffers (``head_groups.GroupStream``)
         "weight_shard_buffers": (1 + min((hold + 1) * m, D)) * shape.w_attn / D * b,
@@ -574,7 +583,9 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             "gathered_input_and_dgrad": 2 * t * h * b,
             "weight_shard_buffers": 2 * shape.w_mlp / D * b,
             "grad_accumulators": 4 * shape.w_mlp / D * gb,
-            "grad_x_accumulator": (bs / D) * h * fm.accumulation_bytes(b),
+            "grad_x_accumulator": (bs / D)
+            * h
+            * (fm.accumulation_bytes(b) if o.tsp_activation_sums_fp32 else b),
         }
         mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
         out["mlp_shard_mid"] = (bs / D) * mid / D * b
@@ -1605,6 +1616,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="TSP's dK/dV reduce-scatter in fp32 (Megatron-LM's --tsp-kv-grad-reduce-in-fp32; "
         "default: the compute dtype)",
     )
+    ap.add_argument(
+        "--tsp-activation-sums-in-fp32",
+        action="store_true",
+        help="TSP's MLP output and input gradients summed over shards in fp32 (Megatron-LM's "
+        "--tsp-activation-sums-in-fp32; default: in place in the compute dtype)",
+    )
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument(
         "--sweep",
@@ -1634,6 +1651,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tsp_kv_pipelined=not args.tsp_kv_blocking,
         compute_model=args.compute_model,
         tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,
+        tsp_activation_sums_fp32=args.tsp_activation_sums_in_fp32,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     cps = [int(c) for c in args.cp.split(",") if c.strip()]
