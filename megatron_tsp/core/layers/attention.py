@@ -92,7 +92,12 @@ from megatron_tsp.core.layers.head_groups import (
     pack_own_shard,
 )
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.core.layers.precision import accumulation_dtype, activation_sum_dtype, matmul_acc
+from megatron_tsp.core.layers.precision import (
+    accumulation_dtype,
+    activation_sum_dtype,
+    matmul_acc,
+    matmul_into,
+)
 from megatron_tsp.core.layers.prefill_attention import prefill_attention
 from megatron_tsp.core.layers.rope import RopeTables, local_tables, rotate
 from megatron_tsp.core.layout import TSPLayout
@@ -528,9 +533,10 @@ class _AttentionBackward:
             current, finishing = self.prepare_group(0), None
             size = self.seq_layout.weight_group_size // self.m
             for r in range(size):
+                # every element is written before it is read (``output_projection_wgrad``,
+                # ``finish_group``): no zeroing pass
                 partial = [
-                    FlatShard(self.own.shapes, self.acc_dtype, self.x.device).zero_()
-                    for _ in range(self.m)
+                    FlatShard(self.own.shapes, self.acc_dtype, self.x.device) for _ in range(self.m)
                 ]
                 g_pw = [weight_bias_views(p.views(), self.has_bias)[2] for p in partial]
                 if self.saved_mode:
@@ -568,11 +574,16 @@ class _AttentionBackward:
         return _HeadGroup(r, q, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
-        """g_pw[i] += dY^T @ attention output of ``group`` (shard i's heads), block by block. No
+        """g_pw[i] = dY^T @ attention output of ``group`` (shard i's heads), block by block: the
+        first block writes the partial (its buffer is not zeroed), the others add onto it. No
         communication."""
-        for dy_rows, rows in zip(self.dy_rows, group.outs):
+        for k, (dy_rows, rows) in enumerate(zip(self.dy_rows, group.outs)):
             for part, g in zip(_column_split(rows, self.m), g_pw):
-                matmul_acc(dy_rows.t(), part.reshape(-1, part.shape[-1]), acc=g)
+                a, b = dy_rows.t(), part.reshape(-1, part.shape[-1])
+                if k:
+                    matmul_acc(a, b, acc=g)
+                else:
+                    matmul_into(a, b, g)
 
     def context_grad(self, r: int) -> torch.Tensor:
         """d_ctx = dY @ W_proj_r: waits group r's shards (``ShardStream.get`` posts the next
@@ -669,9 +680,9 @@ class _AttentionBackward:
             d_rows = _column_split(d_all, self.m)[i]  # the QKV rows of shard i of the group
             self.grad_x = matmul_acc(d_rows, w, self.grad_x, dtype=self.grad_x_dtype)
             g_w, g_b, _ = weight_bias_views(partial.views(), self.has_bias)
-            matmul_acc(d_rows.t(), self.tokens_x, acc=g_w)
+            matmul_into(d_rows.t(), self.tokens_x, g_w)  # the partial's only QKV term
             if self.has_bias:
-                g_b.add_(d_rows.sum(dim=0, dtype=self.acc_dtype))
+                torch.sum(d_rows, dim=0, dtype=self.acc_dtype, out=g_b)
             self.reducer.submit(group.r * self.m + i, partial)
 
 
