@@ -467,28 +467,13 @@ def check_moe_traffic_equals_tp_sp(d, ep, seed, case="moe"):
             f"MoE traffic differs (D={d}, EP={ep}): TSP {counted['tsp']} vs TP+SP "
             f"{counted['tp_sp']}"
         )
-    # The allgather dispatcher's volume does not depend on the routing. Per MoE layer, with
-    # T = S*b/D tokens per rank, E experts, fp64 (8 bytes): forward all-gathers over the EP ranks
-    # the hidden states [EP*T, h], the probabilities [EP*T, E] and the bool routing map, reduce-
-    # scatters the output [EP*T, h] and sums the tokens per expert (E int64) for the aux loss;
-    # backward is the transpose (the probabilities' gradient reduce-scattered too).
+    # The allgather dispatcher's volume does not depend on the routing: the package's formula
+    # (``estimator.moe.allgather_collectives``), T = S*b/D tokens per rank, fp64 (8 bytes).
+    from megatron_tsp.tools.estimator import moe as moe_model
+
     layers = sum(_moe_pattern(config))
-    t, h, e, elt = seq * batch // d, config.hidden_size, NUM_EXPERTS, 8
-    one = {
-        "fwd": {
-            "all_gather_into_tensor": (3, ep * t * (h * elt + e * elt + e)),
-            "reduce_scatter_tensor": (1, ep * t * h * elt),
-            "all_reduce": (1, e * 8),
-        },
-        "bwd": {
-            "all_gather_into_tensor": (1, ep * t * h * elt),
-            "reduce_scatter_tensor": (2, ep * t * (h + e) * elt),
-        },
-    }
-    formula = {
-        phase: {op: (layers * c, layers * b) for op, (c, b) in ops.items()}
-        for phase, ops in one.items()
-    }
+    t, h = seq * batch // d, config.hidden_size
+    formula = _times(moe_model.allgather_collectives(t, h, NUM_EXPERTS, ep, 8), layers)
     got = {
         phase: {op: (v["calls"], v["payload"]) for op, v in ops.items()}
         for phase, ops in counted["tsp"].items()
@@ -504,27 +489,23 @@ def _moe_pattern(config):
     return moe_layer_pattern(config)
 
 
-def ring_traffic_formula(d, num_layers, num_experts, hidden, moe_ffn, weight_bytes, grad_bytes):
-    """Collectives of the TSP expert ring per rank (docs/moe.md), summed over ``num_layers`` MoE
-    layers, SwiGLU experts without biases: one expert's shard is fc1 [2F/D, h] + fc2 [h, F/D] =
-    3Fh/D elements. Forward: D-1 hops (one isend + one irecv each) of the packed shard of all E
-    experts; backward: the same D-1 weight hops plus D-1 gradient-accumulator hops (its dtype:
-    fp32 for bf16 weights); the router's all-reduce of the E token counts (int64) for the aux
-    loss, as under TP+SP. Nothing else: no all-gather, reduce-scatter or all-to-all of tokens."""
-    shard = num_experts * 3 * moe_ffn * hidden // d
-    w, g, hops = shard * weight_bytes, shard * grad_bytes, d - 1
-    one = {
-        "fwd": {
-            "isend": (hops, hops * w),
-            "irecv": (hops, hops * w),
-            "all_reduce": (1, 8 * num_experts),
-        },
-        "bwd": {"isend": (2 * hops, hops * (w + g)), "irecv": (2 * hops, hops * (w + g))},
-    }
+def _times(collectives, layers):
+    """Per-layer collectives (``estimator.moe``) summed over ``layers`` MoE layers."""
     return {
-        phase: {op: (num_layers * c, num_layers * b) for op, (c, b) in ops.items() if c}
-        for phase, ops in one.items()
+        phase: {op: (layers * c, layers * b) for op, (c, b) in ops.items()}
+        for phase, ops in collectives.items()
     }
+
+
+def ring_traffic_formula(d, num_layers, num_experts, hidden, moe_ffn, weight_bytes, grad_bytes):
+    """``estimator.moe.ring_collectives`` (docs/moe.md) over ``num_layers`` MoE layers, SwiGLU
+    experts without biases (one expert: fc1 [2F, h] + fc2 [h, F] = 3Fh elements)."""
+    from megatron_tsp.tools.estimator import moe as moe_model
+
+    per_layer = moe_model.ring_collectives(
+        d, num_experts, 3 * moe_ffn * hidden, weight_bytes, grad_bytes
+    )
+    return _times(per_layer, num_layers)
 
 
 def check_moe_ring_traffic(d, seed, dtype_name="float64", case="moe"):

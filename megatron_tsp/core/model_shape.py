@@ -39,6 +39,15 @@ class ModelShape:
     rotary_base: Optional[int] = None  # None: Megatron's default (10000)
     norm_epsilon: Optional[float] = None  # None: Megatron's default (1e-5)
     dtype_bytes: int = 2  # weights and activations (bf16) for the analytic planner
+    # Mixture of Experts (None: a dense model). An MoE layer's MLP is ``num_experts`` experts of
+    # FFN ``moe_ffn`` (gated like the dense MLP, no biases), the token's top ``moe_topk`` of them,
+    # a router [E, h] and optionally one shared expert of FFN ``moe_shared_ffn``; the first
+    # ``moe_dense_layers`` layers keep the dense MLP (Megatron: --moe-layer-freq as a 0/1 list)
+    num_experts: Optional[int] = None
+    moe_topk: int = 2
+    moe_ffn: Optional[int] = None  # None: ffn_hidden
+    moe_shared_ffn: Optional[int] = None
+    moe_dense_layers: int = 0
     # text, not architecture: left out of comparisons and hashes
     description: str = dataclasses.field(default="", compare=False)
     assumptions: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -55,6 +64,19 @@ class ModelShape:
             raise ValueError(
                 f"unknown normalization {self.normalization!r}; one of {NORMALIZATIONS}"
             )
+        if self.num_experts is not None:
+            if self.num_experts < 2 or not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(
+                    f"num_experts {self.num_experts} / moe_topk {self.moe_topk}: need at least "
+                    "2 experts and 1 <= top-k <= experts"
+                )
+            if not 0 <= self.moe_dense_layers < self.num_layers:
+                raise ValueError(
+                    f"moe_dense_layers {self.moe_dense_layers}: between 0 and num_layers - 1 "
+                    f"= {self.num_layers - 1}"
+                )
+        elif self.moe_ffn or self.moe_shared_ffn or self.moe_dense_layers:
+            raise ValueError("moe_ffn / moe_shared_ffn / moe_dense_layers need num_experts")
         object.__setattr__(self, "assumptions", tuple(self.assumptions))
 
     # dimensions -----------------------------------------------------------------------------
@@ -144,6 +166,50 @@ class ModelShape:
     def layer_params(self) -> int:
         return self.w_layer + self.replicated_params
 
+    # Mixture of Experts ----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.moe_dense_layers if self.is_moe else 0
+
+    @property
+    def moe_layer_freq(self) -> list:
+        """Megatron's ``--moe-layer-freq`` as one 0 (dense) / 1 (MoE) per layer."""
+        return [0] * self.moe_dense_layers + [1] * self.moe_layers
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn_hidden
+
+    @property
+    def w_expert(self) -> int:
+        """One expert's weights: fc1 [(2) F, h] + fc2 [h, F], no biases."""
+        return ((2 if self.gated else 1) + 1) * self.expert_ffn * self.hidden
+
+    @property
+    def w_experts(self) -> int:
+        """All routed experts of one MoE layer (what the TSP expert ring moves)."""
+        return (self.num_experts or 0) * self.w_expert
+
+    @property
+    def w_shared_expert(self) -> int:
+        if not self.moe_shared_ffn:
+            return 0
+        return ((2 if self.gated else 1) + 1) * self.moe_shared_ffn * self.hidden
+
+    @property
+    def moe_layer_params(self) -> int:
+        """An MoE layer: attention, norms and replicated biases as a dense layer, its MLP replaced
+        by the router [E, h], the routed experts and the shared expert."""
+        if not self.is_moe:
+            return 0
+        mlp = self.w_mlp + self.b_fc2
+        router = self.num_experts * self.hidden
+        return self.layer_params - mlp + router + self.w_experts + self.w_shared_expert
+
     # the whole model --------------------------------------------------------------------------
     def final_norm_params(self) -> int:
         return self.hidden * (2 if self.normalization == "LayerNorm" else 1)
@@ -152,7 +218,9 @@ class ModelShape:
         """Parameters of the model with the vocabulary padded for TP = ``tp`` (RoPE: no position
         table)."""
         emb = self.padded_vocab(tp) * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.num_layers * self.layer_params + emb + self.final_norm_params()
+        layers = (self.num_layers - self.moe_layers) * self.layer_params
+        layers += self.moe_layers * self.moe_layer_params
+        return layers + emb + self.final_norm_params()
 
     def architecture(self) -> dict:
         """The fields that define the model (what two equal shapes share)."""
@@ -161,6 +229,9 @@ class ModelShape:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["assumptions"] = list(self.assumptions)
+        if not self.is_moe:  # a dense model's file has no MoE keys
+            for name in _MOE_FIELDS:
+                out.pop(name)
         return {k: v for k, v in out.items() if v is not None and v != ""}
 
     @classmethod
@@ -173,6 +244,9 @@ class ModelShape:
             return cls(**data)
         except TypeError as exc:
             raise ValueError(f"{source}: {exc}") from exc
+
+
+_MOE_FIELDS = ("num_experts", "moe_topk", "moe_ffn", "moe_shared_ffn", "moe_dense_layers")
 
 
 def available_models() -> list:

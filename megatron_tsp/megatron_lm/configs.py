@@ -115,6 +115,14 @@ def megatron_model_fields(shape: ModelShape, seq_length: int) -> Dict[str, Any]:
         out["rotary_base"] = shape.rotary_base
     out["disable_bias_linear"] = not shape.bias
     out["untie_embeddings_and_output_weights"] = not shape.tied_embeddings
+    if shape.is_moe:
+        out["num_experts"] = shape.num_experts
+        out["moe_router_topk"] = shape.moe_topk
+        out["moe_ffn_hidden_size"] = shape.expert_ffn
+        if shape.moe_shared_ffn:
+            out["moe_shared_expert_intermediate_size"] = shape.moe_shared_ffn
+        if shape.moe_dense_layers:  # Megatron's pattern expression, one 0/1 per layer
+            out["moe_layer_freq"] = f"([0]*{shape.moe_dense_layers}+[1]*{shape.moe_layers})"
     return out
 
 

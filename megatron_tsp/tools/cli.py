@@ -16,6 +16,10 @@ COMMANDS = {
         "megatron_tsp.tools.estimator.memory",
         "measured peak memory of one rank (fake tensors)",
     ),
+    "moe": (
+        "megatron_tsp.tools.estimator.moe",
+        "MoE schedules: expert ring vs token dispatch bytes, crossover, ring buffers",
+    ),
     "bench": ("megatron_tsp.tools.bench", "benchmark TSP vs TP+SP layers"),
     "generate": ("megatron_tsp.tools.generate", "TSP prefill + Megatron TP decode (generation)"),
     "prefill-memory": (

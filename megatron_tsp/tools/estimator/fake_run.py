@@ -115,6 +115,9 @@ class RunConfig:
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
     def validate(self) -> None:
+        from megatron_tsp.tools.estimator.moe import refuse_moe
+
+        refuse_moe(self.model, "the fake-tensor run (megatron-tsp memory / bench --traffic)")
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.scheme not in ("cp", "tsp") and self.cp != 1:

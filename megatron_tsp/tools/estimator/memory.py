@@ -185,8 +185,12 @@ def _model(args):
         changes["gated"] = True
     if args.tie_embeddings:
         changes["tied_embeddings"] = True
+    from megatron_tsp.tools.estimator.moe import refuse_moe
+
     try:
-        return load_model(args.model, **changes)
+        model = load_model(args.model, **changes)
+        refuse_moe(model, "megatron-tsp memory")
+        return model
     except ValueError as exc:
         raise SystemExit(f"--model: {exc}") from exc
 

@@ -119,16 +119,20 @@ def _resolve(kind: str, name_or_path: str) -> Path:
 
 
 def available(kind: str) -> List[str]:
-    """Shipped names: ``models`` (``megatron_tsp/models``, shared with configs and the memory
-    tool) or ``hardware``."""
-    if kind == "models":
-        return available_models()
+    """Shipped names: dense ``models`` (``megatron_tsp/models``, shared with configs and the
+    memory tool) or ``hardware``."""
+    if kind == "models":  # the dense ones: MoE models are ``megatron-tsp moe``'s
+        return [n for n in available_models() if not model_shape.load_model(n).is_moe]
     return sorted(x.stem for x in (HERE / kind).glob("*.json"))
 
 
 def load_model(name_or_path: Union[str, ModelShape]) -> ModelShape:
+    from megatron_tsp.tools.estimator.moe import refuse_moe
+
     try:
-        return model_shape.load_model(name_or_path)
+        m = model_shape.load_model(name_or_path)
+        refuse_moe(m, "megatron-tsp plan")
+        return m
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
 

@@ -1,0 +1,243 @@
+"""MoE layers under TSP: what each schedule moves, where the expert ring wins, what it holds.
+
+Two schedules run an MoE layer under TSP (docs/moe.md): experts folded onto the TSP axis (whole
+experts on the expert-model-parallel ranks, megatron-core's token dispatcher moves tokens) and
+the TSP expert ring (every expert sharded 1/D, the shards circulate, tokens stay). Per MoE layer
+and rank, with E experts of ``w_expert`` weights each (``ModelShape.w_expert``), hidden h, top-k
+k, T = S*b/D local tokens, D the TSP group, EP the expert-model-parallel size:
+
+* ring (``ring_collectives``): D-1 forward hops of the packed all-experts shard (E*w_expert/D
+  elements in the weight dtype), D-1 backward weight hops and D-1 gradient-accumulator hops
+  (accumulation dtype), the router's all-reduce of E token counts. Independent of S and routing.
+* folded, ``allgather`` dispatcher (``allgather_collectives``): all-gathers of the hidden states,
+  probabilities and routing map over EP and a reduce-scatter of the output, and the transpose in
+  backward; independent of routing.
+* folded, ``alltoall`` dispatcher (``alltoall_expected_received``): the token copies a rank
+  sends to experts on other ranks and gets back, forward and backward; depends on the routing,
+  so this is its expectation under uniform routing (a copy stays local with probability 1/EP).
+
+Both formulas of the first two are the counted collectives (tests/test_moe.py counts them op by
+op); the third is not counted here (the alltoall dispatcher needs CUDA streams).
+The shared expert (Megatron's TP + SP ``SharedExpertMLP``) moves the same under both schedules
+and is left out of the comparison.
+
+``ring_crossover_seq`` is the sequence length from which the ring receives fewer bytes than the
+alltoall dispatcher with EP = D; ``ring_buffers`` the ring's weight and accumulator buffers.
+The fake-tensor memory tool does not run MoE layers: the dispatchers size tensors from routing
+decisions (``tolist`` of token counts, data-dependent shapes), which shape-only tensors do not
+have, so ``megatron-tsp memory`` / ``plan`` refuse MoE models (``refuse_moe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_tsp.core.model_shape import ModelShape, load_model
+
+Collectives = Dict[str, Dict[str, Tuple[int, int]]]  # phase -> op -> (calls, payload bytes)
+INT64 = 8
+
+
+def accumulation_bytes(weight_bytes: int) -> int:
+    """The gradient accumulator's element size: fp32 for bf16 / fp16 weights."""
+    return max(weight_bytes, 4)
+
+
+def ring_collectives(
+    d: int, num_experts: int, w_expert: int, weight_bytes: int, grad_bytes: int
+) -> Collectives:
+    """One MoE layer of the TSP expert ring, per rank: calls and payload bytes per op."""
+    shard = num_experts * w_expert // d
+    w, g, hops = shard * weight_bytes, shard * grad_bytes, d - 1
+    out = {
+        "fwd": {
+            "isend": (hops, hops * w),
+            "irecv": (hops, hops * w),
+            "all_reduce": (1, INT64 * num_experts),
+        },
+        "bwd": {"isend": (2 * hops, hops * (w + g)), "irecv": (2 * hops, hops * (w + g))},
+    }
+    return {phase: {op: v for op, v in ops.items() if v[0]} for phase, ops in out.items()}
+
+
+def allgather_collectives(
+    tokens: int, hidden: int, num_experts: int, ep: int, act_bytes: int
+) -> Collectives:
+    """One MoE layer with megatron-core's allgather dispatcher over ``ep`` ranks, per rank:
+    forward all-gathers of the hidden states [EP*T, h], the probabilities [EP*T, E] and the bool
+    routing map, a reduce-scatter of the output [EP*T, h] and the all-reduce of the E token
+    counts; backward the transpose (the probabilities' gradient reduce-scattered too)."""
+    t, h, e = tokens, hidden, num_experts
+    return {
+        "fwd": {
+            "all_gather_into_tensor": (3, ep * t * (h * act_bytes + e * act_bytes + e)),
+            "reduce_scatter_tensor": (1, ep * t * h * act_bytes),
+            "all_reduce": (1, e * INT64),
+        },
+        "bwd": {
+            "all_gather_into_tensor": (1, ep * t * h * act_bytes),
+            "reduce_scatter_tensor": (2, ep * t * (h + e) * act_bytes),
+        },
+    }
+
+
+def received(collectives: Collectives, group: int) -> float:
+    """Bytes one rank receives for ``collectives`` (the ``CommCounter`` rules: a ring receive
+    its payload; all-gather / reduce-scatter (g-1)/g of the full buffer; all-reduce 2 (g-1)/g)."""
+    f = (group - 1) / group
+    total = 0.0
+    for ops in collectives.values():
+        for op, (_, payload) in ops.items():
+            total += {"irecv": 1.0, "isend": 0.0, "all_reduce": 2 * f}.get(op, f) * payload
+    return total
+
+
+def ring_received(m: ModelShape, d: int) -> float:
+    """Bytes a rank receives for one MoE layer of the expert ring (weights and accumulators)."""
+    w = m.dtype_bytes
+    return received(ring_collectives(d, m.num_experts, m.w_expert, w, accumulation_bytes(w)), d)
+
+
+def allgather_received(m: ModelShape, d: int, ep: int, tokens: int) -> float:
+    """Bytes a rank receives for one folded MoE layer with the allgather dispatcher."""
+    return received(allgather_collectives(tokens, m.hidden, m.num_experts, ep, m.dtype_bytes), ep)
+
+
+def alltoall_expected_received(m: ModelShape, ep: int, tokens: int, prob_bytes: int = 4) -> float:
+    """Expected bytes a rank receives for one folded MoE layer with the alltoall dispatcher under
+    uniform routing: of its T*k token copies (EP-1)/EP go to other ranks, and by symmetry as many
+    arrive. Forward: the dispatch (hidden states and fp32 probabilities) and the combine (expert
+    outputs); backward: their transposes (the outputs' gradient, then the inputs' and the
+    probabilities' gradients). Plus the all-gather of every rank's E per-expert token counts."""
+    copies = tokens * m.moe_topk * (ep - 1) / ep
+    per_copy = 4 * m.hidden * m.dtype_bytes + 2 * prob_bytes
+    return copies * per_copy + (ep - 1) * m.num_experts * INT64
+
+
+def ring_crossover_seq(m: ModelShape, d: int, micro_batch: int = 1, prob_bytes: int = 4) -> float:
+    """The sequence length S from which the expert ring receives fewer bytes per MoE layer than
+    the alltoall dispatcher with EP = D (uniform routing; T = S*b/D). Both grow with (D-1)/D, so
+    S* = D * E * w_expert * (2w + g) / (b * k * (4 h w + 2 p)), whatever D is beyond the
+    factor D in T."""
+    w = m.dtype_bytes
+    ring = m.w_experts * (2 * w + accumulation_bytes(w))
+    per_token = m.moe_topk * (4 * m.hidden * w + 2 * prob_bytes)
+    return d * ring / (micro_batch * per_token)
+
+
+def ring_buffers(m: ModelShape, d: int) -> Dict[str, float]:
+    """The expert ring's buffers beyond the experts' own parameters, per MoE layer while it runs
+    (``weight_ring``: the packed own shard and two spares forward; backward the packed own shard,
+    two weight spares and four gradient-accumulator shards: own, two to send, one receive)."""
+    w = m.dtype_bytes
+    shard = m.w_experts / d
+    g = accumulation_bytes(w)
+    spares = min(2, d - 1)
+    return {
+        "forward": (1 + spares) * shard * w,
+        "backward": (1 + spares) * shard * w + (4 if d > 1 else 1) * shard * g,
+    }
+
+
+def refuse_moe(m: ModelShape, tool: str) -> None:
+    """The memory tool and the planner model dense layers only: say so for an MoE model."""
+    if m.is_moe:
+        raise ValueError(
+            f"{tool}: model {m.name or '?'} has num_experts={m.num_experts}; this tool models "
+            "dense layers only (the fake-tensor run cannot size the token dispatch, whose shapes "
+            "come from routing decisions). Use 'megatron-tsp moe' for the MoE schedules' "
+            "communication and the expert ring's buffers."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def report_rows(m: ModelShape, d: int, seqs: Sequence[int], micro_batch: int = 1) -> List[dict]:
+    """Per sequence length: per MoE layer and rank, received bytes of the ring, the alltoall
+    dispatcher (expected, uniform routing) and the allgather dispatcher, EP = D."""
+    if not m.is_moe:
+        raise ValueError(f"model {m.name or '?'} is dense (no num_experts)")
+    rows = []
+    for s in seqs:
+        if s % d:
+            raise ValueError(f"--seq-lengths: S={s} is not divisible by D={d}")
+        tokens = s * micro_batch // d
+        rows.append(
+            {
+                "seq": s,
+                "tokens_per_rank": tokens,
+                "ring": ring_received(m, d),
+                "alltoall": alltoall_expected_received(m, d, tokens),
+                "allgather": allgather_received(m, d, d, tokens),
+            }
+        )
+    return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def render(m: ModelShape, d: int, seqs: Sequence[int], micro_batch: int = 1) -> str:
+    rows = report_rows(m, d, seqs, micro_batch)
+    layers = m.moe_layers
+    buffers = ring_buffers(m, d)
+    lines = [
+        f"{m.name}: {m.num_experts} experts (FFN {m.expert_ffn}, top-{m.moe_topk}), "
+        f"{layers} MoE layers of {m.num_layers}; TSP D = {d}, EP = D for the folded schedule, "
+        f"micro-batch {micro_batch}, {8 * m.dtype_bytes}-bit weights / activations",
+        "",
+        "GB received per rank, per MoE layer (per step: x "
+        f"{layers}); alltoall: expectation under uniform routing",
+        "",
+        "| S | tokens / rank | expert ring | folded, alltoall | folded, allgather "
+        "| ring / alltoall |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['seq']} | {r['tokens_per_rank']} | {_gb(r['ring'])} | {_gb(r['alltoall'])} "
+            f"| {_gb(r['allgather'])} | {r['ring'] / r['alltoall']:.2f} |"
+        )
+    cross = ring_crossover_seq(m, d, micro_batch)
+    lines += [
+        "",
+        f"Crossover: the ring receives fewer bytes than the alltoall dispatcher from S = "
+        f"{cross:,.0f} tokens (micro-batch {micro_batch}, D = {d}).",
+        f"Expert weights per rank (both schedules, EP = D or 1/D shards): "
+        f"{_gb(m.w_experts / d * m.dtype_bytes)} GB per MoE layer; the ring's buffers while a "
+        f"layer runs: {_gb(buffers['forward'])} GB forward, {_gb(buffers['backward'])} GB "
+        "backward (one layer at a time).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="megatron-tsp moe",
+        description="MoE under TSP: bytes of the expert ring vs the folded schedule's token "
+        "dispatch, the crossover, the ring's buffers (analytic; see the module docstring)",
+    )
+    p.add_argument("--model", default="mixtral-8x7b", help="an MoE model name or JSON path")
+    p.add_argument("--tsp", type=int, default=8, help="D, the TSP group size")
+    p.add_argument("--seq-lengths", default="32768,131072")
+    p.add_argument("--micro-batch", type=int, default=1)
+    args = p.parse_args(argv)
+    try:
+        m = load_model(args.model)
+        seqs = [int(x) for x in args.seq_lengths.split(",") if x.strip()]
+        if args.tsp < 2:
+            raise ValueError(f"--tsp {args.tsp}: D must be >= 2")
+        print(render(m, args.tsp, seqs, args.micro_batch))
+    except ValueError as exc:
+        print(f"megatron-tsp moe: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
