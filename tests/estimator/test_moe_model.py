@@ -96,3 +96,54 @@ def test_moe_cli(capsys):
     assert "Crossover" in out and "| 131072 | 16384 |" in out
     assert moe.main(["--model", "7b"]) == 2
     assert "dense" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_ring_buffers_equal_the_measured_peak(d):
+    """``moe.ring_buffers`` against MemTracker's peak of the real ring function
+    (``tsp_expert_ring``) on shape-only bf16 tensors in a fake world of D ranks, with no tokens:
+    what remains is exactly the ring's buffers (the parameters exist before the measurement),
+    forward alone and forward + backward."""
+    import torch.nn.functional as F
+
+    from megatron_tsp.megatron_lm.fake_world import destroy_fake_world, init_fake_world
+
+    experts, h, ffn = 4, 256, 512
+    m = ModelShape(hidden=h, num_layers=1, heads=4, gated=True, num_experts=experts, moe_ffn=ffn)
+    init_fake_world(d)
+
+    def swiglu(pre):
+        gate, up = pre.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    peaks = {}
+    try:
+        _measure_ring(d, experts, h, ffn, swiglu, peaks)
+    finally:
+        destroy_fake_world()
+    assert peaks == moe.ring_buffers(m, d)
+
+
+def _measure_ring(d, experts, h, ffn, activation, peaks):
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
+    from megatron_tsp.tools.estimator.fake_run import lean_mem_tracker
+
+    for phase in ("forward", "backward"):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            params = []
+            for _ in range(experts):
+                params.append(torch.empty(2 * ffn // d, h, dtype=torch.bfloat16))
+                params.append(torch.empty(h, ffn // d, dtype=torch.bfloat16))
+            for p in params:
+                p.requires_grad_(True)
+            x = torch.empty(0, h, dtype=torch.bfloat16, requires_grad=True)
+            tracker = lean_mem_tracker()
+            with tracker:
+                out = tsp_expert_ring(x, [0] * experts, params, False, dist.group.WORLD, activation)
+                if phase == "backward":
+                    out.backward(torch.empty(0, h, dtype=torch.bfloat16))
+            peaks[phase] = max(tracker._peak_mem.values())
