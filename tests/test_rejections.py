@@ -366,3 +366,21 @@ def test_rules_live_only_in_the_table():
     assert not found, "rules written outside megatron_tsp/core/rejections.py:\n" + "\n".join(
         f"{p}:{n}: {line}" for p, n, line in found
     )
+
+
+def test_one_declared_row_per_flag():
+    """Each flag is written once (``ROWS``, ``SHAPE_ROWS`` or the hybrid-only ``TSP_MLP_ROWS``);
+    another mode's own reason or condition lives in the row's ``also`` and becomes that mode's
+    row in ``TABLE``."""
+    declared = R.ROWS + R.SHAPE_ROWS + R.TSP_MLP_ROWS
+    flags = [r.flag for r in declared]
+    assert len(flags) == len(set(flags)), sorted(f for f in flags if flags.count(f) > 1)
+    assert len(R.TABLE) == sum(len(r.per_mode()) for r in declared)
+    row = next(r for r in R.ROWS if r.flag == "--attention-backend")
+    tsp, hybrid = row.per_mode()
+    assert tsp.modes == (R.TSP,) and hybrid.modes == (R.TSP_MLP,)
+    assert hybrid.reason == row.also[R.TSP_MLP].reason != tsp.reason
+    # the hybrid accepts local (it builds Megatron's local attention); TSP refuses it
+    assert tsp.refuses("local") and not hybrid.refuses("local") and hybrid.refuses("flash")
+    qk = next(r for r in R.ROWS if r.flag == "--qk-layernorm").per_mode()
+    assert qk[0].layer == "attention" and qk[1].layer is None  # TSP's attention checks it

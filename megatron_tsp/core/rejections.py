@@ -37,8 +37,9 @@ TSP_FLAG = "--tensor-sequence-parallel-size"
 
 # Modes the rows apply to. "tsp": full TSP (``--tensor-sequence-parallel-size D``). Helpers that add
 # another TSP mode (the hybrid TP+SP attention + TSP MLP, ``--tsp-mlp``) register its flag in
-# ``MODE_FLAGS`` and put its rows in ``TSP_MLP_ROWS`` below with ``modes=(TSP_MLP,)``; rows that
-# apply to both list both modes.
+# ``MODE_FLAGS``; a flag both modes refuse has one row, the mode's own reason (and condition, when
+# it differs) in the row's ``also``; a flag only the hybrid refuses is in ``TSP_MLP_ROWS``; rows
+# with one reason for several modes list them in ``modes``.
 TSP = "tsp"
 TSP_MLP = "tsp-mlp"
 # Plain Megatron tensor parallelism (the estimator's TP / TP+SP / TPxCP baselines): only the
@@ -139,6 +140,16 @@ NOT_MULTIPLE_OR_DIVISOR_OF_D = Condition(
 
 
 @dataclasses.dataclass(frozen=True)
+class ModeRule:
+    """How another mode refuses a row's flag: its reason, and its condition where it differs from
+    the row's. The row's layer check is TSP's (the hybrid keeps Megatron's attention)."""
+
+    reason: str
+    condition: Optional["Condition"] = None
+    layer: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Rejection:
     flag: str  # on Megatron-LM's command line
     dest: str  # argparse dest (attribute of Megatron's args)
@@ -156,6 +167,26 @@ class Rejection:
     # dest of a switch that lifts the row (that mode checks the setting itself): the expert
     # ring's own layout rule replaces the folded schedule's expert-tensor-parallel row
     unless: Optional[str] = None
+    # other modes that refuse this flag for their own reason: mode -> ModeRule
+    also: Mapping[str, ModeRule] = dataclasses.field(
+        default_factory=dict, hash=False, compare=False
+    )
+
+    def per_mode(self) -> Tuple["Rejection", ...]:
+        """This row as the rows of each mode it applies to (``modes``, then ``also``)."""
+        out = [dataclasses.replace(self, also={})]
+        for mode, rule in self.also.items():
+            out.append(
+                dataclasses.replace(
+                    self,
+                    modes=(mode,),
+                    reason=rule.reason,
+                    condition=rule.condition or self.condition,
+                    layer=rule.layer,
+                    also={},
+                )
+            )
+        return tuple(out)
 
     def refuses(self, value: Any, d: Optional[int] = None) -> bool:
         return self.condition.refuses(value, d)
@@ -200,6 +231,19 @@ class Rejection:
             where += f" (TransformerConfig.{self.config_field}={value_name(value)!r})"
         return f"{where} cannot be combined with {against}: {self.reason}"
 
+
+_NO_CONTEXT_PARALLEL = (
+    "the hybrid builds Megatron's local attention, which has no context parallelism"
+)
+_HYBRID_CUDA_GRAPHS = (
+    "CUDA graphs capture module calls with static buffers; the MLP's weight "
+    "ring is not graph-captured"
+)
+_HYBRID_FSDP = (
+    "{name} gathers each module's weights in hooks around its call; the TSP MLP reads "
+    "linear_fc1/linear_fc2's weights without calling them (use "
+    "--use-distributed-optimizer)"
+)
 
 _HYBRID_DENSE_ONLY = (
     "the hybrid replaces a dense MLP by the TSP ring; MoE layers have no hybrid spec (use "
@@ -253,6 +297,7 @@ ROWS: Tuple[Rejection, ...] = (
         "TSP already shards the sequence over its group",
         config_field="hierarchical_context_parallel_sizes",
         example=("2", "2"),
+        also={TSP_MLP: ModeRule(_NO_CONTEXT_PARALLEL)},
     ),
     Rejection(
         "--hybrid-context-parallel",
@@ -260,6 +305,7 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         "TSP already shards the sequence over its group",
         config_field="hybrid_context_parallel",
+        also={TSP_MLP: ModeRule(_NO_CONTEXT_PARALLEL)},
     ),
     Rejection(
         "--tensor-parallel-num-weight-shards",
@@ -268,6 +314,12 @@ ROWS: Tuple[Rejection, ...] = (
         "TSP already shards the weights over its group",
         versions=("0.19",),
         example=("2",),
+        also={
+            TSP_MLP: ModeRule(
+                "the TSP MLP ring circulates exactly the D tensor-parallel shards",
+                condition=Condition("other than 1", lambda v, d: v not in (None, 1)),
+            )
+        },
     ),
     Rejection(
         "--tp-comm-overlap",
@@ -276,6 +328,12 @@ ROWS: Tuple[Rejection, ...] = (
         "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs, which TSP "
         "layers do not issue",
         config_field="tp_comm_overlap",
+        also={
+            TSP_MLP: ModeRule(
+                "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's "
+                "layers are Megatron's local modules and its MLP issues no such collectives"
+            )
+        },
     ),
     Rejection(
         "--delay-wgrad-compute",
@@ -285,8 +343,20 @@ ROWS: Tuple[Rejection, ...] = (
         "their weight gradients inside the ring",
         config_field="delay_wgrad_compute",
     ),
-    Rejection("--use-megatron-fsdp", "use_megatron_fsdp", SET, _FSDP.format(name="Megatron-FSDP")),
-    Rejection("--use-torch-fsdp2", "use_torch_fsdp2", SET, _FSDP.format(name="torch FSDP2")),
+    Rejection(
+        "--use-megatron-fsdp",
+        "use_megatron_fsdp",
+        SET,
+        _FSDP.format(name="Megatron-FSDP"),
+        also={TSP_MLP: ModeRule(_HYBRID_FSDP.format(name="Megatron-FSDP"))},
+    ),
+    Rejection(
+        "--use-torch-fsdp2",
+        "use_torch_fsdp2",
+        SET,
+        _FSDP.format(name="torch FSDP2"),
+        also={TSP_MLP: ModeRule(_HYBRID_FSDP.format(name="torch FSDP2"))},
+    ),
     Rejection(
         "--cuda-graph-impl",
         "cuda_graph_impl",
@@ -294,6 +364,7 @@ ROWS: Tuple[Rejection, ...] = (
         _CUDA_GRAPHS,
         config_field="cuda_graph_impl",
         example=("local",),
+        also={TSP_MLP: ModeRule(_HYBRID_CUDA_GRAPHS)},
     ),
     Rejection(
         "--enable-cuda-graph",
@@ -301,6 +372,7 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         _CUDA_GRAPHS,
         config_field="enable_cuda_graph",
+        also={TSP_MLP: ModeRule(_HYBRID_CUDA_GRAPHS)},
     ),
     Rejection(
         "--external-cuda-graph",
@@ -308,6 +380,7 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         _CUDA_GRAPHS,
         config_field="external_cuda_graph",
+        also={TSP_MLP: ModeRule(_HYBRID_CUDA_GRAPHS)},
     ),
     # --- MoE ("EP folded onto the TSP axis": megatron-core's MoELayer behind TSP attention) ------
     # --num-experts, --expert-model-parallel-size, --moe-layer-freq, the router's top-k / score
@@ -424,6 +497,7 @@ ROWS: Tuple[Rejection, ...] = (
         "TSP supports standard self-attention only",
         config_field="multi_latent_attention",
         layer="attention",
+        also={TSP_MLP: ModeRule("the hybrid spec builds standard self-attention")},
     ),
     Rejection(
         "--qk-layernorm",
@@ -432,6 +506,9 @@ ROWS: Tuple[Rejection, ...] = (
         "TSP attention does not apply query/key norms (not implemented yet)",
         config_field="qk_layernorm",
         layer="attention",
+        also={
+            TSP_MLP: ModeRule("the hybrid spec's norms are sequence-parallel-tagged torch norms")
+        },
     ),
     Rejection(
         "--qk-l2-norm",
@@ -493,6 +570,7 @@ ROWS: Tuple[Rejection, ...] = (
         config_field="experimental_attention_variant",
         layer="attention",
         example=("dsa",),
+        also={TSP_MLP: ModeRule("the hybrid spec would replace it")},
     ),
     Rejection(
         "--position-embedding-type",
@@ -510,6 +588,13 @@ ROWS: Tuple[Rejection, ...] = (
         "(local) or select Transformer Engine kernels it does not use (flash, fused, "
         "unfused); drop the flag (auto)",
         example=("flash",),
+        also={
+            TSP_MLP: ModeRule(
+                "the hybrid builds Megatron's local attention, so another backend would be "
+                "silently ignored; drop the flag (auto) or use local",
+                condition=other_than("auto", "local"),
+            )
+        },
     ),
     Rejection(
         "--transformer-impl",
@@ -517,6 +602,7 @@ ROWS: Tuple[Rejection, ...] = (
         one_of("inference_optimized"),
         "the inference-optimized layers have no TSP spec",
         example=("inference_optimized",),
+        also={TSP_MLP: ModeRule("the hybrid spec is the training layer spec")},
     ),
     # --- model structure -------------------------------------------------------------------------
     Rejection(
@@ -526,6 +612,7 @@ ROWS: Tuple[Rejection, ...] = (
         "multi-token prediction layers have no TSP spec",
         config_field="mtp_num_layers",
         example=("1",),
+        also={TSP_MLP: ModeRule("multi-token prediction layers have no hybrid spec")},
     ),
     Rejection(
         "--heterogeneous-layers-config-path",
@@ -533,6 +620,7 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         "heterogeneous layers have no TSP spec",
         example=("layers.json",),
+        also={TSP_MLP: ModeRule("heterogeneous layers have no hybrid spec")},
     ),
     Rejection(
         "--heterogeneous-layers-config-encoded-json",
@@ -547,6 +635,7 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         "TSP needs megatron-core models",
         versions=("0.16",),
+        also={TSP_MLP: ModeRule("the hybrid needs megatron-core models")},
     ),
     Rejection(
         "--yaml-cfg",
@@ -554,12 +643,35 @@ ROWS: Tuple[Rejection, ...] = (
         SET,
         "the YAML path bypasses Megatron's validate_args, where TSP is translated",
         example=("run.yaml",),
+        also={
+            TSP_MLP: ModeRule(
+                "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated"
+            )
+        },
     ),
     # --- precision -------------------------------------------------------------------------------
     Rejection(
-        "--fp8-format", "fp8", SET, "FP8 " + _TE_ONLY, config_field="fp8", example=("hybrid",)
+        "--fp8-format",
+        "fp8",
+        SET,
+        "FP8 " + _TE_ONLY,
+        config_field="fp8",
+        example=("hybrid",),
+        also={
+            TSP_MLP: ModeRule("FP8 needs Transformer Engine layers; the TSP MLP is not a TE module")
+        },
     ),
-    Rejection("--fp4-format", "fp4", SET, "FP4 " + _TE_ONLY, config_field="fp4", example=("e2m1",)),
+    Rejection(
+        "--fp4-format",
+        "fp4",
+        SET,
+        "FP4 " + _TE_ONLY,
+        config_field="fp4",
+        example=("e2m1",),
+        also={
+            TSP_MLP: ModeRule("FP4 needs Transformer Engine layers; the TSP MLP is not a TE module")
+        },
+    ),
     # --- data ------------------------------------------------------------------------------------
     Rejection(
         "--sft",
@@ -638,22 +750,10 @@ SHAPE_ROWS: Tuple[Rejection, ...] = (
     ),
 )
 
-_NO_CONTEXT_PARALLEL = (
-    "the hybrid builds Megatron's local attention, which has no context parallelism"
-)
-_HYBRID_CUDA_GRAPHS = (
-    "CUDA graphs capture module calls with static buffers; the MLP's weight "
-    "ring is not graph-captured"
-)
-_HYBRID_FSDP = (
-    "{name} gathers each module's weights in hooks around its call; the TSP MLP reads "
-    "linear_fc1/linear_fc2's weights without calling them (use "
-    "--use-distributed-optimizer)"
-)
-
-# What the hybrid (``--tsp-mlp``: TP+SP attention with the TSP MLP ring) refuses. It changes only
+# Flags only the hybrid (``--tsp-mlp``: TP+SP attention with the TSP MLP ring) refuses. What it
+# refuses of the flags TSP refuses too is in those flags' rows above (``also``): it changes only
 # the MLP (and selects Megatron's local layer spec), so only settings that touch the MLP, replace
-# the spec or need Transformer Engine modules are here; the MoE rows above list both modes.
+# the spec or need Transformer Engine modules; the MoE rows list every mode.
 TSP_MLP_ROWS: Tuple[Rejection, ...] = (
     Rejection(
         TSP_FLAG,
@@ -672,176 +772,13 @@ TSP_MLP_ROWS: Tuple[Rejection, ...] = (
         modes=(TSP_MLP,),
         example=("2",),
     ),
-    Rejection(
-        "--hierarchical-context-parallel-sizes",
-        "hierarchical_context_parallel_sizes",
-        SET,
-        _NO_CONTEXT_PARALLEL,
-        config_field="hierarchical_context_parallel_sizes",
-        modes=(TSP_MLP,),
-        example=("2", "2"),
-    ),
-    Rejection(
-        "--hybrid-context-parallel",
-        "hybrid_context_parallel",
-        SET,
-        _NO_CONTEXT_PARALLEL,
-        config_field="hybrid_context_parallel",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--tp-comm-overlap",
-        "tp_comm_overlap",
-        SET,
-        "it overlaps Transformer Engine's TP all-gather/reduce-scatter GEMMs; the hybrid's "
-        "layers are Megatron's local modules and its MLP issues no such collectives",
-        config_field="tp_comm_overlap",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--tensor-parallel-num-weight-shards",
-        "tensor_parallel_num_weight_shards",
-        Condition("other than 1", lambda v, d: v not in (None, 1)),
-        "the TSP MLP ring circulates exactly the D tensor-parallel shards",
-        modes=(TSP_MLP,),
-        versions=("0.19",),
-        example=("2",),
-    ),
-    Rejection(
-        "--multi-latent-attention",
-        "multi_latent_attention",
-        SET,
-        "the hybrid spec builds standard self-attention",
-        config_field="multi_latent_attention",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--qk-layernorm",
-        "qk_layernorm",
-        SET,
-        "the hybrid spec's norms are sequence-parallel-tagged torch norms",
-        config_field="qk_layernorm",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--use-legacy-models",
-        "use_legacy_models",
-        SET,
-        "the hybrid needs megatron-core models",
-        modes=(TSP_MLP,),
-        versions=("0.16",),
-    ),
-    Rejection(
-        "--mtp-num-layers",
-        "mtp_num_layers",
-        SET,
-        "multi-token prediction layers have no hybrid spec",
-        config_field="mtp_num_layers",
-        modes=(TSP_MLP,),
-        example=("1",),
-    ),
-    Rejection(
-        "--experimental-attention-variant",
-        "experimental_attention_variant",
-        SET,
-        "the hybrid spec would replace it",
-        config_field="experimental_attention_variant",
-        modes=(TSP_MLP,),
-        example=("dsa",),
-    ),
-    Rejection(
-        "--heterogeneous-layers-config-path",
-        "heterogeneous_layers_config_path",
-        SET,
-        "heterogeneous layers have no hybrid spec",
-        modes=(TSP_MLP,),
-        example=("layers.json",),
-    ),
-    Rejection(
-        "--yaml-cfg",
-        "yaml_cfg",
-        SET,
-        "the YAML path bypasses Megatron's validate_args, where --tsp-mlp is translated",
-        modes=(TSP_MLP,),
-        example=("run.yaml",),
-    ),
-    Rejection(
-        "--fp8-format",
-        "fp8",
-        SET,
-        "FP8 needs Transformer Engine layers; the TSP MLP is not a TE module",
-        config_field="fp8",
-        modes=(TSP_MLP,),
-        example=("hybrid",),
-    ),
-    Rejection(
-        "--fp4-format",
-        "fp4",
-        SET,
-        "FP4 needs Transformer Engine layers; the TSP MLP is not a TE module",
-        config_field="fp4",
-        modes=(TSP_MLP,),
-        example=("e2m1",),
-    ),
-    Rejection(
-        "--use-megatron-fsdp",
-        "use_megatron_fsdp",
-        SET,
-        _HYBRID_FSDP.format(name="Megatron-FSDP"),
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--use-torch-fsdp2",
-        "use_torch_fsdp2",
-        SET,
-        _HYBRID_FSDP.format(name="torch FSDP2"),
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--enable-cuda-graph",
-        "enable_cuda_graph",
-        SET,
-        _HYBRID_CUDA_GRAPHS,
-        config_field="enable_cuda_graph",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--external-cuda-graph",
-        "external_cuda_graph",
-        SET,
-        _HYBRID_CUDA_GRAPHS,
-        config_field="external_cuda_graph",
-        modes=(TSP_MLP,),
-    ),
-    Rejection(
-        "--cuda-graph-impl",
-        "cuda_graph_impl",
-        other_than("none"),
-        _HYBRID_CUDA_GRAPHS,
-        config_field="cuda_graph_impl",
-        modes=(TSP_MLP,),
-        example=("local",),
-    ),
-    Rejection(
-        "--attention-backend",
-        "attention_backend",
-        other_than("auto", "local"),
-        "the hybrid builds Megatron's local attention, so another backend would be "
-        "silently ignored; drop the flag (auto) or use local",
-        modes=(TSP_MLP,),
-        example=("flash",),
-    ),
-    Rejection(
-        "--transformer-impl",
-        "transformer_impl",
-        one_of("inference_optimized"),
-        "the hybrid spec is the training layer spec",
-        modes=(TSP_MLP,),
-        example=("inference_optimized",),
-    ),
 )
 
-TABLE: Tuple[Rejection, ...] = ROWS + SHAPE_ROWS + TSP_MLP_ROWS
+# One row per flag as written above; every consumer reads the rows per mode: a row with ``also``
+# stands for one row of each of its modes.
+TABLE: Tuple[Rejection, ...] = tuple(
+    one for row in ROWS + SHAPE_ROWS + TSP_MLP_ROWS for one in row.per_mode()
+)
 
 
 class TSPRejection(ValueError):
