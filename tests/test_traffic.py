@@ -199,16 +199,16 @@ def test_upload_counts_device_bytes_only():
 
 def test_tsp_rope_launches(layer):
     """TSP's RoPE: each application (q and k of each of the D head groups, forward, and its
-    inverse rotation in backward) is four kernels of ``rope.rotate`` (two products, two adds
-    over the pair halves); none comes from Megatron's unfused RoPE or from autograd re-running it.
-    The tables are built once (the first layer of a step), by ``rope._build`` / ``rope._swap``."""
+    inverse rotation in backward) is three kernels of ``rope.rotate`` (the cosine product, one
+    multiply-add per pair half); none comes from Megatron's unfused RoPE or from autograd re-running it.
+    The tables are built once (the first layer of a step), by ``rope._build``."""
     records = [r for r in layer["tsp"]["records"] if r["kind"] == "kernel"]
     by_source = {}
     for r in records:
         by_source[r["source"]] = by_source.get(r["source"], 0) + 1
-    assert by_source.get("rope.rotate") == 4 * 2 * 2 * D, by_source  # 4 x (q, k) x (fwd, bwd) x D
+    assert by_source.get("rope.rotate") == 3 * 2 * 2 * D, by_source  # 3 x (q, k) x (fwd, bwd) x D
     assert not [s for s in by_source if s.startswith("rope_utils.")], by_source
-    table_kernels = by_source.get("rope._build", 0) + by_source.get("rope._swap", 0)
+    table_kernels = by_source.get("rope._build", 0)
     assert 0 < table_kernels <= 12, by_source
 
 

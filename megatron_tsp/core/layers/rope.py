@@ -13,10 +13,12 @@ call and as many in backward). Here:
   (and megatron-core's ``RotaryEmbedding.forward`` caches it across steps), so every layer and
   head group of a step reads one set of tables, cached on the embedding tensor itself;
 * ``rotate(x, tables, out)`` writes RoPE(x) into ``out``, which may be a strided view (a slot of
-  the K/V send buffer or of the QKV gradient): unfused, four kernels that compute exactly what
-  Megatron's unfused RoPE computes, rounding included (``x*cos`` and the sine products rounded in
-  the same dtype, then one add); fused, one call of the kernel Megatron's ``apply_rope_fusion``
-  uses (``rope_utils.fused_apply_rotary_pos_emb``, Transformer Engine's), looked up at call time;
+  the K/V send buffer or of the QKV gradient): unfused, three kernels (``x*cos``, then one fused
+  multiply-add per channel half: the sine product and the sum rounded once, where Megatron's
+  unfused RoPE rounds the product and then the sum, so in bf16 a result may differ from
+  Megatron's by that one rounding, TSP's being the closer); fused, one call of the kernel
+  Megatron's ``apply_rope_fusion`` uses (``rope_utils.fused_apply_rotary_pos_emb``, Transformer
+  Engine's), looked up at call time;
 * backward: RoPE rotates each (x_i, x_swap(i)) pair by an angle θ, so its adjoint is the
   rotation by -θ: ``rotate(dy, tables, out, inverse=True)``. Nothing is re-run under autograd and
   nothing but the tables is kept for it.
@@ -24,10 +26,9 @@ call and as many in backward). Here:
 Unfused formula. With ``swap`` the pair partner of each rotary channel (i <-> i ± rot/2, or
 2k <-> 2k+1 when interleaved) and ``sign`` -1 on a pair's first channel, +1 on its second,
 Megatron's ``t*cos + rotate_half(t)*sin`` is y[i] = x[i] c[i] + x[swap(i)] s'[i] with
-s'[i] = sign[i] s[i] (negating a factor does not change a product's rounding). Computed as
-``out = x*c``; ``b = x * s'[swap]``; ``out[i] += b[swap(i)]`` (two adds over the two channel
-halves). The adjoint is dx[j] = c[j] dy[j] + s'[swap(j)] dy[swap(j)]: the same three steps with
-``s'`` in place of ``s'[swap]``.
+s'[i] = sign[i] s[i]. Computed as ``out = x*c``, then ``out[i] += x[swap(i)] * s'[i]`` over each
+channel half (``addcmul_``). The adjoint is dx[j] = c[j] dy[j] + s'[swap(j)] dy[swap(j)]: the
+same steps with each half taking its partner half's ``s'``.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class RopeTables:
     """This rank's RoPE tables for one embedding, dtype and layout.
 
     ``fused``: the fused kernel, with ``tensors`` = (angles, -angles) fp32 [t, 1, 1, rot];
-    otherwise ``tensors`` = (cos, s'[swap], s') in the compute dtype, [t, 1, 1, rot] (see the
-    module docstring). ``rot``: rotary channels (the rest of each head passes through)."""
+    otherwise ``tensors`` = (cos, s') in the compute dtype, [t, 1, 1, rot] (see the module
+    docstring). ``rot``: rotary channels (the rest of each head passes through)."""
 
     rot: int
     interleaved: bool
@@ -112,14 +113,6 @@ class RopeTables:
     def with_tensors(self, tensors) -> "RopeTables":
         """The same tables rebuilt from ``tensors`` (e.g. what ``save_for_backward`` returns)."""
         return RopeTables(self.rot, self.interleaved, self.fused, tuple(tensors))
-
-
-def _swap(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """t[..., swap(i)] over the last dimension (a copy)."""
-    if interleaved:
-        return t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    half = t.shape[-1] // 2
-    return torch.cat([t[..., half:], t[..., :half]], dim=-1)
 
 
 def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTables:
@@ -157,7 +150,7 @@ def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTable
         first = sign.unflatten(-1, (-1, 2))[..., 0] if interleaved else sign[: rot // 2]
         first.fill_(-1)
         signed = sin * sign  # s'
-    return RopeTables(rot, interleaved, None, (cos, _swap(signed, interleaved), signed))
+    return RopeTables(rot, interleaved, None, (cos, signed))
 
 
 def local_tables(
@@ -222,15 +215,17 @@ def rotate(
             return out.copy_(y)
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        cos, sin_swapped, sin_signed = tables.tensors
+        cos, signed = tables.tensors
         rot = tables.rot
         x_rot, out_rot = x[..., :rot], out[..., :rot]
         torch.mul(x_rot, _broadcast(cos, x.dim()), out=out_rot)
-        b = torch.mul(x_rot, _broadcast(sin_signed if inverse else sin_swapped, x.dim()))
+        x_first, x_second = _halves(x_rot, tables.interleaved)
         out_first, out_second = _halves(out_rot, tables.interleaved)
-        b_first, b_second = _halves(b, tables.interleaved)
-        out_first.add_(b_second)
-        out_second.add_(b_first)
+        s_first, s_second = _halves(_broadcast(signed, x.dim()), tables.interleaved)
+        if inverse:  # the adjoint: each channel takes its partner's signed sine
+            s_first, s_second = s_second, s_first
+        out_first.addcmul_(x_second, s_first)
+        out_second.addcmul_(x_first, s_second)
         if rot < x.shape[-1]:  # partial rotary: the other channels pass through
             out[..., rot:].copy_(x[..., rot:])
         return out
