@@ -40,7 +40,7 @@ def test_kv_collectives_overlap(pool4, d, backward):
 
 @pytest.mark.parametrize("d,backward", [(2, "saved"), (4, "saved"), (4, "recompute")])
 def test_attention_queue_order(pool4, d, backward):
-    """Issue 18 §2: under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` no transfer, and so no kernel, is
+    """Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` no transfer, and so no kernel, is
     queued behind a dK/dV reduce-scatter that is not yet needed: the weight-gradient reduce is
     posted before it, the next head group's transfers and attention backward are queued before
     the reduce-scatter can hold them (``checks_overlap.stalls_behind_large`` states the model)."""
