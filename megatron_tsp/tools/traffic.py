@@ -15,7 +15,8 @@ layer issues with a ``TorchDispatchMode``. Per op it counts:
   so is host work: an op none of whose tensors is on the CUDA device (index tables the layers
   build on the CPU with ``arange`` / ``cat`` / ``index_put_``; their upload is a ``_to_copy``,
   counted apart from the kernels: a GPU uploads each table once and caches it,
-  ``CACHED_UPLOAD_SOURCES``).
+  ``CACHED_UPLOAD_SOURCES``), and so is the work one layer does for the whole step
+  (``PER_STEP_SOURCES``: TSP's RoPE tables).
 * **bytes read + written** - reads: every tensor input argument (not the ``out=`` argument, but
   an input that is also the ``out=`` tensor, as in ``addmm(acc, a, b, out=acc)``); writes:
   every tensor the op returns (an in-place op returns the tensor it mutates, so ``x.add_(y)``
@@ -301,6 +302,8 @@ def make_recorder(device_type: str = "cuda"):
             rec.source = _source(sys._getframe(1))
             if rec.kind == "kernel" and rec.source in CACHED_UPLOAD_SOURCES:
                 rec.kind = "cached_upload"
+            elif rec.kind == "kernel" and rec.source in PER_STEP_SOURCES:
+                rec.kind = "per_step"
             self.records.append(rec)
             return out
 
@@ -316,6 +319,11 @@ def make_recorder(device_type: str = "cuda"):
 # every recorded step would pay the first step's uploads. They are counted apart, not as the
 # step's kernels.
 CACHED_UPLOAD_SOURCES = ("layout._table",)
+# Work the first layer of a step does for every layer: TSP's local RoPE tables (cos and signed
+# sines at the rank's positions, ``rope._build``), cached on the step's rotary embedding. The
+# recording is one layer, so they are counted apart, as TP+SP's rotary table (``GPTModel``'s,
+# built before the recording) is.
+PER_STEP_SOURCES = ("rope._build",)
 
 
 def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
@@ -336,6 +344,7 @@ def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
         "views": sum(r.kind == "view" for r in records),
         "host_ops": sum(r.kind == "host" for r in records),
         "cached_uploads": sum(r.kind == "cached_upload" for r in records),
+        "per_step_kernels": sum(r.kind == "per_step" for r in records),
         "gemm_flops": sum(r.flops for r in kernels if r.flop_kind == "gemm"),
         "attention_flops": sum(r.flops for r in kernels if r.flop_kind == "attention"),
         "by_phase": {},
@@ -674,6 +683,12 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         "not counted): "
         + ", ".join(
             f"{LABELS[s]} {results[q][s]['collectives']}" for q in seqs[:1] for s in schemes
+        )
+        + ". Per-step kernels of the first layer (TSP's RoPE tables, not counted): "
+        + ", ".join(
+            f"{LABELS[s]} {results[q][s].get('per_step_kernels', 0)}"
+            for q in seqs[:1]
+            for s in schemes
         )
         + ". Index-table uploads of the first step (cached on a GPU, not counted): "
         + ", ".join(
