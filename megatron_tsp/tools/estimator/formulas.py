@@ -198,7 +198,6 @@ def tsp_layer_terms(
     *,
     grad_dtype_bytes: Optional[int] = None,
     regather_kv_bwd: bool = True,
-    kv_pipelined: bool = True,
     recompute_attn: bool = False,
     kv_grad_reduce_in_fp32: bool = False,
     kv_grad_all_to_all: bool = False,
@@ -214,17 +213,15 @@ def tsp_layer_terms(
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
     reduce-to-owner of the weight gradients likewise exposes only the last (drain); the MLP ring
     hides every weight hop behind a shard's GEMMs, and its gradient accumulator every hop but
-    the last. ``kv_pipelined`` (what the layers do): the K/V all-gathers and dK/dV
-    reduce-scatters are posted one head group ahead (only fill/drain exposed); False is a what-if,
-    the earlier, unpipelined code: each waited on right behind the QKV GEMM of its own group
-    (blocking). The backward's first weight re-broadcast hides behind the first head group's
-    attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention
-    recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is exposed."""
+    the last. The K/V all-gathers and dK/dV reduce-scatters are posted one head group ahead
+    (only fill/drain exposed). The backward's first weight re-broadcast hides behind the first
+    head group's attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py);
+    with attention recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the
+    first is exposed."""
     f = ring_factor(D)
     b = shape.dtype_bytes
     gb = grad_dtype_bytes or accumulation_bytes(b)
     kv = 2 * shape.tokens * shape.kv_hidden
-    kv_overlap = "pipelined" if kv_pipelined else "critical"
     head_groups = min(D, shape.groups)  # K/V gathers: one per head group (g < D: shared heads)
     ring = max(D - 1, 1)
     t = [
@@ -246,7 +243,7 @@ def tsp_layer_terms(
             f * kv,
             b,
             "tsp",
-            kv_overlap,
+            "pipelined",
             chunks=head_groups,
             calls_per_chunk=2,
             what="all-gather K,V of one head group",
@@ -285,7 +282,7 @@ def tsp_layer_terms(
                 f * kv,
                 b,
                 "tsp",
-                kv_overlap,
+                "pipelined",
                 chunks=head_groups,
                 calls_per_chunk=2,
                 what="re-gather K,V",
@@ -299,7 +296,7 @@ def tsp_layer_terms(
             f * kv,
             accumulation_bytes(b) if kv_grad_reduce_in_fp32 else b,
             "tsp",
-            kv_overlap,
+            "pipelined",
             chunks=head_groups,
             what=("all-to-all" if kv_grad_all_to_all else "reduce-scatter")
             + " dK,dV to token owners"

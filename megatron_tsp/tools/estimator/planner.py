@@ -278,10 +278,6 @@ class Options:
     # on contiguous bshd copies of K/V). The layers pick cudnn on sm90+ for MHA; there its memory
     # equals aten_flash's, so the default models both.
     attn_kernel: str = "aten_flash"
-    # TSP K/V all-gathers and dK/dV reduce-scatters posted one head group ahead (what the layers
-    # do). False is a WHAT-IF only: blocking behind their own group's QKV GEMM (the earlier,
-    # unpipelined layer code)
-    tsp_kv_pipelined: bool = True
     cp_regather_kv: bool = True
     # the dX GEMM's fp32 accumulation copies its bf16 operands to fp32 (``precision.matmul_acc``
     # off CUDA, where the GEMM cannot write fp32 from bf16 inputs); None: iff attn_kernel is the
@@ -718,7 +714,6 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             s.tp,
             grad_dtype_bytes=o.tsp_grad_comm_bytes,
             regather_kv_bwd=o.tsp_regather_kv,
-            kv_pipelined=o.tsp_kv_pipelined,
             recompute_attn=o.tsp_recompute_attn,
             kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
         )
@@ -740,7 +735,6 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             kv_flavour=s.kv_flavour,
             grad_dtype_bytes=o.tsp_grad_comm_bytes,
             regather_kv_bwd=o.tsp_regather_kv,
-            kv_pipelined=o.tsp_kv_pipelined,
             recompute_attn=o.tsp_recompute_attn,
             kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
         )
@@ -1134,12 +1128,7 @@ def assumptions(
         "of the phase) except the first forward weight broadcast (and with attention recompute "
         "the first backward one), the last attention weight-grad reduce and the MLP gradient "
         "ring's last hop; TSP K/V all-gathers / dK/dV reduce-scatters are "
-        + (
-            "pipelined one head group ahead (first group exposed)"
-            if o.tsp_kv_pipelined
-            else "BLOCKING (what-if: the earlier, unpipelined layer code)"
-        )
-        + "; TP/SP "
+        "pipelined one head group ahead (first group exposed); TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
@@ -1440,14 +1429,10 @@ def layer_time_report(
 ) -> List[str]:
     """TSP vs TP+SP per-layer step time, each at its cheapest recompute that fits."""
     res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o) for k in ("tsp", "tp_sp")}
-    kv = (
-        "pipelined (fill/drain exposed)"
-        if o.tsp_kv_pipelined
-        else "blocking: what-if, the earlier, unpipelined layer code"
-    )
     lines = [
         f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
-        f"(TSP K/V collectives {kv}; MLP ring hidden except the gradient's last hop):"
+        "(TSP K/V collectives pipelined, fill/drain exposed; MLP ring hidden except the "
+        "gradient's last hop):"
     ]
     for k, r in res.items():
         b = r["best"]
@@ -1600,13 +1585,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="TSP attention_backward='recompute' (default: 'saved', as the layers)",
     )
     ap.add_argument(
-        "--tsp-kv-blocking",
-        action="store_true",
-        help="WHAT-IF (not what the layers do): TSP's K/V all-gathers and dK/dV "
-        "reduce-scatters waited on right behind their own head group's QKV "
-        "GEMM, as the earlier layer code did (default: pipelined one head group ahead)",
-    )
-    ap.add_argument(
         "--compute-model",
         choices=("measured", "flops"),
         default="measured",
@@ -1652,7 +1630,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         distributed_optimizer=not args.no_distributed_optimizer,
         tsp_recompute_mlp=args.tsp_recompute_mlp,
         tsp_recompute_attn=args.tsp_recompute_attn,
-        tsp_kv_pipelined=not args.tsp_kv_blocking,
         compute_model=args.compute_model,
         tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,
         tsp_activation_sums_fp32=args.tsp_activation_sums_in_fp32,
