@@ -330,7 +330,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         layout,
         seq_layout,
         group,
-        fuse,
+        accumulate_into_main_grad,
         kernel,
         seq_group,
     ):
@@ -386,7 +386,8 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 current = upcoming
         ctx.rope = _save_rope(ctx, rope_q, rope_k)
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
-        ctx.layout, ctx.group, ctx.fuse, ctx.rng, ctx.kernel = layout, group, fuse, rng, kernel
+        ctx.layout, ctx.group, ctx.rng, ctx.kernel = layout, group, rng, kernel
+        ctx.accumulate_into_main_grad = accumulate_into_main_grad
         ctx.seq_layout, ctx.seq_group = seq_layout, seq_group
         # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
         return torch.matmul(context, proj_full.t())
@@ -396,12 +397,12 @@ class _TSPAttentionFunction(torch.autograd.Function):
         x, qkv_w, qkv_b, proj_w = ctx.saved_tensors[:4]
         grad_x, own_grad = _AttentionBackward(ctx, grad_out.contiguous()).run()
         g_w, g_b, g_pw = weight_bias_views(own_grad.views(), qkv_b is not None)
-        fuse = ctx.fuse
+        accumulate = ctx.accumulate_into_main_grad
         return (
             grad_x,
-            weight_grad_output(qkv_w, g_w, fuse),
-            weight_grad_output(qkv_b, g_b, fuse),
-            weight_grad_output(proj_w, g_pw, fuse),
+            weight_grad_output(qkv_w, g_w, accumulate),
+            weight_grad_output(qkv_b, g_b, accumulate),
+            weight_grad_output(proj_w, g_pw, accumulate),
             None,
             None,
             None,
