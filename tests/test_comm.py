@@ -121,19 +121,19 @@ def test_attention_comm_matches_formula(pool4, d, heads, groups, bias):
     comm = fm.tsp_layer_comm(shape, d)
     assert comm["attn_fwd"] == pytest.approx(expected["fwd"], rel=1e-12)
     assert comm["attn_bwd"] == pytest.approx(expected["bwd"], rel=1e-12)
-    calls = {"broadcast": d, "reduce": d, "all_gather": 2 * steps, "reduce_scatter": steps}
+    calls = {"broadcast": d, "reduce": d, "all_gather": 2 * steps, "reduce_scatter": 2 * steps}
     for term in fm.tsp_layer_terms(shape, d):
         if term.phase.startswith("attn"):
             assert term.chunks * term.calls_per_chunk == calls[term.op], term
     for r in results:
         # one broadcast and (backward) one weight-gradient reduce per weight shard; per head
-        # group two packed K/V all-gathers, the early and the late zigzag halves (and in backward
-        # one packed dK/dV reduce-scatter)
+        # group two packed K/V all-gathers, the late and the early zigzag halves (and in backward
+        # two packed dK/dV reduce-scatters, one per half)
         assert r["fwd"]["calls"] == {"broadcast": d, "all_gather_into_tensor": 2 * steps}
         assert r["bwd"]["calls"] == {
             "broadcast": d,
             "all_gather_into_tensor": 2 * steps,
-            "reduce_scatter_tensor": steps,
+            "reduce_scatter_tensor": 2 * steps,
             "reduce": d,
         }
         for phase in ("fwd", "bwd"):
@@ -185,7 +185,8 @@ def test_attention_bf16_dkv_wire_matches_formula(pool4, d, kv_grad_fp32, a2a):
         for phase in ("fwd", "bwd"):
             assert r[phase]["recv"] == pytest.approx(expected[phase], rel=1e-12), (phase, r)
         scatter = "all_to_all_single" if a2a else "reduce_scatter_tensor"
-        assert r["bwd"]["calls"][scatter] == d, r["bwd"]["calls"]  # one per head-group step
+        # two per head-group step, one per zigzag half
+        assert r["bwd"]["calls"][scatter] == 2 * d, r["bwd"]["calls"]
         other = "reduce_scatter_tensor" if a2a else "all_to_all_single"
         assert other not in r["bwd"]["calls"], r["bwd"]["calls"]
 

@@ -92,6 +92,32 @@ def test_causal_blocks_mask_equals_full_causal_mask():
 
 
 @pytest.mark.parametrize("d", SIZES)
+def test_gathered_blocks_see_exactly_the_causal_keys(d):
+    """``gathered_blocks`` against the gathered K/V buffer (late chunks in owner order, then the
+    early chunks): every local query sees, over its segments, exactly the natural positions a
+    full causal mask allows, each once, and ``gathered_index`` / ``gathered_row`` agree with
+    where each natural chunk lands."""
+    c = 3
+    s = 2 * d * c
+    rows_of = TSPLayout(d, s).gathered_index().tolist()  # natural position -> gathered row
+    natural_at = {row: pos for pos, row in enumerate(rows_of)}
+    assert sorted(rows_of) == list(range(s))
+    for k in range(2 * d):
+        assert rows_of[k * c] == TSPLayout(d, s).gathered_row(k)
+    for r in range(d):
+        layout = TSPLayout(d, s, r)
+        positions = layout.positions().tolist()
+        for block in layout.gathered_blocks:
+            for i in range(block.query_len):
+                query = positions[block.query_start + i]
+                seen = []
+                for seg in block.segments:
+                    visible = seg.length - block.query_len + i + 1 if seg.causal else seg.length
+                    seen += [natural_at[seg.start + j] for j in range(visible)]
+                assert sorted(seen) == list(range(query + 1)), (d, r, query, block)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "src_dtype,dest_dtype",
     [
@@ -100,37 +126,36 @@ def test_causal_blocks_mask_equals_full_causal_mask():
         (torch.bfloat16, torch.float32),  # the fp32 wire
     ],
 )
-def test_scatter_keys_sums_blocks_into_gathered_order(d, src_dtype, dest_dtype):
-    """``scatter_keys`` (the dK/dV send buffer) equals the natural-order sum of the sources put
-    in gathered order by the definition (``_definition``), rounded once into ``dest``: for each
-    rank's two causal blocks, either alone, and three sources (the generic path); uncovered
-    rows are zero, the rest of a strided ``dest`` (the packed dV half) untouched."""
+def test_sum_keys_sums_segments_into_the_gathered_layout(d, src_dtype, dest_dtype):
+    """``sum_keys`` (the dK/dV send buffer) equals the sum of the segments' key rows placed at
+    their rows, rounded once into ``dest``: each rank's segments, a subset, and three sources
+    over one row (the generic path); uncovered rows are zero, the rest of a strided ``dest`` (the
+    packed dV half) untouched; sources given as parts give bitwise the same result."""
     c = 2
     s = 2 * d * c
-    gathered = [p for _, positions in _definition(d, s) for p in positions]
     for r in range(d):
         layout = TSPLayout(d, s, r)
-        blocks = [
-            torch.randn(b.key_len, 3, 2, dtype=torch.float64).to(src_dtype)
-            for b in layout.causal_blocks
+        segments = [seg for b in layout.gathered_blocks for seg in b.segments]
+        sources = [
+            (seg.start, torch.randn(seg.length, 3, 2, dtype=torch.float64).to(src_dtype))
+            for seg in segments
         ]
-        for sources in (blocks, blocks[:1], blocks[1:], blocks + blocks[:1]):
+        for chosen in (sources, sources[:1], sources[1:], sources + sources[:1]):
             packed = torch.full((s, 3, 4), float("nan"), dtype=dest_dtype)
-            layout.scatter_keys(packed.narrow(2, 0, 2), sources)
-            natural = torch.zeros(s, 3, 2, dtype=torch.float64)
-            for t in sources:
-                natural[: t.shape[0]] += t.double()
-            expected = natural[gathered].to(dest_dtype)
-            assert torch.equal(packed[..., :2], expected), (r, len(sources))
+            layout.sum_keys(packed.narrow(2, 0, 2), chosen)
+            total = torch.zeros(s, 3, 2, dtype=torch.float64)
+            for start, t in chosen:
+                total[start : start + t.shape[0]] += t.double()
+            assert torch.equal(packed[..., :2], total.to(dest_dtype)), (r, len(chosen))
             assert packed[..., 2:].isnan().all()
-            # the same sources as parts (layout.KeyRows): a top-left kernel's prefix and
-            # diagonal, and every block cut at each chunk boundary: bitwise the same result
             for cut in ("diagonal", "every_chunk"):
-                split = [_split_rows(t, c, cut) for t in sources]
+                split = [(start, _split_rows(t, c, cut)) for start, t in chosen]
                 parted = torch.full((s, 3, 4), float("nan"), dtype=dest_dtype)
-                layout.scatter_keys(parted.narrow(2, 0, 2), split)
+                layout.sum_keys(parted.narrow(2, 0, 2), split)
                 same = torch.equal(parted[..., :2], packed[..., :2])
-                assert same and parted[..., 2:].isnan().all(), (r, len(sources), cut)
+                assert same and parted[..., 2:].isnan().all(), (r, len(chosen), cut)
+    with pytest.raises(ValueError, match="outside"):
+        TSPLayout(d, s, 0).sum_keys(torch.zeros(s, 1), [(s - 1, torch.zeros(2, 1))])
 
 
 def _split_rows(t, c, cut):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -316,25 +316,41 @@ def post_all_gather(
 
 
 def post_reduce_scatter(
-    full: torch.Tensor, group, slot: int = 0, purpose: str = "reduce_scatter"
+    full: Union[torch.Tensor, Sequence[torch.Tensor]],
+    group,
+    slot: int = 0,
+    purpose: str = "reduce_scatter",
 ) -> Pending:
     """Asynchronous SUM reduce-scatter of ``[D * s, ...]`` into a ``WORKSPACE`` buffer; ``wait()``
-    returns this rank's block ``[s, ...]``. ``full`` must stay untouched until then."""
+    returns this rank's block ``[s, ...]``. ``full`` must stay untouched until then.
+
+    ``full`` may be a sequence of such tensors (one collective each, one ``Pending``): their
+    blocks land one after another in the one buffer, ``[s_0 + s_1 + ..., ...]``."""
+    parts = [full] if isinstance(full, torch.Tensor) else list(full)
     size = dist.get_world_size(group)
     if size == 1:
-        return done(full)
-    full = full.contiguous()
+        return done(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+    parts = [p.contiguous() for p in parts]
+    first = parts[0]
+    rows = [p.shape[0] // size for p in parts]
     out = WORKSPACE.get(
-        purpose, slot, (full.shape[0] // size,) + tuple(full.shape[1:]), full.dtype, full.device
+        purpose, slot, (sum(rows),) + tuple(first.shape[1:]), first.dtype, first.device
     )
-    work = reduce_scatter_single(out, full, group, async_op=True)
+    works, start = [], 0
+    for p, n in zip(parts, rows):
+        works.append(reduce_scatter_single(out.narrow(0, start, n), p, group, async_op=True))
+        start += n
     return Pending(
-        "reduce_scatter_tensor", [work], lambda: out, payload=purpose, nbytes=_nbytes(full)
+        "reduce_scatter_tensor",
+        works,
+        lambda: out,
+        payload=purpose,
+        nbytes=sum(_nbytes(p) for p in parts),
     )
 
 
 def post_all_to_all_sum(
-    full: torch.Tensor,
+    full: Union[torch.Tensor, Sequence[torch.Tensor]],
     group,
     sum_dtype: torch.dtype,
     slot: int = 0,
@@ -345,20 +361,43 @@ def post_all_to_all_sum(
     ``WORKSPACE`` buffer the size of ``full`` and sums the D blocks in ``sum_dtype``;
     ``wait()`` returns that ``[s, ...]`` sum. Same bytes as the reduce-scatter, but the partials
     are added once, in ``sum_dtype``, where a ring reduce-scatter rounds to the wire dtype at
-    every hop. ``full`` must stay untouched until ``wait()``."""
+    every hop. ``full`` must stay untouched until ``wait()``. A sequence of tensors: one
+    all-to-all each, their sums one after another, as ``post_reduce_scatter``."""
+    parts = [full] if isinstance(full, torch.Tensor) else list(full)
     size = dist.get_world_size(group)
     if size == 1:
-        return done(full.to(sum_dtype))
-    full = full.contiguous()
-    received = WORKSPACE.get(purpose, slot, tuple(full.shape), full.dtype, full.device)
-    work = dist.all_to_all_single(received, full, group=group, async_op=True)
-    block = (size, full.shape[0] // size) + tuple(full.shape[1:])
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return done(whole.to(sum_dtype))
+    parts = [p.contiguous() for p in parts]
+    first = parts[0]
+    total = sum(p.shape[0] for p in parts)
+    received = WORKSPACE.get(
+        purpose, slot, (total,) + tuple(first.shape[1:]), first.dtype, first.device
+    )
+    works, views, start = [], [], 0
+    for p in parts:
+        view = received.narrow(0, start, p.shape[0])
+        works.append(dist.all_to_all_single(view, p, group=group, async_op=True))
+        views.append(view)
+        start += p.shape[0]
+
+    def summed():
+        blocks = [v.view((size, v.shape[0] // size) + tuple(v.shape[1:])) for v in views]
+        if len(blocks) == 1:
+            return blocks[0].sum(0, dtype=sum_dtype)
+        shape = (total // size,) + tuple(first.shape[1:])
+        out, row = torch.empty(shape, dtype=sum_dtype, device=first.device), 0
+        for block in blocks:
+            torch.sum(block, 0, dtype=sum_dtype, out=out.narrow(0, row, block.shape[1]))
+            row += block.shape[1]
+        return out
+
     return Pending(
         "all_to_all_single",
-        [work],
-        lambda: received.view(block).sum(0, dtype=sum_dtype),
+        works,
+        summed,
         payload=purpose,
-        nbytes=_nbytes(full),
+        nbytes=sum(_nbytes(p) for p in parts),
     )
 
 

@@ -59,6 +59,29 @@ class CausalBlock:
     key_len: int
 
 
+@dataclass(frozen=True)
+class KeySegment:
+    """Keys ``[start, start + length)`` of the gathered K/V buffer (``TSPLayout.gathered_blocks``)
+    that one kernel call attends: ``causal``: the mask aligned bottom-right (the queries are the
+    segment's last positions: a diagonal square, or keys before it and then the diagonal), else
+    every key is visible."""
+
+    start: int
+    length: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class GatheredBlock:
+    """One local chunk's causal attention against the gathered K/V buffer: query rows
+    ``[query_start, query_start + query_len)`` and the key ``segments`` it sees (their partial
+    attentions are merged by log-sum-exp when there are several)."""
+
+    query_start: int
+    query_len: int
+    segments: Tuple[KeySegment, ...]
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -215,12 +238,6 @@ class TSPLayout:
         read-only)."""
         return _table("inverse", self.group_size, self.seq_length, device)
 
-    def late_owners(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Owner (group rank) of each late chunk D, D+1, .., 2D-1 in natural order: D-1, .., 0.
-        An all-gather of the ranks' late chunks holds them in owner order, i.e. reversed:
-        ``natural_late = gathered_late[late_owners]`` (shared, read-only)."""
-        return _table("late_owners", self.group_size, self.group_size, device)
-
     def positions_of(self, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Natural positions of ``rank``'s local tokens, in local order (a shared view)."""
         self.chunks_of(rank)  # validates the rank
@@ -283,113 +300,83 @@ class TSPLayout:
             for i, c in enumerate(self.chunk_ids)
         )
 
-    def scatter_keys(self, dest: torch.Tensor, sources: Sequence[KeyRows]) -> torch.Tensor:
-        """Write the sum of natural-order key-row tensors into ``dest`` [S, ...] in gathered
-        (rank) order, what a reduce-scatter over the group sends; returns ``dest``.
-
-        ``sources``: per source the rows [n_i * C, ...] of natural positions [0, n_i * C) (a
-        causal block's dK or dV; every block's keys start at position 0), given as one tensor or
-        as a sequence of tensors that follow one another along the rows (``KeyRows``: a
-        top-left attention kernel returns a block's prefix and diagonal dK apart, and joining
-        them would copy the whole block once more). Rows no source covers are zeroed; where two
-        overlap, their sum is computed in the wider of the sources' and ``dest``'s precision and
-        rounded once into ``dest``. No natural-order temporary: the early half of the gathered
-        order is a strided view of the natural chunks 0..D-1, the late half holds chunks
-        2D-1..D (``index_copy_``, one per part). At most two sources, the shorter inside the
-        early half (the two blocks of a zigzag rank); anything else goes through one
-        natural-order sum."""
-        d, c = self.group_size, self.chunk_len
-        if dest.shape[0] != self.seq_length:
-            raise ValueError(f"scatter_keys: dest has {dest.shape[0]} rows, need {self.seq_length}")
-        parts = [_key_parts(t) for t in sources]
-        rows = [sum(p.shape[0] for p in ps) for ps in parts]
-        bad = [[p.shape[0] for p in ps] for ps, n in zip(parts, rows) if n > self.seq_length]
-        bad += [[p.shape[0] for p in ps] for ps in parts if any(p.shape[0] % c for p in ps)]
-        if bad:
-            raise ValueError(
-                f"scatter_keys: source rows {bad} are not whole chunks of {c} within "
-                f"{self.seq_length}"
+    @property
+    def gathered_blocks(self) -> Tuple[GatheredBlock, ...]:
+        """This rank's causal attention against the K/V of the whole group gathered as two
+        halves without any reorder: ``[late chunks in owner order | early chunks]`` (owner o's late
+        chunk 2G-1-o at rows [oC, (o+1)C), early chunk k at [GC + kC, GC + (k+1)C)). The early
+        chunk r sees the early chunks 0..r: one bottom-right causal segment. The late chunk
+        2G-1-r sees every early chunk and the late chunks G..2G-2-r, which in owner order are the
+        contiguous run [(r+1)C, 2GC), all visible, and itself, the causal diagonal [rC, (r+1)C):
+        two segments. A group of one rank keeps natural order (its one block per chunk)."""
+        g, c = self.group_size, self.chunk_len
+        if g == 1:
+            return tuple(
+                GatheredBlock(b.query_start, b.query_len, (KeySegment(0, b.key_len, True),))
+                for b in self.causal_blocks
             )
-        order = sorted(range(len(parts)), key=lambda i: rows[i], reverse=True)
-        srcs = [parts[i] for i in order]
-        counts = [rows[i] // c for i in order]
-        if len(srcs) > 2 or (len(srcs) == 2 and counts[1] > d):
-            wide = torch.promote_types(dest.dtype, torch.float32)
-            for ps in srcs:
-                for p in ps:
-                    wide = torch.promote_types(wide, p.dtype)
-            total = torch.zeros(
-                (self.seq_length,) + tuple(dest.shape[1:]), dtype=wide, device=dest.device
-            )
-            for ps, n in zip(srcs, counts):
-                for lo, p in _chunk_pieces(ps, c, 0, n):
-                    total.narrow(0, lo * c, p.shape[0]).add_(p)
-            return dest.copy_(total.index_select(0, self.permutation(dest.device)))
+        r = self._own_rank()
+        early = GatheredBlock(0, c, (KeySegment(g * c, (r + 1) * c, True),))
+        late = GatheredBlock(
+            c, c, (KeySegment((r + 1) * c, (2 * g - r - 1) * c, False), KeySegment(r * c, c, True))
+        )
+        return early, late
 
-        def chunks(view, n):
-            return view.unflatten(0, (n, c))
+    def gathered_row(self, chunk: int) -> int:
+        """First row of natural chunk ``chunk`` in the gathered K/V buffer
+        (``gathered_blocks``)."""
+        g, c = self.group_size, self.chunk_len
+        if g == 1 or chunk < g:
+            return (g * c if g > 1 else 0) + chunk * c
+        return (2 * g - 1 - chunk) * c  # the owner's slot in the late half
 
-        by_owner = dest.unflatten(0, (d, 2, c))
-        early, late = by_owner[:, 0], by_owner[:, 1]  # early[k]: chunk k; late[o]: chunk 2D-1-o
-        longest, n_long = srcs[0], counts[0]
-        n_early = min(n_long, d)
-        n_both = counts[1] if len(srcs) == 2 else 0
-        if n_both:
-            for lo, hi, a, b in _aligned_pieces(longest, srcs[1], c, n_both):
-                a, b = chunks(a, hi - lo), chunks(b, hi - lo)
-                if torch.result_type(a, b) == dest.dtype:
-                    torch.add(a, b, out=early[lo:hi])  # one rounding of the wide sum
-                else:  # a wider destination: exact copy, then the add in its precision
-                    early[lo:hi].copy_(a)
-                    early[lo:hi].add_(b)
-        for lo, p in _chunk_pieces(longest, c, n_both, n_early):
-            early[lo : lo + p.shape[0] // c].copy_(chunks(p, p.shape[0] // c))
-        if n_early < d:
-            early[n_early:].zero_()
-        n_late = n_long - n_early
-        if n_late:
-            owners = _table("late_owners", d, n_late, dest.device)
-            for lo, p in _chunk_pieces(longest, c, d, n_long):
-                n = p.shape[0] // c
-                late.index_copy_(0, owners.narrow(0, lo - d, n), chunks(p, n).to(dest.dtype))
-        if n_late < d:
-            late[: d - n_late].zero_()
+    def gathered_index(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Natural position -> row of the gathered K/V buffer: ``natural = gathered[index]``
+        (shared, read-only)."""
+        return _table("gathered_index", self.group_size, self.seq_length, device)
+
+    def sum_keys(self, dest: torch.Tensor, sources: Sequence[Tuple[int, KeyRows]]) -> torch.Tensor:
+        """Write the sum of key-row tensors into ``dest`` (rows of the gathered K/V buffer,
+        ``gathered_blocks``); returns ``dest``. ``sources``: ``(first row, rows)`` pairs, the rows
+        one tensor or consecutive tensors (``KeyRows``: a top-left kernel's prefix and diagonal
+        parts, never joined). Rows no source covers are zeroed; a row one source covers is
+        copied; where sources overlap their sum is computed in the wider of their and ``dest``'s
+        precision and rounded once into ``dest``. No temporary of ``dest``'s size."""
+        pieces = []  # (lo, hi, tensor rows [lo, hi))
+        for start, rows in sources:
+            for part in _key_parts(rows):
+                n = part.shape[0]
+                if start < 0 or start + n > dest.shape[0]:
+                    raise ValueError(
+                        f"sum_keys: source rows [{start}, {start + n}) outside {dest.shape[0]}"
+                    )
+                pieces.append((start, start + n, part))
+                start += n
+        cuts = sorted(
+            {0, dest.shape[0]} | {lo for lo, _, _ in pieces} | {hi for _, hi, _ in pieces}
+        )
+        for lo, hi in zip(cuts, cuts[1:]):
+            views = [t.narrow(0, lo - a, hi - lo) for a, b, t in pieces if a <= lo and hi <= b]
+            out = dest.narrow(0, lo, hi - lo)
+            if not views:
+                out.zero_()
+            elif len(views) == 1:
+                out.copy_(views[0])
+            elif len(views) == 2 and torch.result_type(*views) == dest.dtype:
+                torch.add(views[0], views[1], out=out)  # one rounding of the wide sum
+            else:  # a wider destination, or more sources: sum in the widest precision
+                wide = torch.promote_types(dest.dtype, torch.float32)
+                for v in views:
+                    wide = torch.promote_types(wide, v.dtype)
+                total = views[0].to(wide)
+                for v in views[1:]:
+                    total = total + v
+                out.copy_(total)
         return dest
 
 
 def _key_parts(rows) -> List[torch.Tensor]:
     return [rows] if isinstance(rows, torch.Tensor) else list(rows)
-
-
-def _chunk_pieces(parts: Sequence[torch.Tensor], c: int, lo: int, hi: int):
-    """The rows of chunks [lo, hi) of ``parts`` (consecutive row blocks, each whole chunks of
-    ``c`` rows), as ``(first chunk, view)`` pieces, one per part they touch."""
-    out, start = [], 0
-    for p in parts:
-        n = p.shape[0] // c
-        a, b = max(lo, start), min(hi, start + n)
-        if a < b:
-            out.append((a, p.narrow(0, (a - start) * c, (b - a) * c)))
-        start += n
-    return out
-
-
-def _aligned_pieces(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], c: int, n: int):
-    """Chunks [0, n) of two part lists cut at the union of their part boundaries:
-    ``(lo, hi, x rows, y rows)`` per piece."""
-    cuts = {0, n}
-    for parts in (x, y):
-        start = 0
-        for p in parts:
-            start += p.shape[0] // c
-            if start < n:
-                cuts.add(start)
-    bounds = sorted(cuts)
-    out = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        (_, xv), (_, yv) = _chunk_pieces(x, c, lo, hi)[0], _chunk_pieces(y, c, lo, hi)[0]
-        out.append((lo, hi, xv, yv))
-    return out
 
 
 def _outside_dispatch_modes(build):
@@ -426,9 +413,11 @@ def _host_inverse(group_size: int, seq_length: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 @_outside_dispatch_modes
-def _host_late_owners(group_size: int, n_late: int) -> torch.Tensor:
-    """Owners of the late chunks D, D+1, .. (n_late of them): D-1, D-2, .."""
-    return torch.arange(group_size - 1, group_size - 1 - n_late, -1)
+def _host_gathered_index(group_size: int, seq_length: int) -> torch.Tensor:
+    layout = TSPLayout(group_size, seq_length)
+    c = layout.chunk_len
+    starts = [layout.gathered_row(k) for k in range(2 * group_size)]
+    return torch.cat([torch.arange(start, start + c) for start in starts])
 
 
 _DEVICE_TABLES: Dict[tuple, torch.Tensor] = {}
@@ -437,13 +426,13 @@ _DEVICE_TABLES: Dict[tuple, torch.Tensor] = {}
 def _table(
     kind: str, group_size: int, seq_length: int, device: Optional[torch.device]
 ) -> torch.Tensor:
-    """The (inverse) permutation, or the owners of the first ``seq_length`` late chunks
-    ("late_owners"), built once per shape and copied once per device (no host-to-device copy per
+    """The (inverse) permutation, or the gathered K/V rows of the natural positions
+    ("gathered_index"), built once per shape and copied once per device (no host-to-device copy per
     call on GPUs)."""
     builders = {
         "permutation": _host_permutation,
         "inverse": _host_inverse,
-        "late_owners": _host_late_owners,
+        "gathered_index": _host_gathered_index,
     }
     host = builders[kind](group_size, seq_length)
     if device is None or torch.device(device) == host.device:

@@ -23,10 +23,13 @@ the np/ng heads' output through the m output-projection shards. The dK/dV of the
 over all its query heads, which is what Megatron's reduce-scatter (the all-gather's adjoint)
 gives the K/V rows' owner at TP=D, and each shard's weight gradient is reduced onto its owner.
 
-Causal masking is per local chunk: chunk c's queries see keys [0, (c+1)C) with a bottom-right
-aligned causal mask, through the attention-kernel interface of ``kernels.py`` (one kernel call per
-chunk where the backend aligns causal masks bottom-right, two blocks merged by log-sum-exp
-otherwise; never an S x S mask). Backward re-broadcasts the shards, re-gathers each head group's
+Causal masking is per local chunk: chunk c's queries see natural positions [0, (c+1)C). The
+gathered K/V are read as they arrive, without a reorder pass (``TSPLayout.gathered_blocks``: the
+late chunks in owner order, then the early chunks): the early chunk is one bottom-right causal
+call, the late chunk a non-causal call over a contiguous run of keys and a causal call over its
+own chunk, merged by log-sum-exp in fp32 (``kernels.gathered_forward``; a top-left backend splits
+a bottom-right call the same way; never an S x S mask). The kernel without a log-sum-exp
+(``sdpa_recompute``) reads a natural-order copy. Backward re-broadcasts the shards, re-gathers each head group's
 K/V (group r+1's posted before group r's attention backward), reduce-scatters dK/dV back to the
 token owners (waited one group later) and reduces each shard's weight gradient onto its owner.
 ``attention_backward="saved"`` (default) keeps each head group's local qkv, output and
@@ -188,51 +191,65 @@ def kv_send_buffer(x: torch.Tensor, layout: HeadLayout, fresh: bool, slot: int) 
 
 def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     """Post the all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
-    ``kv_out``: this rank's early chunk, then its late chunk); ``wait()`` returns natural-order
-    views (K, V) [S, b, ng/D, hn] of ``WORKSPACE`` slot ``slot``.
+    ``kv_out``: this rank's early chunk, then its late chunk); ``wait()`` returns (K, V)
+    [S, b, ng/D, hn], views of ``WORKSPACE`` slot ``slot`` in the gathered layout of
+    ``TSPLayout.gathered_blocks``: ``[late chunks in owner order | early chunks]``.
 
-    Two all-gathers, one per zigzag half: rank q's early chunk is chunk q, so the early chunks
-    arrive in natural order, straight into the first half of the natural-order buffer; rank q's
-    late chunk is chunk 2D-1-q, so the late chunks arrive reversed, into a half-size buffer, and
-    one ``index_select`` at ``wait()`` puts them in order (``TSPLayout.late_owners``). Only half
-    the sequence is copied, where one all-gather of the packed rows needs a reorder of all of it.
-    One natural-order buffer per slot: group r+2's gather into group r's slot is posted after
-    group r's attention is queued."""
+    Two all-gathers, one per zigzag half, each straight into its half: rank q's late chunk
+    (chunk 2D-1-q) lands in row block q of the first half, its early chunk (chunk q) in row block
+    q of the second, which is natural order. No reorder pass: the attention blocks read the
+    late half in owner order (``kernels.gathered_forward``). One buffer per slot: group r+2's
+    gather into group r's slot is posted after group r's attention is queued."""
     groups = packed.shape[2] // 2
     if seq_layout.group_size == 1:
         return done((packed.narrow(2, 0, groups), packed.narrow(2, groups, groups)))
     size, chunk = seq_layout.group_size, packed.shape[0] // 2
+    half = size * chunk
     rest = tuple(packed.shape[1:])
-    kv = WORKSPACE.get("kv_natural", slot, (2 * size * chunk,) + rest, packed.dtype, packed.device)
-    late = WORKSPACE.get("kv_late", slot, (size * chunk,) + rest, packed.dtype, packed.device)
-    early_work = all_gather_single(
-        kv.narrow(0, 0, size * chunk), packed.narrow(0, 0, chunk), group, async_op=True
+    kv = WORKSPACE.get("kv_gathered", slot, (2 * half,) + rest, packed.dtype, packed.device)
+    late_work = all_gather_single(
+        kv.narrow(0, 0, half), packed.narrow(0, chunk, chunk), group, async_op=True
     )
-    late_work = all_gather_single(late, packed.narrow(0, chunk, chunk), group, async_op=True)
-
-    def natural():
-        ordered = kv.narrow(0, size * chunk, size * chunk).view(size, -1)
-        torch.index_select(late.view(size, -1), 0, seq_layout.late_owners(kv.device), out=ordered)
-        return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
-
+    early_work = all_gather_single(
+        kv.narrow(0, half, half), packed.narrow(0, 0, chunk), group, async_op=True
+    )
     return Pending(
         "all_gather_into_tensor",
-        [early_work, late_work],
-        natural,
+        [late_work, early_work],
+        lambda: (kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)),
         payload="kv_gathered",
         nbytes=packed.numel() * packed.element_size(),
     )
 
 
+def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
+    """Natural-order copies of the gathered K and V, for the kernel without a log-sum-exp
+    (``sdpa_recompute``: its blocks cannot be merged, so they run on natural-order keys)."""
+    if seq_layout.group_size == 1:
+        return k_all, v_all
+    index = seq_layout.gathered_index(k_all.device)
+    return k_all.index_select(0, index), v_all.index_select(0, index)
+
+
+def _natural_sources(rows: torch.Tensor, seq_layout: TSPLayout) -> list:
+    """Natural-order key rows [S, ...] as ``sum_keys`` sources of the gathered layout, one per
+    chunk."""
+    c = seq_layout.chunk_len
+    return [
+        (seq_layout.gathered_row(k), rows.narrow(0, k * c, c)) for k in range(rows.shape[0] // c)
+    ]
+
+
 class _KVGradScatter:
-    """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
-    (natural-order key rows per block, ``layout.KeyRows``: one tensor, or a top-left kernel's
-    prefix and diagonal parts) are summed straight into a ``WORKSPACE`` send
-    buffer [S, b, 2 * ng/D, hn] in rank order (``TSPLayout.scatter_keys``: no full-sequence
-    accumulator, no reorder pass) at construction; ``post()`` posts its reduce-scatter, ``wait()``
+    """Adjoint of ``_post_kv_gather`` for one head group: the attention segments' dK and dV
+    (``(first row, layout.KeyRows)`` sources in the gathered layout: one tensor, or a top-left
+    kernel's prefix and diagonal parts) are summed straight into a ``WORKSPACE`` send buffer
+    [S, b, 2 * ng/D, hn] in that layout (``TSPLayout.sum_keys``: no full-sequence accumulator,
+    no reorder pass) at construction; ``post()`` posts one reduce-scatter per half (the late
+    half's row block q is rank q's late chunk, the early half's its early chunk), ``wait()``
     (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
-    ``dtype``. Building and posting are apart so the layer can queue the next head group's work
-    before the reduce-scatter (see ``_AttentionBackward``).
+    ``dtype``, early chunk first. Building and posting are apart so the layer can queue the
+    next head group's work before the reduce-scatter (see ``_AttentionBackward``).
 
     ``wire_dtype``: the send buffer's dtype. The sum over the chunks is always computed in fp32
     (or wider) and rounded once into the buffer. By default the buffer has the compute dtype, as
@@ -261,26 +278,32 @@ class _KVGradScatter:
     ):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
         self.sum_dtype = sum_dtype
-        first = dks[0] if isinstance(dks[0], torch.Tensor) else dks[0][0]  # layout.KeyRows
+        rows = dks[0][1]  # (first row, layout.KeyRows)
+        first = rows if isinstance(rows, torch.Tensor) else rows[0]
         _, b, groups, dim = first.shape
         shape, device = (seq_layout.seq_length, b, 2 * groups, dim), first.device
         if seq_layout.group_size == 1:
             self.send = torch.empty(shape, dtype=wire_dtype, device=device)
         else:
             self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
-        seq_layout.scatter_keys(self.send.narrow(2, 0, groups), dks)
-        seq_layout.scatter_keys(self.send.narrow(2, groups, groups), dvs)
+        seq_layout.sum_keys(self.send.narrow(2, 0, groups), dks)
+        seq_layout.sum_keys(self.send.narrow(2, groups, groups), dvs)
         if seq_layout.group_size == 1:
             self.pending = done(self.send)
 
     def post(self) -> None:
-        if self.pending is None and self.sum_dtype is not None:
+        if self.pending is not None:
+            return
+        half = self.send.shape[0] // 2
+        # early half first: the owner's rows are [early chunk, late chunk]
+        halves = (self.send.narrow(0, half, half), self.send.narrow(0, 0, half))
+        if self.sum_dtype is not None:
             self.pending = post_all_to_all_sum(
-                self.send, self.group, self.sum_dtype, slot=self.slot, purpose="kv_grad"
+                halves, self.group, self.sum_dtype, slot=self.slot, purpose="kv_grad"
             )
-        elif self.pending is None:
+        else:
             self.pending = post_reduce_scatter(
-                self.send, self.group, slot=self.slot, purpose="kv_grad"
+                halves, self.group, slot=self.slot, purpose="kv_grad"
             )
 
     def wait(self) -> torch.Tensor:
@@ -336,7 +359,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
     ):
         size = seq_layout.weight_group_size
         has_bias = qkv_b is not None
-        blocks = seq_layout.causal_blocks
+        blocks = seq_layout.gathered_blocks
         save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
         rng = _rng_state(x.device) if layout.dropout_p > 0 else None
         own = pack_own_shard(qkv_w, qkv_b, proj_w)
@@ -367,17 +390,22 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 q, kv, pws, gather = current
                 for i, pw in enumerate(pws):  # shard r*m+i's columns of the projection
                     proj_full.narrow(1, (r * m + i) * cols, cols).copy_(pw)
-                k_nat, v_nat = gather.wait()
+                k_all, v_all = gather.wait()
                 if kernel.has_lse:
-                    outs, lses = kernels.zigzag_forward(
-                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale
+                    outs, lses = kernels.gathered_forward(
+                        kernel, q, k_all, v_all, blocks, layout.softmax_scale
                     )
                 else:
                     rows = kernels.zigzag_attend(
-                        kernel, q, k_nat, v_nat, blocks, layout.softmax_scale, layout.dropout_p
+                        kernel,
+                        q,
+                        *_natural_kv(k_all, v_all, seq_layout),
+                        seq_layout.causal_blocks,
+                        layout.softmax_scale,
+                        layout.dropout_p,
                     )
                     outs, lses = _block_rows(rows, blocks), []
-                del k_nat, v_nat
+                del k_all, v_all
                 heads_r = context.narrow(2, r * m * cols, m * cols)  # the step's heads
                 for block, rows in zip(blocks, outs):
                     heads_r.narrow(0, block.query_start, block.query_len).copy_(rows)
@@ -501,7 +529,7 @@ class _AttentionBackward:
         self.grad_out, self.rng = grad_out, ctx.rng
         self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
         self.group, self.seq_group, self.kernel = ctx.group, ctx.seq_group, ctx.kernel
-        self.blocks = self.seq_layout.causal_blocks
+        self.blocks = self.seq_layout.gathered_blocks
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
         self.acc_dtype = accumulation_dtype(self.dtype)
@@ -606,13 +634,13 @@ class _AttentionBackward:
         weight-gradient ``partial`` and its dK/dV scatter. Everything else made here (the
         full-sequence K/V views, the recomputed outputs) is dropped on return, before
         ``finish_group(r - 1)``."""
-        k_nat, v_nat = group.gather.wait()
+        k_all, v_all = group.gather.wait()
         q = group.q
         post = post_previous if post_previous is not None else (lambda: None)
         if self.kernel.has_lse:
-            dq, dks, dvs = self._kernel_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+            dq, dks, dvs = self._kernel_backward(group, q, k_all, v_all, d_ctx, g_pw, post)
         else:
-            dq, dks, dvs = self._autograd_backward(group, q, k_nat, v_nat, d_ctx, g_pw, post)
+            dq, dks, dvs = self._autograd_backward(group, q, k_all, v_all, d_ctx, g_pw, post)
         scatter = _KVGradScatter(
             dks,
             dvs,
@@ -626,20 +654,21 @@ class _AttentionBackward:
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
 
-    def _kernel_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
-        """(dq, per block dK, per block dV) from a kernel with a log-sum-exp: its backward on the
-        saved (or, in recompute mode, just recomputed) outputs."""
+    def _kernel_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
+        """(dq, dK sources, dV sources) from a kernel with a log-sum-exp: its backward on the
+        saved (or, in recompute mode, just recomputed) outputs, segment by segment of the
+        gathered K/V (``kernels.gathered_backward``)."""
         if not self.saved_mode:
-            group.outs, group.lses = kernels.zigzag_forward(
-                self.kernel, q, k_nat, v_nat, self.blocks, self.layout.softmax_scale
+            group.outs, group.lses = kernels.gathered_forward(
+                self.kernel, q, k_all, v_all, self.blocks, self.layout.softmax_scale
             )
             self.output_projection_wgrad(group, g_pw)
-        return kernels.zigzag_backward_blocks(
+        return kernels.gathered_backward(
             self.kernel,
             d_ctx,
             q,
-            k_nat,
-            v_nat,
+            k_all,
+            v_all,
             self.blocks,
             self.layout.softmax_scale,
             group.outs,
@@ -647,11 +676,12 @@ class _AttentionBackward:
             after_first_block=post,
         )
 
-    def _autograd_backward(self, group: _HeadGroup, q, k_nat, v_nat, d_ctx, g_pw, post):
-        """(dq, [dK], [dV]) from a kernel without a log-sum-exp (``sdpa_recompute``, never in
-        saved mode): its forward recomputed under autograd (the RNG replays the forward's
-        dropout), then the output-projection wgrad from that output. ``post`` is called between
-        the recomputed forward and its backward."""
+    def _autograd_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
+        """(dq, dK sources, dV sources) from a kernel without a log-sum-exp (``sdpa_recompute``,
+        never in saved mode): its forward recomputed under autograd on natural-order K/V (the
+        RNG replays the forward's dropout), then the output-projection wgrad from that output.
+        ``post`` is called between the recomputed forward and its backward."""
+        k_nat, v_nat = _natural_kv(k_all, v_all, self.seq_layout)
         with torch.enable_grad():
             inputs = [
                 q.requires_grad_(True),
@@ -659,13 +689,18 @@ class _AttentionBackward:
                 v_nat.detach().requires_grad_(True),
             ]
             rows = kernels.zigzag_attend(
-                self.kernel, *inputs, self.blocks, self.layout.softmax_scale, self.layout.dropout_p
+                self.kernel,
+                *inputs,
+                self.seq_layout.causal_blocks,
+                self.layout.softmax_scale,
+                self.layout.dropout_p,
             )
             post()
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
         self.output_projection_wgrad(group, g_pw)
-        return dq, [dk], [dv]
+        layout = self.seq_layout
+        return dq, _natural_sources(dk, layout), _natural_sources(dv, layout)
 
     def finish_group(self, group: _HeadGroup) -> None:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into

@@ -63,7 +63,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_tsp.core.layers.precision import accumulation_dtype
-from megatron_tsp.core.layout import CausalBlock
+from megatron_tsp.core.layout import CausalBlock, GatheredBlock
 
 NO_MASK, TOP_LEFT, BOTTOM_RIGHT = "none", "top_left", "bottom_right"
 ALIGNMENTS = (NO_MASK, TOP_LEFT, BOTTOM_RIGHT)
@@ -89,11 +89,15 @@ def _fold_heads(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def merge_blocks(out_a, lse_a, out_b, lse_b, dtype):
-    """Exact merge of two key blocks' partial attentions (fp32 or wider), cast once to ``dtype``."""
+    """Exact merge of two key blocks' partial attentions (fp32 or wider), cast once to ``dtype``.
+    The weights exp(lse_x - lse) are fp32 (the log-sum-exps are), so the products promote the
+    bf16 / fp16 outputs as they read them: no separate upcast pass."""
     acc = accumulation_dtype(dtype)
     lse = torch.logaddexp(lse_a, lse_b)
-    out = torch.mul(out_a.to(acc), torch.exp(lse_a - lse).unsqueeze(-1).to(acc))
-    out.addcmul_(out_b.to(acc), torch.exp(lse_b - lse).unsqueeze(-1).to(acc))
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1).to(acc)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1).to(acc)
+    out = torch.mul(out_a, weight_a)
+    out.addcmul_(out_b, weight_b)
     return out.to(dtype), lse
 
 
@@ -115,7 +119,7 @@ class AttentionKernel:
         """``backward`` with dK and dV as tuples of tensors that follow one another along the
         key dimension (``[b, g, part, d]`` each). One part unless the kernel computes the keys
         in pieces (``_TopLeftKernel``), which then need not be joined: the TSP layer sums them
-        straight into its send buffer (``TSPLayout.scatter_keys``)."""
+        straight into its send buffer (``TSPLayout.sum_keys``)."""
         dq, dk, dv = self.backward(d_out, q, k, v, out, lse, alignment, scale)
         return dq, (dk,), (dv,)
 
@@ -665,7 +669,7 @@ def zigzag_backward_blocks(
     ``dq`` [sq, b, np, d] and, per block, its dK and dV over the block's natural-order keys
     ``[key_len, b, ng, d]`` as ``layout.KeyRows``: a tuple of row views of the kernel's outputs
     in key order (``backward_parts``; in its dtype, not yet summed over the blocks, never joined:
-    ``TSPLayout.scatter_keys`` sums the parts straight into the send buffer).
+    ``TSPLayout.sum_keys`` sums the parts straight into the send buffer).
 
     ``after_first_block``: called once the first block's backward has been issued (the layer
     posts the previous head group's dK/dV reduce-scatter there, behind compute already
@@ -724,6 +728,81 @@ def zigzag_backward(
             window.narrow(2, groups, groups).add_(dv_c)
             start += dk_c.shape[0]
     return dq, dkv_acc
+
+
+def _segment_kv(k_all, v_all, segment):
+    """The [b, g, length, d] views of one key segment of the gathered K/V."""
+    return (
+        _heads_view(k_all.narrow(0, segment.start, segment.length)),
+        _heads_view(v_all.narrow(0, segment.start, segment.length)),
+    )
+
+
+def _alignment(segment) -> str:
+    return BOTTOM_RIGHT if segment.causal else NO_MASK
+
+
+def gathered_forward(
+    kernel: AttentionKernel, q, k_all, v_all, blocks: Sequence[GatheredBlock], scale: float
+):
+    """``zigzag_forward`` against the gathered K/V (``TSPLayout.gathered_blocks``, no natural
+    order): per block, one call per key segment, the segments' partial attentions merged by
+    log-sum-exp in fp32 and rounded once. Returns ``(outs, lses)`` as ``zigzag_forward``."""
+    outs: List[torch.Tensor] = []
+    lses: List[torch.Tensor] = []
+    for block in blocks:
+        q_b = _heads_view(q.narrow(0, block.query_start, block.query_len))
+        o, lse = None, None
+        for seg in block.segments:
+            o_s, lse_s = kernel.forward(
+                q_b, *_segment_kv(k_all, v_all, seg), _alignment(seg), scale
+            )
+            o, lse = (o_s, lse_s) if o is None else merge_blocks(o, lse, o_s, lse_s, q.dtype)
+        outs.append(chunk_rows(o))
+        lses.append(lse)
+    return outs, lses
+
+
+def gathered_backward(
+    kernel: AttentionKernel,
+    d_ctx,
+    q,
+    k_all,
+    v_all,
+    blocks: Sequence[GatheredBlock],
+    scale: float,
+    outs,
+    lses,
+    after_first_block: Optional[Callable[[], None]] = None,
+):
+    """``zigzag_backward_blocks`` against the gathered K/V: each segment's backward runs on the
+    block's merged output and log-sum-exp (the softmax over all the block's keys), so the
+    segments' dq add up (in fp32 arithmetic, rounded once) and their dK / dV are the
+    gradients of their own keys. Returns ``(dq, dk_sources, dv_sources)``: dq [sq, b, np, d] and
+    per segment ``(first row, layout.KeyRows)`` for ``TSPLayout.sum_keys``."""
+    b, dim = k_all.shape[1], k_all.shape[3]
+    heads = q.shape[2]
+    dq_parts, dks, dvs = [], [], []
+    for i, block in enumerate(blocks):
+        n = block.query_len
+        rows = _heads_view(d_ctx.narrow(0, block.query_start, n).reshape(n, b, heads, dim))
+        out = _heads_view(outs[i].view(n, b, heads, dim))
+        q_b = _heads_view(q.narrow(0, block.query_start, n))
+        dq_b = None
+        for seg in block.segments:
+            k_s, v_s = _segment_kv(k_all, v_all, seg)
+            dq_s, dk_s, dv_s = kernel.backward_parts(
+                rows, q_b, k_s, v_s, out, lses[i], _alignment(seg), scale
+            )
+            # the segments' dq added in fp32 arithmetic and rounded once (what an fp32
+            # accumulator gives for two terms, without its up- and down-cast passes)
+            dq_b = dq_s if dq_b is None else torch.add(dq_b, dq_s)
+            dks.append((seg.start, tuple(t.permute(2, 0, 1, 3) for t in dk_s)))
+            dvs.append((seg.start, tuple(t.permute(2, 0, 1, 3) for t in dv_s)))
+        dq_parts.append(dq_b.permute(2, 0, 1, 3))
+        if i == 0 and after_first_block is not None:
+            after_first_block()
+    return torch.cat(dq_parts, dim=0), dks, dvs
 
 
 def zigzag_attend(

@@ -158,8 +158,8 @@ class CommTerm:
     overlap: str
     link: str = "collective"
     chunks: int = 1  # pipeline stages (head groups, ring steps): the first or last is exposed
-    # collective calls per chunk: the K/V all-gathers issue two per head group, one per zigzag
-    # half (``attention._post_kv_gather``), both waited before that group's attention
+    # collective calls per chunk: the K/V all-gathers and dK/dV reduce-scatters issue two per head
+    # group, one per zigzag half (``attention._post_kv_gather``, ``_KVGradScatter``)
     calls_per_chunk: int = 1
     what: str = ""
 
@@ -298,6 +298,7 @@ def tsp_layer_terms(
             "tsp",
             "pipelined",
             chunks=head_groups,
+            calls_per_chunk=2,
             what=("all-to-all" if kv_grad_all_to_all else "reduce-scatter")
             + " dK,dV to token owners"
             + (" (fp32 wire)" if kv_grad_reduce_in_fp32 else ""),

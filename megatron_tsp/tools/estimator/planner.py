@@ -380,10 +380,9 @@ def _tsp_comm_workspace(
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated on first use): (in forward, in backward). G: the head groups
     (``_head_groups``: D, or the query groups when fewer); a kind of buffer has one slot per head
-    group in flight, min(2, G) slots. Forward, per slot: the natural-order [S, b, 2 h_kv / G] K/V
-    (the early chunks gathered straight into it) and the [S/2, ...] gathered late chunks it is
-    reordered from (``attention._post_kv_gather``); with recomputed attention also the packed
-    local K/V send
+    group in flight, min(2, G) slots. Forward, per slot: the gathered [S, b, 2 h_kv / G] K/V
+    (``attention._post_kv_gather``: late chunks in owner order, then the early chunks, read as
+    they arrive); with recomputed attention also the packed local K/V send
     buffers [S/D, b, 2 h_kv / G] (one per slot; saved attention keeps a fresh send buffer per
     head group instead, counted with the saved tensors). Backward adds, per slot, a dK/dV send
     buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the dK/dV wire dtype (the
@@ -402,8 +401,8 @@ def _tsp_comm_workspace(
     if kv_flavour == "ring" and cp > 1:
         kv_full = 2 * kv_full / cp
         gathered = slots * kv_full + kv_full  # per slot the block in flight, one attended
-    else:  # per slot the natural-order K/V and the half-size buffer of the late chunks
-        gathered = slots * 1.5 * kv_full
+    else:  # per slot the gathered K/V (``attention._post_kv_gather``: no reordered copy)
+        gathered = slots * kv_full
     fwd = (gathered + (0 if saved_attention else slots * kv_local)) * b
     grad_slots = slots if grad_slots is None else grad_slots
     return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
@@ -416,7 +415,7 @@ _COPY_KV_KERNELS = ("te_fused",)  # contiguous copies of the chunk's K/V beside 
 
 def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
-    whole sequence S), before ``TSPLayout.scatter_keys`` sums it into the send buffer: the kernel's
+    whole sequence S), before ``TSPLayout.sum_keys`` sums it into the send buffer: the kernel's
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
     prefix block and a diagonal block and hands both parts over as they are (no concatenation,
     ``backward_parts``): S keys' worth, as one call would; te_fused holds contiguous copies of
@@ -504,11 +503,11 @@ def _tsp_backward_working_sets(
 def _tsp_step_tables(shape: LayerShape, s: Strategy, rope: bool) -> float:
     """Per-step tensors every TSP layer reads: Megatron's rotary frequencies [S, 1, 1, hn]
     (fp32, built by GPTModel; [S/C, ...] under CP, Megatron keeps this CP rank's chunks) and
-    TSP's local RoPE tables (cos, sin and the swapped sin, [s/D, hn] in the model dtype, s/(DC)
-    under CP, built once per step)."""
+    TSP's local RoPE tables (cos and the signed sines, [s/D, hn] in the model dtype, s/(DC)
+    under CP, built once per step: ``rope.local_tables``)."""
     if not rope:
         return 0.0
-    return shape.tokens / s.cp * shape.head_dim * 4 + 3 * shape.tokens / s.degree * (
+    return shape.tokens / s.cp * shape.head_dim * 4 + 2 * shape.tokens / s.degree * (
         shape.head_dim * shape.dtype_bytes
     )
 
