@@ -29,9 +29,10 @@ late chunks in owner order, then the early chunks): the early chunk is one botto
 call, the late chunk a non-causal call over a contiguous run of keys and a causal call over its
 own chunk, merged by log-sum-exp in fp32 (``kernels.gathered_forward``; a top-left backend splits
 a bottom-right call the same way; never an S x S mask). The kernel without a log-sum-exp
-(``sdpa_recompute``) reads a natural-order copy. Backward re-broadcasts the shards, re-gathers each head group's
-K/V (group r+1's posted before group r's attention backward), reduce-scatters dK/dV back to the
-token owners (waited one group later) and reduces each shard's weight gradient onto its owner.
+(``sdpa_recompute``) reads a natural-order copy. Backward re-broadcasts the shards, re-gathers
+each head group's K/V (group r+1's posted before group r's attention backward), reduce-scatters
+dK/dV back to the token owners (waited one group later) and reduces each shard's weight gradient
+onto its owner.
 ``attention_backward="saved"`` (default) keeps each head group's local qkv, output and
 log-sum-exp (local-token sized, like TP+SP's saved activations) so the attention forward is not
 recomputed; ``"recompute"`` (Megatron's ``--recompute-activations`` / selective ``core_attn``)
