@@ -290,28 +290,38 @@ def all_gather_seq(local: torch.Tensor, group) -> torch.Tensor:
 
 
 def post_all_gather(
-    local: torch.Tensor,
+    local: Union[torch.Tensor, Sequence[torch.Tensor]],
     group,
     slot: int = 0,
     purpose: str = "all_gather",
     finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Pending:
     """Asynchronous all-gather along dim 0 into a ``WORKSPACE`` buffer ``[D * s, ...]``;
-    ``wait()`` returns ``finish(gathered)`` (or the buffer)."""
+    ``wait()`` returns ``finish(gathered)`` (or the buffer).
+
+    ``local`` may be a sequence of tensors (one collective each, one ``Pending``): part i's
+    gather ``[D * s_i, ...]`` follows part i-1's in the one buffer."""
+    parts = [local] if isinstance(local, torch.Tensor) else list(local)
     size = dist.get_world_size(group)
     if size == 1:
-        return done(finish(local) if finish is not None else local)
-    local = local.contiguous()
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return done(finish(whole) if finish is not None else whole)
+    parts = [p.contiguous() for p in parts]
+    first = parts[0]
+    rows = [size * p.shape[0] for p in parts]
     out = WORKSPACE.get(
-        purpose, slot, (size * local.shape[0],) + tuple(local.shape[1:]), local.dtype, local.device
+        purpose, slot, (sum(rows),) + tuple(first.shape[1:]), first.dtype, first.device
     )
-    work = all_gather_single(out, local, group, async_op=True)
+    works, start = [], 0
+    for p, n in zip(parts, rows):
+        works.append(all_gather_single(out.narrow(0, start, n), p, group, async_op=True))
+        start += n
     return Pending(
         "all_gather_into_tensor",
-        [work],
+        works,
         (lambda: finish(out)) if finish is not None else (lambda: out),
         payload=purpose,
-        nbytes=_nbytes(local),
+        nbytes=sum(_nbytes(p) for p in parts),
     )
 
 
@@ -382,12 +392,10 @@ def post_all_to_all_sum(
         start += p.shape[0]
 
     def summed():
-        blocks = [v.view((size, v.shape[0] // size) + tuple(v.shape[1:])) for v in views]
-        if len(blocks) == 1:
-            return blocks[0].sum(0, dtype=sum_dtype)
         shape = (total // size,) + tuple(first.shape[1:])
         out, row = torch.empty(shape, dtype=sum_dtype, device=first.device), 0
-        for block in blocks:
+        for v in views:
+            block = v.view((size, v.shape[0] // size) + tuple(v.shape[1:]))
             torch.sum(block, 0, dtype=sum_dtype, out=out.narrow(0, row, block.shape[1]))
             row += block.shape[1]
         return out

@@ -58,6 +58,10 @@ class CausalBlock:
     query_len: int
     key_len: int
 
+    def gathered(self) -> "GatheredBlock":
+        """This block as one key segment [0, key_len) of natural-order keys."""
+        return GatheredBlock(self.query_start, self.query_len, (KeySegment(0, self.key_len, True),))
+
 
 @dataclass(frozen=True)
 class KeySegment:
@@ -311,10 +315,7 @@ class TSPLayout:
         two segments. A group of one rank keeps natural order (its one block per chunk)."""
         g, c = self.group_size, self.chunk_len
         if g == 1:
-            return tuple(
-                GatheredBlock(b.query_start, b.query_len, (KeySegment(0, b.key_len, True),))
-                for b in self.causal_blocks
-            )
+            return tuple(block.gathered() for block in self.causal_blocks)
         r = self._own_rank()
         early = GatheredBlock(0, c, (KeySegment(g * c, (r + 1) * c, True),))
         late = GatheredBlock(
@@ -326,9 +327,11 @@ class TSPLayout:
         """First row of natural chunk ``chunk`` in the gathered K/V buffer
         (``gathered_blocks``)."""
         g, c = self.group_size, self.chunk_len
-        if g == 1 or chunk < g:
-            return (g * c if g > 1 else 0) + chunk * c
-        return (2 * g - 1 - chunk) * c  # the owner's slot in the late half
+        if g == 1:  # one rank keeps natural order
+            return chunk * c
+        if chunk < g:  # early chunk k, after the G late chunks
+            return (g + chunk) * c
+        return (2 * g - 1 - chunk) * c  # late chunk: its owner's row block
 
     def gathered_index(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """Natural position -> row of the gathered K/V buffer: ``natural = gathered[index]``

@@ -142,11 +142,11 @@ NOT_MULTIPLE_OR_DIVISOR_OF_D = Condition(
 @dataclasses.dataclass(frozen=True)
 class ModeRule:
     """How another mode refuses a row's flag: its reason, and its condition where it differs from
-    the row's. The row's layer check is TSP's (the hybrid keeps Megatron's attention)."""
+    the row's. No TSP layer checks it in that mode (the row's ``layer`` check is TSP's: the hybrid
+    keeps Megatron's attention)."""
 
     reason: str
     condition: Optional["Condition"] = None
-    layer: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Rejection:
                     modes=(mode,),
                     reason=rule.reason,
                     condition=rule.condition or self.condition,
-                    layer=rule.layer,
+                    layer=None,
                     also={},
                 )
             )

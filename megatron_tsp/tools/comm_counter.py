@@ -95,6 +95,12 @@ _SPEC = {
 }
 
 
+def received_fraction(op: str, group_size: int) -> float:
+    """Bytes one rank receives for ``op`` as a fraction of its payload, in a group of
+    ``group_size`` (the rule every ``CommRecord`` applies; module docstring)."""
+    return _SPEC[op][1](group_size)
+
+
 # torch 2.13 renamed two collectives; the old names still work but warn (FutureWarning). Calls
 # through either name are recorded under the old one (reports and tests keep one name per op),
 # and a wrapped old name forwards to the new function when torch has it (megatron-core binds the

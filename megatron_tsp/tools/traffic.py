@@ -314,7 +314,7 @@ def make_recorder(device_type: str = "cuda"):
 # summary
 
 
-# The layout's index tables (zigzag permutations, late-chunk owners) are uploaded once per shape
+# The layout's index tables (zigzag permutations, gathered K/V rows) are uploaded once per shape
 # and device and cached (``layout._table``); a copy made under FakeTensorMode is not cached, so
 # every recorded step would pay the first step's uploads. They are counted apart, not as the
 # step's kernels.
@@ -501,7 +501,6 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     with unset_fake_temporarily():  # the process groups are real (fake-backend) objects
         fake_run.init_parallel(run_cfg)
     config = fake_run.transformer_config(run_cfg)
-    config.tsp_activation_sums_in_fp32 = cfg.activation_sums_fp32  # read by the TSP layers
     spec = fake_run.layer_spec(run_cfg, config)
     if scheme == "tpsp":
         for layer in spec.layer_specs:
@@ -672,6 +671,10 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
             )
     rows.append(row)
     shape = results[seqs[0]][schemes[0]]
+
+    def per_scheme(key: str) -> str:
+        return ", ".join(f"{LABELS[s]} {results[seqs[0]][s].get(key, 0)}" for s in schemes)
+
     lines = [
         "| " + " | ".join(head) + " |",
         "|---|" + "---:|" * (len(head) - 1),
@@ -681,21 +684,11 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         f"`{cfg.model}`; T = tokens of the sequence, P = linear weights per rank "
         f"({sum(shape['linear_params_per_rank'].values()):,}). Collectives issued (no-ops, "
         "not counted): "
-        + ", ".join(
-            f"{LABELS[s]} {results[q][s]['collectives']}" for q in seqs[:1] for s in schemes
-        )
+        + per_scheme("collectives")
         + ". Per-step kernels of the first layer (TSP's RoPE tables, not counted): "
-        + ", ".join(
-            f"{LABELS[s]} {results[q][s].get('per_step_kernels', 0)}"
-            for q in seqs[:1]
-            for s in schemes
-        )
+        + per_scheme("per_step_kernels")
         + ". Index-table uploads of the first step (cached on a GPU, not counted): "
-        + ", ".join(
-            f"{LABELS[s]} {results[q][s].get('cached_uploads', 0)}"
-            for q in seqs[:1]
-            for s in schemes
-        )
+        + per_scheme("cached_uploads")
         + ".",
         "",
         f"Command: `{command}`",

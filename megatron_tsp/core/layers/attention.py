@@ -79,9 +79,9 @@ from megatron_tsp.core.comm import (
     WORKSPACE,
     FlatShard,
     Pending,
-    all_gather_single,
     done,
     labelled,
+    post_all_gather,
     post_all_to_all_sum,
     post_reduce_scatter,
     reduce_to,
@@ -204,23 +204,13 @@ def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     groups = packed.shape[2] // 2
     if seq_layout.group_size == 1:
         return done((packed.narrow(2, 0, groups), packed.narrow(2, groups, groups)))
-    size, chunk = seq_layout.group_size, packed.shape[0] // 2
-    half = size * chunk
-    rest = tuple(packed.shape[1:])
-    kv = WORKSPACE.get("kv_gathered", slot, (2 * half,) + rest, packed.dtype, packed.device)
-    late_work = all_gather_single(
-        kv.narrow(0, 0, half), packed.narrow(0, chunk, chunk), group, async_op=True
-    )
-    early_work = all_gather_single(
-        kv.narrow(0, half, half), packed.narrow(0, 0, chunk), group, async_op=True
-    )
-    return Pending(
-        "all_gather_into_tensor",
-        [late_work, early_work],
-        lambda: (kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)),
-        payload="kv_gathered",
-        nbytes=packed.numel() * packed.element_size(),
-    )
+    chunk = packed.shape[0] // 2
+    halves = (packed.narrow(0, chunk, chunk), packed.narrow(0, 0, chunk))  # late, then early
+
+    def views(kv):
+        return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
+
+    return post_all_gather(halves, group, slot=slot, purpose="kv_gathered", finish=views)
 
 
 def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
@@ -230,15 +220,6 @@ def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
         return k_all, v_all
     index = seq_layout.gathered_index(k_all.device)
     return k_all.index_select(0, index), v_all.index_select(0, index)
-
-
-def _natural_sources(rows: torch.Tensor, seq_layout: TSPLayout) -> list:
-    """Natural-order key rows [S, ...] as ``sum_keys`` sources of the gathered layout, one per
-    chunk."""
-    c = seq_layout.chunk_len
-    return [
-        (seq_layout.gathered_row(k), rows.narrow(0, k * c, c)) for k in range(rows.shape[0] // c)
-    ]
 
 
 class _KVGradScatter:
@@ -679,19 +660,20 @@ class _AttentionBackward:
 
     def _autograd_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
         """(dq, dK sources, dV sources) from a kernel without a log-sum-exp (``sdpa_recompute``,
-        never in saved mode): its forward recomputed under autograd on natural-order K/V (the
-        RNG replays the forward's dropout), then the output-projection wgrad from that output.
-        ``post`` is called between the recomputed forward and its backward."""
-        k_nat, v_nat = _natural_kv(k_all, v_all, self.seq_layout)
+        never in saved mode): its forward recomputed under autograd on natural-order copies of
+        the gathered K/V (the RNG replays the forward's dropout; autograd takes the gradients
+        back through the copy, to the gathered layout), then the output-projection wgrad from
+        that output. ``post`` is called between the recomputed forward and its backward."""
         with torch.enable_grad():
             inputs = [
                 q.requires_grad_(True),
-                k_nat.detach().requires_grad_(True),
-                v_nat.detach().requires_grad_(True),
+                k_all.detach().requires_grad_(True),
+                v_all.detach().requires_grad_(True),
             ]
             rows = kernels.zigzag_attend(
                 self.kernel,
-                *inputs,
+                q,
+                *_natural_kv(inputs[1], inputs[2], self.seq_layout),
                 self.seq_layout.causal_blocks,
                 self.layout.softmax_scale,
                 self.layout.dropout_p,
@@ -700,8 +682,7 @@ class _AttentionBackward:
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
         self.output_projection_wgrad(group, g_pw)
-        layout = self.seq_layout
-        return dq, _natural_sources(dk, layout), _natural_sources(dv, layout)
+        return dq, [(0, dk)], [(0, dv)]
 
     def finish_group(self, group: _HeadGroup) -> None:
         """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into

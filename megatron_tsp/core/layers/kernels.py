@@ -641,60 +641,12 @@ def zigzag_forward(
 ):
     """q [sq, b, np, d] (the local queries, e.g. this rank's chunks in order); k_nat, v_nat
     [S, b, ng, d] natural order; ``blocks``: the causal blocks (``TSPLayout.causal_blocks``).
+    ``gathered_forward`` with one segment per block, keys [0, key_len).
 
     Returns ``(outs, lses)``: per block the output rows [query_len, b, np * d] (q's dtype) and the
     fp32 log-sum-exp [b, np, query_len]; the caller keeps them for ``zigzag_backward``."""
-    outs: List[torch.Tensor] = []
-    lses: List[torch.Tensor] = []
-    for block in blocks:
-        o, lse = kernel.forward(*_block_qkv(q, k_nat, v_nat, block), BOTTOM_RIGHT, scale)
-        outs.append(chunk_rows(o))
-        lses.append(lse)
-    return outs, lses
-
-
-def zigzag_backward_blocks(
-    kernel: AttentionKernel,
-    d_ctx,
-    q,
-    k_nat,
-    v_nat,
-    blocks: Sequence[CausalBlock],
-    scale: float,
-    outs,
-    lses,
-    after_first_block: Optional[Callable[[], None]] = None,
-):
-    """Gradients from the saved ``(outs, lses)``, per causal block: ``(dq, dks, dvs)`` with
-    ``dq`` [sq, b, np, d] and, per block, its dK and dV over the block's natural-order keys
-    ``[key_len, b, ng, d]`` as ``layout.KeyRows``: a tuple of row views of the kernel's outputs
-    in key order (``backward_parts``; in its dtype, not yet summed over the blocks, never joined:
-    ``TSPLayout.sum_keys`` sums the parts straight into the send buffer).
-
-    ``after_first_block``: called once the first block's backward has been issued (the layer
-    posts the previous head group's dK/dV reduce-scatter there, behind compute already
-    queued)."""
-    b, dim = k_nat.shape[1], k_nat.shape[3]
-    heads = q.shape[2]
-    dq_parts, dks, dvs = [], [], []
-    for i, block in enumerate(blocks):
-        rows_len = block.query_len
-        rows = d_ctx.narrow(0, block.query_start, rows_len).reshape(rows_len, b, heads, dim)
-        out = outs[i].view(rows_len, b, heads, dim)
-        dq_c, dk_c, dv_c = kernel.backward_parts(
-            _heads_view(rows),
-            *_block_qkv(q, k_nat, v_nat, block),
-            _heads_view(out),
-            lses[i],
-            BOTTOM_RIGHT,
-            scale,
-        )
-        dq_parts.append(dq_c.permute(2, 0, 1, 3))
-        dks.append(tuple(t.permute(2, 0, 1, 3) for t in dk_c))
-        dvs.append(tuple(t.permute(2, 0, 1, 3) for t in dv_c))
-        if i == 0 and after_first_block is not None:
-            after_first_block()
-    return torch.cat(dq_parts, dim=0), dks, dvs
+    gathered = [block.gathered() for block in blocks]
+    return gathered_forward(kernel, q, k_nat, v_nat, gathered, scale)
 
 
 def zigzag_backward(
@@ -709,19 +661,19 @@ def zigzag_backward(
     lses,
     dkv_acc: Optional[torch.Tensor] = None,
 ):
-    """``zigzag_backward_blocks`` with dK/dV summed over the blocks in natural order: ``(dq,
+    """``gathered_backward`` of natural-order blocks with dK/dV summed over the blocks: ``(dq,
     dkv_acc)``, ``dkv_acc`` [S, b, 2 * ng, d] (dK in the first ng heads, dV in the rest) of
     ``accumulation_dtype`` (fp32 for bf16/fp16); a given ``dkv_acc`` must be zeroed. For the
-    reference paths (kernel check, memory tool); the TSP layer writes the blocks' sum straight
-    into its rank-ordered send buffer instead."""
+    reference paths (kernel check, memory tool); the TSP layer sums its segments straight into
+    its send buffer instead (``TSPLayout.sum_keys``)."""
     s, b, groups, dim = k_nat.shape
     if dkv_acc is None:
         dkv_acc = torch.zeros(
             (s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device
         )
-    dq, dks, dvs = zigzag_backward_blocks(kernel, d_ctx, q, k_nat, v_nat, blocks, scale, outs, lses)
-    for dk_parts, dv_parts in zip(dks, dvs):
-        start = 0
+    gathered = [block.gathered() for block in blocks]
+    dq, dks, dvs = gathered_backward(kernel, d_ctx, q, k_nat, v_nat, gathered, scale, outs, lses)
+    for (start, dk_parts), (_, dv_parts) in zip(dks, dvs):
         for dk_c, dv_c in zip(dk_parts, dv_parts):
             window = dkv_acc.narrow(0, start, dk_c.shape[0])
             window.narrow(2, 0, groups).add_(dk_c)
@@ -775,11 +727,16 @@ def gathered_backward(
     lses,
     after_first_block: Optional[Callable[[], None]] = None,
 ):
-    """``zigzag_backward_blocks`` against the gathered K/V: each segment's backward runs on the
-    block's merged output and log-sum-exp (the softmax over all the block's keys), so the
-    segments' dq add up (in fp32 arithmetic, rounded once) and their dK / dV are the
+    """Gradients from the saved ``(outs, lses)`` of ``gathered_forward``: each segment's backward
+    runs on the block's merged output and log-sum-exp (the softmax over all the block's keys),
+    so the segments' dq add up (in fp32 arithmetic, rounded once) and their dK / dV are the
     gradients of their own keys. Returns ``(dq, dk_sources, dv_sources)``: dq [sq, b, np, d] and
-    per segment ``(first row, layout.KeyRows)`` for ``TSPLayout.sum_keys``."""
+    per segment ``(first row, layout.KeyRows)`` for ``TSPLayout.sum_keys``: the kernel's dK / dV
+    row views in key order (``backward_parts``; in its dtype, never joined).
+
+    ``after_first_block``: called once the first block's backward has been issued (the layer
+    posts the previous head group's dK/dV reduce-scatter there, behind compute already
+    queued)."""
     b, dim = k_all.shape[1], k_all.shape[3]
     heads = q.shape[2]
     dq_parts, dks, dvs = [], [], []

@@ -337,7 +337,7 @@ def transformer_config(cfg: RunConfig):
         extra = dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden,
         num_attention_heads=m.heads,
@@ -367,6 +367,9 @@ def transformer_config(cfg: RunConfig):
         **({"layernorm_epsilon": m.norm_epsilon} if m.norm_epsilon else {}),
         **extra,
     )
+    # read by the TSP MLP, expert ring and attention (not a TransformerConfig field)
+    config.tsp_activation_sums_in_fp32 = cfg.tsp_activation_sums_fp32
+    return config
 
 
 def layer_spec(cfg: RunConfig, config):
@@ -706,8 +709,6 @@ def _prepare(cfg: RunConfig):
     init_parallel(cfg)
     config = transformer_config(cfg)
     config.tsp_kv_grad_all_to_all = cfg.tsp_kv_grad_a2a  # read by TSPSelfAttention
-    # read by the TSP MLP, expert ring and attention
-    config.tsp_activation_sums_in_fp32 = cfg.tsp_activation_sums_fp32
     model_parallel_cuda_manual_seed(1234)  # the CPU-routed RNG tracker (dropout forks)
     torch.manual_seed(1234)
     return config

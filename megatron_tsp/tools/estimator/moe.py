@@ -35,14 +35,11 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_tsp.core.model_shape import ModelShape, load_model
+from megatron_tsp.tools.comm_counter import received_fraction
+from megatron_tsp.tools.estimator.formulas import accumulation_bytes
 
 Collectives = Dict[str, Dict[str, Tuple[int, int]]]  # phase -> op -> (calls, payload bytes)
 INT64 = 8
-
-
-def accumulation_bytes(weight_bytes: int) -> int:
-    """The gradient accumulator's element size: fp32 for bf16 / fp16 weights."""
-    return max(weight_bytes, 4)
 
 
 def ring_collectives(
@@ -84,14 +81,12 @@ def allgather_collectives(
 
 
 def received(collectives: Collectives, group: int) -> float:
-    """Bytes one rank receives for ``collectives`` (the ``CommCounter`` rules: a ring receive
-    its payload; all-gather / reduce-scatter (g-1)/g of the full buffer; all-reduce 2 (g-1)/g)."""
-    f = (group - 1) / group
-    total = 0.0
-    for ops in collectives.values():
-        for op, (_, payload) in ops.items():
-            total += {"irecv": 1.0, "isend": 0.0, "all_reduce": 2 * f}.get(op, f) * payload
-    return total
+    """Bytes one rank receives for ``collectives``, by ``CommCounter``'s rule per op."""
+    return sum(
+        received_fraction(op, group) * payload
+        for ops in collectives.values()
+        for op, (_, payload) in ops.items()
+    )
 
 
 def ring_received(m: ModelShape, d: int) -> float:
