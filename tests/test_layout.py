@@ -93,27 +93,31 @@ def test_causal_blocks_mask_equals_full_causal_mask():
 
 @pytest.mark.parametrize("d", SIZES)
 def test_gathered_blocks_see_exactly_the_causal_keys(d):
-    """``gathered_blocks`` against the gathered K/V buffer (late chunks in owner order, then the
-    early chunks): every local query sees, over its segments, exactly the natural positions a
-    full causal mask allows, each once, and ``gathered_index`` / ``gathered_row`` agree with
-    where each natural chunk lands."""
+    """``gathered_blocks`` against the gathered K/V buffer (late chunks in owner order, the
+    early chunks, then a copy of the rank's own late chunk): every local query sees, in its
+    block's one bottom-right causal call, exactly the natural positions a full causal mask
+    allows, each once, within ``gathered_len`` rows, and ``gathered_index`` / ``gathered_row``
+    agree with where each natural chunk lands."""
     c = 3
     s = 2 * d * c
     rows_of = TSPLayout(d, s).gathered_index().tolist()  # natural position -> gathered row
-    natural_at = {row: pos for pos, row in enumerate(rows_of)}
     assert sorted(rows_of) == list(range(s))
     for k in range(2 * d):
         assert rows_of[k * c] == TSPLayout(d, s).gathered_row(k)
     for r in range(d):
         layout = TSPLayout(d, s, r)
+        natural_at = {row: pos for pos, row in enumerate(rows_of)}
+        late_start = layout.chunk_span(layout.chunk_ids[1])[0]
+        for j in range(layout.gathered_len - s):  # the copy of the own late chunk
+            natural_at[s + j] = late_start + j
+        assert layout.gathered_len == (s + c if d > 1 else s)
         positions = layout.positions().tolist()
         for block in layout.gathered_blocks:
+            assert block.key_start + block.key_len <= layout.gathered_len
             for i in range(block.query_len):
                 query = positions[block.query_start + i]
-                seen = []
-                for seg in block.segments:
-                    visible = seg.length - block.query_len + i + 1 if seg.causal else seg.length
-                    seen += [natural_at[seg.start + j] for j in range(visible)]
+                visible = block.key_len - block.query_len + i + 1
+                seen = [natural_at[block.key_start + j] for j in range(visible)]
                 assert sorted(seen) == list(range(query + 1)), (d, r, query, block)
 
 
@@ -126,27 +130,29 @@ def test_gathered_blocks_see_exactly_the_causal_keys(d):
         (torch.bfloat16, torch.float32),  # the fp32 wire
     ],
 )
-def test_sum_keys_sums_segments_into_the_gathered_layout(d, src_dtype, dest_dtype):
-    """``sum_keys`` (the dK/dV send buffer) equals the sum of the segments' key rows placed at
-    their rows, rounded once into ``dest``: each rank's segments, a subset, and three sources
-    over one row (the generic path); uncovered rows are zero, the rest of a strided ``dest`` (the
-    packed dV half) untouched; sources given as parts give bitwise the same result."""
+def test_sum_keys_sums_blocks_into_the_gathered_layout(d, src_dtype, dest_dtype):
+    """``sum_keys`` (the dK/dV send buffer) equals the sum of the blocks' key rows placed at
+    their rows (rows of the own-late-chunk copy on that chunk's rows), rounded once into
+    ``dest``: each rank's blocks, a subset, and three sources over one row (the generic path);
+    uncovered rows are zero, the rest of a strided ``dest`` (the packed dV half) untouched;
+    sources given as parts give bitwise the same result."""
     c = 2
     s = 2 * d * c
     for r in range(d):
         layout = TSPLayout(d, s, r)
-        segments = [seg for b in layout.gathered_blocks for seg in b.segments]
+        late = layout.gathered_row(layout.chunk_ids[1])
         sources = [
-            (seg.start, torch.randn(seg.length, 3, 2, dtype=torch.float64).to(src_dtype))
-            for seg in segments
+            (b.key_start, torch.randn(b.key_len, 3, 2, dtype=torch.float64).to(src_dtype))
+            for b in layout.gathered_blocks
         ]
         for chosen in (sources, sources[:1], sources[1:], sources + sources[:1]):
             packed = torch.full((s, 3, 4), float("nan"), dtype=dest_dtype)
             layout.sum_keys(packed.narrow(2, 0, 2), chosen)
-            total = torch.zeros(s, 3, 2, dtype=torch.float64)
+            total = torch.zeros(layout.gathered_len, 3, 2, dtype=torch.float64)
             for start, t in chosen:
                 total[start : start + t.shape[0]] += t.double()
-            assert torch.equal(packed[..., :2], total.to(dest_dtype)), (r, len(chosen))
+            total[late : late + total.shape[0] - s] += total[s:]
+            assert torch.equal(packed[..., :2], total[:s].to(dest_dtype)), (r, len(chosen))
             assert packed[..., 2:].isnan().all()
             for cut in ("diagonal", "every_chunk"):
                 split = [(start, _split_rows(t, c, cut)) for start, t in chosen]
@@ -154,8 +160,9 @@ def test_sum_keys_sums_segments_into_the_gathered_layout(d, src_dtype, dest_dtyp
                 layout.sum_keys(parted.narrow(2, 0, 2), split)
                 same = torch.equal(parted[..., :2], packed[..., :2])
                 assert same and parted[..., 2:].isnan().all(), (r, len(chosen), cut)
+    end = TSPLayout(d, s, 0).gathered_len
     with pytest.raises(ValueError, match="outside"):
-        TSPLayout(d, s, 0).sum_keys(torch.zeros(s, 1), [(s - 1, torch.zeros(2, 1))])
+        TSPLayout(d, s, 0).sum_keys(torch.zeros(s, 1), [(end - 1, torch.zeros(2, 1))])
 
 
 def _split_rows(t, c, cut):

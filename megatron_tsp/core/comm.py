@@ -295,12 +295,15 @@ def post_all_gather(
     slot: int = 0,
     purpose: str = "all_gather",
     finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    tail: Optional[torch.Tensor] = None,
 ) -> Pending:
     """Asynchronous all-gather along dim 0 into a ``WORKSPACE`` buffer ``[D * s, ...]``;
     ``wait()`` returns ``finish(gathered)`` (or the buffer).
 
     ``local`` may be a sequence of tensors (one collective each, one ``Pending``): part i's
-    gather ``[D * s_i, ...]`` follows part i-1's in the one buffer."""
+    gather ``[D * s_i, ...]`` follows part i-1's in the one buffer. ``tail``: local rows
+    copied after the gathered ones (no collective; a group of one rank ignores it), for a
+    reader that wants them next to gathered rows in one buffer."""
     parts = [local] if isinstance(local, torch.Tensor) else list(local)
     size = dist.get_world_size(group)
     if size == 1:
@@ -309,13 +312,16 @@ def post_all_gather(
     parts = [p.contiguous() for p in parts]
     first = parts[0]
     rows = [size * p.shape[0] for p in parts]
+    extra = 0 if tail is None else tail.shape[0]
     out = WORKSPACE.get(
-        purpose, slot, (sum(rows),) + tuple(first.shape[1:]), first.dtype, first.device
+        purpose, slot, (sum(rows) + extra,) + tuple(first.shape[1:]), first.dtype, first.device
     )
     works, start = [], 0
     for p, n in zip(parts, rows):
         works.append(all_gather_single(out.narrow(0, start, n), p, group, async_op=True))
         start += n
+    if tail is not None:
+        out.narrow(0, start, extra).copy_(tail)
     return Pending(
         "all_gather_into_tensor",
         works,

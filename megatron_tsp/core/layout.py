@@ -51,39 +51,15 @@ def check_sequence_length(seq_length: int, group_size: int, flag: str = "--seq-l
 @dataclass(frozen=True)
 class CausalBlock:
     """One kernel call of causal attention: the local query rows ``[query_start, query_start +
-    query_len)`` against the natural-order keys ``[0, key_len)``, causal mask aligned
-    bottom-right (the queries are the LAST ``query_len`` of those ``key_len`` positions)."""
+    query_len)`` against the keys ``[key_start, key_start + key_len)`` of a key buffer, causal
+    mask aligned bottom-right (the queries are the LAST ``query_len`` of those ``key_len``
+    keys; every earlier key is visible). Natural-order keys start at 0
+    (``TSPLayout.causal_blocks``); the gathered K/V buffer's do not (``gathered_blocks``)."""
 
     query_start: int
     query_len: int
     key_len: int
-
-    def gathered(self) -> "GatheredBlock":
-        """This block as one key segment [0, key_len) of natural-order keys."""
-        return GatheredBlock(self.query_start, self.query_len, (KeySegment(0, self.key_len, True),))
-
-
-@dataclass(frozen=True)
-class KeySegment:
-    """Keys ``[start, start + length)`` of the gathered K/V buffer (``TSPLayout.gathered_blocks``)
-    that one kernel call attends: ``causal``: the mask aligned bottom-right (the queries are the
-    segment's last positions: a diagonal square, or keys before it and then the diagonal), else
-    every key is visible."""
-
-    start: int
-    length: int
-    causal: bool
-
-
-@dataclass(frozen=True)
-class GatheredBlock:
-    """One local chunk's causal attention against the gathered K/V buffer: query rows
-    ``[query_start, query_start + query_len)`` and the key ``segments`` it sees (their partial
-    attentions are merged by log-sum-exp when there are several)."""
-
-    query_start: int
-    query_len: int
-    segments: Tuple[KeySegment, ...]
+    key_start: int = 0
 
 
 def _is_int(value) -> bool:
@@ -305,27 +281,33 @@ class TSPLayout:
         )
 
     @property
-    def gathered_blocks(self) -> Tuple[GatheredBlock, ...]:
-        """This rank's causal attention against the K/V of the whole group gathered as two
-        halves without any reorder: ``[late chunks in owner order | early chunks]`` (owner o's late
-        chunk 2G-1-o at rows [oC, (o+1)C), early chunk k at [GC + kC, GC + (k+1)C)). The early
-        chunk r sees the early chunks 0..r: one bottom-right causal segment. The late chunk
-        2G-1-r sees every early chunk and the late chunks G..2G-2-r, which in owner order are the
-        contiguous run [(r+1)C, 2GC), all visible, and itself, the causal diagonal [rC, (r+1)C):
-        two segments. A group of one rank keeps natural order (its one block per chunk)."""
+    def gathered_len(self) -> int:
+        """Rows of the gathered K/V buffer (``gathered_blocks``): the S gathered rows and a copy
+        of this rank's own late chunk after them (a group of one rank: S, natural order)."""
+        return self.seq_length + (self.chunk_len if self.group_size > 1 else 0)
+
+    @property
+    def gathered_blocks(self) -> Tuple[CausalBlock, ...]:
+        """This rank's causal attention against the K/V of the whole group as the two
+        all-gathers leave it, without any reorder: ``[late chunks in owner order | early chunks
+        | own late chunk]`` (owner o's late chunk 2G-1-o at rows [oC, (o+1)C), early chunk k at
+        [GC + kC, GC + (k+1)C), and a local copy of this rank's late chunk at [2GC, (2G+1)C)).
+        The early chunk r sees the early chunks 0..r: one bottom-right causal call over
+        [GC, GC + (r+1)C). The late chunk 2G-1-r sees every early chunk, the late chunks
+        G..2G-2-r (in owner order the contiguous run [(r+1)C, GC)) and itself: all of them end
+        to end in [(r+1)C, (2G+1)C), with itself last, so one bottom-right causal call as well
+        (no partial attentions to merge). A group of one rank keeps natural order."""
         g, c = self.group_size, self.chunk_len
         if g == 1:
-            return tuple(block.gathered() for block in self.causal_blocks)
+            return self.causal_blocks
         r = self._own_rank()
-        early = GatheredBlock(0, c, (KeySegment(g * c, (r + 1) * c, True),))
-        late = GatheredBlock(
-            c, c, (KeySegment((r + 1) * c, (2 * g - r - 1) * c, False), KeySegment(r * c, c, True))
-        )
+        early = CausalBlock(0, c, (r + 1) * c, key_start=g * c)
+        late = CausalBlock(c, c, (2 * g - r) * c, key_start=(r + 1) * c)
         return early, late
 
     def gathered_row(self, chunk: int) -> int:
         """First row of natural chunk ``chunk`` in the gathered K/V buffer
-        (``gathered_blocks``)."""
+        (``gathered_blocks``; this rank's late chunk is also at row S, the local copy)."""
         g, c = self.group_size, self.chunk_len
         if g == 1:  # one rank keeps natural order
             return chunk * c
@@ -339,22 +321,19 @@ class TSPLayout:
         return _table("gathered_index", self.group_size, self.seq_length, device)
 
     def sum_keys(self, dest: torch.Tensor, sources: Sequence[Tuple[int, KeyRows]]) -> torch.Tensor:
-        """Write the sum of key-row tensors into ``dest`` (rows of the gathered K/V buffer,
-        ``gathered_blocks``); returns ``dest``. ``sources``: ``(first row, rows)`` pairs, the rows
-        one tensor or consecutive tensors (``KeyRows``: a top-left kernel's prefix and diagonal
-        parts, never joined). Rows no source covers are zeroed; a row one source covers is
-        copied; where sources overlap their sum is computed in the wider of their and ``dest``'s
-        precision and rounded once into ``dest``. No temporary of ``dest``'s size."""
+        """Write the sum of key-row tensors into ``dest`` (the S rows of the gathered K/V
+        buffer, ``gathered_blocks``: what the dK/dV reduce-scatter sends); returns ``dest``.
+        ``sources``: ``(first row, rows)`` pairs, the rows one tensor or consecutive tensors
+        (``KeyRows``: a top-left kernel's prefix and diagonal parts, never joined); rows from S
+        on are the local copy of this rank's late chunk and land on that chunk's rows. Rows no
+        source covers are zeroed; a row one source covers is copied; where sources overlap their
+        sum is computed in the wider of their and ``dest``'s precision and rounded once into
+        ``dest``. No temporary of ``dest``'s size."""
         pieces = []  # (lo, hi, tensor rows [lo, hi))
         for start, rows in sources:
             for part in _key_parts(rows):
-                n = part.shape[0]
-                if start < 0 or start + n > dest.shape[0]:
-                    raise ValueError(
-                        f"sum_keys: source rows [{start}, {start + n}) outside {dest.shape[0]}"
-                    )
-                pieces.append((start, start + n, part))
-                start += n
+                pieces += self._key_pieces(start, part, dest.shape[0])
+                start += part.shape[0]
         cuts = sorted(
             {0, dest.shape[0]} | {lo for lo, _, _ in pieces} | {hi for _, hi, _ in pieces}
         )
@@ -376,6 +355,24 @@ class TSPLayout:
                     total = total + v
                 out.copy_(total)
         return dest
+
+    def _key_pieces(self, start: int, part: torch.Tensor, rows: int) -> list:
+        """``(lo, hi, tensor)`` pieces of ``part`` (gathered rows from ``start``) in a buffer
+        of ``rows`` rows, its rows in the own-late-chunk copy moved onto that chunk's rows."""
+        n = part.shape[0]
+        end = self.gathered_len if rows == self.seq_length else rows
+        if start < 0 or start + n > end:
+            raise ValueError(f"sum_keys: source rows [{start}, {start + n}) outside {end}")
+        if start + n <= rows:
+            return [(start, start + n, part)]
+        own = self.gathered_row(self.chunk_ids[1])
+        head = rows - start  # rows before the copy (the copy is the buffer's last C rows)
+        tail = part.narrow(0, max(head, 0), n - max(head, 0))
+        first = own + max(start - rows, 0)
+        pieces = [(first, first + tail.shape[0], tail)]
+        if head > 0:
+            pieces.insert(0, (start, rows, part.narrow(0, 0, head)))
+        return pieces
 
 
 def _key_parts(rows) -> List[torch.Tensor]:

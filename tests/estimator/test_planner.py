@@ -111,11 +111,12 @@ def _golden_tsp_memory(seq, D, recompute):
     # logits bf16 + fp32, gathered final hidden, 3 [S/D, h] tensors around the final norm,
     # ~47 B of per-token ids / losses / cross-entropy statistics
     head = seq * vpad / D * (2 + 4) + seq * h * b + 3 * t * h * b + 47 * seq
-    # persistent K/V comm workspace: forward 2 gathered [S, 2h/D] (saved attention keeps its
-    # packed local K/V as saved tensors); backward adds 2 dK/dV send [S, 2h/D] + 2 local receive
-    # buffers, allocated in the first backward layer's attention
+    # persistent K/V comm workspace: forward 2 gathered [S + S/(2D), 2h/D] (the gathered K/V
+    # and a copy of the rank's late chunk; saved attention keeps its packed local K/V as saved
+    # tensors); backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers, allocated in
+    # the first backward layer's attention
     kv_full, kv_local = 2 * seq * h / D, 2 * seq * h / D / D
-    ws_fwd = 2 * kv_full * b
+    ws_fwd = 2 * (kv_full + kv_local / 2) * b
     ws_bwd = ws_fwd + 2 * (kv_full + kv_local) * b
     # Megatron's fp32 rotary frequencies [S, hn] + TSP's cos / signed-sin [S/D, hn] bf16
     tables = seq * hn * 4 + 2 * t * hn * b

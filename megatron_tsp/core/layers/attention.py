@@ -25,11 +25,11 @@ gives the K/V rows' owner at TP=D, and each shard's weight gradient is reduced o
 
 Causal masking is per local chunk: chunk c's queries see natural positions [0, (c+1)C). The
 gathered K/V are read as they arrive, without a reorder pass (``TSPLayout.gathered_blocks``: the
-late chunks in owner order, then the early chunks): the early chunk is one bottom-right causal
-call, the late chunk a non-causal call over a contiguous run of keys and a causal call over its
-own chunk, merged by log-sum-exp in fp32 (``kernels.gathered_forward``; a top-left backend splits
-a bottom-right call the same way; never an S x S mask). The kernel without a log-sum-exp
-(``sdpa_recompute``) reads a natural-order copy. Backward re-broadcasts the shards, re-gathers
+late chunks in owner order, then the early chunks, then a local copy of this rank's late chunk):
+each chunk is one bottom-right causal kernel call over a contiguous run of keys (a top-left
+backend splits such a call into a prefix and its diagonal, merged by log-sum-exp in fp32; never
+an S x S mask). The kernel without a log-sum-exp (``sdpa_recompute``) reads a natural-order copy.
+Backward re-broadcasts the shards, re-gathers
 each head group's K/V (group r+1's posted before group r's attention backward), reduce-scatters
 dK/dV back to the token owners (waited one group later) and reduces each shard's weight gradient
 onto its owner.
@@ -193,13 +193,15 @@ def kv_send_buffer(x: torch.Tensor, layout: HeadLayout, fresh: bool, slot: int) 
 def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     """Post the all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
     ``kv_out``: this rank's early chunk, then its late chunk); ``wait()`` returns (K, V)
-    [S, b, ng/D, hn], views of ``WORKSPACE`` slot ``slot`` in the gathered layout of
-    ``TSPLayout.gathered_blocks``: ``[late chunks in owner order | early chunks]``.
+    [S + C, b, ng/D, hn], views of ``WORKSPACE`` slot ``slot`` in the gathered layout of
+    ``TSPLayout.gathered_blocks``: ``[late chunks in owner order | early chunks | own late
+    chunk]``.
 
     Two all-gathers, one per zigzag half, each straight into its half: rank q's late chunk
     (chunk 2D-1-q) lands in row block q of the first half, its early chunk (chunk q) in row block
-    q of the second, which is natural order. No reorder pass: the attention blocks read the
-    late half in owner order (``kernels.gathered_forward``). One buffer per slot: group r+2's
+    q of the second, which is natural order; this rank's late chunk is also copied after them
+    (1/(2D) of the buffer), so that its causal diagonal follows the keys it sees. No reorder
+    pass, and each chunk's attention is one kernel call. One buffer per slot: group r+2's
     gather into group r's slot is posted after group r's attention is queued."""
     groups = packed.shape[2] // 2
     if seq_layout.group_size == 1:
@@ -210,7 +212,9 @@ def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     def views(kv):
         return kv.narrow(2, 0, groups), kv.narrow(2, groups, groups)
 
-    return post_all_gather(halves, group, slot=slot, purpose="kv_gathered", finish=views)
+    return post_all_gather(
+        halves, group, slot=slot, purpose="kv_gathered", finish=views, tail=halves[0]
+    )
 
 
 def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
@@ -223,7 +227,7 @@ def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
 
 
 class _KVGradScatter:
-    """Adjoint of ``_post_kv_gather`` for one head group: the attention segments' dK and dV
+    """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
     (``(first row, layout.KeyRows)`` sources in the gathered layout: one tensor, or a top-left
     kernel's prefix and diagonal parts) are summed straight into a ``WORKSPACE`` send buffer
     [S, b, 2 * ng/D, hn] in that layout (``TSPLayout.sum_keys``: no full-sequence accumulator,
@@ -374,7 +378,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
                     proj_full.narrow(1, (r * m + i) * cols, cols).copy_(pw)
                 k_all, v_all = gather.wait()
                 if kernel.has_lse:
-                    outs, lses = kernels.gathered_forward(
+                    outs, lses = kernels.zigzag_forward(
                         kernel, q, k_all, v_all, blocks, layout.softmax_scale
                     )
                 else:
@@ -638,14 +642,14 @@ class _AttentionBackward:
 
     def _kernel_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
         """(dq, dK sources, dV sources) from a kernel with a log-sum-exp: its backward on the
-        saved (or, in recompute mode, just recomputed) outputs, segment by segment of the
-        gathered K/V (``kernels.gathered_backward``)."""
+        saved (or, in recompute mode, just recomputed) outputs, block by block of the
+        gathered K/V (``kernels.zigzag_backward_sources``)."""
         if not self.saved_mode:
-            group.outs, group.lses = kernels.gathered_forward(
+            group.outs, group.lses = kernels.zigzag_forward(
                 self.kernel, q, k_all, v_all, self.blocks, self.layout.softmax_scale
             )
             self.output_projection_wgrad(group, g_pw)
-        return kernels.gathered_backward(
+        return kernels.zigzag_backward_sources(
             self.kernel,
             d_ctx,
             q,

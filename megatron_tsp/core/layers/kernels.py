@@ -63,7 +63,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_tsp.core.layers.precision import accumulation_dtype
-from megatron_tsp.core.layout import CausalBlock, GatheredBlock
+from megatron_tsp.core.layout import CausalBlock
 
 NO_MASK, TOP_LEFT, BOTTOM_RIGHT = "none", "top_left", "bottom_right"
 ALIGNMENTS = (NO_MASK, TOP_LEFT, BOTTOM_RIGHT)
@@ -627,26 +627,70 @@ def chunk_rows(out_c: torch.Tensor) -> torch.Tensor:
     return out_c.permute(2, 0, 1, 3).reshape(c, b, h * d)
 
 
-def _block_qkv(q, k_nat, v_nat, block: CausalBlock):
+def _block_qkv(q, k_all, v_all, block: CausalBlock):
     """The [b, n, s, d] views of one block's queries and keys/values."""
     return (
         _heads_view(q.narrow(0, block.query_start, block.query_len)),
-        _heads_view(k_nat.narrow(0, 0, block.key_len)),
-        _heads_view(v_nat.narrow(0, 0, block.key_len)),
+        _heads_view(k_all.narrow(0, block.key_start, block.key_len)),
+        _heads_view(v_all.narrow(0, block.key_start, block.key_len)),
     )
 
 
 def zigzag_forward(
-    kernel: AttentionKernel, q, k_nat, v_nat, blocks: Sequence[CausalBlock], scale: float
+    kernel: AttentionKernel, q, k_all, v_all, blocks: Sequence[CausalBlock], scale: float
 ):
-    """q [sq, b, np, d] (the local queries, e.g. this rank's chunks in order); k_nat, v_nat
-    [S, b, ng, d] natural order; ``blocks``: the causal blocks (``TSPLayout.causal_blocks``).
-    ``gathered_forward`` with one segment per block, keys [0, key_len).
+    """q [sq, b, np, d] (the local queries, e.g. this rank's chunks in order); k_all, v_all
+    [sk, b, ng, d] the key buffer the ``blocks`` index (``TSPLayout.causal_blocks``: natural
+    order; ``gathered_blocks``: the gathered K/V as they arrive): one bottom-right causal call
+    per block.
 
     Returns ``(outs, lses)``: per block the output rows [query_len, b, np * d] (q's dtype) and the
     fp32 log-sum-exp [b, np, query_len]; the caller keeps them for ``zigzag_backward``."""
-    gathered = [block.gathered() for block in blocks]
-    return gathered_forward(kernel, q, k_nat, v_nat, gathered, scale)
+    outs: List[torch.Tensor] = []
+    lses: List[torch.Tensor] = []
+    for block in blocks:
+        o, lse = kernel.forward(*_block_qkv(q, k_all, v_all, block), BOTTOM_RIGHT, scale)
+        outs.append(chunk_rows(o))
+        lses.append(lse)
+    return outs, lses
+
+
+def zigzag_backward_sources(
+    kernel: AttentionKernel,
+    d_ctx,
+    q,
+    k_all,
+    v_all,
+    blocks: Sequence[CausalBlock],
+    scale: float,
+    outs,
+    lses,
+    after_first_block: Optional[Callable[[], None]] = None,
+):
+    """Gradients from the saved ``(outs, lses)`` of ``zigzag_forward``. Returns ``(dq,
+    dk_sources, dv_sources)``: dq [sq, b, np, d] and per block ``(key_start,
+    layout.KeyRows)``: the kernel's dK / dV rows in key order (``backward_parts``; in its
+    dtype, never joined), for ``TSPLayout.sum_keys`` to sum into the send buffer.
+
+    ``after_first_block``: called once the first block's backward has been issued (the layer
+    posts the previous head group's dK/dV reduce-scatter there, behind compute already
+    queued)."""
+    b, dim = k_all.shape[1], k_all.shape[3]
+    heads = q.shape[2]
+    dq_parts, dks, dvs = [], [], []
+    for i, block in enumerate(blocks):
+        n = block.query_len
+        rows = _heads_view(d_ctx.narrow(0, block.query_start, n).reshape(n, b, heads, dim))
+        out = _heads_view(outs[i].view(n, b, heads, dim))
+        dq_b, dk_b, dv_b = kernel.backward_parts(
+            rows, *_block_qkv(q, k_all, v_all, block), out, lses[i], BOTTOM_RIGHT, scale
+        )
+        dq_parts.append(dq_b.permute(2, 0, 1, 3))
+        dks.append((block.key_start, tuple(t.permute(2, 0, 1, 3) for t in dk_b)))
+        dvs.append((block.key_start, tuple(t.permute(2, 0, 1, 3) for t in dv_b)))
+        if i == 0 and after_first_block is not None:
+            after_first_block()
+    return torch.cat(dq_parts, dim=0), dks, dvs
 
 
 def zigzag_backward(
@@ -661,18 +705,19 @@ def zigzag_backward(
     lses,
     dkv_acc: Optional[torch.Tensor] = None,
 ):
-    """``gathered_backward`` of natural-order blocks with dK/dV summed over the blocks: ``(dq,
-    dkv_acc)``, ``dkv_acc`` [S, b, 2 * ng, d] (dK in the first ng heads, dV in the rest) of
+    """``zigzag_backward_sources`` with dK/dV summed over the blocks: ``(dq, dkv_acc)``,
+    ``dkv_acc`` [S, b, 2 * ng, d] (dK in the first ng heads, dV in the rest) of
     ``accumulation_dtype`` (fp32 for bf16/fp16); a given ``dkv_acc`` must be zeroed. For the
-    reference paths (kernel check, memory tool); the TSP layer sums its segments straight into
+    reference paths (kernel check, memory tool); the TSP layer sums its blocks straight into
     its send buffer instead (``TSPLayout.sum_keys``)."""
     s, b, groups, dim = k_nat.shape
     if dkv_acc is None:
         dkv_acc = torch.zeros(
             (s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device
         )
-    gathered = [block.gathered() for block in blocks]
-    dq, dks, dvs = gathered_backward(kernel, d_ctx, q, k_nat, v_nat, gathered, scale, outs, lses)
+    dq, dks, dvs = zigzag_backward_sources(
+        kernel, d_ctx, q, k_nat, v_nat, blocks, scale, outs, lses
+    )
     for (start, dk_parts), (_, dv_parts) in zip(dks, dvs):
         for dk_c, dv_c in zip(dk_parts, dv_parts):
             window = dkv_acc.narrow(0, start, dk_c.shape[0])
@@ -680,86 +725,6 @@ def zigzag_backward(
             window.narrow(2, groups, groups).add_(dv_c)
             start += dk_c.shape[0]
     return dq, dkv_acc
-
-
-def _segment_kv(k_all, v_all, segment):
-    """The [b, g, length, d] views of one key segment of the gathered K/V."""
-    return (
-        _heads_view(k_all.narrow(0, segment.start, segment.length)),
-        _heads_view(v_all.narrow(0, segment.start, segment.length)),
-    )
-
-
-def _alignment(segment) -> str:
-    return BOTTOM_RIGHT if segment.causal else NO_MASK
-
-
-def gathered_forward(
-    kernel: AttentionKernel, q, k_all, v_all, blocks: Sequence[GatheredBlock], scale: float
-):
-    """``zigzag_forward`` against the gathered K/V (``TSPLayout.gathered_blocks``, no natural
-    order): per block, one call per key segment, the segments' partial attentions merged by
-    log-sum-exp in fp32 and rounded once. Returns ``(outs, lses)`` as ``zigzag_forward``."""
-    outs: List[torch.Tensor] = []
-    lses: List[torch.Tensor] = []
-    for block in blocks:
-        q_b = _heads_view(q.narrow(0, block.query_start, block.query_len))
-        o, lse = None, None
-        for seg in block.segments:
-            o_s, lse_s = kernel.forward(
-                q_b, *_segment_kv(k_all, v_all, seg), _alignment(seg), scale
-            )
-            o, lse = (o_s, lse_s) if o is None else merge_blocks(o, lse, o_s, lse_s, q.dtype)
-        outs.append(chunk_rows(o))
-        lses.append(lse)
-    return outs, lses
-
-
-def gathered_backward(
-    kernel: AttentionKernel,
-    d_ctx,
-    q,
-    k_all,
-    v_all,
-    blocks: Sequence[GatheredBlock],
-    scale: float,
-    outs,
-    lses,
-    after_first_block: Optional[Callable[[], None]] = None,
-):
-    """Gradients from the saved ``(outs, lses)`` of ``gathered_forward``: each segment's backward
-    runs on the block's merged output and log-sum-exp (the softmax over all the block's keys),
-    so the segments' dq add up (in fp32 arithmetic, rounded once) and their dK / dV are the
-    gradients of their own keys. Returns ``(dq, dk_sources, dv_sources)``: dq [sq, b, np, d] and
-    per segment ``(first row, layout.KeyRows)`` for ``TSPLayout.sum_keys``: the kernel's dK / dV
-    row views in key order (``backward_parts``; in its dtype, never joined).
-
-    ``after_first_block``: called once the first block's backward has been issued (the layer
-    posts the previous head group's dK/dV reduce-scatter there, behind compute already
-    queued)."""
-    b, dim = k_all.shape[1], k_all.shape[3]
-    heads = q.shape[2]
-    dq_parts, dks, dvs = [], [], []
-    for i, block in enumerate(blocks):
-        n = block.query_len
-        rows = _heads_view(d_ctx.narrow(0, block.query_start, n).reshape(n, b, heads, dim))
-        out = _heads_view(outs[i].view(n, b, heads, dim))
-        q_b = _heads_view(q.narrow(0, block.query_start, n))
-        dq_b = None
-        for seg in block.segments:
-            k_s, v_s = _segment_kv(k_all, v_all, seg)
-            dq_s, dk_s, dv_s = kernel.backward_parts(
-                rows, q_b, k_s, v_s, out, lses[i], _alignment(seg), scale
-            )
-            # the segments' dq added in fp32 arithmetic and rounded once (what an fp32
-            # accumulator gives for two terms, without its up- and down-cast passes)
-            dq_b = dq_s if dq_b is None else torch.add(dq_b, dq_s)
-            dks.append((seg.start, tuple(t.permute(2, 0, 1, 3) for t in dk_s)))
-            dvs.append((seg.start, tuple(t.permute(2, 0, 1, 3) for t in dv_s)))
-        dq_parts.append(dq_b.permute(2, 0, 1, 3))
-        if i == 0 and after_first_block is not None:
-            after_first_block()
-    return torch.cat(dq_parts, dim=0), dks, dvs
 
 
 def zigzag_attend(

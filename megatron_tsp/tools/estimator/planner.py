@@ -379,19 +379,20 @@ def _tsp_comm_workspace(
 ):
     """Bytes of TSP attention's persistent communication buffers (``comm.WORKSPACE``, shared by
     all layers, allocated on first use): (in forward, in backward). G: the head groups
-    (``_head_groups``: D, or the query groups when fewer); a kind of buffer has one slot per head
-    group in flight, min(2, G) slots. Forward, per slot: the gathered [S, b, 2 h_kv / G] K/V
-    (``attention._post_kv_gather``: late chunks in owner order, then the early chunks, read as
-    they arrive); with recomputed attention also the packed local K/V send
-    buffers [S/D, b, 2 h_kv / G] (one per slot; saved attention keeps a fresh send buffer per
-    head group instead, counted with the saved tensors). Backward adds, per slot, a dK/dV send
-    buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the dK/dV wire dtype (the
-    model dtype; the accumulation dtype with ``kv_grad_fp32``). ``grad_slots``: how many of the
-    backward slots exist (default: all; the first layer's backward allocates them one head
-    group at a time, see ``_tsp_backward_peak``). TSP x CP (``cp`` = C): the gathered buffers
-    still span the whole sequence, the local ones are [S/(DC), ...]; the what-if ring
-    (``kv_flavour="ring"``, not in the layers) holds two node blocks [S/C, ...] (the one
-    attended and the one in flight) where the all-gather holds the whole sequence."""
+    (``_head_groups``: D, or the query groups when fewer); a kind of buffer has one slot per
+    head group in flight, min(2, G) slots. Forward, per slot: the gathered [S, b, 2 h_kv / G]
+    K/V (``attention._post_kv_gather``: late chunks in owner order, then the early chunks, read
+    as they arrive, then a copy of this rank's late chunk); with recomputed attention also the
+    packed local K/V send buffers [S/D, b, 2 h_kv / G] (one per slot; saved attention keeps a
+    fresh send buffer per head group instead, counted with the saved tensors). Backward adds,
+    per slot, a dK/dV send buffer [S, b, 2 h_kv / G] and its receive buffer [S/D, ...] in the
+    dK/dV wire dtype (the model dtype; the accumulation dtype with ``kv_grad_fp32``).
+    ``grad_slots``: how many of the backward slots exist (default: all; the first layer's
+    backward allocates them one head group at a time, see ``_tsp_backward_peak``). TSP x CP
+    (``cp`` = C): the gathered buffers still span the whole sequence, the local ones are
+    [S/(DC), ...]; the what-if ring (``kv_flavour="ring"``, not in the layers) holds two node
+    blocks [S/C, ...] (the one attended and the one in flight) where the all-gather holds the
+    whole sequence."""
     b = shape.dtype_bytes
     acc = fm.accumulation_bytes(b) if kv_grad_fp32 else b
     G = _head_groups(shape, D)
@@ -401,8 +402,9 @@ def _tsp_comm_workspace(
     if kv_flavour == "ring" and cp > 1:
         kv_full = 2 * kv_full / cp
         gathered = slots * kv_full + kv_full  # per slot the block in flight, one attended
-    else:  # per slot the gathered K/V (``attention._post_kv_gather``: no reordered copy)
-        gathered = slots * kv_full
+    else:  # per slot the gathered K/V (``attention._post_kv_gather``: no reordered copy) and
+        # the copy of this rank's late chunk after it (half its local K/V)
+        gathered = slots * (kv_full + (kv_local / 2 if D * cp > 1 else 0))
     fwd = (gathered + (0 if saved_attention else slots * kv_local)) * b
     grad_slots = slots if grad_slots is None else grad_slots
     return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
