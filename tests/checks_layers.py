@@ -140,8 +140,8 @@ def check_mlp(
         params = [p for p in (layer.linear_fc1.weight, layer.linear_fc1.bias) if p is not None]
         expected_packed = [tuple(x.shape)] + [tuple(p.shape) for p in params]
         expected_packed += [tuple(layer.linear_fc2.weight.shape)]
-        if not recompute_activation:
-            expected_packed += [(x.shape[0], x.shape[1], rows)] * size
+        if not recompute_activation:  # every shard's fc1 output, one tensor
+            expected_packed += [(x.shape[0] * x.shape[1], size, rows)]
         assert sorted(packed) == sorted(expected_packed), (
             f"saved tensors seen by the hooks {packed}, expected {expected_packed}"
         )

@@ -208,7 +208,8 @@ def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
     # runs it; late completion (tests/late_completion.py) runs it at wait(), so this trace
     # test runs with it off (also under TSP_TEST_LATE_COMPLETION=1).
     trace = pool4.run(checks_comm.trace_layer, "mlp", d, late_completion=False)[0]
-    expected = ["isend", "irecv", "mm", "mm"] * (d - 1) + ["mm", "mm"]
+    # each step's fc1 GEMM behind the next hop; after the ring, the one fc2 GEMM
+    expected = ["isend", "irecv", "mm"] * (d - 1) + ["mm", "mm"]
     assert trace["fwd"] == expected
     # Backward: step t posts the next weight shard (W) before its matmuls; the gradient
     # accumulator (A) of step t-1 follows the dX matmuls (k_a) and precedes the two weight-

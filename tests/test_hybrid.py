@@ -108,7 +108,9 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
     # runs it; late completion (tests/late_completion.py) runs it at wait(), so this trace
     # test runs with it off (also under TSP_TEST_LATE_COMPLETION=1).
     trace = pool4.run(checks_hybrid.trace_hybrid_mlp, d, late_completion=False)[0]
-    assert trace["fwd"] == ["isend", "irecv", "mm", "mm"] * (d - 1) + ["mm", "mm"], trace
+    # forward: each step's fc1 GEMM behind the next hop, then the last step's fc1 and the one
+    # fc2 GEMM over every shard
+    assert trace["fwd"] == ["isend", "irecv", "mm"] * (d - 1) + ["mm", "mm"], trace
     bwd = trace["bwd"]
     assert not {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"} & set(bwd)
     # queue order (as tests/test_comm.py): the accumulator hop of step t-1 after step t's

@@ -114,10 +114,10 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         dest="tsp_activation_sums_in_fp32",
         action="store_true",
         default=False,
-        help="Sum the TSP MLP's output over its D weight shards, and the input gradients of the "
-        "MLP and the attention over their shards and head groups, in an fp32 accumulator "
-        "instead of in place in the compute dtype. Default: the GEMMs accumulate in place "
-        "(fp32 arithmetic, one rounding of the running sum per shard: fewer roundings than "
+        help="Sum the input gradients of the TSP MLP and attention over their D weight shards "
+        "and head groups in an fp32 accumulator instead of in place in the compute dtype (the "
+        "MLP output is one GEMM over every shard either way). Default: the GEMMs accumulate in "
+        "place (fp32 arithmetic, one rounding of the running sum per shard: fewer roundings than "
         "TP+SP's bf16 reduce-scatter of the same sums); fp32 reads and writes the accumulator "
         "at twice the bytes (bf16 runs).",
     )

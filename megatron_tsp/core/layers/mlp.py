@@ -4,15 +4,19 @@ Rank p holds tokens X_p ([s/D, b, h]) and the TP=D shard p of fc1 (rows; for gat
 ``[gate_p; up_p]`` block) and fc2 (columns). Forward, for t = 0..D-1, with j = (p - t) mod D:
 
     post send(shard_j -> p+1), recv(shard_{j-1} <- p-1)      # before computing: prefetch
-    Y_p += act(X_p @ fc1_j^T + b1_j) @ fc2_j^T                 # one shard's slice of the MLP
+    H_p[:, j] = X_p @ fc1_j^T + b1_j;  W2[:, j] = fc2_j        # one shard's fc1 block
     wait
+then, once: Y_p = act(H_p) @ W2^T                             # the whole FFN width
 
-No all-reduce: each rank owns different tokens and sums every shard's contribution locally, and
-only an ``[s/D, b, ffn/D]`` slice of the intermediate exists at a time. Backward runs the ring
-again from the per-shard fc1 outputs the forward kept (D slices ``[s/D, b, ffn/D]``: the bytes of
-TP+SP's fc1 output, no extra FLOPs), and a gradient accumulator rides the ring behind the weights:
-rank p+t adds its contribution to shard p's weight gradient at step t, and the last hop lands on
-the owner, who holds the full gradient of its shard exactly like a TP=D rank.
+No all-reduce: each rank owns different tokens and contracts the whole FFN width locally, in one
+GEMM (its output rounded once, each shard's activation read once). The fc1 output H_p
+[s/D, b, D, ffn/D] (shard order) is the bytes of TP+SP's fc1 output and is what the backward
+keeps; the activation and the gathered fc2 weight [h, ffn] are transient (TP+SP's activation is
+[S, b, ffn/D], the same size). Each weight hop hides behind the current shard's fc1 GEMM.
+Backward runs the ring again from the kept fc1 output (no extra FLOPs), and a gradient
+accumulator rides the ring behind the weights: rank p+t adds its contribution to shard p's
+weight gradient at step t, and the last hop lands on the owner, who holds the full gradient of
+its shard exactly like a TP=D rank.
 
 Recompute follows Megatron's flags, applied by Megatron itself: ``recompute_granularity=
 "selective"`` with ``"mlp"`` in ``recompute_modules`` checkpoints this whole module in
@@ -23,10 +27,11 @@ shard's fc1 in backward (+2·T·P_fc1 FLOPs per layer, no fc1 outputs kept, no r
 Precision: in bf16/fp16 the D ranks' partial weight gradients are summed in fp32
 (``accumulation_dtype``), so the gradient accumulator rides the ring in fp32 and is cast once, when
 handed to ``main_grad`` / autograd (four fp32 flat gradient shards, O(weights / D); its hops are 4
-bytes/element instead of 2, ``formulas.tsp_layer_terms``). The D partial outputs and the D
-``grad_x`` contributions are accumulated in place by the GEMMs in the compute dtype, one rounding
-of the running sum per shard (``precision.activation_sum_dtype``; ``activation_sums_in_fp32``:
-[s/D, b, h] fp32 accumulators instead).
+bytes/element instead of 2, ``formulas.tsp_layer_terms``). The output is one GEMM (fp32
+accumulation inside, rounded once). The D ``grad_x`` contributions are accumulated in place by
+the dgrad GEMMs in the compute dtype, one rounding of the running sum per shard
+(``precision.activation_sum_dtype``; ``activation_sums_in_fp32``: an [s/D, b, h] fp32
+accumulator instead).
 """
 
 from __future__ import annotations
@@ -138,6 +143,14 @@ def _fc1(x, fc1_w, fc1_b):
     return pre + fc1_b if fc1_b is not None else pre
 
 
+def _fc1_into(rows, fc1_w, fc1_b, out):
+    """``out = rows @ fc1_w^T (+ fc1_b)``, written in place (``out``: a shard's column block of
+    the fc1 output, row-strided, which a GEMM writes directly)."""
+    if fc1_b is None:
+        return torch.mm(rows, fc1_w.t(), out=out)
+    return torch.addmm(fc1_b, rows, fc1_w.t(), out=out)
+
+
 def _grad_buffer_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
     """dtype of the gradient accumulator that rides the ring: ``main_grad``'s when the gradient is
     accumulated into it (fp32 under Megatron DDP), else fp32 for bf16/fp16 params."""
@@ -153,7 +166,13 @@ class _TSPMLPFunction(torch.autograd.Function):
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
     steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind, each
     posted after the next weight step and the dX GEMMs (queue order: ``weight_ring``, shared
-    with the TSP expert ring); no collectives."""
+    with the TSP expert ring); no collectives.
+
+    Forward compute: each shard's fc1 GEMM writes its block of one fc1 output [tokens, D, fc1
+    rows per shard] (shard order), the fc2 shard is copied into its columns of the fc2 weight;
+    after the ring, one activation over every shard and one fc2 GEMM over the whole FFN width:
+    the output is rounded once (no per-shard running sum) and the GEMM reads each shard's
+    activation once. The fc1 output is what the backward keeps (``save_for_backward``)."""
 
     @staticmethod
     def forward(
@@ -170,20 +189,27 @@ class _TSPMLPFunction(torch.autograd.Function):
     ):
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
-        saved_pre = []  # per-shard fc1 outputs, in ring order, when not recomputing them
-        acc_dtype = activation_sum_dtype(x.dtype, sums_in_fp32)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = x.reshape(-1, x.shape[-1])
+        pre = torch.empty(
+            (rows.shape[0], size, fc1_w.shape[0]), dtype=x.dtype, device=x.device
+        )  # every shard's fc1 output, shard j in pre[:, j]
+        width = fc2_w.shape[1]
+        fc2_full = torch.empty((fc2_w.shape[0], size, width), dtype=fc2_w.dtype, device=x.device)
         with labelled("tsp_mlp"):
-            out = None  # [tokens, h] partial-output accumulator (``activation_sum_dtype``)
-            for _, views in weight_ring.shards(params, group, WEIGHTS):
+            for t, views in weight_ring.shards(params, group, WEIGHTS):
+                j = (rank - t) % size
                 w1, b1, w2 = weight_bias_views(views, has_bias)
-                pre = _fc1(x, w1, b1)
-                if not recompute_activation:
-                    saved_pre.append(pre)
-                hidden = activation(pre)
-                out = matmul_acc(hidden.reshape(-1, hidden.shape[-1]), w2.t(), out, dtype=acc_dtype)
-        out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        # Everything the backward reads goes through save_for_backward (the per-shard fc1
-        # outputs too), so saved-tensor hooks (activation offloading) see and can move all of it.
+                _fc1_into(rows, w1, b1, pre[:, j])
+                fc2_full[:, j].copy_(w2)
+            hidden = activation(pre)  # [tokens, D, width]: each shard's activation
+            out = torch.matmul(
+                hidden.reshape(rows.shape[0], -1), fc2_full.view(-1, size * width).t()
+            )
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        # Everything the backward reads goes through save_for_backward (the fc1 output too),
+        # so saved-tensor hooks (activation offloading) see and can move all of it.
+        saved_pre = [] if recompute_activation else [pre]
         ctx.save_for_backward(x, fc1_w, fc1_b, fc2_w, *saved_pre)
         ctx.group, ctx.activation = group, activation
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
@@ -204,6 +230,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
         grad_x = None  # this rank's dX, started by the first shard (``acc_dtype``)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
 
         def input_grads(views, step):
             """This shard's activation backward and dX contribution, added onto ``grad_x``.
@@ -212,8 +239,11 @@ class _TSPMLPFunction(torch.autograd.Function):
             nonlocal grad_x
             w1, b1, w2 = weight_bias_views(views, has_bias)
             with torch.enable_grad():
-                pre = (saved_pre[step] if saved_pre else _fc1(x, w1, b1)).detach()
-                pre.requires_grad_(True)
+                if saved_pre:  # shard (rank - step) mod D's block, as [s, b, fc1 rows]
+                    pre = saved_pre[0][:, (rank - step) % size].view(*x.shape[:-1], -1)
+                else:
+                    pre = _fc1(x, w1, b1)
+                pre = pre.detach().requires_grad_(True)
                 hidden = activation(pre)
                 d_hidden = torch.matmul(grad_out, w2)
                 (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
@@ -268,8 +298,8 @@ def tsp_mlp(
     default: no extra GEMM, TP+SP-sized memory), or recompute each shard's fc1 output in backward
     (True, an explicit opt-in: saves only x). Without grad mode (inference, prefill) no backward
     will read them, so none are kept whatever ``recompute_activation`` says.
-    ``activation_sums_in_fp32``: the output and ``grad_x`` sums over the shards in fp32 instead
-    of the compute dtype (``precision.activation_sum_dtype``)."""
+    ``activation_sums_in_fp32``: the ``grad_x`` sum over the shards in fp32 instead of the
+    compute dtype (``precision.activation_sum_dtype``; the output is one GEMM either way)."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
