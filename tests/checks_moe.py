@@ -25,6 +25,7 @@ ETP=D, EP=1 (allgather dispatcher).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import torch
@@ -738,3 +739,101 @@ def _min_routing_margin(model, data):
     for h in hooks:
         h.remove()
     return min(margins)
+
+
+def check_moe_alltoall(d, ep, seed, case):
+    """The alltoall dispatcher (its CUDA-only side stream and host copy answered as the CPU
+    runner answers them, ``cpu_runner.alltoall_dispatcher_on_cpu``): TSP equals the
+    single-process stock model and Megatron TP=D+SP with the same EP, fp64."""
+    from megatron_tsp.megatron_lm.cpu_runner import alltoall_dispatcher_on_cpu
+
+    with alltoall_dispatcher_on_cpu():
+        single = check_moe_vs_single(d, ep, seed, case, dispatcher="alltoall")
+        tp_sp = check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="alltoall")
+    return {"single": single, "tp_sp": tp_sp}
+
+
+def _routing_recorder(model):
+    """Forward hooks on every MoE router: the routing maps [tokens, E] in forward order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(lambda mod, inp, out: maps.append(out[1].detach()))
+    return maps
+
+
+def _copies_across_ranks(routing_map, ep):
+    """(copies in, copies out) of this rank for one MoE layer: token copies other ranks of its
+    expert-model-parallel group route to its experts, and its own copies routed to experts on
+    other ranks (experts are spread over the EP ranks in order, E/EP each)."""
+    group = mpu.get_expert_model_parallel_group()
+    me = dist.get_rank(group)
+    maps = [torch.empty_like(routing_map) for _ in range(ep)]
+    dist.all_gather(maps, routing_map.contiguous(), group=group)
+    per_rank = NUM_EXPERTS // ep
+    mine = slice(me * per_rank, (me + 1) * per_rank)
+    copies_in = sum(int(m[:, mine].sum()) for r, m in enumerate(maps) if r != me)
+    copies_out = int(routing_map.sum()) - int(routing_map[:, mine].sum())
+    return copies_in, copies_out
+
+
+def check_moe_alltoall_traffic(d, ep, seed, case="moe"):
+    """The alltoall dispatcher's collectives under TSP (``CommCounter`` inside ``MoELayer``
+    modules, received bytes, exact for its uneven all-to-alls) equal
+    ``estimator.moe.alltoall_received`` evaluated on the routing this run made (every MoE layer's
+    routing map, gathered over the EP group). Returns the counted bytes and the uniform-routing
+    expectation (``alltoall_expected_received``) for the same shape."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tsp.megatron_lm.cpu_runner import alltoall_dispatcher_on_cpu
+    from megatron_tsp.tools.comm_counter import CommCounter, label_modules
+    from megatron_tsp.tools.estimator import moe as moe_model
+
+    dtype = DTYPES["float64"]
+    vocab, seq, batch = 128, 32, 2
+    data = _batch(seed, batch, seq, vocab)
+    with alltoall_dispatcher_on_cpu():
+        _setup(d, ep, seed, tsp=True)
+        config = _config(d, ep, dtype, case, "alltoall")
+        model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
+        label_modules(model, {MoELayer: "moe"})
+        maps = _routing_recorder(model)
+        with CommCounter() as counter:
+            _step(model, zigzag.get_batch_on_this_tsp_rank(data, d))
+    h, width = config.hidden_size, dtype.itemsize
+    expected = {"fwd": {}, "bwd": {}}
+    for routing_map in maps:
+        copies = _copies_across_ranks(routing_map, ep)
+        per_layer = moe_model.alltoall_received(*copies, h, NUM_EXPERTS, ep, width, width)
+        for phase, ops in per_layer.items():
+            for op, value in ops.items():
+                expected[phase][op] = expected[phase].get(op, 0.0) + value
+    counted = {}
+    for phase, ops in expected.items():
+        by_op = counter.by_op(scope="moe", phase=phase)
+        counted[phase] = {op: by_op.get(op, {}).get("recv", 0.0) for op in ops}
+        for op, value in ops.items():
+            if abs(counted[phase][op] - value) > 1e-9 * max(value, 1.0):
+                raise AssertionError(
+                    f"alltoall dispatcher (D={d}, EP={ep}) {phase} {op}: counted "
+                    f"{counted[phase][op]} bytes received, formula on this routing {value}"
+                )
+    tokens = seq * batch // d
+    shape = dataclasses.replace(_moe_shape(config), dtype_bytes=width)
+    uniform = len(maps) * moe_model.alltoall_expected_received(shape, ep, tokens, width)
+    return {"counted": counted, "uniform_expectation": uniform}
+
+
+def _moe_shape(config):
+    from megatron_tsp.core.model_shape import ModelShape
+
+    return ModelShape(
+        num_layers=config.num_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        num_experts=NUM_EXPERTS,
+        moe_topk=config.moe_router_topk,
+        moe_ffn=config.moe_ffn_hidden_size,
+    )

@@ -294,6 +294,48 @@ def _value(value):
     return make
 
 
+TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+
+
+def _host_copy_of_cpu_tensors(original):
+    """What the device-to-host copy gives on a GPU, for CPU tensors too: a numpy array when
+    ``as_numpy`` (the split sizes ``all_to_all_single`` takes), else the tensor."""
+
+    def host_copy(tensor, as_numpy=False, record_stream=False):
+        import torch
+
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return host_copy
+
+
+# The answers the alltoall MoE dispatcher needs outside the loop (in-process checks):
+# its side stream, stream ordering, and the host copy of its split sizes.
+ALLTOALL_DISPATCHER_TARGETS = (
+    "torch.cuda:Stream",
+    "torch.cuda:current_stream",
+    "torch.cuda:stream",
+    f"{TOKEN_DISPATCHER}:maybe_move_tensor_to_cpu",
+)
+
+
+@contextlib.contextmanager
+def alltoall_dispatcher_on_cpu():
+    """The ``CUDA_ANSWERS`` of ``ALLTOALL_DISPATCHER_TARGETS`` for the ``with`` block: what
+    megatron-core's alltoall token dispatcher needs to run on CPU tensors in-process."""
+    from megatron_tsp.megatron_lm import patches
+
+    with contextlib.ExitStack() as stack:
+        for answer in CUDA_ANSWERS:
+            if answer.target in ALLTOALL_DISPATCHER_TARGETS:
+                stack.enter_context(
+                    patches.applied(patches.CPU_RUNNER, answer.target, make=answer.make)
+                )
+        yield
+
+
 CUDA_ANSWERS: Sequence[Answer] = (
     # device setup
     Answer("torch.cuda:is_available", _const(True)),
@@ -330,6 +372,8 @@ CUDA_ANSWERS: Sequence[Answer] = (
     ),
     Answer("torch.cuda.nvtx:range_push", _value(_nothing)),
     Answer("torch.cuda.nvtx:range_pop", _value(_nothing)),
+    # the alltoall MoE dispatcher's device-to-host copy of its split sizes
+    Answer(f"{TOKEN_DISPATCHER}:maybe_move_tensor_to_cpu", _host_copy_of_cpu_tensors),
     # builds of CUDA code
     Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers)),
     Answer(

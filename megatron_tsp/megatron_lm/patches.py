@@ -249,6 +249,14 @@ _CPU_RUNNER_PATCHES = [
     _p(CPU_RUNNER, "torch.cuda.nvtx:range_pop", "profiling ranges", (), optional=True),
     _p(
         CPU_RUNNER,
+        "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        "the alltoall MoE dispatcher copies its split sizes to the host, where a CUDA tensor "
+        "becomes a numpy array; a CPU tensor is returned as it is, which all_to_all_single "
+        "refuses as split sizes",
+        ("tensor", "as_numpy", "record_stream"),
+    ),
+    _p(
+        CPU_RUNNER,
         "megatron.core.datasets.utils:compile_helpers",
         "rank 0 runs `make` for the dataset index helpers; the compiled .so must be there",
         (),

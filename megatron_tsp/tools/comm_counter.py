@@ -11,6 +11,8 @@ Received bytes per rank (n = payload bytes, D = group size, f = (D-1)/D):
     all_to_all: f * n             broadcast / reduce: f * n (average over the ranks of a
     recv / irecv: n               send / isend: 0                rooted op; summed over D roots
                                                                   it is exact)
+An uneven ``all_to_all_single`` (split sizes given) counts exactly the rows the other ranks
+send (its output but ``output_split_sizes[own rank]``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,20 @@ _SPEC = {
 }
 
 
+def _split_sizes(sizes) -> List[int]:
+    return [] if sizes is None else [int(x) for x in sizes]
+
+
+def _all_to_all_v_received(bound) -> float:
+    """Bytes an uneven ``all_to_all_single`` brings from the other ranks: its output rows but
+    the ones it sends itself (``output_split_sizes[own rank]``)."""
+    rows = _split_sizes(bound["output_split_sizes"])
+    group = bound.get("group")
+    own = dist.get_rank(group) if group is not None else dist.get_rank()
+    output = bound["output"]
+    return (sum(rows) - rows[own]) * (_nbytes(output) / max(sum(rows), 1))
+
+
 def received_fraction(op: str, group_size: int) -> float:
     """Bytes one rank receives for ``op`` as a fraction of its payload, in a group of
     ``group_size`` (the rule every ``CommRecord`` applies; module docstring)."""
@@ -130,11 +146,14 @@ class CommCounter:
         tensor = bound[name]
         d = _group_size(bound.get("group"))
         n = _nbytes(tensor)
+        received = factor(d) * n
+        if op == "all_to_all_single" and _split_sizes(bound.get("output_split_sizes")):
+            received = _all_to_all_v_received(bound)
         record = CommRecord(
             op,
             d,
             n,
-            factor(d) * n,
+            received,
             "bwd" if _in_backward() else "fwd",
             current_scope(),
             _dtype(tensor),

@@ -17,7 +17,7 @@ from tests.megatron_lm import test_training_loop as loop
 pytestmark = loop.pytestmark
 
 # 4 SwiGLU experts, top-2, aux + z losses, a shared expert, dense-then-MoE layers; the default
-# (allgather) dispatcher: the alltoall dispatcher needs CUDA streams
+# (allgather) dispatcher (the DP2 x TSP2 run uses the alltoall one)
 MOE = [
     "--num-experts",
     "4",
@@ -67,10 +67,12 @@ def test_tsp2_ep2_matches_tp2_sp_ep2(seed):
     assert _logged(tsp.log, "z_loss") and _logged(ref.log, "z_loss")
 
 
-def test_dp2_tsp2_ep4_spanning_dp_matches_tp2_sp(seed):
+def test_dp2_tsp2_ep4_spanning_dp_alltoall_matches_tp2_sp(seed):
     """DP2 x TSP2 on 4 ranks with EP=4: every rank holds one expert, the expert-model-parallel
-    group spans both data-parallel replicas; distributed optimizer."""
+    group spans both data-parallel replicas; distributed optimizer; the alltoall dispatcher (its
+    side stream and host copies answered by the CPU runner)."""
     args = loop.STYLES["llama"] + MOE + ["--expert-model-parallel-size", "4"]
+    args += ["--moe-token-dispatcher-type", "alltoall"]
     args += ["--use-distributed-optimizer", "--global-batch-size", "8"]
     tsp = loop._run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
     ref = loop._run(

@@ -12,12 +12,13 @@ k, T = S*b/D local tokens, D the TSP group, EP the expert-model-parallel size:
 * folded, ``allgather`` dispatcher (``allgather_collectives``): all-gathers of the hidden states,
   probabilities and routing map over EP and a reduce-scatter of the output, and the transpose in
   backward; independent of routing.
-* folded, ``alltoall`` dispatcher (``alltoall_expected_received``): the token copies a rank
-  sends to experts on other ranks and gets back, forward and backward; depends on the routing,
-  so this is its expectation under uniform routing (a copy stays local with probability 1/EP).
+* folded, ``alltoall`` dispatcher (``alltoall_received``): the token copies a rank sends to
+  experts on other ranks and gets back, forward and backward; depends on the routing
+  (``alltoall_expected_received``: its expectation under uniform routing, a copy staying local
+  with probability 1/EP).
 
-Both formulas of the first two are the counted collectives (tests/test_moe.py counts them op by
-op); the third is not counted here (the alltoall dispatcher needs CUDA streams).
+All three are the counted collectives (tests/test_moe.py counts them op by op; the alltoall
+dispatcher's against its formula evaluated on the routing the run made).
 The shared expert (Megatron's TP + SP ``SharedExpertMLP``) moves the same under both schedules
 and is left out of the comparison.
 
@@ -100,15 +101,40 @@ def allgather_received(m: ModelShape, d: int, ep: int, tokens: int) -> float:
     return received(allgather_collectives(tokens, m.hidden, m.num_experts, ep, m.dtype_bytes), ep)
 
 
+def alltoall_received(
+    copies_in: float,
+    copies_out: float,
+    hidden: int,
+    num_experts: int,
+    ep: int,
+    dtype_bytes: int,
+    prob_bytes: int = 4,
+) -> Dict[str, Dict[str, float]]:
+    """Bytes a rank receives for one folded MoE layer with the alltoall dispatcher, per phase and
+    collective, given its routing: ``copies_in`` token copies that other EP ranks route to its
+    experts, ``copies_out`` copies of its own tokens routed to experts on other ranks. Forward:
+    the dispatch brings the incoming copies' hidden states and probabilities, the combine the
+    outgoing copies' expert outputs, after an all-gather of every rank's E per-expert token
+    counts (int64); backward the transposes (the outputs' gradients to the experts, then the
+    inputs' and the probabilities' gradients back). Tests count it from the issued collectives."""
+    hw = hidden * dtype_bytes
+    return {
+        "fwd": {
+            "all_to_all_single": copies_in * (hw + prob_bytes) + copies_out * hw,
+            "all_gather_into_tensor": (ep - 1) * num_experts * INT64,
+        },
+        "bwd": {"all_to_all_single": copies_in * hw + copies_out * (hw + prob_bytes)},
+    }
+
+
 def alltoall_expected_received(m: ModelShape, ep: int, tokens: int, prob_bytes: int = 4) -> float:
-    """Expected bytes a rank receives for one folded MoE layer with the alltoall dispatcher under
-    uniform routing: of its T*k token copies (EP-1)/EP go to other ranks, and by symmetry as many
-    arrive. Forward: the dispatch (hidden states and fp32 probabilities) and the combine (expert
-    outputs); backward: their transposes (the outputs' gradient, then the inputs' and the
-    probabilities' gradients). Plus the all-gather of every rank's E per-expert token counts."""
+    """``alltoall_received`` summed over ops and phases under uniform routing: of a rank's T*k
+    token copies (EP-1)/EP go to other ranks, and by symmetry as many arrive."""
     copies = tokens * m.moe_topk * (ep - 1) / ep
-    per_copy = 4 * m.hidden * m.dtype_bytes + 2 * prob_bytes
-    return copies * per_copy + (ep - 1) * m.num_experts * INT64
+    phases = alltoall_received(
+        copies, copies, m.hidden, m.num_experts, ep, m.dtype_bytes, prob_bytes
+    )
+    return sum(v for ops in phases.values() for v in ops.values())
 
 
 def ring_crossover_seq(m: ModelShape, d: int, micro_batch: int = 1, prob_bytes: int = 4) -> float:
