@@ -246,6 +246,34 @@ def test_attention_rope_variants(pool4, seed, d, interleaved, percent, fused, ba
     )
 
 
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize(
+    "interleaved,percent,backward",
+    [(False, 1.0, "saved"), (True, 0.5, "recompute")],
+)
+def test_attention_rope_one_kernel(pool4, seed, d, interleaved, percent, backward):
+    """TSP's one-kernel RoPE (``rope_kernel``, the CUDA default with Triton), run here in
+    Triton's interpreter: fp32 parity with the reference (Megatron's unfused RoPE), forward and
+    backward (its inverse is the adjoint), one launch per q / k application."""
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        "float32",
+        heads=8,
+        groups=4,
+        bias=True,
+        rope=True,
+        seq=24,
+        batch=2,
+        hidden=64,
+        attention_backward=backward,
+        rotary_interleaved=interleaved,
+        rotary_percent=percent,
+        rope_one_kernel=True,
+    )
+
+
 @pytest.mark.parametrize("backward", ["saved", "recompute"])
 @pytest.mark.parametrize("d", [2, 4])
 def test_attention_dropout_gradients_match_finite_differences(pool4, seed, d, backward):

@@ -198,16 +198,18 @@ def test_upload_counts_device_bytes_only():
 
 
 def test_tsp_rope_launches(layer):
-    """TSP's RoPE: each application (q and k of each of the D head groups, forward, and its
-    inverse rotation in backward) is three kernels of ``rope.rotate`` (the cosine product, one
-    multiply-add per pair half); none comes from Megatron's unfused RoPE or from autograd
-    re-running it. The tables are built once (the first layer of a step), by ``rope._build``,
-    counted apart as per-step work."""
+    """TSP's RoPE on CUDA: each application (q and k of each of the D head groups, forward, and
+    its inverse rotation in backward) is one launch of TSP's kernel (``rope_kernel``: the
+    ``megatron_tsp.rope`` op); none comes from the unfused path, from Megatron's unfused RoPE or
+    from autograd re-running it. The tables are built once (the first layer of a step), by
+    ``rope._build``, counted apart as per-step work."""
     records = [r for r in layer["tsp"]["records"] if r["kind"] == "kernel"]
     by_source = {}
     for r in records:
         by_source[r["source"]] = by_source.get(r["source"], 0) + 1
-    assert by_source.get("rope.rotate") == 3 * 2 * 2 * D, by_source  # 3 x (q, k) x (fwd, bwd) x D
+    rope = [r for r in records if r["name"] == "rope"]
+    assert len(rope) == by_source.get("rope_kernel.rope_into") == 2 * 2 * D, by_source
+    assert "rope.rotate" not in by_source, by_source
     assert not [s for s in by_source if s.startswith("rope_utils.")], by_source
     assert "rope._build" not in by_source  # per step, counted apart
     per_step = [r for r in layer["tsp"]["records"] if r["kind"] == "per_step"]

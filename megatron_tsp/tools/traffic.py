@@ -88,6 +88,9 @@ NOT_KERNELS = frozenset(
 )
 # in-place / out ops that overwrite their destination without reading it
 OVERWRITES = frozenset({"copy_", "fill_", "zero_", "index_copy_", "normal_", "uniform_"})
+# custom ops that return nothing and write their mutated arguments without reading them
+# (TSP's one-kernel RoPE, ``megatron_tsp.rope``: it writes ``out``)
+WRITE_ONLY_MUTATED = frozenset({"rope"})
 # gathers: they read as many source bytes as they write (plus the index)
 GATHERS = frozenset({"index_select", "embedding", "gather", "index"})
 GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})
@@ -168,6 +171,16 @@ def _out_arguments(func, args, kwargs) -> List:
     return outs
 
 
+def _mutated_arguments(func, args, kwargs) -> List:
+    """Tensors of the arguments the op's schema marks as written (``Tensor(a!)``)."""
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = kwargs[arg.name] if arg.name in kwargs else args[i] if i < len(args) else None
+            found += _tensors(value)
+    return found
+
+
 def _input_arguments(func, args, kwargs) -> List:
     """Tensors passed in the op's input (non-``out=``) arguments."""
     ins = []
@@ -243,6 +256,11 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     # an input that is also the out= tensor (``addmm(acc, a, b, out=acc)``) is still read
     inputs = _unique(_input_arguments(func, args, kwargs))
     results = _unique(_tensors(out))
+    if not func._schema.returns:  # a custom op that returns nothing writes what it mutates
+        mutated = _mutated_arguments(func, args, kwargs)
+        results = _unique(results + mutated)
+        if name in WRITE_ONLY_MUTATED:
+            inputs = [t for t in inputs if all(t is not m for m in mutated)]
     if not any(t.device.type == device_type for t in inputs + results + outs):
         return OpRecord(name, phase, "host")
     # device memory only: a host tensor an op uploads or downloads crosses PCIe, not HBM

@@ -16,9 +16,11 @@ call and as many in backward). Here:
   the K/V send buffer or of the QKV gradient): unfused, three kernels (``x*cos``, then one fused
   multiply-add per channel half: the sine product and the sum rounded once, where Megatron's
   unfused RoPE rounds the product and then the sum, so in bf16 a result may differ from
-  Megatron's by that one rounding, TSP's being the closer); fused, one call of the kernel
-  Megatron's ``apply_rope_fusion`` uses (``rope_utils.fused_apply_rotary_pos_emb``, Transformer
-  Engine's), looked up at call time;
+  Megatron's by that one rounding, TSP's being the closer); on CUDA with Triton, one kernel
+  that writes ``out`` at its strides in fp32 arithmetic (``rope_kernel``, the default there;
+  ``TSP_ROPE_KERNEL=torch`` keeps the unfused path); with ``apply_rope_fusion``, one call of the
+  kernel Megatron uses (``rope_utils.fused_apply_rotary_pos_emb``, Transformer Engine's, looked
+  up at call time) and a copy into ``out``;
 * backward: RoPE rotates each (x_i, x_swap(i)) pair by an angle θ, so its adjoint is the
   rotation by -θ: ``rotate(dy, tables, out, inverse=True)``. Nothing is re-run under autograd and
   nothing but the tables is kept for it.
@@ -33,12 +35,14 @@ same steps with each half taking its partner half's ``s'``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from megatron_tsp.core.layers import rope_kernel
 from megatron_tsp.core.layout import TSPLayout
 
 try:  # megatron-core >= 0.14
@@ -101,18 +105,21 @@ def fused_rope_kernel(config) -> Optional[Callable]:
 class RopeTables:
     """This rank's RoPE tables for one embedding, dtype and layout.
 
-    ``fused``: the fused kernel, with ``tensors`` = (angles, -angles) fp32 [t, 1, 1, rot];
-    otherwise ``tensors`` = (cos, s') in the compute dtype, [t, 1, 1, rot] (see the module
-    docstring). ``rot``: rotary channels (the rest of each head passes through)."""
+    ``fused``: Transformer Engine's fused kernel, with ``tensors`` = (angles, -angles) fp32
+    [t, 1, 1, rot]; ``one_kernel``: TSP's own kernel (``rope_kernel``), with ``tensors`` = (cos,
+    s') fp32 [t, rot]; otherwise ``tensors`` = (cos, s') in the compute dtype, [t, 1, 1, rot]
+    (see the module docstring). ``rot``: rotary channels (the rest of each head passes
+    through)."""
 
     rot: int
     interleaved: bool
     fused: Optional[Callable]
     tensors: Tuple[torch.Tensor, ...]
+    one_kernel: bool = False
 
     def with_tensors(self, tensors) -> "RopeTables":
         """The same tables rebuilt from ``tensors`` (e.g. what ``save_for_backward`` returns)."""
-        return RopeTables(self.rot, self.interleaved, self.fused, tuple(tensors))
+        return dataclasses.replace(self, tensors=tuple(tensors))
 
 
 def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTables:
@@ -139,18 +146,25 @@ def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTable
     # layout positions.
     with torch.no_grad():
         angles = emb.index_select(0, rows)
-        fused = fused_rope_kernel(config)
+        # TSP's own kernel where it runs (it writes the strided destination, no copy; YaRN's
+        # mscale folds into its tables), else Transformer Engine's when apply_rope_fusion asks
+        one_kernel = rope_kernel.available(emb.device, dtype)
+        fused = None if one_kernel else fused_rope_kernel(config)
         if fused is not None:
             return RopeTables(rot, interleaved, fused, (angles, -angles))
         mscale = _mscale(config)
+        # one kernel: fp32 tables, fp32 arithmetic, one rounding (TE's fused numerics); else
         # exactly Megatron's unfused cos_ / sin_ (rope_utils._apply_rotary_pos_emb_bshd)
-        cos = (torch.cos(angles) * mscale).to(dtype)
-        sin = (torch.sin(angles) * mscale).to(dtype)
-        sign = torch.ones(rot, dtype=dtype, device=emb.device)
+        table_dtype = torch.float32 if one_kernel else dtype
+        cos = (torch.cos(angles) * mscale).to(table_dtype)
+        sin = (torch.sin(angles) * mscale).to(table_dtype)
+        sign = torch.ones(rot, dtype=table_dtype, device=emb.device)
         first = sign.unflatten(-1, (-1, 2))[..., 0] if interleaved else sign[: rot // 2]
         first.fill_(-1)
         signed = sin * sign  # s'
-    return RopeTables(rot, interleaved, None, (cos, signed))
+        if one_kernel:
+            cos, signed = cos.view(-1, rot).contiguous(), signed.view(-1, rot).contiguous()
+    return RopeTables(rot, interleaved, None, (cos, signed), one_kernel=one_kernel)
 
 
 def local_tables(
@@ -173,6 +187,7 @@ def local_tables(
         bool(getattr(config, "rotary_interleaved", False)),
         bool(getattr(config, "apply_rope_fusion", False)),
         _mscale(config),
+        rope_kernel.available(emb.device, dtype),
     )
     cache = getattr(emb, _CACHE_ATTR, None)
     if cache is None:
@@ -216,6 +231,8 @@ def rotate(
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         cos, signed = tables.tensors
+        if tables.one_kernel:
+            return rope_kernel.rope_into(x, cos, signed, out, tables.interleaved, inverse)
         rot = tables.rot
         x_rot, out_rot = x[..., :rot], out[..., :rot]
         torch.mul(x_rot, _broadcast(cos, x.dim()), out=out_rot)
