@@ -47,4 +47,9 @@ def test_pretrain_gpt_starts_from_converted_hf_weights(tmp_path, seed):
     ref = loop._run(2, seed, *style, *load, "--tensor-model-parallel-size", "2")
     loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
     scratch = loop._run(2, seed, *style, "--tensor-sequence-parallel-size", "2")
-    assert loop._rel(tsp.losses[0], scratch.losses[0]) > 1e-4, (tsp.losses, scratch.losses)
+    # The run started from the converted weights, not from Megatron's own init: at init both
+    # predict almost uniformly (first losses ~ln(vocab), seen 7.7e-5 apart), so compare the
+    # whole curve and the gradient norms, which follow the weights.
+    loaded = tsp.losses + tsp.grad_norms
+    fresh = scratch.losses + scratch.grad_norms
+    assert max(loop._rel(a, b) for a, b in zip(loaded, fresh)) > 1e-3, (loaded, fresh)
