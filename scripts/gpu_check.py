@@ -509,9 +509,9 @@ def verify_rope_kernel(device) -> dict:
     formula, bf16 and fp32, a strided destination, forward and inverse: worst error relative to
     the terms' magnitude (one rounding is 2^-9 in bf16, 6e-8 in fp32). On CPU tensors it runs in
     Triton's interpreter (which truncates to bf16). Triton missing: reported, not run."""
-    from megatron_tsp.core.layers import rope_kernel
+    from megatron_tsp.core.layers import rope_kernel, triton_choice
 
-    if not rope_kernel._triton_importable():
+    if not triton_choice.triton_importable():
         return {"ran": False, "why": "triton not importable", "errors": {}}
     g = torch.Generator().manual_seed(0)
     # the interpreter runs one program at a time: a few tokens on CPU

@@ -253,18 +253,18 @@ def check_attention(
     rotary_percent=1.0,
     rope_fusion=False,
     kv_grad_all_to_all=False,
-    rope_one_kernel=False,
+    triton_kernels=False,
 ):
     """``rope_fusion``: ``apply_rope_fusion`` on, with ``_FusedRopeStandIn`` as Megatron's fused
     kernel (the reference keeps the unfused formula). ``kv_grad_all_to_all``: dK/dV summed by an
-    all-to-all (``config.tsp_kv_grad_all_to_all``). ``rope_one_kernel``: TSP's Triton RoPE
-    (``rope_kernel``, chosen on CUDA), here on CPU tensors in Triton's interpreter, its launches
-    counted."""
+    all-to-all (``config.tsp_kv_grad_all_to_all``). ``triton_kernels``: TSP's Triton kernels,
+    chosen on CUDA (``rope_kernel``, ``row_sum_kernel``), here on CPU tensors in Triton's
+    interpreter, their launches counted."""
     import copy
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megatron_tsp.core.layers import rope_kernel
+    from megatron_tsp.core.layers import rope_kernel, row_sum_kernel
 
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
@@ -310,13 +310,16 @@ def check_attention(
     x = zigzag_rows(x_full, size, rank).requires_grad_(True)
     stand_in, saved_fused = _FusedRopeStandIn(), rope_utils.fused_apply_rotary_pos_emb
     saved_kernel = (rope_kernel.available, rope_kernel.rope_into)
-    launches = []
+    saved_row_sum = (row_sum_kernel.available, row_sum_kernel.sum_rows_into)
+    launches, row_sums = [], []
     if rope_fusion:
         config.apply_rope_fusion = True  # after construction: TransformerConfig wants TE
         rope_utils.fused_apply_rotary_pos_emb = stand_in
-    if rope_one_kernel:
+    if triton_kernels:
         rope_kernel.available = lambda device, dtype: dtype in rope_kernel.DTYPES
         rope_kernel.rope_into = lambda *a: (launches.append(1), saved_kernel[1](*a))[1]
+        row_sum_kernel.available = lambda device, dtype: dtype in row_sum_kernel.DTYPES
+        row_sum_kernel.sum_rows_into = lambda *a: (row_sums.append(1), saved_row_sum[1](*a))[1]
     try:
         out, out_bias = layer(x, attention_mask=None, rotary_pos_emb=freqs)
         y = out + out_bias if out_bias is not None else out
@@ -324,12 +327,15 @@ def check_attention(
     finally:
         rope_utils.fused_apply_rotary_pos_emb = saved_fused
         rope_kernel.available, rope_kernel.rope_into = saved_kernel
+        row_sum_kernel.available, row_sum_kernel.sum_rows_into = saved_row_sum
     # q and k per head group: forward, backward (and recomputed forward)
     expected_calls = (4 if attention_backward == "saved" else 6) * size
     if rope_fusion:
         assert stand_in.calls == expected_calls, f"fused RoPE called {stand_in.calls} times"
-    if rope_one_kernel:
+    if triton_kernels:
         assert len(launches) == expected_calls, f"RoPE kernel launched {len(launches)} times"
+        # dK and dV of each of the D head groups, once per backward
+        assert len(row_sums) == 2 * size, f"row-sum kernel launched {len(row_sums)} times"
     actual = {"output": y, "grad:input": x.grad}
     expected = {
         "output": zigzag_rows(yr, size, rank),
@@ -342,7 +348,7 @@ def check_attention(
         rtol=TOL[dtype],
         what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
         f"rope={rope} interleaved={rotary_interleaved} rotary_percent={rotary_percent} "
-        f"fused={rope_fusion} one_kernel={rope_one_kernel} backward={attention_backward} "
+        f"fused={rope_fusion} triton={triton_kernels} backward={attention_backward} "
         f"a2a={kv_grad_all_to_all} "
         f"seed={seed}",
     )

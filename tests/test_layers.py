@@ -251,10 +251,11 @@ def test_attention_rope_variants(pool4, seed, d, interleaved, percent, fused, ba
     "interleaved,percent,backward",
     [(False, 1.0, "saved"), (True, 0.5, "recompute")],
 )
-def test_attention_rope_one_kernel(pool4, seed, d, interleaved, percent, backward):
-    """TSP's one-kernel RoPE (``rope_kernel``, the CUDA default with Triton), run here in
-    Triton's interpreter: fp32 parity with the reference (Megatron's unfused RoPE), forward and
-    backward (its inverse is the adjoint), one launch per q / k application."""
+def test_attention_triton_kernels(pool4, seed, d, interleaved, percent, backward):
+    """TSP's Triton kernels, the CUDA default (``rope_kernel``: RoPE in one launch;
+    ``row_sum_kernel``: each head group's dK and dV summed into the send buffer in one launch
+    each), run here in Triton's interpreter: fp32 parity with the reference (Megatron's unfused
+    RoPE), forward and backward (the RoPE inverse is the adjoint), their launch counts."""
     pool4.run(
         checks_layers.check_attention,
         d,
@@ -270,7 +271,7 @@ def test_attention_rope_one_kernel(pool4, seed, d, interleaved, percent, backwar
         attention_backward=backward,
         rotary_interleaved=interleaved,
         rotary_percent=percent,
-        rope_one_kernel=True,
+        triton_kernels=True,
     )
 
 

@@ -2,7 +2,7 @@
 Triton's interpreter on CPU tensors: the formula in every dtype it takes, strided sources and
 destinations, interleaved pairs, partial rotary, the inverse as the exact adjoint; when it is
 chosen; how the traffic recorder counts it. (The layer parity with it:
-``tests/test_layers.py::test_attention_rope_one_kernel``.)"""
+``tests/test_layers.py::test_attention_triton_kernels``.)"""
 
 import pytest
 import torch

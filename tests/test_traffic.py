@@ -217,6 +217,24 @@ def test_tsp_rope_launches(layer):
     assert {r["source"] for r in per_step} == set(traffic.PER_STEP_SOURCES)
 
 
+def test_tsp_kv_grad_row_sums(layer):
+    """Each head group's dK and dV land in the reduce-scatter's send buffer in one launch each
+    of TSP's row-sum kernel (``row_sum_kernel``: the ``megatron_tsp.sum_rows`` op), which reads
+    the flash backward's per-block dK / dV once and writes the buffer once; none of the torch
+    path's per-range copies, adds or zeroing (``layout.sum_row_pieces``). The recorded rank is
+    rank 0 of the fake group."""
+    from megatron_tsp.core.layout import TSPLayout
+
+    records = [r for r in layer["tsp"]["records"] if r["kind"] == "kernel"]
+    sums = [r for r in records if r["name"] == "sum_rows"]
+    sources = {r["source"] for r in sums}
+    assert len(sums) == 2 * D and sources == {"row_sum_kernel.sum_rows_into"}, sources
+    assert not [r for r in records if r["source"] == "layout.sum_row_pieces"]
+    row = (HEADS // D) * (H // HEADS) * 2  # one token's K (or V) of one head group, bf16
+    keys = sum(block.key_len for block in TSPLayout(D, SEQ, 0).gathered_blocks)
+    assert all(r["written"] == SEQ * row and r["read"] == keys * row for r in sums), sums
+
+
 def test_cached_index_table_uploads_are_not_step_kernels(layer):
     """The layout's index tables are uploaded on first use and cached on a GPU (never under
     FakeTensorMode): the recording counts those uploads apart, none as a kernel of the step."""

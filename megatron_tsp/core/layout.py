@@ -322,39 +322,26 @@ class TSPLayout:
 
     def sum_keys(self, dest: torch.Tensor, sources: Sequence[Tuple[int, KeyRows]]) -> torch.Tensor:
         """Write the sum of key-row tensors into ``dest`` (the S rows of the gathered K/V
-        buffer, ``gathered_blocks``: what the dK/dV reduce-scatter sends); returns ``dest``.
+        buffer, ``gathered_blocks``: what the dK/dV reduce-scatter sends) with torch ops
+        (``sum_row_pieces`` of ``key_pieces``); returns ``dest``. No temporary of ``dest``'s
+        size. (The attention layer sums the same pieces in one Triton launch where it can,
+        ``row_sum_kernel``.)"""
+        return sum_row_pieces(dest, self.key_pieces(dest.shape[0], sources))
+
+    def key_pieces(
+        self, rows: int, sources: Sequence[Tuple[int, KeyRows]]
+    ) -> List[Tuple[int, int, torch.Tensor]]:
+        """Where key-row tensors land in a buffer of ``rows`` rows laid out as the gathered K/V
+        (``gathered_blocks``), as ``(lo, hi, tensor rows)`` pieces for ``sum_row_pieces``.
         ``sources``: ``(first row, rows)`` pairs, the rows one tensor or consecutive tensors
         (``KeyRows``: a top-left kernel's prefix and diagonal parts, never joined); rows from S
-        on are the local copy of this rank's late chunk and land on that chunk's rows. Rows no
-        source covers are zeroed; a row one source covers is copied; where sources overlap their
-        sum is computed in the wider of their and ``dest``'s precision and rounded once into
-        ``dest``. No temporary of ``dest``'s size."""
-        pieces = []  # (lo, hi, tensor rows [lo, hi))
-        for start, rows in sources:
-            for part in _key_parts(rows):
-                pieces += self._key_pieces(start, part, dest.shape[0])
+        on are the local copy of this rank's late chunk and land on that chunk's rows."""
+        pieces = []
+        for start, key_rows in sources:
+            for part in _key_parts(key_rows):
+                pieces += self._key_pieces(start, part, rows)
                 start += part.shape[0]
-        cuts = sorted(
-            {0, dest.shape[0]} | {lo for lo, _, _ in pieces} | {hi for _, hi, _ in pieces}
-        )
-        for lo, hi in zip(cuts, cuts[1:]):
-            views = [t.narrow(0, lo - a, hi - lo) for a, b, t in pieces if a <= lo and hi <= b]
-            out = dest.narrow(0, lo, hi - lo)
-            if not views:
-                out.zero_()
-            elif len(views) == 1:
-                out.copy_(views[0])
-            elif len(views) == 2 and torch.result_type(*views) == dest.dtype:
-                torch.add(views[0], views[1], out=out)  # one rounding of the wide sum
-            else:  # a wider destination, or more sources: sum in the widest precision
-                wide = torch.promote_types(dest.dtype, torch.float32)
-                for v in views:
-                    wide = torch.promote_types(wide, v.dtype)
-                total = views[0].to(wide)
-                for v in views[1:]:
-                    total = total + v
-                out.copy_(total)
-        return dest
+        return pieces
 
     def _key_pieces(self, start: int, part: torch.Tensor, rows: int) -> list:
         """``(lo, hi, tensor)`` pieces of ``part`` (gathered rows from ``start``) in a buffer
@@ -373,6 +360,32 @@ class TSPLayout:
         if head > 0:
             pieces.insert(0, (start, rows, part.narrow(0, 0, head)))
         return pieces
+
+
+def sum_row_pieces(dest: torch.Tensor, pieces: Sequence[Tuple[int, int, torch.Tensor]]):
+    """``dest`` row i = the sum of the ``(lo, hi, tensor)`` pieces covering it (``tensor`` holds
+    rows [lo, hi)); returns ``dest``. Rows no piece covers are zeroed; a row one piece covers
+    is copied; where pieces overlap their sum is computed in the wider of their and ``dest``'s
+    precision (fp32 at least, in the pieces' order) and rounded once into ``dest``."""
+    cuts = sorted({0, dest.shape[0]} | {lo for lo, _, _ in pieces} | {hi for _, hi, _ in pieces})
+    for lo, hi in zip(cuts, cuts[1:]):
+        views = [t.narrow(0, lo - a, hi - lo) for a, b, t in pieces if a <= lo and hi <= b]
+        out = dest.narrow(0, lo, hi - lo)
+        if not views:
+            out.zero_()
+        elif len(views) == 1:
+            out.copy_(views[0])
+        elif len(views) == 2 and torch.result_type(*views) == dest.dtype:
+            torch.add(views[0], views[1], out=out)  # one rounding of the wide sum
+        else:  # a wider destination, or more sources: sum in the widest precision
+            wide = torch.promote_types(dest.dtype, torch.float32)
+            for v in views:
+                wide = torch.promote_types(wide, v.dtype)
+            total = views[0].to(wide)
+            for v in views[1:]:
+                total = total + v
+            out.copy_(total)
+    return dest
 
 
 def _key_parts(rows) -> List[torch.Tensor]:

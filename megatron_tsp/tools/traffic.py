@@ -90,7 +90,7 @@ NOT_KERNELS = frozenset(
 OVERWRITES = frozenset({"copy_", "fill_", "zero_", "index_copy_", "normal_", "uniform_"})
 # custom ops that return nothing and write their mutated arguments without reading them
 # (TSP's one-kernel RoPE, ``megatron_tsp.rope``: it writes ``out``)
-WRITE_ONLY_MUTATED = frozenset({"rope"})
+WRITE_ONLY_MUTATED = frozenset({"rope", "sum_rows"})
 # gathers: they read as many source bytes as they write (plus the index)
 GATHERS = frozenset({"index_select", "embedding", "gather", "index"})
 GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})

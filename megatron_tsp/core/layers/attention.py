@@ -87,7 +87,7 @@ from megatron_tsp.core.comm import (
     reduce_to,
     weight_bias_views,
 )
-from megatron_tsp.core.layers import kernels
+from megatron_tsp.core.layers import kernels, row_sum_kernel
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.head_groups import (
     GroupStream,
@@ -230,12 +230,14 @@ class _KVGradScatter:
     """Adjoint of ``_post_kv_gather`` for one head group: the attention blocks' dK and dV
     (``(first row, layout.KeyRows)`` sources in the gathered layout: one tensor, or a top-left
     kernel's prefix and diagonal parts) are summed straight into a ``WORKSPACE`` send buffer
-    [S, b, 2 * ng/D, hn] in that layout (``TSPLayout.sum_keys``: no full-sequence accumulator,
-    no reorder pass) at construction; ``post()`` posts one reduce-scatter per half (the late
-    half's row block q is rank q's late chunk, the early half's its early chunk), ``wait()``
-    (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn] sum over the group in
-    ``dtype``, early chunk first. Building and posting are apart so the layer can queue the
-    next head group's work before the reduce-scatter (see ``_AttentionBackward``).
+    [S, b, 2 * ng/D, hn] in that layout (``TSPLayout.key_pieces``, summed by
+    ``row_sum_kernel.sum_pieces``: one launch for dK and one for dV on CUDA, no full-sequence
+    accumulator, no reorder pass) at construction; ``post()`` posts one reduce-scatter per
+    half (the late half's row block q is rank q's late chunk, the early half's its early
+    chunk), ``wait()`` (posting first if needed) returns this rank's [s/D, b, 2 * ng/D, hn]
+    sum over the group in ``dtype``, early chunk first. Building and posting are apart so the
+    layer can queue the next head group's work before the reduce-scatter (see
+    ``_AttentionBackward``).
 
     ``wire_dtype``: the send buffer's dtype. The sum over the chunks is always computed in fp32
     (or wider) and rounded once into the buffer. By default the buffer has the compute dtype, as
@@ -272,8 +274,9 @@ class _KVGradScatter:
             self.send = torch.empty(shape, dtype=wire_dtype, device=device)
         else:
             self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
-        seq_layout.sum_keys(self.send.narrow(2, 0, groups), dks)
-        seq_layout.sum_keys(self.send.narrow(2, groups, groups), dvs)
+        k_half, v_half = self.send.narrow(2, 0, groups), self.send.narrow(2, groups, groups)
+        for dest, sources in ((k_half, dks), (v_half, dvs)):  # one launch each on CUDA
+            row_sum_kernel.sum_pieces(dest, seq_layout.key_pieces(dest.shape[0], sources))
         if seq_layout.group_size == 1:
             self.pending = done(self.send)
 

@@ -119,7 +119,7 @@ class AttentionKernel:
         """``backward`` with dK and dV as tuples of tensors that follow one another along the
         key dimension (``[b, g, part, d]`` each). One part unless the kernel computes the keys
         in pieces (``_TopLeftKernel``), which then need not be joined: the TSP layer sums them
-        straight into its send buffer (``TSPLayout.sum_keys``)."""
+        straight into its send buffer (``TSPLayout.key_pieces``, ``row_sum_kernel``)."""
         dq, dk, dv = self.backward(d_out, q, k, v, out, lse, alignment, scale)
         return dq, (dk,), (dv,)
 
@@ -670,7 +670,7 @@ def zigzag_backward_sources(
     """Gradients from the saved ``(outs, lses)`` of ``zigzag_forward``. Returns ``(dq,
     dk_sources, dv_sources)``: dq [sq, b, np, d] and per block ``(key_start,
     layout.KeyRows)``: the kernel's dK / dV rows in key order (``backward_parts``; in its
-    dtype, never joined), for ``TSPLayout.sum_keys`` to sum into the send buffer.
+    dtype, never joined), for the layer to sum into its send buffer (``TSPLayout.key_pieces``).
 
     ``after_first_block``: called once the first block's backward has been issued (the layer
     posts the previous head group's dK/dV reduce-scatter there, behind compute already
@@ -709,7 +709,7 @@ def zigzag_backward(
     ``dkv_acc`` [S, b, 2 * ng, d] (dK in the first ng heads, dV in the rest) of
     ``accumulation_dtype`` (fp32 for bf16/fp16); a given ``dkv_acc`` must be zeroed. For the
     reference paths (kernel check, memory tool); the TSP layer sums its blocks straight into
-    its send buffer instead (``TSPLayout.sum_keys``)."""
+    its send buffer instead (``TSPLayout.key_pieces``)."""
     s, b, groups, dim = k_nat.shape
     if dkv_acc is None:
         dkv_acc = torch.zeros(

@@ -25,36 +25,19 @@ and not turned off by ``TSP_ROPE_KERNEL=torch``.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import torch
 
+from megatron_tsp.core.layers import triton_choice
+
 ENV = "TSP_ROPE_KERNEL"  # "triton" (default where available) or "torch" (the unfused path)
-_CHOICES = ("triton", "torch")
-
-
-# its arithmetic is fp32: wider models keep the unfused path
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = triton_choice.DTYPES  # its arithmetic is fp32: wider models keep the unfused path
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether RoPE of ``dtype`` tensors on ``device`` runs this kernel (CUDA, Triton
     importable, an fp32-or-narrower dtype, not turned off by ``TSP_ROPE_KERNEL=torch``)."""
-    choice = os.environ.get(ENV, "triton")
-    if choice not in _CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: choose one of {_CHOICES}")
-    return (
-        choice == "triton"
-        and torch.device(device).type == "cuda"
-        and dtype in DTYPES
-        and _triton_importable()
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return triton_choice.enabled(ENV, device, dtype)
 
 
 @functools.lru_cache(maxsize=2)

@@ -417,7 +417,7 @@ _COPY_KV_KERNELS = ("te_fused",)  # contiguous copies of the chunk's K/V beside 
 
 def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
-    whole sequence S), before ``TSPLayout.sum_keys`` sums it into the send buffer: the kernel's
+    whole sequence S), before ``TSPLayout.key_pieces`` are summed into the send buffer: the kernel's
     dK and dV over S keys for one head group. A top-left kernel runs the bottom-right chunk as a
     prefix block and a diagonal block and hands both parts over as they are (no concatenation,
     ``backward_parts``): S keys' worth, as one call would; te_fused holds contiguous copies of
