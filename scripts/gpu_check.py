@@ -34,7 +34,9 @@ sdpa_recompute, and te_fused through the TE contract emulator with ``--te-emulat
 against an fp32 SDPA-math reference on the same inputs (``megatron_tsp/tools/kernel_check.py``:
 forward and backward, both zigzag chunks, GQA, micro-batch 2); the errors go to the report, and
 the TSP layers are pinned (``TSP_ATTENTION_KERNEL``) to a verified backend, the default choice
-when it passed, whose name is recorded.
+when it passed, whose name is recorded. TSP's own Triton kernels are checked too: the one-kernel
+RoPE against the fp64 formula (report section (c)) and the one-launch dK/dV row sum against its
+torch path on every rank's pieces of a D=8 group (section (d)).
 
 Timings are reported as ratios and absolute medians, never asserted. Total run time on an H200:
 a few minutes (7B-layer builds on CPU dominate); ``--iters`` / ``--seq`` shorten it.
@@ -549,6 +551,44 @@ def verify_rope_kernel(device) -> dict:
     }
 
 
+def verify_row_sum_kernel(device) -> dict:
+    """TSP's one-launch dK/dV sum (``row_sum_kernel``: Triton, the CUDA default) against its torch
+    path (``layout.sum_row_pieces``: copies and one fp32 add rounded once) on the pieces every
+    rank of a D=8 group sums, bf16 and fp32, strided sources: the largest difference in units of
+    the destination's rounding (0 on a GPU: both round the same fp32 sum to nearest; up to one
+    bf16 ulp in Triton's interpreter, which truncates). Triton missing: reported, not run."""
+    from megatron_tsp.core.layers import row_sum_kernel, triton_choice
+    from megatron_tsp.core.layout import TSPLayout, sum_row_pieces
+
+    if not triton_choice.triton_importable():
+        return {"ran": False, "why": "triton not importable", "ulps": {}}
+    g = torch.Generator().manual_seed(0)
+    d, (b, n, dim) = 8, (1, 4, 128)
+    seq = 2 * d * (512 if torch.device(device).type == "cuda" else 2)
+    ulps = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        worst = 0.0
+        for rank in range(d):
+            layout = TSPLayout(d, seq, rank)
+            sources = []
+            for block in layout.gathered_blocks:
+                base = torch.randn(b, n, block.key_len, dim, generator=g).to(dtype).to(device)
+                sources.append((block.key_start, base.permute(2, 0, 1, 3)))
+            pieces = layout.key_pieces(seq, sources)
+            out = torch.empty(seq, b, n, dim, dtype=dtype, device=device)
+            row_sum_kernel.sum_rows_into(out, pieces)
+            ref = sum_row_pieces(torch.empty_like(out), pieces).double()
+            ulp = torch.finfo(dtype).eps * ref.abs().clamp_min(torch.finfo(dtype).tiny)
+            worst = max(worst, ((out.double() - ref).abs() / ulp).max().item())
+        ulps[str(dtype).split(".")[-1]] = worst
+    return {
+        "ran": True,
+        "why": "",
+        "ulps": ulps,
+        "chosen_on_this_device": row_sum_kernel.available(torch.device(device), torch.bfloat16),
+    }
+
+
 def _check_case(device) -> dict:
     if device == "cpu":
         return dict(size=2, rank=1, chunk=8, head_dim=16, batch=2)
@@ -666,6 +706,20 @@ def write_report(result: dict, out_dir: str) -> None:
         ]
     else:
         lines += [f"not run: {rope.get('why', '?')}", ""]
+    row_sum = result.get("row_sum_kernel", {})
+    lines += ["## (d) TSP's one-launch dK/dV row sum against its torch path", ""]
+    if row_sum.get("ran"):
+        lines += [
+            f"chosen by the layers on this device: {row_sum['chosen_on_this_device']}; largest "
+            "difference in units of the result's rounding (0 where both round to nearest):",
+            "",
+            "| dtype | ulps |",
+            "|---|---|",
+            *[f"| {k} | {v:.2f} |" for k, v in row_sum["ulps"].items()],
+            "",
+        ]
+    else:
+        lines += [f"not run: {row_sum.get('why', '?')}", ""]
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines))
 
@@ -777,6 +831,8 @@ def main(argv=None) -> int:
     )
     rope = verify_rope_kernel(device)
     print("[rope kernel]", rope, flush=True)
+    row_sum = verify_row_sum_kernel(device)
+    print("[row-sum kernel]", row_sum, flush=True)
     timing = {}
     for scheme in SCHEMES:
         profile_path = None
@@ -852,6 +908,7 @@ def main(argv=None) -> int:
         },
         "attention_backends": backends,
         "rope_kernel": rope,
+        "row_sum_kernel": row_sum,
         "timing": timing,
         "precision": precision,
     }

@@ -133,6 +133,12 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         assert 1e-5 < err < 5e-2, (name, err)
     for text in ("## (a)", "## (b)", "| TSP |", "| Megatron TP+SP |", "TSP / TP+SP step time"):
         assert text in md
+    # TSP's Triton kernels, in Triton's interpreter here (it truncates to bf16: one ulp)
+    rope, row_sum = report["rope_kernel"], report["row_sum_kernel"]
+    assert rope["ran"] and row_sum["ran"] and "## (c)" in md and "## (d)" in md
+    assert max(rope["errors"].values()) <= 2.0**-7, rope
+    assert row_sum["ulps"]["float32"] == 0 and row_sum["ulps"]["bfloat16"] <= 1, row_sum
+    assert not rope["chosen_on_this_device"] and not row_sum["chosen_on_this_device"]
     assert ("skipped (--skip-fake)" in md) is not fake
     # the attention backends were checked before timing, and the timed one is a verified one
     bk = report["attention_backends"]
