@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
-from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core import output_head, sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 from tests.common import (
     DTYPES,
@@ -58,7 +60,7 @@ def _config(d, dtype, style, layers, hidden, heads, ffn, groups=None):
     )
 
 
-def _model(config, spec, style, vocab, seq, parallel_output=True):
+def _model(config, spec, style, vocab, seq, parallel_output=True, tied=False):
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -66,7 +68,7 @@ def _model(config, spec, style, vocab, seq, parallel_output=True):
         max_sequence_length=seq,
         parallel_output=parallel_output,
         position_embedding_type=STYLES[style]["position_embedding_type"],
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=tied,
     )
 
 
@@ -107,6 +109,17 @@ def _step(model, batch, loss_path):
     return loss.detach()
 
 
+@contextlib.contextmanager
+def _ring_calls():
+    """Count the model calls that computed their loss on the vocabulary ring."""
+    calls, original = [], output_head.ring_loss
+    output_head.ring_loss = lambda *a: (calls.append(1), original(*a))[1]
+    try:
+        yield calls
+    finally:
+        output_head.ring_loss = original
+
+
 def _norms_to(model, dtype):
     """megatron-core's CPU norm (``WrappedTorchNorm``) builds torch norms in the default dtype
     whatever ``params_dtype`` is; cast just those (other parameters stay exactly as Megatron made
@@ -118,7 +131,19 @@ def _norms_to(model, dtype):
 
 
 def reference_run(
-    style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups=None
+    style,
+    seed,
+    dtype,
+    layers,
+    hidden,
+    heads,
+    ffn,
+    vocab,
+    batch,
+    seq,
+    loss_path,
+    groups=None,
+    tied=False,
 ):
     """Single-device stock GPTModel (TP=1, Megatron's local spec and norms): loss, params and
     grads."""
@@ -131,6 +156,7 @@ def reference_run(
         vocab,
         seq,
         parallel_output=loss_path == "megatron",
+        tied=tied,
     )
     _norms_to(model, dtype)
     data = _batch(seed, batch, seq, vocab)
@@ -156,13 +182,17 @@ def check_gpt_vs_single(
     loss_path="exact",
     rtol=None,
     groups=None,
+    vocab_ring=False,
+    tied=False,
 ):
     """TSP (or the stock Megatron TP=d+SP reference, ``baseline='tp_sp'``) GPTModel vs the TP=1
     stock model: loss and every gradient, gathered to full size. ``groups``: num_query_groups
-    instead of the style's."""
+    instead of the style's. ``vocab_ring``: the TSP model's loss on the vocabulary ring
+    (``output_head``, the model called with labels) against the reference's ``loss_path``.
+    ``tied``: input and output embeddings shared."""
     dtype = DTYPES[dtype_name]
     ref_loss, ref_params, ref_grads, data = reference_run(
-        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups
+        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups, tied
     )
     if baseline == "tsp":
         setup_tsp(d, seed)
@@ -171,10 +201,14 @@ def check_gpt_vs_single(
     group, size, rank = group_info() if baseline == "tsp" else _tp_group_info()
     config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
     spec = (get_gpt_block_tsp_spec if baseline == "tsp" else reference_tp_sp_block_spec)(config)
-    model = _model(config, spec, style, vocab, seq, parallel_output=loss_path == "megatron")
+    model = _model(config, spec, style, vocab, seq, loss_path == "megatron" or vocab_ring, tied)
+    if vocab_ring:
+        output_head.install(model)
     sharding.load_full_state(model, ref_params, group)
     local = zigzag.get_batch_on_this_tsp_rank(data, size) if baseline == "tsp" else data
-    loss = _step(model, local, loss_path)
+    with _ring_calls() as calls:
+        loss = _step(model, local, "megatron" if vocab_ring else loss_path)
+    assert len(calls) == (1 if vocab_ring else 0), f"vocab ring ran {len(calls)} times"
     sharding.allreduce_sequence_parallel_grads(model, group)
     grads = sharding.gather_full_state(model, group, grads=True)
     actual = {"loss": loss, **{f"grad:{n}": g for n, g in grads.items()}}
@@ -184,7 +218,7 @@ def check_gpt_vs_single(
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
         what=f"{baseline} GPT ({style}, D={d}, groups={config.num_query_groups}, {dtype_name}, "
-        f"loss={loss_path}) "
+        f"loss={loss_path}, vocab_ring={vocab_ring}, tied={tied}) "
         f"vs single-process stock GPTModel, seed={seed}",
     )
 
@@ -212,8 +246,12 @@ def check_tsp_vs_tp_sp(
     seq=32,
     rtol=None,
     groups=None,
+    vocab_ring=False,
+    tied=False,
 ):
-    """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights.
+    """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights. ``vocab_ring``: the
+    TSP model's loss on the vocabulary ring (``output_head``; Megatron's loss path for both);
+    ``tied``: input and output embeddings shared.
 
     The TP+SP model is stock megatron-core (``reference_tp_sp_block_spec``: Megatron's local layer
     spec, norms written from their formula) initialised by Megatron; its ``state_dict`` (this rank's
@@ -229,17 +267,21 @@ def check_tsp_vs_tp_sp(
     group, size, rank = _tp_group_info()
     config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
     po = loss_path == "megatron"
-    tp_model = _model(config, reference_tp_sp_block_spec(config), style, vocab, seq, po)
+    tp_model = _model(config, reference_tp_sp_block_spec(config), style, vocab, seq, po, tied)
     tp_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss = _step(tp_model, data, loss_path)
     sharding.allreduce_sequence_parallel_grads(tp_model, group)
     tp_grads = {n: p.grad.clone() for n, p in tp_model.named_parameters()}
 
     setup_tsp(d, seed)
-    tsp_model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, po)
+    tsp_model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, po, tied)
+    if vocab_ring:
+        output_head.install(tsp_model)
     _assert_same_layout(tp_model, tsp_model)
     tsp_model.load_state_dict(tp_state, strict=True)
-    tsp_loss = _step(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, size), loss_path)
+    with _ring_calls() as calls:
+        tsp_loss = _step(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, size), loss_path)
+    assert len(calls) == (1 if vocab_ring else 0), f"vocab ring ran {len(calls)} times"
     sharding.allreduce_sequence_parallel_grads(tsp_model, group)
     actual = {"loss": tsp_loss}
     expected = {"loss": tp_loss}
@@ -251,9 +293,10 @@ def check_tsp_vs_tp_sp(
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
         what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, groups={config.num_query_groups}, "
-        f"{dtype_name}, "
-        f"loss={loss_path}), seed={seed}",
+        f"{dtype_name}, loss={loss_path}, vocab_ring={vocab_ring}, tied={tied}), seed={seed}",
     )
+    if vocab_ring:
+        return out
 
     # Reverse direction, and identical initialisation from the same seed.
     init_seed = seed + 7

@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core import output_head, sharding, zigzag
 from megatron_tsp.core.specs import get_gpt_block_local_sp_spec, get_gpt_block_tsp_spec
 from tests.checks_gpt import _batch, _config, _model, _tp_group_info
 from tests.common import (
@@ -70,6 +70,9 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     local-slice function and full grads."""
     a2a = kind.endswith("_a2a")  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
     kind = kind.removesuffix("_a2a")
+    # the loss on the vocabulary ring (core.output_head; the Megatron-LM launcher's default)
+    vocab_ring = kind.endswith("_vocab_ring")
+    kind = kind.removesuffix("_vocab_ring")
     # activation sums in fp32 (--tsp-activation-sums-in-fp32)
     sums_fp32 = kind.endswith("_sums_fp32")
     kind = kind.removesuffix("_sums_fp32")
@@ -94,6 +97,8 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     config.tsp_kv_grad_all_to_all = a2a
     config.tsp_activation_sums_in_fp32 = sums_fp32
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
+    if vocab_ring:
+        output_head.install(model)
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     sharding.load_full_state(
         model, {n: t.to(torch.bfloat16) for n, t in full_params.items()}, group
@@ -219,7 +224,8 @@ def bf16_errors_vs_fp64(
     runs compared ("tp_sp", "tsp", "tsp_kv_fp32": TSP with its dK/dV reduce-scatter in fp32,
     "tsp_cp2": TSP-d x CP=2 on 2d ranks, "tsp_cp2_kv_fp32": with the dK/dV wire in fp32; a
     "_a2a" suffix: the dK/dV summed by an all-to-all, --tsp-kv-grad-all-to-all; "tsp_sums_fp32":
-    TSP with its activation sums in fp32, --tsp-activation-sums-in-fp32)."""
+    TSP with its activation sums in fp32, --tsp-activation-sums-in-fp32; "tsp_vocab_ring": TSP
+    with its loss on the vocabulary ring)."""
     dims = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn)
     setup_megatron_tp(1, seed)
     config64 = _config(1, torch.float64, style, **dims)

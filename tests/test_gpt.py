@@ -73,3 +73,35 @@ def test_fewer_kv_heads_than_d(pool4, seed, d, groups):
             groups=groups,
         )
     pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, "llama", rtol=1e-10, groups=groups)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_vocab_ring_loss_matches_single_process_fp64(pool4, seed, d, style, tied):
+    """The TSP loss on the vocabulary ring (``core.output_head``: the output weight's shards
+    circulate, each rank's per-token losses over the whole vocabulary, gathered to [b, S]) against
+    the single-process model's fp64 cross-entropy: loss and every gradient (the output weight's,
+    or with tied embeddings the embedding's, summed over the ring), partial loss mask."""
+    pool4.run(
+        checks_gpt.check_gpt_vs_single, d, seed, style, rtol=1e-10, vocab_ring=True, tied=tied
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("d", [2, 4])
+def test_vocab_ring_equals_megatron_tp_sp_loss_path(pool4, seed, d, style, tied):
+    """TSP with the vocabulary ring against stock Megatron TP=D+SP with its vocab-parallel
+    cross-entropy (both from labels, fp32: Megatron's cross-entropy computes in fp32)."""
+    pool4.run(
+        checks_gpt.check_tsp_vs_tp_sp,
+        d,
+        seed,
+        style,
+        dtype_name="float32",
+        loss_path="megatron",
+        rtol=1e-5,
+        vocab_ring=True,
+        tied=tied,
+    )

@@ -95,6 +95,28 @@ def test_gpt_bf16_no_less_accurate_than_tp_sp(pool4, style):
     _report_and_check_gpt([{k: r[k] for k in ("tp_sp", "tsp")} for r in raw], first, style)
 
 
+_OUTPUT_WEIGHT = "output_layer.weight"
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_gpt_bf16_vocab_ring_no_less_accurate_than_tp_sp(pool4, style):
+    """The loss on the vocabulary ring (``core.output_head``, the launcher's default under TSP)
+    against Megatron TP+SP's output layer and vocab-parallel cross-entropy, on the same seeds as
+    ``test_gpt_bf16_no_less_accurate_than_tp_sp`` and with its criteria; the output weight's
+    gradient (D partial fp32 GEMMs summed in fp32 on the ring, one fp32 GEMM in TP+SP) is held to
+    the linear weights' bound, and the final norm's output (the head's input) is among the hidden
+    states checked without tolerance."""
+    first, raw = _gpt_runs(pool4, style)
+    runs = [{"tp_sp": r["tp_sp"], "tsp": r["tsp_vocab_ring"]} for r in raw]
+    _report_and_check_gpt(runs, first, f"{style}, vocab ring")
+    ratio = statistics.mean(
+        r["tsp"]["per_param"][_OUTPUT_WEIGHT] / r["tp_sp"]["per_param"][_OUTPUT_WEIGHT]
+        for r in runs
+    )
+    print(f"  output weight gradient: mean TSP/TP+SP error {ratio:.3f}")
+    assert ratio <= WEIGHT_GRAD_TOLERANCE[".mlp.linear_"], f"output weight gradient {ratio:.3f}"
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_gpt_bf16_tsp_x_cp_no_less_accurate_than_tp_sp(pool4, seed, style):
     """TSP2 x CP2 (4 ranks, K/V gathered and dK/dV reduce-scattered over the 4 sequence ranks)
@@ -217,7 +239,7 @@ def _report_and_check_gpt(
 # from one fresh seed, each an fp64 reference and three bf16 models (TP+SP, TSP with the default
 # bf16 dK/dV wire, TSP with the fp32 wire), drawn once per test session (~10 s per seed).
 GPT_SEEDS = 8
-_GPT_KINDS = ("tp_sp", "tsp", "tsp_kv_fp32")
+_GPT_KINDS = ("tp_sp", "tsp", "tsp_kv_fp32", "tsp_vocab_ring")
 _gpt_cache = {}
 
 

@@ -12,6 +12,7 @@ def build_tsp_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     seq_length: Optional[int] = None,
+    vocab_ring: bool = True,
     **gpt_kwargs,
 ):
     """``GPTModel`` with the TSP block spec, after checking every TSP constraint.
@@ -19,10 +20,13 @@ def build_tsp_gpt_model(
     ``config`` is a ``TransformerConfig`` with ``tensor_model_parallel_size = D`` (the TSP group
     size) and ``sequence_parallel = True``; ``seq_length`` (default ``max_sequence_length``) is the
     training sequence length, which must split into 2D zigzag chunks. Raises ``ValueError`` naming
-    the setting before any parameter or collective is created.
+    the setting before any parameter or collective is created. ``vocab_ring``: compute the loss
+    (a call with labels) on the vocabulary ring (``output_head``) instead of Megatron's output
+    layer gather and vocab-parallel cross-entropy.
     """
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_tsp.core import output_head
     from megatron_tsp.core.sharding import mark_tensor_parallel
     from megatron_tsp.core.specs import get_gpt_block_tsp_spec
 
@@ -36,6 +40,8 @@ def build_tsp_gpt_model(
         max_sequence_length=max_sequence_length,
         **gpt_kwargs,
     )
+    if vocab_ring:
+        output_head.install(model)
     # Megatron marks parallel weights only when it initialises them; loading needs the marks.
     mark_tensor_parallel(model)
     # The model description inference reads (the decode model is built from the same arguments).

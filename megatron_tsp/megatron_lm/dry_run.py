@@ -236,6 +236,18 @@ def _moe_schedule(args) -> str:
     )
 
 
+def _output_head(args) -> str:
+    """How the last stage computes the loss, in words (the dry run prints it)."""
+    if not tsp_args.tsp_size(args):
+        return "Megatron's output layer and vocab-parallel cross-entropy"
+    if getattr(args, "tsp_vocab_ring", True):
+        return (
+            "TSP vocabulary ring (the output weight's vocabulary shards circulate on the P2P "
+            "ring; each rank's own tokens' losses over the whole vocabulary)"
+        )
+    return "Megatron's output layer and vocab-parallel cross-entropy (--no-tsp-vocab-ring)"
+
+
 def moe_layout(args, models) -> Optional[dict]:
     """The MoE layout of the run (None without experts): schedule, experts per rank and this
     rank's global expert ids, the expert groups from Megatron's own rank generator (same order
@@ -387,6 +399,7 @@ def run(args, build: Callable) -> dict:
             "micro_batch_size": args.micro_batch_size,
             "global_batch_size": args.global_batch_size,
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "output_head": _output_head(args),
         }
         report["moe"] = moe_layout(args, models)
         d = report["tsp"]
@@ -458,6 +471,7 @@ def print_report(report: dict) -> None:
         f"group={report['this_rank']['tp_group']}",
         f"  layers            : {', '.join(report['layers']) or '(none on this stage)'}",
         f"  padded vocab      : {report['padded_vocab_size']}",
+        f"  output layer      : {report['output_head']}",
     ]
     p = report["params"]
     lines.append(

@@ -23,6 +23,7 @@ import functools
 import inspect
 from typing import Optional
 
+from megatron_tsp.core import output_head
 from megatron_tsp.core.batch_guard import has_zigzag_layers
 
 
@@ -164,14 +165,36 @@ def describe_moe_schedule(model) -> Optional[str]:
     return "MoE schedule: " + "; ".join(parts)
 
 
+def describe_output_head(model) -> Optional[str]:
+    """How a TSP model's last stage computes its loss (None for a non-TSP model or a stage
+    without the output layer)."""
+    if not has_zigzag_layers(model) or not getattr(model, "post_process", False):
+        return None
+    if output_head.is_installed(model):
+        return (
+            "output layer: TSP vocabulary ring (the output weight's vocabulary shards circulate; "
+            "each rank's own tokens' cross-entropy over the whole vocabulary, in place of "
+            "Megatron's output-layer gather and its vocab-parallel cross-entropy, fused or not)"
+        )
+    return (
+        "output layer: Megatron's (sequence all-gather, vocab-parallel cross-entropy; "
+        "--no-tsp-vocab-ring)"
+    )
+
+
 def _log_attention_backends(model) -> None:
-    """Name the attention backend (and the MoE schedule) in the training log when the model is
-    built (rank 0)."""
+    """Name the attention backend, the MoE schedule and the output layer in the training log
+    when the model is built (rank 0)."""
     import os
 
     if os.environ.get("RANK", "0") != "0":
         return
-    for text in (describe_attention_backends(model), describe_moe_schedule(model)):
+    texts = (
+        describe_attention_backends(model),
+        describe_moe_schedule(model),
+        describe_output_head(model),
+    )
+    for text in texts:
         if text is not None:
             print(f"[megatron_tsp] {text}", flush=True)
 
@@ -193,6 +216,8 @@ def _resolve_tsp_spec(original):
             result = original(*bound.args, **bound.kwargs)
         else:  # 0.19 resolves a callable spec itself: the layers may still be TSP's
             result = original(self, *args, **kwargs)
+        if has_zigzag_layers(self) and _megatron_arg("tsp_vocab_ring") is not False:
+            output_head.install(self)
         _log_attention_backends(self)
         return result
 

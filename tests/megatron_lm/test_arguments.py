@@ -262,10 +262,28 @@ def test_strip_tsp_flags():
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
         "--tsp-activation-sums-in-fp32",
+        "--no-tsp-vocab-ring",
         "--seq-length",
         "64",
     ]
     assert A.strip_tsp_flags(argv) == ["--num-layers", "2", "--seq-length", "64"]
+
+
+def test_vocab_ring_flag():
+    """The vocabulary ring is TSP's default; ``--no-tsp-vocab-ring`` keeps Megatron's output
+    layer and loss, and only means something under TSP (refused by name elsewhere, --tsp-mlp
+    included)."""
+    assert parse("--tensor-sequence-parallel-size", "2").tsp_vocab_ring is True
+    args = parse("--tensor-sequence-parallel-size", "2", "--no-tsp-vocab-ring")
+    A.translate_args(args)
+    assert args.tsp_vocab_ring is False
+    for argv in (
+        ["--tensor-model-parallel-size", "2", "--no-tsp-vocab-ring"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"]
+        + ["--no-tsp-vocab-ring"],
+    ):
+        with pytest.raises(A.TSPArgumentError, match="--no-tsp-vocab-ring needs --tensor-seq"):
+            A.translate_args(parse(*argv))
 
 
 def test_checkpoints_store_a_stock_runs_args():

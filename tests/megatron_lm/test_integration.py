@@ -104,6 +104,7 @@ def test_help_lists_the_tsp_group():
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
         "--tsp-activation-sums-in-fp32",
+        "--no-tsp-vocab-ring",
         "--tsp-moe-ring",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
@@ -156,6 +157,7 @@ def test_dry_run_end_to_end(name):
     want_norm = cfg["model"]["normalization"]
     # SequenceParallelLayerNorm / SequenceParallelRMSNorm
     assert re.search(rf"final_layernorm=\S+\.\w*{want_norm}\b", out), out[-2000:]
+    assert "output layer      : TSP vocabulary ring" in out, out[-3000:]
     padded = int(re.search(r"padded vocab\s+: (\d+)", out).group(1))
     assert padded % (128 * 8) == 0 and padded >= cfg["model"]["vocab_size"]
     params = int(re.search(r"params on rank 9\s*: ([\d,]+)", out).group(1).replace(",", ""))

@@ -145,6 +145,18 @@ def test_tsp2_matches_tp2(seed, style):
         tsp.rank_log(0)
     ), tsp.rank_log(0)[-3000:]
     assert "attention backend" not in ref.log  # stock TP: no TSP attention layers
+    # the loss on the vocabulary ring, the default (gpt2: tied embeddings, llama: untied)
+    assert "[megatron_tsp] output layer: TSP vocabulary ring" in tsp.rank_log(0)
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
+def test_tsp2_without_the_vocab_ring_matches_tp2(seed):
+    """``--no-tsp-vocab-ring``: Megatron's output layer and vocab-parallel cross-entropy under
+    TSP (the log says so), the same curve as TP=2."""
+    args = STYLES["llama"] + ["--tensor-sequence-parallel-size", "2", "--no-tsp-vocab-ring"]
+    tsp = _run(2, seed, *args)
+    ref = _run(2, seed, *STYLES["llama"], "--tensor-model-parallel-size", "2")
+    assert "[megatron_tsp] output layer: Megatron's" in tsp.rank_log(0), tsp.rank_log(0)[-3000:]
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 

@@ -1,0 +1,117 @@
+"""``GPTModel``'s output layer and loss under TSP: the vocabulary ring (``layers.vocab_ring``).
+
+Megatron's ``GPTModel._postprocess`` runs the output layer (a ``ColumnParallelLinear`` that
+all-gathers the sequence-parallel hidden states) and ``compute_language_model_loss`` (the
+vocab-parallel cross-entropy). ``install(model)`` wraps that method on one model instance so that
+a training or evaluation step with labels computes the per-token losses of each rank's own
+tokens on the vocabulary ring instead, then all-gathers those losses ([s, b] fp32) so the model
+returns [b, S] in the same order as under TP+SP: Megatron's loss function, loss mask and
+per-token-loss accounting see exactly what they see under TP+SP. Parameters, their names, the
+output weight's sharding and checkpoints are untouched (the ring reads ``output_layer.weight``,
+or the embedding's under ``--share-embeddings-and-output-weights``).
+
+Every other call keeps Megatron's path: logits without labels (generation), inference mode,
+multi-token prediction, packed sequences, 0.19's ``output_processor`` and MuP logit scaling. The
+loss gather's backward takes this rank's slice of the (replicated) loss gradient, Megatron's
+``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
+from megatron_tsp.core.layers.vocab_ring import vocab_ring_cross_entropy
+from megatron_tsp.core.parallel_state import resolve_group
+
+INSTALLED = "_tsp_vocab_ring"  # the model attribute that marks an installed ring
+
+
+def install(model, group=None) -> None:
+    """Compute ``model``'s training / evaluation loss on the vocabulary ring (module docstring).
+    ``group``: the TSP group (default: the model's tensor-parallel group). Idempotent; a model
+    without an output layer on this pipeline stage is left as it is."""
+    if getattr(model, INSTALLED, False) or not getattr(model, "post_process", False):
+        return
+    group = group if group is not None else resolve_group(getattr(model, "pg_collection", None))
+    original = model._postprocess
+    signature = inspect.signature(original)
+
+    def _postprocess(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        if not _ring_applies(model, arguments):
+            return original(*args, **kwargs)
+        return ring_loss(model, arguments["hidden_states"], arguments["labels"], group)
+
+    model._postprocess = _postprocess
+    setattr(model, INSTALLED, True)
+
+
+def is_installed(model) -> bool:
+    return getattr(model, INSTALLED, False)
+
+
+def _ring_applies(model, arguments) -> bool:
+    if arguments.get("labels") is None or arguments.get("mtp_in_postprocess"):
+        return False
+    for name in ("inference_context", "inference_params", "packed_seq_params", "output_processor"):
+        if arguments.get(name) is not None:
+            return False
+    config = model.config
+    if getattr(config, "mtp_num_layers", None) or getattr(config, "use_mup", False):
+        return False
+    return not _inference_mode_active()
+
+
+def _inference_mode_active() -> bool:
+    """megatron-core 0.19's process-wide inference switch (absent in 0.16)."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return False
+    is_active = getattr(InferenceMode, "is_active", None)
+    return bool(is_active()) if is_active is not None else False
+
+
+def output_weight(model) -> torch.Tensor:
+    """The [V/D, h] weight the output layer applies (the embedding's when they are tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def ring_loss(model, hidden: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    """[b, S] per-token losses from this rank's hidden states [s, b, h] and the batch's labels
+    [b, S] (the order Megatron's sequence-parallel all-gather gives: rank r's tokens are columns
+    [r s, (r+1) s))."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    size, rank = group.size(), group.rank()
+    s = hidden.shape[0]
+    if labels.shape[1] != size * s:
+        raise ValueError(
+            f"vocab ring: labels cover {labels.shape[1]} tokens, the group's hidden states "
+            f"{size} x {s}"
+        )
+    if model.output_layer is not None:  # e.g. DDP's --overlap-param-gather wait
+        run_forward_pre_hooks(model.output_layer)
+    weight = output_weight(model)
+    config = model.config
+    accumulate = getattr(
+        model.output_layer, "gradient_accumulation_fusion", config.gradient_accumulation_fusion
+    )
+    local_labels = labels[:, rank * s : (rank + 1) * s].transpose(0, 1)
+    losses = vocab_ring_cross_entropy(
+        hidden,
+        weight,
+        local_labels,
+        group,
+        accumulate_into_main_grad=bool(accumulate),
+        sums_in_fp32=getattr(config, "tsp_activation_sums_in_fp32", False),
+    )
+    gathered = gather_from_sequence_parallel_region(
+        losses, tensor_parallel_output_grad=False, group=group
+    )
+    return gathered.transpose(0, 1).contiguous()
