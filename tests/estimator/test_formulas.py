@@ -280,9 +280,16 @@ def test_step_level_terms():
     d = fm.dp_step_comm(1000, 4, distributed_optimizer=False)
     assert d == {"grad_reduce": 2 * 0.75 * 1000 * 4, "param_gather": 0.0}
     x = 2 * 8 * 8 * 2
-    hc = fm.head_comm(s, 4, "tsp")
+    hc = fm.head_comm(s, 4, "tp_sp")
+    assert hc == fm.head_comm(s, 4, "tsp", vocab_ring=False)
     assert hc["fwd"] == pytest.approx(2 * 0.75 * x + 3 * 2 * 0.75 * 16 * 4)
     assert hc["bwd"] == pytest.approx(3 * 0.75 * x)
+    # TSP's vocabulary ring: the padded vocabulary's weight shards (32000 -> 32256 = 63 x 512),
+    # bf16 each way plus the fp32 gradient accumulator; the losses' fp32 gather; the embedding
+    v = 32256 * 8
+    hc = fm.head_comm(s, 4, "tsp")
+    assert hc["fwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * 16 * 4)
+    assert hc["bwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * v * 4)
     assert fm.head_comm(s, 4, "tp")["bwd"] == pytest.approx(2 * 0.75 * x)
 
 

@@ -70,7 +70,7 @@ class _VocabRingCrossEntropy(torch.autograd.Function):
             dtype=torch.promote_types(hidden.dtype, torch.float32),
             device=hidden.device,
         )
-        with labelled("tsp_vocab_ring"):
+        with labelled("vocab_ring"):
             for t, (w,) in weight_ring.shards([weight], group, WEIGHTS):
                 # the GEMM's result in the compute dtype, as Megatron's output layer returns it
                 logits[:, (rank - t) % size].copy_(torch.mm(tokens, w.t()))
@@ -118,7 +118,7 @@ class _VocabRingCrossEntropy(torch.autograd.Function):
             (g_w,) = out.views()
             matmul_into(d_shard.t(), tokens, g_w)
 
-        with labelled("tsp_vocab_ring"):
+        with labelled("vocab_ring"):
             own = weight_ring.backward(
                 [weight],
                 group,

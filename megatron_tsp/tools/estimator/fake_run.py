@@ -83,6 +83,8 @@ class RunConfig:
     tsp_kv_grad_a2a: bool = False  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
     # MLP output / input gradients summed in fp32 (--tsp-activation-sums-in-fp32)
     tsp_activation_sums_fp32: bool = False
+    # TSP's loss on the vocabulary ring (False: --no-tsp-vocab-ring, Megatron's output layer)
+    tsp_vocab_ring: bool = True
 
     @property
     def dp(self) -> int:
@@ -421,7 +423,9 @@ def layer_spec(cfg: RunConfig, config):
 def build_model(cfg: RunConfig, config):
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    from megatron_tsp.core import output_head
+
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config),
         vocab_size=cfg.padded_vocab(),
@@ -433,6 +437,9 @@ def build_model(cfg: RunConfig, config):
         position_embedding_type="rope" if cfg.model.rope else "learned_absolute",
         **({"rotary_base": cfg.model.rotary_base} if cfg.model.rotary_base else {}),
     )
+    if cfg.scheme == "tsp" and cfg.tsp_vocab_ring:
+        output_head.install(model)
+    return model
 
 
 @contextlib.contextmanager

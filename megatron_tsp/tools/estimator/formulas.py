@@ -650,19 +650,39 @@ def replicated_grad_allreduce(
 
 
 def head_comm(
-    shape: LayerShape, D: int, strategy: str = "tsp", *, logits_dtype_bytes: int = 4
+    shape: LayerShape,
+    D: int,
+    strategy: str = "tsp",
+    *,
+    logits_dtype_bytes: int = 4,
+    vocab_ring: bool = True,
 ) -> Dict[str, float]:
-    """Embedding, output layer and vocab-parallel cross-entropy (per micro-batch, not per layer).
+    """Embedding, output layer and cross-entropy (per micro-batch, not per layer).
 
-    TSP and TP+SP share Megatron's SP path: fwd embedding reduce-scatter f*BSh, output-layer
-    all-gather f*BSh, three all-reduces of [B*S] fp32 in the cross-entropy (max, predicted logit,
-    sum-exp); bwd output-layer re-gather f*BSh + dgrad reduce-scatter f*BSh, embedding all-gather
-    f*BSh. Plain TP: embedding all-reduce 2f*BSh fwd, output-layer dgrad all-reduce 2f*BSh bwd,
-    same cross-entropy. CP: the head is replicated over the CP group (no communication)."""
+    The embedding is Megatron's for every strategy: TSP and TP+SP reduce-scatter its output
+    f*BSh forward and all-gather the gradient f*BSh backward; plain TP all-reduces 2f*BSh
+    forward. The output layer and loss:
+
+    * TSP (``vocab_ring``, the default; ``core.layers.vocab_ring``): the output weight's
+      vocabulary shards ride the weight ring, f*V*h weight bytes forward, again backward, plus
+      the fp32 (accumulation-dtype) gradient accumulator f*V*h*4; the per-token losses are
+      all-gathered, f*BS fp32. No activation bytes.
+    * TP+SP (and TSP with ``vocab_ring=False``): output-layer all-gather f*BSh forward, re-gather
+      f*BSh + dgrad reduce-scatter f*BSh backward, three all-reduces of [B*S] fp32 in the
+      cross-entropy (max, predicted logit, sum-exp).
+    * plain TP: output-layer dgrad all-reduce 2f*BSh backward, the same cross-entropy.
+    * CP: the head is replicated over the CP group (no communication).
+
+    V is the vocabulary padded for D ranks (``ModelShape.padded_vocab``)."""
     f = ring_factor(D)
     b = shape.dtype_bytes
     x = shape.tokens * shape.hidden
     ce = 3 * 2 * f * shape.tokens * logits_dtype_bytes
+    if strategy == "tsp" and vocab_ring:
+        weights = f * shape.padded_vocab(D) * shape.hidden
+        losses = f * shape.tokens * 4
+        grads = weights * accumulation_bytes(b)
+        return {"fwd": f * x * b + weights * b + losses, "bwd": f * x * b + weights * b + grads}
     if strategy in ("tsp", "tp_sp"):
         return {"fwd": 2 * f * x * b + ce, "bwd": 3 * f * x * b}
     if strategy == "tp":

@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tsp-activation-sums-in-fp32)",
     )
     r.add_argument(
+        "--no-tsp-vocab-ring",
+        action="store_true",
+        help="TSP: Megatron's output layer and vocab-parallel cross-entropy instead of the "
+        "vocabulary ring (Megatron-LM's --no-tsp-vocab-ring)",
+    )
+    r.add_argument(
         "--table-tsp-variants",
         action="store_true",
         help="--table: also TSP with attention recompute",
@@ -221,6 +227,7 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         tsp_activation_sums_fp32=bool(
             args.tsp_activation_sums_in_fp32 and scheme in ("tsp", "hybrid")
         ),
+        tsp_vocab_ring=not args.no_tsp_vocab_ring,
     )
 
 

@@ -293,6 +293,9 @@ class Options:
     # the TSP MLP output and the input gradients summed over shards / head groups in fp32
     # (--tsp-activation-sums-in-fp32); default: in place in the compute dtype
     tsp_activation_sums_fp32: bool = False
+    # TSP's loss on the vocabulary ring (default; False: --no-tsp-vocab-ring, Megatron's
+    # output-layer gather and vocab-parallel cross-entropy)
+    tsp_vocab_ring: bool = True
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -471,10 +474,7 @@ def _tsp_backward_working_sets(
     }
     if o.tsp_recompute_mlp:
         mlp["mlp_shard_fc1_recomputed"] = t * rows / D * b
-    cpu_upcast = (
-        o.cpu_gemm_upcast if o.cpu_gemm_upcast is not None else o.attn_kernel == "cpu_flash"
-    )
-    if cpu_upcast and o.tsp_activation_sums_fp32:
+    if _cpu_gemm_upcast(o) and o.tsp_activation_sums_fp32:
         # ``precision.matmul_acc`` off CUDA: fp32 copies of d(fc1 output) and the fc1 shard
         mlp["dx_gemm_fp32_operands"] = (t * rows / D + rows * h / D) * acc
     hold = 3 if o.tsp_recompute_attn else 2
@@ -602,6 +602,32 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
     return out
 
 
+def _cpu_gemm_upcast(o) -> bool:
+    """Whether a GEMM with an fp32 result copies its bf16 operands to fp32 first
+    (``Options.cpu_gemm_upcast``)."""
+    return o.cpu_gemm_upcast if o.cpu_gemm_upcast is not None else o.attn_kernel == "cpu_flash"
+
+
+def _vocab_ring_head_bytes(m: ModelShape, local_tokens: float, T: int, vpad: int, o) -> float:
+    """The vocabulary ring's working set (``core.layers.vocab_ring``), the larger of its forward
+    and its backward: the fp32 logits of the rank's own tokens over the whole vocabulary (the
+    softmax and then its gradient, in place), one shard's GEMM output / gradient in the compute
+    dtype, the weight ring's packed shard and spares, and in backward the four fp32
+    gradient-accumulator shards and the dX accumulator."""
+    b = m.dtype_bytes
+    shard = vpad / T * m.hidden
+    logits = local_tokens * vpad * fm.accumulation_bytes(b)  # fp32 (fp64 models: fp64)
+    step = local_tokens * vpad / T * b
+    weights = (1 + min(T - 1, 2)) * shard * b if T > 1 else 0.0
+    forward = logits + step + weights
+    sums = fm.accumulation_bytes(b) if o.tsp_activation_sums_fp32 else b
+    grads = (4 if T > 1 else 1) * shard * fm.accumulation_bytes(b)
+    backward = logits + step + weights + grads + local_tokens * m.hidden * sums
+    if _cpu_gemm_upcast(o):  # the weight-gradient GEMM's fp32 operand copies (CPU)
+        backward += (local_tokens * vpad / T + local_tokens * m.hidden) * 4
+    return max(forward, backward)
+
+
 def analytic_memory(
     model: Union[str, ModelShape],
     strategy: Union[str, Strategy],
@@ -667,9 +693,16 @@ def analytic_memory(
     # (the logits are gone by then). The peak is the larger of the two.
     head_tokens = shape.tokens / s.cp
     stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
+    vocab_ring = s.is_tsp and o.tsp_vocab_ring
+    if vocab_ring:
+        head = _vocab_ring_head_bytes(m, head_tokens / T, T, vpad, o)
+    else:
+        head = (
+            head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
+            + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
+        )
     logits = (
-        head_tokens * vpad / T * (b + 4)  # bf16 logits + the cross-entropy's fp32 copy
-        + head_tokens * m.hidden * b  # final hidden state all-gathered for the GEMM
+        head
         # last layer's output, final-norm output, the norm's normalised intermediate
         + 3 * stream_tokens * m.hidden * b
         # per-token ids/labels/positions (int64), loss and the cross-entropy's max,
@@ -691,8 +724,9 @@ def analytic_memory(
             _tsp_backward_peak(shape, s, o, m.num_layers, recompute, m.rope)
             + tables
             # Megatron's global memory buffer keeps the output layer's all-gathered input
-            # [tokens, b, h] (sequence-parallel GEMM) through the backward
-            + head_tokens * m.hidden * b
+            # [tokens, b, h] (sequence-parallel GEMM) through the backward; the vocabulary
+            # ring gathers nothing
+            + (0.0 if vocab_ring else head_tokens * m.hidden * b)
         )
     forward_peak = logits >= backward_extra
     return {
