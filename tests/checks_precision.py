@@ -189,17 +189,23 @@ def _planted_bf16_accumulation(where):
 
     from megatron_tsp.core.layers import attention, mlp
 
+    # the MLP's weight-gradient ring accumulator; attention's fp32 partial sums
+    plants = {
+        "mlp": [(mlp, "ring_grad_dtype", lambda params, into_main_grad: params[0].dtype)],
+        "attention": [(attention, "accumulation_dtype", lambda dtype: dtype)],
+        "": [],
+    }[where]
+
     @contextlib.contextmanager
     def planted():
-        modules = {"mlp": [mlp], "attention": [attention], "": []}[where]
-        saved = [m.accumulation_dtype for m in modules]
+        saved = [getattr(module, name) for module, name, _ in plants]
         try:
-            for m in modules:
-                m.accumulation_dtype = lambda dtype: dtype
+            for module, name, replacement in plants:
+                setattr(module, name, replacement)
             yield
         finally:
-            for m, f in zip(modules, saved):
-                m.accumulation_dtype = f
+            for (module, name, _), original in zip(plants, saved):
+                setattr(module, name, original)
 
     return planted()
 

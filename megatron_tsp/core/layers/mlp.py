@@ -49,10 +49,10 @@ from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
-    accumulation_dtype,
     activation_sum_dtype,
     matmul_acc,
     matmul_into,
+    ring_grad_dtype,
 )
 from megatron_tsp.core.parallel_state import resolve_group
 
@@ -151,16 +151,6 @@ def _fc1_into(rows, fc1_w, fc1_b, out):
     return torch.addmm(fc1_b, rows, fc1_w.t(), out=out)
 
 
-def _grad_buffer_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
-    """dtype of the gradient accumulator that rides the ring: ``main_grad``'s when the gradient is
-    accumulated into it (fp32 under Megatron DDP), else fp32 for bf16/fp16 params."""
-    acc = accumulation_dtype(params[0].dtype)
-    main_grad = getattr(params[0], "main_grad", None) if accumulate_into_main_grad else None
-    if main_grad is not None and main_grad.dtype.itemsize > acc.itemsize:
-        return main_grad.dtype
-    return acc
-
-
 class _TSPMLPFunction(torch.autograd.Function):
     """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
@@ -225,7 +215,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
 
         acc_dtype = activation_sum_dtype(x.dtype, ctx.sums_in_fp32)
-        grad_dtype = _grad_buffer_dtype(params, ctx.accumulate_into_main_grad)
+        grad_dtype = ring_grad_dtype(params, ctx.accumulate_into_main_grad)
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 

@@ -58,9 +58,14 @@ from megatron_tsp.core import rejections
 from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
-from megatron_tsp.core.layers.mlp import _fc1, _grad_buffer_dtype, make_activation
+from megatron_tsp.core.layers.mlp import _fc1, make_activation
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
-from megatron_tsp.core.layers.precision import activation_sum_dtype, matmul_acc, matmul_into
+from megatron_tsp.core.layers.precision import (
+    activation_sum_dtype,
+    matmul_acc,
+    matmul_into,
+    ring_grad_dtype,
+)
 
 # Payload names of the expert ring's transfers (``comm.Pending.payload``).
 WEIGHTS = "moe_ring.weights"
@@ -111,7 +116,7 @@ class _ExpertRingFunction(torch.autograd.Function):
         counts, group, activation, has_bias = ctx.counts, ctx.group, ctx.activation, ctx.has_bias
         num_experts = len(counts)
         acc_dtype = activation_sum_dtype(x.dtype, ctx.sums_in_fp32)
-        grad_dtype = _grad_buffer_dtype(params, ctx.accumulate)
+        grad_dtype = ring_grad_dtype(params, ctx.accumulate)
         grad_out = grad_out.contiguous()
         xs, dys = x.split(counts), grad_out.split(counts)
         grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)

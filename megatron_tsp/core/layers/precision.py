@@ -46,6 +46,17 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
+def ring_grad_dtype(params, accumulate_into_main_grad: bool) -> torch.dtype:
+    """dtype of the weight-gradient accumulator that rides a weight ring (``weight_ring``):
+    ``main_grad``'s when the gradient is accumulated into it and that is wider (fp32 under
+    Megatron DDP), else ``accumulation_dtype`` of the parameters (fp32 for bf16/fp16)."""
+    acc = accumulation_dtype(params[0].dtype)
+    main_grad = getattr(params[0], "main_grad", None) if accumulate_into_main_grad else None
+    if main_grad is not None and main_grad.dtype.itemsize > acc.itemsize:
+        return main_grad.dtype
+    return acc
+
+
 def activation_sum_dtype(dtype: torch.dtype, in_fp32: bool = False) -> torch.dtype:
     """dtype of a sum of D GEMM results that is an activation or an activation gradient (the
     MLP output over its weight shards, ``grad_x`` over shards and head groups).

@@ -38,10 +38,10 @@ from megatron_tsp.core.comm import FlatShard, labelled
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.precision import (
-    accumulation_dtype,
     activation_sum_dtype,
     matmul_acc,
     matmul_into,
+    ring_grad_dtype,
 )
 
 # Payload names of the ring's transfers (``comm.Pending.payload``, read by the trace tests).
@@ -122,7 +122,7 @@ class _VocabRingCrossEntropy(torch.autograd.Function):
             own = weight_ring.backward(
                 [weight],
                 group,
-                accumulation_dtype(hidden.dtype),
+                ring_grad_dtype([weight], ctx.accumulate_into_main_grad),
                 input_grads,
                 weight_grads,
                 (WEIGHTS, WEIGHT_GRADS),
