@@ -203,7 +203,7 @@ def check_gpt_vs_single(
     spec = (get_gpt_block_tsp_spec if baseline == "tsp" else reference_tp_sp_block_spec)(config)
     model = _model(config, spec, style, vocab, seq, loss_path == "megatron" or vocab_ring, tied)
     if vocab_ring:
-        output_head.install(model)
+        output_head.install(model, policy="always")
     sharding.load_full_state(model, ref_params, group)
     local = zigzag.get_batch_on_this_tsp_rank(data, size) if baseline == "tsp" else data
     with _ring_calls() as calls:
@@ -276,7 +276,7 @@ def check_tsp_vs_tp_sp(
     setup_tsp(d, seed)
     tsp_model = _model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, po, tied)
     if vocab_ring:
-        output_head.install(tsp_model)
+        output_head.install(tsp_model, policy="always")
     _assert_same_layout(tp_model, tsp_model)
     tsp_model.load_state_dict(tp_state, strict=True)
     with _ring_calls() as calls:

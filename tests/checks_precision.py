@@ -98,7 +98,7 @@ def _run_bf16(kind, d, style, full_params, data, dims, vocab, seq):
     config.tsp_activation_sums_in_fp32 = sums_fp32
     model = _model(config, spec_fn(config), style, vocab, seq, parallel_output=True)
     if vocab_ring:
-        output_head.install(model)
+        output_head.install(model, policy="always")
     model.to(torch.bfloat16)  # Megatron's Float16Module casts the whole model (position table)
     sharding.load_full_state(
         model, {n: t.to(torch.bfloat16) for n, t in full_params.items()}, group

@@ -12,7 +12,7 @@ def build_tsp_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     seq_length: Optional[int] = None,
-    vocab_ring: bool = True,
+    vocab_ring: str = "auto",
     **gpt_kwargs,
 ):
     """``GPTModel`` with the TSP block spec, after checking every TSP constraint.
@@ -20,9 +20,9 @@ def build_tsp_gpt_model(
     ``config`` is a ``TransformerConfig`` with ``tensor_model_parallel_size = D`` (the TSP group
     size) and ``sequence_parallel = True``; ``seq_length`` (default ``max_sequence_length``) is the
     training sequence length, which must split into 2D zigzag chunks. Raises ``ValueError`` naming
-    the setting before any parameter or collective is created. ``vocab_ring``: compute the loss
-    (a call with labels) on the vocabulary ring (``output_head``) instead of Megatron's output
-    layer gather and vocab-parallel cross-entropy.
+    the setting before any parameter or collective is created. ``vocab_ring``: the policy
+    (``output_head.POLICIES``) for computing the loss of a call with labels on the vocabulary
+    ring instead of Megatron's output-layer gather and vocab-parallel cross-entropy.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -40,8 +40,7 @@ def build_tsp_gpt_model(
         max_sequence_length=max_sequence_length,
         **gpt_kwargs,
     )
-    if vocab_ring:
-        output_head.install(model)
+    output_head.install(model, policy=vocab_ring)
     # Megatron marks parallel weights only when it initialises them; loading needs the marks.
     mark_tensor_parallel(model)
     # The model description inference reads (the decode model is built from the same arguments).

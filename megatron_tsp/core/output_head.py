@@ -10,6 +10,12 @@ per-token-loss accounting see exactly what they see under TP+SP. Parameters, the
 output weight's sharding and checkpoints are untouched (the ring reads ``output_layer.weight``,
 or the embedding's under ``--share-embeddings-and-output-weights``).
 
+The default policy, "auto", takes the ring for a micro-batch only where it receives no more bytes
+than Megatron's output layer (``ring_receives_fewer_bytes``: its bytes are the vocabulary's
+weights, Megatron's are the tokens' hidden states; in bf16 at h = 4096 a 32,768-row padded
+vocabulary takes it from 43,656 tokens per micro-batch, Llama-3's 128,256 rows from 170,869);
+"always" and "never" force it.
+
 Every other call keeps Megatron's path: logits without labels (generation), inference mode,
 multi-token prediction, packed sequences, 0.19's ``output_processor`` and MuP logit scaling. The
 loss gather's backward takes this rank's slice of the (replicated) loss gradient, Megatron's
@@ -23,17 +29,44 @@ import inspect
 import torch
 
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
+from megatron_tsp.core.layers.precision import ring_grad_dtype
 from megatron_tsp.core.layers.vocab_ring import vocab_ring_cross_entropy
 from megatron_tsp.core.parallel_state import resolve_group
 
-INSTALLED = "_tsp_vocab_ring"  # the model attribute that marks an installed ring
+INSTALLED = "_tsp_vocab_ring"  # the model attribute holding an installed ring's policy
+# "auto": the ring for a micro-batch whose tokens make it receive no more bytes than Megatron's
+# output layer (``ring_receives_fewer_bytes``), Megatron's otherwise; "always"; "never"
+POLICIES = ("auto", "always", "never")
 
 
-def install(model, group=None) -> None:
-    """Compute ``model``'s training / evaluation loss on the vocabulary ring (module docstring).
-    ``group``: the TSP group (default: the model's tensor-parallel group). Idempotent; a model
-    without an output layer on this pipeline stage is left as it is."""
-    if getattr(model, INSTALLED, False) or not getattr(model, "post_process", False):
+def ring_receives_fewer_bytes(
+    tokens: int, padded_vocab: int, hidden: int, dtype_bytes: int, grad_bytes: int
+) -> bool:
+    """Whether the vocabulary ring receives no more bytes than Megatron's output layer for a
+    micro-batch of ``tokens`` tokens (both per rank, both scaled by (D-1)/D, which cancels).
+    Ring: the V·h weight shards forward and again backward, the V·h gradient accumulator
+    (``grad_bytes``) and the tokens' fp32 losses. Megatron: the hidden states all-gathered
+    forward and again backward, their gradient reduce-scattered (3·T·h) and the cross-entropy's
+    three all-reduces of [T] fp32. ``formulas.head_comm`` counts the same terms."""
+    ring = padded_vocab * hidden * (2 * dtype_bytes + grad_bytes) + 4 * tokens
+    gather = 3 * tokens * hidden * dtype_bytes + 3 * 2 * 4 * tokens
+    return ring <= gather
+
+
+def crossover_tokens(padded_vocab: int, hidden: int, dtype_bytes: int, grad_bytes: int) -> int:
+    """The fewest tokens per micro-batch for which ``ring_receives_fewer_bytes`` holds."""
+    ring_weights = padded_vocab * hidden * (2 * dtype_bytes + grad_bytes)
+    return -(-ring_weights // (3 * hidden * dtype_bytes + 20))
+
+
+def install(model, group=None, policy: str = "auto") -> None:
+    """Compute ``model``'s training / evaluation loss on the vocabulary ring (module docstring)
+    under ``policy`` (``POLICIES``; "never" leaves the model as it is). ``group``: the TSP group
+    (default: the model's tensor-parallel group). Idempotent; a model without an output layer on
+    this pipeline stage is left as it is."""
+    if policy not in POLICIES:
+        raise ValueError(f"vocabulary ring policy {policy!r}: choose one of {POLICIES}")
+    if policy == "never" or is_installed(model) or not getattr(model, "post_process", False):
         return
     group = group if group is not None else resolve_group(getattr(model, "pg_collection", None))
     original = model._postprocess
@@ -41,20 +74,26 @@ def install(model, group=None) -> None:
 
     def _postprocess(*args, **kwargs):
         arguments = signature.bind(*args, **kwargs).arguments
-        if not _ring_applies(model, arguments):
+        if not _ring_applies(model, arguments, policy, group.size()):
             return original(*args, **kwargs)
         return ring_loss(model, arguments["hidden_states"], arguments["labels"], group)
 
     model._postprocess = _postprocess
-    setattr(model, INSTALLED, True)
+    setattr(model, INSTALLED, policy)
 
 
 def is_installed(model) -> bool:
-    return getattr(model, INSTALLED, False)
+    return bool(getattr(model, INSTALLED, False))
 
 
-def _ring_applies(model, arguments) -> bool:
-    if arguments.get("labels") is None or arguments.get("mtp_in_postprocess"):
+def policy_of(model) -> str:
+    """The installed policy, "never" when none is."""
+    return getattr(model, INSTALLED, None) or "never"
+
+
+def _ring_applies(model, arguments, policy: str, group_size: int) -> bool:
+    labels = arguments.get("labels")
+    if labels is None or arguments.get("mtp_in_postprocess"):
         return False
     for name in ("inference_context", "inference_params", "packed_seq_params", "output_processor"):
         if arguments.get(name) is not None:
@@ -62,7 +101,21 @@ def _ring_applies(model, arguments) -> bool:
     config = model.config
     if getattr(config, "mtp_num_layers", None) or getattr(config, "use_mup", False):
         return False
-    return not _inference_mode_active()
+    if _inference_mode_active():
+        return False
+    if policy == "always":
+        return True
+    hidden, weight = arguments["hidden_states"], output_weight(model)
+    accumulate = getattr(
+        model.output_layer, "gradient_accumulation_fusion", config.gradient_accumulation_fusion
+    )
+    return ring_receives_fewer_bytes(
+        labels.numel(),
+        weight.shape[0] * group_size,
+        hidden.shape[-1],
+        hidden.element_size(),
+        ring_grad_dtype([weight], bool(accumulate)).itemsize,
+    )
 
 
 def _inference_mode_active() -> bool:

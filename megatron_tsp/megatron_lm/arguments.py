@@ -46,7 +46,7 @@ TSP_MLP_FLAG = rejections.MODE_FLAGS[rejections.TSP_MLP]
 KV_GRAD_FP32_FLAG = "--tsp-kv-grad-reduce-in-fp32"
 KV_GRAD_A2A_FLAG = "--tsp-kv-grad-all-to-all"
 ACTIVATION_SUMS_FP32_FLAG = "--tsp-activation-sums-in-fp32"
-NO_VOCAB_RING_FLAG = "--no-tsp-vocab-ring"
+VOCAB_RING_FLAG = "--tsp-vocab-ring"
 
 
 class TSPArgumentError(ValueError):
@@ -123,16 +123,18 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "at twice the bytes (bf16 runs).",
     )
     group.add_argument(
-        NO_VOCAB_RING_FLAG,
+        VOCAB_RING_FLAG,
         dest="tsp_vocab_ring",
-        action="store_false",
-        default=True,
-        help="Keep Megatron's output layer and vocab-parallel cross-entropy (the final hidden "
-        "states all-gathered over the TSP group, re-gathered and reduce-scattered in backward) "
-        "instead of TSP's vocabulary ring, where the output weight's vocabulary shards circulate "
-        "on the P2P ring and each rank computes its own tokens' losses over the whole "
-        "vocabulary (weight bytes instead of activation bytes: 0.94 vs 2.82 GB per micro-batch "
-        "at 7B / 128k / D=8). Same loss, gradients and checkpoints.",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="TSP's loss on the vocabulary ring: the output weight's vocabulary shards circulate "
+        "on the P2P ring and each rank computes its own tokens' cross-entropy over the whole "
+        "vocabulary, instead of Megatron's output layer (the final hidden states all-gathered "
+        "over the TSP group, re-gathered and reduce-scattered in backward). Its bytes are the "
+        "vocabulary's weights, Megatron's the tokens' hidden states: 'auto' (default) takes the "
+        "ring for micro-batches where it receives fewer bytes (7B: from 43,656 tokens; at "
+        "128k 0.94 vs 2.82 GB per micro-batch), 'always' / 'never' force it. Same loss, "
+        "gradients and checkpoints.",
     )
     group.add_argument(
         MOE_RING_FLAG,
@@ -233,10 +235,10 @@ def translate_args(args) -> None:
             f"{ACTIVATION_SUMS_FP32_FLAG} needs {TSP_FLAG} or {TSP_MLP_FLAG}: it sets how the "
             "TSP layers sum over their weight shards"
         )
-    if getattr(args, "tsp_vocab_ring", True) is False and tsp_size(args) is None:
+    if getattr(args, "tsp_vocab_ring", "auto") != "auto" and tsp_size(args) is None:
         raise TSPArgumentError(
-            f"{NO_VOCAB_RING_FLAG} needs {TSP_FLAG}: it selects the TSP model's output layer "
-            "and loss (other runs, --tsp-mlp included, use Megatron's)"
+            f"{VOCAB_RING_FLAG}={args.tsp_vocab_ring} needs {TSP_FLAG}: it selects the TSP "
+            "model's output layer and loss (other runs, --tsp-mlp included, use Megatron's)"
         )
     if getattr(args, "tsp_moe_ring", False) and tsp_size(args) is None:
         raise TSPArgumentError(
@@ -407,14 +409,18 @@ def _check_validated_args(args, d: int) -> None:
 
 def strip_tsp_flags(argv: Sequence[str]) -> List[str]:
     """``argv`` without the TSP group's flags (for tools that run stock Megatron)."""
-    flags_with_value = {TSP_FLAG, "--tsp-dry-run-world-size", "--tsp-dry-run-rank"}
+    flags_with_value = {
+        TSP_FLAG,
+        VOCAB_RING_FLAG,
+        "--tsp-dry-run-world-size",
+        "--tsp-dry-run-rank",
+    }
     flags_alone = {
         "--tsp-dry-run",
         TSP_MLP_FLAG,
         KV_GRAD_FP32_FLAG,
         KV_GRAD_A2A_FLAG,
         ACTIVATION_SUMS_FP32_FLAG,
-        NO_VOCAB_RING_FLAG,
         MOE_RING_FLAG,
     }
     out: List[str] = []

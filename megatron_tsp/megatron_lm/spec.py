@@ -170,15 +170,24 @@ def describe_output_head(model) -> Optional[str]:
     without the output layer)."""
     if not has_zigzag_layers(model) or not getattr(model, "post_process", False):
         return None
-    if output_head.is_installed(model):
-        return (
-            "output layer: TSP vocabulary ring (the output weight's vocabulary shards circulate; "
-            "each rank's own tokens' cross-entropy over the whole vocabulary, in place of "
-            "Megatron's output-layer gather and its vocab-parallel cross-entropy, fused or not)"
-        )
+    policy = output_head.policy_of(model)
+    ring = (
+        "TSP vocabulary ring (the output weight's vocabulary shards circulate; each rank's own "
+        "tokens' cross-entropy over the whole vocabulary, in place of Megatron's output-layer "
+        "gather and its vocab-parallel cross-entropy, fused or not)"
+    )
+    if policy == "always":
+        return f"output layer: {ring}"
+    if policy == "never":
+        return "output layer: Megatron's (sequence all-gather, vocab-parallel cross-entropy)"
+    weight = output_head.output_weight(model)
+    size = model.config.tensor_model_parallel_size
+    tokens = output_head.crossover_tokens(
+        weight.shape[0] * size, weight.shape[1], weight.element_size(), 4
+    )
     return (
-        "output layer: Megatron's (sequence all-gather, vocab-parallel cross-entropy; "
-        "--no-tsp-vocab-ring)"
+        f"output layer: {ring} for micro-batches of >= {tokens} tokens, where it receives fewer "
+        "bytes; Megatron's below (--tsp-vocab-ring auto)"
     )
 
 
@@ -216,8 +225,8 @@ def _resolve_tsp_spec(original):
             result = original(*bound.args, **bound.kwargs)
         else:  # 0.19 resolves a callable spec itself: the layers may still be TSP's
             result = original(self, *args, **kwargs)
-        if has_zigzag_layers(self) and _megatron_arg("tsp_vocab_ring") is not False:
-            output_head.install(self)
+        if has_zigzag_layers(self):
+            output_head.install(self, policy=_megatron_arg("tsp_vocab_ring") or "auto")
         _log_attention_backends(self)
         return result
 

@@ -281,16 +281,40 @@ def test_step_level_terms():
     assert d == {"grad_reduce": 2 * 0.75 * 1000 * 4, "param_gather": 0.0}
     x = 2 * 8 * 8 * 2
     hc = fm.head_comm(s, 4, "tp_sp")
-    assert hc == fm.head_comm(s, 4, "tsp", vocab_ring=False)
+    assert hc == fm.head_comm(s, 4, "tsp", vocab_ring="never")
+    # 16 tokens against a 32k vocabulary: "auto" keeps Megatron's output layer (fewer bytes)
+    assert hc == fm.head_comm(s, 4, "tsp")
     assert hc["fwd"] == pytest.approx(2 * 0.75 * x + 3 * 2 * 0.75 * 16 * 4)
     assert hc["bwd"] == pytest.approx(3 * 0.75 * x)
     # TSP's vocabulary ring: the padded vocabulary's weight shards (32000 -> 32256 = 63 x 512),
     # bf16 each way plus the fp32 gradient accumulator; the losses' fp32 gather; the embedding
     v = 32256 * 8
-    hc = fm.head_comm(s, 4, "tsp")
+    hc = fm.head_comm(s, 4, "tsp", vocab_ring="always")
     assert hc["fwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * 16 * 4)
     assert hc["bwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * v * 4)
     assert fm.head_comm(s, 4, "tp")["bwd"] == pytest.approx(2 * 0.75 * x)
+    with pytest.raises(ValueError, match="vocab_ring='on'"):
+        fm.head_comm(s, 4, "tsp", vocab_ring="on")
+
+
+def test_vocab_ring_auto_takes_the_head_that_receives_fewer_bytes(seed):
+    """ "auto" (the layer's rule, ``output_head.ring_receives_fewer_bytes``) picks whichever of
+    the two heads ``head_comm`` counts fewer bytes for, on both sides of the crossover."""
+    from megatron_tsp.core import output_head
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        hidden, vocab, b = rng.choice([64, 512, 4096]), rng.choice([1000, 32000, 128256]), 2
+        d = rng.choice([2, 4, 8])
+        cross = output_head.crossover_tokens(-(-vocab // (128 * d)) * 128 * d, hidden, b, 4)
+        for seq in (cross - 1, cross, 2 * cross):
+            s = LayerShape(batch=1, seq=seq, hidden=hidden, heads=8, vocab=vocab, dtype_bytes=b)
+            auto, ring, megatron = (
+                sum(fm.head_comm(s, d, "tsp", vocab_ring=p).values())
+                for p in ("auto", "always", "never")
+            )
+            assert auto == min(ring, megatron), (seed, hidden, vocab, d, seq)
+            assert (auto == ring) == (seq >= cross) or ring == megatron, (seed, seq, cross)
 
 
 # --- FLOPs ------------------------------------------------------------------------------------

@@ -108,14 +108,19 @@ def _golden_tsp_memory(seq, D, recompute):
         # call, native GQA), before both are summed into the send buffer
         + (2 * seq * h / D) * b
     )
-    # the vocabulary ring (the default): fp32 logits of the local tokens over the padded
-    # vocabulary, one shard's bf16 GEMM output, the weight ring's packed shard + 2 spares;
-    # backward adds the 4 fp32 gradient-accumulator shards and the bf16 dX accumulator. Then
-    # 3 [S/D, h] tensors around the final norm, ~47 B of per-token ids / losses / statistics
+    # the vocabulary ring where it receives fewer bytes than Megatron's output layer (the
+    # default, "auto": V h (2b + 4) <= S (3 h b + 20), i.e. from 43,656 tokens here): fp32
+    # logits of the local tokens over the padded vocabulary, one shard's bf16 GEMM output, the
+    # weight ring's packed shard + 2 spares; backward adds the 4 fp32 gradient-accumulator
+    # shards and the bf16 dX accumulator. Megatron's: bf16 logits + their fp32 copy, the
+    # gathered final hidden. Then 3 [S/D, h] tensors around the final norm, ~47 B of per-token
+    # ids / losses / cross-entropy statistics
+    ring = vpad * h * (2 * b + 4) <= seq * (3 * h * b + 20)
     shard = vpad / D * h
     ring_fwd = t * vpad * 4 + t * vpad / D * b + 3 * shard * b
     ring_bwd = ring_fwd + 4 * shard * 4 + t * h * b
-    head = max(ring_fwd, ring_bwd) + 3 * t * h * b + 47 * seq
+    megatron = seq * vpad / D * (2 + 4) + seq * h * b
+    head = (max(ring_fwd, ring_bwd) if ring else megatron) + 3 * t * h * b + 47 * seq
     # persistent K/V comm workspace: forward 2 gathered [S + S/(2D), 2h/D] (the gathered K/V
     # and a copy of the rank's late chunk; saved attention keeps its packed local K/V as saved
     # tensors); backward adds 2 dK/dV send [S, 2h/D] + 2 local receive buffers, allocated in
@@ -143,9 +148,9 @@ def _golden_tsp_memory(seq, D, recompute):
         later = [mlp_work + ws_bwd - layer, attn_work - mlp_part + ws_bwd - layer]
         extra = max(first + later)
         acts = L * layer
-    # (Megatron's output layer would add its gathered input, kept by its global memory
-    # buffer: the vocabulary ring gathers nothing)
-    bwd = extra + tables
+    # + Megatron's output layer's gathered input, kept by its global memory buffer (the
+    # vocabulary ring gathers nothing)
+    bwd = extra + tables + (0 if ring else seq * h * b)
     fwd_peak = head >= bwd
     return {
         "params": 2 * local,

@@ -262,7 +262,8 @@ def test_strip_tsp_flags():
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
         "--tsp-activation-sums-in-fp32",
-        "--no-tsp-vocab-ring",
+        "--tsp-vocab-ring",
+        "always",
         "--seq-length",
         "64",
     ]
@@ -270,20 +271,23 @@ def test_strip_tsp_flags():
 
 
 def test_vocab_ring_flag():
-    """The vocabulary ring is TSP's default; ``--no-tsp-vocab-ring`` keeps Megatron's output
-    layer and loss, and only means something under TSP (refused by name elsewhere, --tsp-mlp
-    included)."""
-    assert parse("--tensor-sequence-parallel-size", "2").tsp_vocab_ring is True
-    args = parse("--tensor-sequence-parallel-size", "2", "--no-tsp-vocab-ring")
-    A.translate_args(args)
-    assert args.tsp_vocab_ring is False
+    """``--tsp-vocab-ring auto`` (default: the ring where it receives fewer bytes), ``always``,
+    ``never``; a forced choice only means something under TSP (refused by name elsewhere,
+    --tsp-mlp included); other values are refused by the parser."""
+    assert parse("--tensor-sequence-parallel-size", "2").tsp_vocab_ring == "auto"
+    for choice in ("always", "never"):
+        args = parse("--tensor-sequence-parallel-size", "2", "--tsp-vocab-ring", choice)
+        A.translate_args(args)
+        assert args.tsp_vocab_ring == choice
     for argv in (
-        ["--tensor-model-parallel-size", "2", "--no-tsp-vocab-ring"],
+        ["--tensor-model-parallel-size", "2", "--tsp-vocab-ring", "never"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tsp-mlp"]
-        + ["--no-tsp-vocab-ring"],
+        + ["--tsp-vocab-ring", "always"],
     ):
-        with pytest.raises(A.TSPArgumentError, match="--no-tsp-vocab-ring needs --tensor-seq"):
+        with pytest.raises(A.TSPArgumentError, match="--tsp-vocab-ring=.* needs --tensor-seq"):
             A.translate_args(parse(*argv))
+    with pytest.raises(SystemExit):
+        parse("--tensor-sequence-parallel-size", "2", "--tsp-vocab-ring", "on")
 
 
 def test_checkpoints_store_a_stock_runs_args():

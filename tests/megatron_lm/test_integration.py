@@ -104,7 +104,7 @@ def test_help_lists_the_tsp_group():
         "--tsp-kv-grad-reduce-in-fp32",
         "--tsp-kv-grad-all-to-all",
         "--tsp-activation-sums-in-fp32",
-        "--no-tsp-vocab-ring",
+        "--tsp-vocab-ring",
         "--tsp-moe-ring",
         "--tsp-dry-run",
         "--tsp-dry-run-world-size",
@@ -157,8 +157,16 @@ def test_dry_run_end_to_end(name):
     want_norm = cfg["model"]["normalization"]
     # SequenceParallelLayerNorm / SequenceParallelRMSNorm
     assert re.search(rf"final_layernorm=\S+\.\w*{want_norm}\b", out), out[-2000:]
-    assert "output layer      : TSP vocabulary ring" in out, out[-3000:]
     padded = int(re.search(r"padded vocab\s+: (\d+)", out).group(1))
+    # "auto": the vocabulary ring where it receives fewer bytes than Megatron's output layer
+    # (7B's 32k vocabulary at 128k tokens: the ring; Llama-3's 128k vocabulary: Megatron's)
+    from megatron_tsp.core import output_head
+
+    head = re.search(r"output layer\s+: (.*)", out).group(1)
+    tokens, crossover = (int(n) for n in re.search(r"of (\d+) tokens.* from (\d+)", head).groups())
+    assert crossover == output_head.crossover_tokens(padded, cfg["model"]["hidden_size"], 2, 4)
+    assert head.startswith("TSP vocabulary ring" if tokens >= crossover else "Megatron's"), head
+    assert head.endswith("(--tsp-vocab-ring auto)") and tokens == cfg["model"]["seq_length"]
     assert padded % (128 * 8) == 0 and padded >= cfg["model"]["vocab_size"]
     params = int(re.search(r"params on rank 9\s*: ([\d,]+)", out).group(1).replace(",", ""))
     assert params == _expected_params_per_rank(cfg, padded)

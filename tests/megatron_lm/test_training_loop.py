@@ -137,7 +137,10 @@ def _assert_same_curve(tsp, ref, loss_rtol, norm_rtol):
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_tsp2_matches_tp2(seed, style):
-    tsp = _run(2, seed, *STYLES[style], "--tensor-sequence-parallel-size", "2")
+    # the loss on the vocabulary ring, forced: these 128-token micro-batches are below its
+    # crossover, where "auto" keeps Megatron's output layer (gpt2: tied embeddings, llama not)
+    ring = ["--tsp-vocab-ring", "always"]
+    tsp = _run(2, seed, *STYLES[style], "--tensor-sequence-parallel-size", "2", *ring)
     ref = _run(2, seed, *STYLES[style], "--tensor-model-parallel-size", "2")
     assert "--no-create-attention-mask-in-dataloader" in tsp.log  # the launcher says it did
     # the log names the attention backend the layers run, and why (2 layers on this rank 0)
@@ -145,19 +148,21 @@ def test_tsp2_matches_tp2(seed, style):
         tsp.rank_log(0)
     ), tsp.rank_log(0)[-3000:]
     assert "attention backend" not in ref.log  # stock TP: no TSP attention layers
-    # the loss on the vocabulary ring, the default (gpt2: tied embeddings, llama: untied)
     assert "[megatron_tsp] output layer: TSP vocabulary ring" in tsp.rank_log(0)
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
 def test_tsp2_without_the_vocab_ring_matches_tp2(seed):
-    """``--no-tsp-vocab-ring``: Megatron's output layer and vocab-parallel cross-entropy under
-    TSP (the log says so), the same curve as TP=2."""
-    args = STYLES["llama"] + ["--tensor-sequence-parallel-size", "2", "--no-tsp-vocab-ring"]
+    """``--tsp-vocab-ring never``: Megatron's output layer and vocab-parallel cross-entropy under
+    TSP (the log says so), the same curve as TP=2; the default's log names the crossover."""
+    args = STYLES["llama"] + ["--tensor-sequence-parallel-size", "2", "--tsp-vocab-ring", "never"]
     tsp = _run(2, seed, *args)
     ref = _run(2, seed, *STYLES["llama"], "--tensor-model-parallel-size", "2")
     assert "[megatron_tsp] output layer: Megatron's" in tsp.rank_log(0), tsp.rank_log(0)[-3000:]
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+    auto = _run(2, seed, *STYLES["llama"], "--tensor-sequence-parallel-size", "2")
+    assert "for micro-batches of >= " in auto.rank_log(0) and "auto)" in auto.rank_log(0)
+    _assert_same_curve(auto, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
 def test_tsp4_matches_tp4(seed):
@@ -206,7 +211,8 @@ def test_bf16_distributed_optimizer_overlap_recompute(seed):
         "--recompute-num-layers",
         "1",
     ]
-    tsp = _run(2, seed, *args, "--tensor-sequence-parallel-size", "2")
+    ring = ["--tsp-vocab-ring", "always"]  # the vocabulary ring in bf16 with main_grad
+    tsp = _run(2, seed, *args, "--tensor-sequence-parallel-size", "2", *ring)
     ref = _run(2, seed, *args, "--tensor-model-parallel-size", "2")
     _assert_same_curve(tsp, ref, BF16_LOSS_RTOL, BF16_NORM_RTOL)
 
@@ -224,11 +230,11 @@ def test_dp2_tsp2_distributed_optimizer_and_overlap_param_gather(seed):
         "8",
     ]
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2")
-    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
+    # the vocabulary ring too: it fires the output layer's param-gather wait
+    tsp_args = ["--tensor-sequence-parallel-size", "2", "--tsp-vocab-ring", "always"]
+    tsp = _run(4, seed, *args, *tsp_args)
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
-    gathered = _run(
-        4, seed, *args, "--tensor-sequence-parallel-size", "2", "--overlap-param-gather"
-    )
+    gathered = _run(4, seed, *args, *tsp_args, "--overlap-param-gather")
     assert gathered.losses == tsp.losses and gathered.grad_norms == tsp.grad_norms, (
         gathered.losses,
         tsp.losses,
@@ -246,7 +252,8 @@ def test_pp2_tsp2(seed):
         "--global-batch-size",
         "8",
     ]
-    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2")
+    ring = ["--tsp-vocab-ring", "always"]  # on the last stage only
+    tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "2", *ring)
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "2")
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 

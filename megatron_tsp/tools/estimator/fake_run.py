@@ -83,8 +83,8 @@ class RunConfig:
     tsp_kv_grad_a2a: bool = False  # dK/dV summed by an all-to-all (--tsp-kv-grad-all-to-all)
     # MLP output / input gradients summed in fp32 (--tsp-activation-sums-in-fp32)
     tsp_activation_sums_fp32: bool = False
-    # TSP's loss on the vocabulary ring (False: --no-tsp-vocab-ring, Megatron's output layer)
-    tsp_vocab_ring: bool = True
+    # TSP's loss on the vocabulary ring: its policy (--tsp-vocab-ring auto | always | never)
+    tsp_vocab_ring: str = "auto"
 
     @property
     def dp(self) -> int:
@@ -437,8 +437,8 @@ def build_model(cfg: RunConfig, config):
         position_embedding_type="rope" if cfg.model.rope else "learned_absolute",
         **({"rotary_base": cfg.model.rotary_base} if cfg.model.rotary_base else {}),
     )
-    if cfg.scheme == "tsp" and cfg.tsp_vocab_ring:
-        output_head.install(model)
+    if cfg.scheme == "tsp":
+        output_head.install(model, policy=cfg.tsp_vocab_ring)
     return model
 
 

@@ -655,7 +655,7 @@ def head_comm(
     strategy: str = "tsp",
     *,
     logits_dtype_bytes: int = 4,
-    vocab_ring: bool = True,
+    vocab_ring: str = "auto",
 ) -> Dict[str, float]:
     """Embedding, output layer and cross-entropy (per micro-batch, not per layer).
 
@@ -663,12 +663,14 @@ def head_comm(
     f*BSh forward and all-gather the gradient f*BSh backward; plain TP all-reduces 2f*BSh
     forward. The output layer and loss:
 
-    * TSP (``vocab_ring``, the default; ``core.layers.vocab_ring``): the output weight's
-      vocabulary shards ride the weight ring, f*V*h weight bytes forward, again backward, plus
-      the fp32 (accumulation-dtype) gradient accumulator f*V*h*4; the per-token losses are
-      all-gathered, f*BS fp32. No activation bytes.
-    * TP+SP (and TSP with ``vocab_ring=False``): output-layer all-gather f*BSh forward, re-gather
-      f*BSh + dgrad reduce-scatter f*BSh backward, three all-reduces of [B*S] fp32 in the
+    * TSP on the vocabulary ring (``core.layers.vocab_ring``): the output weight's vocabulary
+      shards ride the weight ring, f*V*h weight bytes forward, again backward, plus the fp32
+      (accumulation-dtype) gradient accumulator f*V*h*4; the per-token losses are all-gathered,
+      f*BS fp32. No activation bytes. ``vocab_ring``: the policy (``output_head.POLICIES``);
+      "auto", the default, takes the ring where it receives fewer bytes, by the rule the layer
+      applies (``output_head.ring_receives_fewer_bytes``).
+    * TP+SP (and TSP without the ring): output-layer all-gather f*BSh forward, re-gather f*BSh
+      + dgrad reduce-scatter f*BSh backward, three all-reduces of [B*S] fp32 in the
       cross-entropy (max, predicted logit, sum-exp).
     * plain TP: output-layer dgrad all-reduce 2f*BSh backward, the same cross-entropy.
     * CP: the head is replicated over the CP group (no communication).
@@ -678,7 +680,7 @@ def head_comm(
     b = shape.dtype_bytes
     x = shape.tokens * shape.hidden
     ce = 3 * 2 * f * shape.tokens * logits_dtype_bytes
-    if strategy == "tsp" and vocab_ring:
+    if strategy == "tsp" and vocab_ring_taken(shape, D, vocab_ring):
         weights = f * shape.padded_vocab(D) * shape.hidden
         losses = f * shape.tokens * 4
         grads = weights * accumulation_bytes(b)
@@ -690,6 +692,21 @@ def head_comm(
     if strategy == "cp":
         return {"fwd": 0.0, "bwd": 0.0}
     raise ValueError(strategy)
+
+
+def vocab_ring_taken(shape: LayerShape, D: int, policy: str) -> bool:
+    """Whether TSP's loss runs on the vocabulary ring for micro-batches of ``shape`` under
+    ``policy`` (the layer's own rule, ``output_head.ring_receives_fewer_bytes``, for "auto")."""
+    from megatron_tsp.core.output_head import POLICIES, ring_receives_fewer_bytes
+
+    if policy not in POLICIES:
+        raise ValueError(f"vocab_ring={policy!r}: choose one of {POLICIES}")
+    if policy != "auto":
+        return policy == "always"
+    b = shape.dtype_bytes
+    return ring_receives_fewer_bytes(
+        shape.tokens, shape.padded_vocab(D), shape.hidden, b, accumulation_bytes(b)
+    )
 
 
 def dp_step_comm(

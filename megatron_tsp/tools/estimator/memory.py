@@ -135,10 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tsp-activation-sums-in-fp32)",
     )
     r.add_argument(
-        "--no-tsp-vocab-ring",
-        action="store_true",
-        help="TSP: Megatron's output layer and vocab-parallel cross-entropy instead of the "
-        "vocabulary ring (Megatron-LM's --no-tsp-vocab-ring)",
+        "--tsp-vocab-ring",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="TSP: the loss on the vocabulary ring where it receives fewer bytes than Megatron's "
+        "output layer (auto), always or never (Megatron-LM's --tsp-vocab-ring)",
     )
     r.add_argument(
         "--table-tsp-variants",
@@ -227,7 +228,7 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         tsp_activation_sums_fp32=bool(
             args.tsp_activation_sums_in_fp32 and scheme in ("tsp", "hybrid")
         ),
-        tsp_vocab_ring=not args.no_tsp_vocab_ring,
+        tsp_vocab_ring=args.tsp_vocab_ring,
     )
 
 

@@ -293,9 +293,9 @@ class Options:
     # the TSP MLP output and the input gradients summed over shards / head groups in fp32
     # (--tsp-activation-sums-in-fp32); default: in place in the compute dtype
     tsp_activation_sums_fp32: bool = False
-    # TSP's loss on the vocabulary ring (default; False: --no-tsp-vocab-ring, Megatron's
-    # output-layer gather and vocab-parallel cross-entropy)
-    tsp_vocab_ring: bool = True
+    # TSP's loss on the vocabulary ring: its policy (--tsp-vocab-ring auto | always | never;
+    # auto: where it receives fewer bytes than Megatron's output layer)
+    tsp_vocab_ring: str = "auto"
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -693,7 +693,8 @@ def analytic_memory(
     # (the logits are gone by then). The peak is the larger of the two.
     head_tokens = shape.tokens / s.cp
     stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
-    vocab_ring = s.is_tsp and o.tsp_vocab_ring
+    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
+    vocab_ring = s.is_tsp and fm.vocab_ring_taken(head_shape, T, o.tsp_vocab_ring)
     if vocab_ring:
         head = _vocab_ring_head_bytes(m, head_tokens / T, T, vpad, o)
     else:
@@ -913,7 +914,7 @@ def _head_time(
         "tsp_cp": "tsp",
     }[s.kind]
     head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
-    hc = fm.head_comm(head_shape, s.tp, head_kind)
+    hc = fm.head_comm(head_shape, s.tp, head_kind, vocab_ring=o.tsp_vocab_ring)
     head_bw = hw.bandwidth(s.tp, 1)
     seconds = (
         hf["total"] / s.degree / hw.flops
