@@ -19,20 +19,42 @@ from tests import checks_precision
 D = 4
 
 
+# The fc1 bias gradient is a sum over every token of d(fc1 output), whose bf16 errors add with
+# random signs, so one seed's TSP / TP+SP error ratio is noisy: over 48 seeds (D = 4, GeLU with
+# bias) mean 0.982, range 0.917-1.093, above 1.01 in 8 of 48 (the inputs differ by one rounding:
+# TSP's fc1 GEMM adds the bias before rounding, Megatron's fused bias-GeLU adds it in fp32 after).
+# It is judged by its mean over MLP_SEEDS seeds (sd of the mean ~0.014), 3 sd above the measured
+# mean; per seed the weight matrices read 0.97-1.00 and keep the 1.01 bound.
+MLP_SEEDS = 8
+MLP_BIAS_GRAD_TOLERANCE = 1.03
+
+
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_mlp_bf16_no_less_accurate_than_tp_sp(pool4, seed, gated, bias):
     """One MLP layer: TSP's output and input gradient are summed in fp32 (TP+SP sums D bf16
-    partials in its reduce-scatters), so they must be at least as accurate; each weight
-    gradient is one fp32 sum rounded once on both sides (equal up to summation order)."""
-    r = pool4.run(checks_precision.mlp_bf16_errors_vs_fp64, D, seed, gated, bias)[0]
-    print(f"\nMLP bf16 D={D} gated={gated} bias={bias}: error vs fp64 (TP+SP | TSP)")
-    for name in r["tsp"]:
-        print(f"  {name:28s} {r['tp_sp'][name]:.3e} | {r['tsp'][name]:.3e}")
-    for name in ("output", "grad:input"):
-        assert r["tsp"][name] <= r["tp_sp"][name], (name, r)
-    for name in r["tsp"]:
-        if name.startswith("grad:linear"):
-            assert r["tsp"][name] <= 1.01 * r["tp_sp"][name], (name, r)
+    partials in its reduce-scatters), so they must be at least as accurate, seed by seed; each
+    weight gradient is one fp32 sum rounded once on both sides (equal up to summation order):
+    each weight matrix within 1% of TP+SP's error per seed, the biases on the mean over
+    ``MLP_SEEDS`` seeds."""
+    runs = [
+        pool4.run(checks_precision.mlp_bf16_errors_vs_fp64, D, seed + i, gated, bias)[0]
+        for i in range(MLP_SEEDS)
+    ]
+    print(f"\nMLP bf16 D={D} gated={gated} bias={bias}, seeds from {seed}: error vs fp64")
+    print("  (mean over the seeds, TP+SP | TSP)")
+    for name in runs[0]["tsp"]:
+        a, b = (statistics.mean(r[k][name] for r in runs) for k in ("tp_sp", "tsp"))
+        print(f"  {name:28s} {a:.3e} | {b:.3e}")
+    for i, r in enumerate(runs):
+        for name in ("output", "grad:input"):
+            assert r["tsp"][name] <= r["tp_sp"][name], (seed + i, name, r)
+        for name in r["tsp"]:
+            if name.startswith("grad:linear") and name.endswith(".weight"):
+                assert r["tsp"][name] <= 1.01 * r["tp_sp"][name], (seed + i, name, r)
+    for name in runs[0]["tsp"]:
+        if name.startswith("grad:linear") and name.endswith(".bias"):
+            ratio = statistics.mean(r["tsp"][name] / r["tp_sp"][name] for r in runs)
+            assert ratio <= MLP_BIAS_GRAD_TOLERANCE, (name, ratio, seed)
 
 
 # Tolerances of the whole-model test (TSP error / TP+SP error, each a mean over GPT_SEEDS seeds),

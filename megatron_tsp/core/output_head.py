@@ -56,6 +56,8 @@ def ring_receives_fewer_bytes(
 def crossover_tokens(padded_vocab: int, hidden: int, dtype_bytes: int, grad_bytes: int) -> int:
     """The fewest tokens per micro-batch for which ``ring_receives_fewer_bytes`` holds."""
     ring_weights = padded_vocab * hidden * (2 * dtype_bytes + grad_bytes)
+    # per token the gather costs 3·h·dtype_bytes + 24 (its fp32 all-reduces), the ring 4 (its
+    # fp32 loss gather): ring_weights + 4 T <= (3 h b + 24) T
     return -(-ring_weights // (3 * hidden * dtype_bytes + 20))
 
 
