@@ -692,36 +692,39 @@ def write_report(result: dict, out_dir: str) -> None:
             f"| {k} | {v:.3e} | {m:.3e} | {ratio} |" if m else f"| {k} | {v:.3e} | - | - |"
         )
     lines += ["", f"D>1: {b['d_gt_1']}", ""]
-    rope = result.get("rope_kernel", {})
-    lines += ["## (c) TSP's one-kernel RoPE against the fp64 formula", ""]
-    if rope.get("ran"):
-        lines += [
-            f"chosen by the layers on this device: {rope['chosen_on_this_device']}; worst error "
-            "relative to the terms' magnitude (one rounding: 2^-9 = 2.0e-03 in bf16):",
-            "",
-            "| case | error |",
-            "|---|---|",
-            *[f"| {k} | {v:.2e} |" for k, v in rope["errors"].items()],
-            "",
-        ]
-    else:
-        lines += [f"not run: {rope.get('why', '?')}", ""]
-    row_sum = result.get("row_sum_kernel", {})
-    lines += ["## (d) TSP's one-launch dK/dV row sum against its torch path", ""]
-    if row_sum.get("ran"):
-        lines += [
-            f"chosen by the layers on this device: {row_sum['chosen_on_this_device']}; largest "
-            "difference in units of the result's rounding (0 where both round to nearest):",
-            "",
-            "| dtype | ulps |",
-            "|---|---|",
-            *[f"| {k} | {v:.2f} |" for k, v in row_sum["ulps"].items()],
-            "",
-        ]
-    else:
-        lines += [f"not run: {row_sum.get('why', '?')}", ""]
+    lines += _triton_kernel_lines(
+        "(c) TSP's one-kernel RoPE against the fp64 formula",
+        result.get("rope_kernel", {}),
+        "errors",
+        "worst error relative to the terms' magnitude (one rounding: 2^-9 = 2.0e-03 in bf16)",
+        ("case", "error", "{:.2e}"),
+    )
+    lines += _triton_kernel_lines(
+        "(d) TSP's one-launch dK/dV row sum against its torch path",
+        result.get("row_sum_kernel", {}),
+        "ulps",
+        "largest difference in units of the result's rounding (0 where both round to nearest)",
+        ("dtype", "ulps", "{:.2f}"),
+    )
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines))
+
+
+def _triton_kernel_lines(title: str, check: dict, key: str, what: str, columns) -> list:
+    """Report section of one of TSP's Triton kernel checks (``verify_rope_kernel``,
+    ``verify_row_sum_kernel``): the measured values by case, or why it did not run."""
+    lines = [f"## {title}", ""]
+    if not check.get("ran"):
+        return lines + [f"not run: {check.get('why', '?')}", ""]
+    name, value, fmt = columns
+    return lines + [
+        f"chosen by the layers on this device: {check['chosen_on_this_device']}; {what}:",
+        "",
+        f"| {name} | {value} |",
+        "|---|---|",
+        *[f"| {k} | {fmt.format(v)} |" for k, v in check[key].items()],
+        "",
+    ]
 
 
 def _top_kernel_lines(a: dict) -> list:

@@ -42,10 +42,9 @@ def test_tp_sp_reference_matches_single_process(pool4, seed, style):
     pool4.run(checks_gpt.check_gpt_vs_single, 4, seed, style, baseline="tp_sp", rtol=1e-10)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
-@pytest.mark.parametrize("d", [2, 4])
-def test_tsp_equals_megatron_tp_sp(pool4, seed, d, style):
-    pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, style, rtol=1e-10)
+def _vs_tp_sp_megatron_loss_path(pool4, seed, d, style, **kw):
+    """TSP vs Megatron TP=D+SP through Megatron's vocab-parallel loss path (fp32: Megatron's
+    cross-entropy computes in fp32)."""
     pool4.run(
         checks_gpt.check_tsp_vs_tp_sp,
         d,
@@ -54,7 +53,15 @@ def test_tsp_equals_megatron_tp_sp(pool4, seed, d, style):
         dtype_name="float32",
         loss_path="megatron",
         rtol=1e-5,
+        **kw,
     )
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("d", [2, 4])
+def test_tsp_equals_megatron_tp_sp(pool4, seed, d, style):
+    pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, style, rtol=1e-10)
+    _vs_tp_sp_megatron_loss_path(pool4, seed, d, style)
 
 
 @pytest.mark.parametrize("d,groups", [(4, 2), (4, 1), (2, 1)])
@@ -93,15 +100,5 @@ def test_vocab_ring_loss_matches_single_process_fp64(pool4, seed, d, style, tied
 @pytest.mark.parametrize("d", [2, 4])
 def test_vocab_ring_equals_megatron_tp_sp_loss_path(pool4, seed, d, style, tied):
     """TSP with the vocabulary ring against stock Megatron TP=D+SP with its vocab-parallel
-    cross-entropy (both from labels, fp32: Megatron's cross-entropy computes in fp32)."""
-    pool4.run(
-        checks_gpt.check_tsp_vs_tp_sp,
-        d,
-        seed,
-        style,
-        dtype_name="float32",
-        loss_path="megatron",
-        rtol=1e-5,
-        vocab_ring=True,
-        tied=tied,
-    )
+    cross-entropy (both from labels)."""
+    _vs_tp_sp_megatron_loss_path(pool4, seed, d, style, vocab_ring=True, tied=tied)

@@ -92,18 +92,24 @@ def test_bad_arguments_are_refused():
         rope_kernel.rope_into(x, cos.double(), cos.double(), x.clone(), False, False)
 
 
-def test_when_it_is_chosen(monkeypatch):
+@pytest.mark.parametrize("kernel", ["rope_kernel", "row_sum_kernel"])
+def test_when_the_triton_kernels_are_chosen(monkeypatch, kernel):
+    """Both of TSP's Triton kernels follow ``triton_choice``: CUDA, an fp32-or-narrower dtype
+    (their arithmetic is fp32), their environment switch, an unknown value refused by name."""
+    from megatron_tsp.core.layers import row_sum_kernel
+
+    module = {"rope_kernel": rope_kernel, "row_sum_kernel": row_sum_kernel}[kernel]
     cuda = torch.device("cuda")
-    monkeypatch.delenv(rope_kernel.ENV, raising=False)
-    assert rope_kernel.available(cuda, torch.bfloat16)
-    assert rope_kernel.available(cuda, torch.float32)
-    assert not rope_kernel.available(cuda, torch.float64)  # its arithmetic is fp32
-    assert not rope_kernel.available(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setenv(rope_kernel.ENV, "torch")
-    assert not rope_kernel.available(cuda, torch.bfloat16)
-    monkeypatch.setenv(rope_kernel.ENV, "fused")
-    with pytest.raises(ValueError, match="TSP_ROPE_KERNEL"):
-        rope_kernel.available(cuda, torch.bfloat16)
+    monkeypatch.delenv(module.ENV, raising=False)
+    assert module.available(cuda, torch.bfloat16)
+    assert module.available(cuda, torch.float32)
+    assert not module.available(cuda, torch.float64)
+    assert not module.available(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv(module.ENV, "torch")
+    assert not module.available(cuda, torch.bfloat16)
+    monkeypatch.setenv(module.ENV, "fused")
+    with pytest.raises(ValueError, match=module.ENV):
+        module.available(cuda, torch.bfloat16)
 
 
 def test_recorded_as_one_kernel_that_reads_x_and_tables_and_writes_out():

@@ -1,7 +1,8 @@
 """The one-launch row sum (``megatron_tsp.core.layers.row_sum_kernel``) that TSP's attention
 backward uses for each head group's dK and dV, its Triton kernel run in Triton's interpreter on
 CPU tensors: equal to the torch path (``layout.sum_row_pieces``) at any strides and overlaps,
-on TSP's own pieces for every rank, when it is chosen, how the traffic recorder counts it.
+on TSP's own pieces for every rank, how the traffic recorder counts it (when it is chosen:
+``tests/test_rope_kernel.py::test_when_the_triton_kernels_are_chosen``).
 (The layer parity with it: ``tests/test_layers.py::test_attention_triton_kernels``.)"""
 
 import pytest
@@ -86,20 +87,6 @@ def test_tsp_key_pieces_of_every_rank(seed, d):
         dest = torch.empty(seq, b, n, dim, dtype=torch.bfloat16)
         ref = layout.sum_keys(torch.empty_like(dest), sources)
         _check_equal(row_sum_kernel.sum_rows_into(dest, pieces), ref, torch.bfloat16, seed)
-
-
-def test_when_it_is_chosen(monkeypatch):
-    cuda = torch.device("cuda")
-    monkeypatch.delenv(row_sum_kernel.ENV, raising=False)
-    assert row_sum_kernel.available(cuda, torch.bfloat16)
-    assert row_sum_kernel.available(cuda, torch.float32)
-    assert not row_sum_kernel.available(cuda, torch.float64)  # fp32 accumulation
-    assert not row_sum_kernel.available(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setenv(row_sum_kernel.ENV, "torch")
-    assert not row_sum_kernel.available(cuda, torch.bfloat16)
-    monkeypatch.setenv(row_sum_kernel.ENV, "cuda")
-    with pytest.raises(ValueError, match="TSP_ROW_SUM_KERNEL"):
-        row_sum_kernel.available(cuda, torch.bfloat16)
 
 
 def test_sum_pieces_takes_the_torch_path_where_the_kernel_does_not_apply(monkeypatch):

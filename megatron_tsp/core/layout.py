@@ -349,7 +349,7 @@ class TSPLayout:
         n = part.shape[0]
         end = self.gathered_len if rows == self.seq_length else rows
         if start < 0 or start + n > end:
-            raise ValueError(f"sum_keys: source rows [{start}, {start + n}) outside {end}")
+            raise ValueError(f"key_pieces: source rows [{start}, {start + n}) outside {end}")
         if start + n <= rows:
             return [(start, start + n, part)]
         own = self.gathered_row(self.chunk_ids[1])

@@ -25,6 +25,7 @@ loss gather's backward takes this rank's slice of the (replicated) loss gradient
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 
@@ -53,6 +54,50 @@ def ring_receives_fewer_bytes(
     return ring <= gather
 
 
+def ring_taken(
+    policy: str, tokens: int, padded_vocab: int, hidden: int, dtype_bytes: int, grad_bytes: int
+) -> bool:
+    """Whether a micro-batch of ``tokens`` tokens computes its loss on the ring under ``policy``
+    (``POLICIES``): the one decision, asked by the layer at run time, by the estimator's
+    formulas and planner, and by the launch log and the dry run."""
+    if _checked(policy) != "auto":
+        return policy == "always"
+    return ring_receives_fewer_bytes(tokens, padded_vocab, hidden, dtype_bytes, grad_bytes)
+
+
+def _checked(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"vocabulary ring policy {policy!r}: choose one of {POLICIES}")
+    return policy
+
+
+def describe(
+    policy: str, padded_vocab: int, hidden: int, dtype_bytes: int, tokens: Optional[int] = None
+) -> str:
+    """The output layer a TSP run uses under ``policy``, in words (the launch log and the dry
+    run); with ``tokens`` (a micro-batch's), the one "auto" picks for it. The gradient
+    accumulator is taken as fp32 (bf16 / fp32 runs)."""
+    ring = (
+        "TSP vocabulary ring (the output weight's vocabulary shards circulate on the P2P ring; "
+        "each rank's own tokens' cross-entropy over the whole vocabulary, in place of "
+        "Megatron's output-layer gather and its vocab-parallel cross-entropy, fused or not)"
+    )
+    megatron = "Megatron's output layer and vocab-parallel cross-entropy"
+    if policy != "auto":
+        return f"{ring if policy == 'always' else megatron} (--tsp-vocab-ring {policy})"
+    crossover = crossover_tokens(padded_vocab, hidden, dtype_bytes, 4)
+    if tokens is None:
+        return (
+            f"{ring} for micro-batches of >= {crossover} tokens, where it receives fewer bytes; "
+            "Megatron's below (--tsp-vocab-ring auto)"
+        )
+    chosen = ring_taken(policy, tokens, padded_vocab, hidden, dtype_bytes, 4)
+    return (
+        f"{ring if chosen else megatron}: micro-batch of {tokens} tokens, the ring receives "
+        f"fewer bytes from {crossover} (--tsp-vocab-ring auto)"
+    )
+
+
 def crossover_tokens(padded_vocab: int, hidden: int, dtype_bytes: int, grad_bytes: int) -> int:
     """The fewest tokens per micro-batch for which ``ring_receives_fewer_bytes`` holds."""
     ring_weights = padded_vocab * hidden * (2 * dtype_bytes + grad_bytes)
@@ -66,9 +111,9 @@ def install(model, group=None, policy: str = "auto") -> None:
     under ``policy`` (``POLICIES``; "never" leaves the model as it is). ``group``: the TSP group
     (default: the model's tensor-parallel group). Idempotent; a model without an output layer on
     this pipeline stage is left as it is."""
-    if policy not in POLICIES:
-        raise ValueError(f"vocabulary ring policy {policy!r}: choose one of {POLICIES}")
-    if policy == "never" or is_installed(model) or not getattr(model, "post_process", False):
+    if _checked(policy) == "never" or is_installed(model):
+        return
+    if not getattr(model, "post_process", False):
         return
     group = group if group is not None else resolve_group(getattr(model, "pg_collection", None))
     original = model._postprocess
@@ -105,18 +150,25 @@ def _ring_applies(model, arguments, policy: str, group_size: int) -> bool:
         return False
     if _inference_mode_active():
         return False
-    if policy == "always":
-        return True
     hidden, weight = arguments["hidden_states"], output_weight(model)
-    accumulate = getattr(
-        model.output_layer, "gradient_accumulation_fusion", config.gradient_accumulation_fusion
-    )
-    return ring_receives_fewer_bytes(
+    return ring_taken(
+        policy,
         labels.numel(),
         weight.shape[0] * group_size,
         hidden.shape[-1],
         hidden.element_size(),
-        ring_grad_dtype([weight], bool(accumulate)).itemsize,
+        ring_grad_dtype([weight], _accumulates_into_main_grad(model)).itemsize,
+    )
+
+
+def _accumulates_into_main_grad(model) -> bool:
+    """Megatron's ``gradient_accumulation_fusion`` for the output layer."""
+    return bool(
+        getattr(
+            model.output_layer,
+            "gradient_accumulation_fusion",
+            model.config.gradient_accumulation_fusion,
+        )
     )
 
 
@@ -152,19 +204,14 @@ def ring_loss(model, hidden: torch.Tensor, labels: torch.Tensor, group) -> torch
         )
     if model.output_layer is not None:  # e.g. DDP's --overlap-param-gather wait
         run_forward_pre_hooks(model.output_layer)
-    weight = output_weight(model)
-    config = model.config
-    accumulate = getattr(
-        model.output_layer, "gradient_accumulation_fusion", config.gradient_accumulation_fusion
-    )
     local_labels = labels[:, rank * s : (rank + 1) * s].transpose(0, 1)
     losses = vocab_ring_cross_entropy(
         hidden,
-        weight,
+        output_weight(model),
         local_labels,
         group,
-        accumulate_into_main_grad=bool(accumulate),
-        sums_in_fp32=getattr(config, "tsp_activation_sums_in_fp32", False),
+        accumulate_into_main_grad=_accumulates_into_main_grad(model),
+        sums_in_fp32=getattr(model.config, "tsp_activation_sums_in_fp32", False),
     )
     gathered = gather_from_sequence_parallel_region(
         losses, tensor_parallel_output_grad=False, group=group

@@ -240,25 +240,14 @@ def _output_head(args) -> str:
     """How the last stage computes the loss, in words (the dry run prints it)."""
     from megatron_tsp.core import output_head
 
-    megatron = "Megatron's output layer and vocab-parallel cross-entropy"
-    policy = getattr(args, "tsp_vocab_ring", "auto")
-    if not tsp_args.tsp_size(args) or policy == "never":
-        return megatron + ("" if not tsp_args.tsp_size(args) else " (--tsp-vocab-ring never)")
-    ring = (
-        "TSP vocabulary ring (the output weight's vocabulary shards circulate on the P2P "
-        "ring; each rank's own tokens' losses over the whole vocabulary)"
-    )
-    if policy == "always":
-        return ring + " (--tsp-vocab-ring always)"
-    dtype_bytes = 2 if (args.bf16 or args.fp16) else 4
-    tokens = args.micro_batch_size * args.seq_length // (args.context_parallel_size or 1)
-    crossover = output_head.crossover_tokens(
-        args.padded_vocab_size, args.hidden_size, dtype_bytes, 4
-    )
-    chosen = ring if tokens >= crossover else megatron
-    return (
-        f"{chosen}: micro-batch of {tokens} tokens, the ring receives fewer bytes from "
-        f"{crossover} (--tsp-vocab-ring auto)"
+    if not tsp_args.tsp_size(args):
+        return "Megatron's output layer and vocab-parallel cross-entropy"
+    return output_head.describe(
+        getattr(args, "tsp_vocab_ring", "auto"),
+        args.padded_vocab_size,
+        args.hidden_size,
+        2 if (args.bf16 or args.fp16) else 4,
+        tokens=args.micro_batch_size * args.seq_length // (args.context_parallel_size or 1),
     )
 
 

@@ -170,25 +170,12 @@ def describe_output_head(model) -> Optional[str]:
     without the output layer)."""
     if not has_zigzag_layers(model) or not getattr(model, "post_process", False):
         return None
-    policy = output_head.policy_of(model)
-    ring = (
-        "TSP vocabulary ring (the output weight's vocabulary shards circulate; each rank's own "
-        "tokens' cross-entropy over the whole vocabulary, in place of Megatron's output-layer "
-        "gather and its vocab-parallel cross-entropy, fused or not)"
-    )
-    if policy == "always":
-        return f"output layer: {ring}"
-    if policy == "never":
-        return "output layer: Megatron's (sequence all-gather, vocab-parallel cross-entropy)"
     weight = output_head.output_weight(model)
-    size = model.config.tensor_model_parallel_size
-    tokens = output_head.crossover_tokens(
-        weight.shape[0] * size, weight.shape[1], weight.element_size(), 4
+    padded_vocab = weight.shape[0] * model.config.tensor_model_parallel_size
+    text = output_head.describe(
+        output_head.policy_of(model), padded_vocab, weight.shape[1], weight.element_size()
     )
-    return (
-        f"output layer: {ring} for micro-batches of >= {tokens} tokens, where it receives fewer "
-        "bytes; Megatron's below (--tsp-vocab-ring auto)"
-    )
+    return f"output layer: {text}"
 
 
 def _log_attention_backends(model) -> None:

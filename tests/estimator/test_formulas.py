@@ -293,7 +293,7 @@ def test_step_level_terms():
     assert hc["fwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * 16 * 4)
     assert hc["bwd"] == pytest.approx(0.75 * x + 0.75 * v * 2 + 0.75 * v * 4)
     assert fm.head_comm(s, 4, "tp")["bwd"] == pytest.approx(2 * 0.75 * x)
-    with pytest.raises(ValueError, match="vocab_ring='on'"):
+    with pytest.raises(ValueError, match="policy 'on'"):
         fm.head_comm(s, 4, "tsp", vocab_ring="on")
 
 

@@ -696,16 +696,12 @@ def head_comm(
 
 def vocab_ring_taken(shape: LayerShape, D: int, policy: str) -> bool:
     """Whether TSP's loss runs on the vocabulary ring for micro-batches of ``shape`` under
-    ``policy`` (the layer's own rule, ``output_head.ring_receives_fewer_bytes``, for "auto")."""
-    from megatron_tsp.core.output_head import POLICIES, ring_receives_fewer_bytes
+    ``policy`` (the layer's own decision, ``output_head.ring_taken``)."""
+    from megatron_tsp.core.output_head import ring_taken
 
-    if policy not in POLICIES:
-        raise ValueError(f"vocab_ring={policy!r}: choose one of {POLICIES}")
-    if policy != "auto":
-        return policy == "always"
     b = shape.dtype_bytes
-    return ring_receives_fewer_bytes(
-        shape.tokens, shape.padded_vocab(D), shape.hidden, b, accumulation_bytes(b)
+    return ring_taken(
+        policy, shape.tokens, shape.padded_vocab(D), shape.hidden, b, accumulation_bytes(b)
     )
 
 

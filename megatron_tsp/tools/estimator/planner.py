@@ -602,6 +602,11 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
     return out
 
 
+def _head_shape(shape: LayerShape, s, seq: int) -> LayerShape:
+    """The micro-batch the output layer sees: under CP, this CP rank's S/C tokens."""
+    return shape if s.cp == 1 else shape.with_seq(seq // s.cp)
+
+
 def _cpu_gemm_upcast(o) -> bool:
     """Whether a GEMM with an fp32 result copies its bf16 operands to fp32 first
     (``Options.cpu_gemm_upcast``)."""
@@ -693,8 +698,7 @@ def analytic_memory(
     # (the logits are gone by then). The peak is the larger of the two.
     head_tokens = shape.tokens / s.cp
     stream_tokens = head_tokens if s.kind == "tp" else head_tokens / T  # residual-stream layout
-    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
-    vocab_ring = s.is_tsp and fm.vocab_ring_taken(head_shape, T, o.tsp_vocab_ring)
+    vocab_ring = s.is_tsp and fm.vocab_ring_taken(_head_shape(shape, s, seq), T, o.tsp_vocab_ring)
     if vocab_ring:
         head = _vocab_ring_head_bytes(m, head_tokens / T, T, vpad, o)
     else:
@@ -913,8 +917,7 @@ def _head_time(
         "tp_cp": "tp_sp",
         "tsp_cp": "tsp",
     }[s.kind]
-    head_shape = shape if s.cp == 1 else shape.with_seq(seq // s.cp)
-    hc = fm.head_comm(head_shape, s.tp, head_kind, vocab_ring=o.tsp_vocab_ring)
+    hc = fm.head_comm(_head_shape(shape, s, seq), s.tp, head_kind, vocab_ring=o.tsp_vocab_ring)
     head_bw = hw.bandwidth(s.tp, 1)
     seconds = (
         hf["total"] / s.degree / hw.flops
