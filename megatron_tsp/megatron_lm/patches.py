@@ -367,6 +367,28 @@ _FAKE_RUN_PATCHES = [
         "patched on the tracker instance)",
         ("self", "name"),
     ),
+    _p(
+        FAKE_RUN,
+        "megatron.core.transformer.moe.token_dispatcher:MoEAllGatherTokenDispatcher."
+        "dispatch_postprocess",
+        "counts the local experts' token copies and permutes by the routing map's values; "
+        "shape-only tensors take the uniform-routing counts (tools/estimator/uniform_routing.py)",
+        ("self", "hidden_states", "probs"),
+    ),
+    _p(
+        FAKE_RUN,
+        "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.preprocess",
+        "all-to-all split sizes from the routing map's values; shape-only tensors take the "
+        "uniform-routing splits as host tensors",
+        ("self", "routing_map"),
+    ),
+    _p(
+        FAKE_RUN,
+        "megatron.core.transformer.moe.token_dispatcher:permute",
+        "masked_select by the routing map has a value-dependent size; shape-only tensors select "
+        "the known T*k rows",
+        ("tokens", "routing_map", "probs", "num_out_tokens"),
+    ),
 ]
 
 # CommCounter: the torch.distributed entry points (op -> the parameter holding the payload) and

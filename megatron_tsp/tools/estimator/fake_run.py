@@ -85,6 +85,27 @@ class RunConfig:
     tsp_activation_sums_fp32: bool = False
     # TSP's loss on the vocabulary ring: its policy (--tsp-vocab-ring auto | always | never)
     tsp_vocab_ring: str = "auto"
+    # MoE models (``model.num_experts``): "folded" (experts whole on the expert-model-parallel
+    # ranks, folded onto the TSP / TP axis) or "ring" (TSP only: the TSP expert ring, every
+    # expert sharded 1/D); megatron-core's token dispatcher for the folded layout; the
+    # expert-model-parallel size (None: the TSP / TP group size for "folded", 1 for "ring").
+    # ``moe_routing``: "uniform" (every expert its uniform-routing share of the token copies,
+    # ``uniform_routing``; shape-only tensors have no other) or, real tensors without token
+    # exchange only (the expert ring, or EP 1), "router": what the model's router picks.
+    moe_schedule: str = "folded"
+    moe_dispatcher: str = "alltoall"
+    ep: Optional[int] = None
+    moe_routing: str = "uniform"
+
+    @property
+    def expert_parallel(self) -> int:
+        if self.ep is not None:
+            return self.ep
+        return 1 if self.moe_schedule == "ring" else self.tp
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        return self.tp if self.moe_schedule == "ring" else 1
 
     @property
     def dp(self) -> int:
@@ -96,6 +117,16 @@ class RunConfig:
 
     @property
     def label(self) -> str:
+        return self._layout_label() + self._moe_label()
+
+    def _moe_label(self) -> str:
+        if not self.model.is_moe:
+            return ""
+        if self.moe_schedule == "ring":
+            return " ring"
+        return f" EP{self.expert_parallel} {self.moe_dispatcher}"
+
+    def _layout_label(self) -> str:
         if self.scheme == "tsp":
             suffix = f"xCP{self.cp}" if self.cp > 1 else ""
             suffix += " attn-rec" if self.tsp_attention_backward == "recompute" else ""
@@ -117,11 +148,10 @@ class RunConfig:
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
     def validate(self) -> None:
-        from megatron_tsp.tools.estimator.moe import refuse_moe
-
-        refuse_moe(self.model, "the fake-tensor run (megatron-tsp memory / bench --traffic)")
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.model.is_moe:
+            self._validate_moe()
         if self.scheme not in ("cp", "tsp") and self.cp != 1:
             raise ValueError(f"--cp {self.cp} needs scheme 'cp' (TP x CP) or 'tsp' (TSP x CP)")
         if self.scheme == "cp" and self.cp < 2:
@@ -157,6 +187,42 @@ class RunConfig:
             raise ValueError("recompute must be 'none' or 'full'")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError("dtype must be bf16 or fp32")
+
+    def _validate_moe(self) -> None:
+        from megatron_tsp.tools.estimator.uniform_routing import DISPATCHERS
+
+        m, ep = self.model, self.expert_parallel
+        if self.scheme not in ("tsp", "tpsp"):
+            raise ValueError(
+                f"model {m.name or '?'} has num_experts={m.num_experts}: the fake-tensor run "
+                f"models MoE layers under TSP (--scheme tsp) and TP+SP (--scheme tpsp), not "
+                f"--scheme {self.scheme}"
+            )
+        if self.moe_schedule not in ("folded", "ring"):
+            raise ValueError(f"--moe-schedule must be folded or ring, got {self.moe_schedule!r}")
+        if self.moe_schedule == "ring" and (self.scheme != "tsp" or ep != 1):
+            raise ValueError(
+                f"--moe-schedule ring is the TSP expert ring: --scheme tsp with EP 1 (got "
+                f"--scheme {self.scheme}, EP {ep})"
+            )
+        if self.moe_dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"--moe-dispatcher must be one of {DISPATCHERS}, got {self.moe_dispatcher!r}"
+            )
+        if self.cp != 1:
+            raise ValueError("MoE models: the fake-tensor run takes --cp 1")
+        if self.moe_routing not in ("uniform", "router"):
+            raise ValueError(f"moe_routing must be uniform or router, got {self.moe_routing!r}")
+        if self.moe_routing == "router" and (self.fake or ep != 1):
+            raise ValueError(
+                "moe_routing='router' needs real tensors and no token exchange (EP 1): the fake "
+                "process group brings no other rank's routing"
+            )
+        if m.num_experts % ep or (self.world_size // self.cp) % ep:
+            raise ValueError(
+                f"--ep {ep}: must divide num_experts={m.num_experts} and the world size "
+                f"{self.world_size}"
+            )
 
     def padded_vocab(self) -> int:
         mult = self.make_vocab_size_divisible_by * self.tp
@@ -319,6 +385,11 @@ def init_parallel(cfg: RunConfig) -> None:
     if mpu.model_parallel_is_initialized():
         tsp_ps.destroy_model_parallel()
     kwargs = dict(create_gloo_process_groups=False)
+    if cfg.model.is_moe:
+        kwargs.update(
+            expert_model_parallel_size=cfg.expert_parallel,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+        )
     if cfg.scheme == "tsp":
         tsp_ps.initialize_model_parallel(
             tensor_sequence_parallel_size=cfg.tp, context_parallel_size=cfg.cp, **kwargs
@@ -367,11 +438,35 @@ def transformer_config(cfg: RunConfig):
         cross_entropy_loss_fusion=False,
         add_bias_linear=m.bias,
         **({"layernorm_epsilon": m.norm_epsilon} if m.norm_epsilon else {}),
+        **_moe_fields(cfg),
         **extra,
     )
     # read by the TSP MLP, expert ring and attention (not a TransformerConfig field)
     config.tsp_activation_sums_in_fp32 = cfg.tsp_activation_sums_fp32
+    config.tsp_moe_ring = cfg.model.is_moe and cfg.moe_schedule == "ring"
     return config
+
+
+def _moe_fields(cfg: RunConfig) -> dict:
+    """The ``TransformerConfig`` fields of an MoE model (none for a dense one): Megatron's
+    defaults otherwise (softmax top-k router, aux-loss load balancing, no token dropping)."""
+    m = cfg.model
+    if not m.is_moe:
+        return {}
+    fields = dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.moe_topk,
+        moe_ffn_hidden_size=m.expert_ffn,
+        moe_token_dispatcher_type="allgather" if cfg.moe_schedule == "ring" else cfg.moe_dispatcher,
+        expert_model_parallel_size=cfg.expert_parallel,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+        moe_aux_loss_coeff=1e-2,
+    )
+    if m.moe_shared_ffn:
+        fields["moe_shared_expert_intermediate_size"] = m.moe_shared_ffn
+    if m.moe_dense_layers:
+        fields["moe_layer_freq"] = m.moe_layer_freq
+    return fields
 
 
 def layer_spec(cfg: RunConfig, config):
@@ -381,7 +476,11 @@ def layer_spec(cfg: RunConfig, config):
     from megatron_tsp.core.layers.norm import SequenceParallelNorm
 
     if cfg.scheme == "tsp":
-        from megatron_tsp.core.specs import get_gpt_block_tsp_spec, get_gpt_layer_tsp_spec
+        from megatron_tsp.core.specs import (
+            get_gpt_block_tsp_spec,
+            get_gpt_layer_tsp_spec,
+            moe_layer_pattern,
+        )
 
         block = get_gpt_block_tsp_spec(config)
         opts = {}
@@ -392,9 +491,16 @@ def layer_spec(cfg: RunConfig, config):
         if cfg.tsp_kv_grad_fp32 is not None:
             opts["kv_grad_reduce_in_fp32"] = cfg.tsp_kv_grad_fp32
         if opts:
-            layer = get_gpt_layer_tsp_spec(normalization=cfg.model.normalization, **opts)
+            dense = get_gpt_layer_tsp_spec(normalization=cfg.model.normalization, **opts)
+            moe = get_gpt_layer_tsp_spec(
+                normalization=cfg.model.normalization,
+                num_experts=cfg.model.num_experts,
+                moe_ring=config.tsp_moe_ring,
+                **opts,
+            )
             block = TransformerBlockSubmodules(
-                layer_specs=[layer] * len(block.layer_specs), layer_norm=block.layer_norm
+                layer_specs=[moe if i else dense for i in moe_layer_pattern(config)],
+                layer_norm=block.layer_norm,
             )
         return block
     if cfg.scheme == "hybrid":
@@ -409,6 +515,13 @@ def layer_spec(cfg: RunConfig, config):
         return TransformerBlockSubmodules(
             layer_specs=[layer] * cfg.model.num_layers, layer_norm=SequenceParallelNorm
         )
+    if cfg.model.is_moe:  # Megatron's own dense / MoE layers (TP+SP, EP folded onto TP)
+        from megatron_tsp.core.specs import get_gpt_block_local_sp_spec
+
+        block = get_gpt_block_local_sp_spec(config)
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
+        return block
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # Megatron's WrappedTorchNorm rejects sequence_parallel without apex/TE; SequenceParallelNorm
     # is the same torch norm, its params tagged sequence_parallel (as TE/apex norms under SP).
@@ -770,7 +883,8 @@ def _track_static(model, ddp, optimizer):
 
     tracker = lean_mem_tracker()
     tracker.track_external(model, optimizer.optimizer)
-    for buffer in ddp.buffers:
+    # the dense parameters' buffers and, for MoE models, the experts' (expert-data-parallel)
+    for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
         _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
         if buffer.param_data is not None:
             _tag(tracker, buffer.param_data, _MemRefType.PARAM)
@@ -832,6 +946,13 @@ def run_step(cfg: RunConfig) -> RunResult:
     t0 = time.time()
     config = _prepare(cfg)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if cfg.fake else contextlib.nullcontext()
+    routing = contextlib.nullcontext()
+    if cfg.model.is_moe:
+        from megatron_tsp.megatron_lm.cpu_runner import alltoall_dispatcher_on_cpu
+        from megatron_tsp.tools.estimator.uniform_routing import uniform_routing
+
+        uniform = cfg.moe_routing == "uniform"
+        routing = uniform_routing() if uniform else alltoall_dispatcher_on_cpu()
     profiler = None
     if not cfg.fake:
         from torch.profiler import ProfilerActivity, profile
@@ -839,7 +960,7 @@ def run_step(cfg: RunConfig) -> RunResult:
         profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         profiler.__enter__()
     try:
-        with fake_mode:
+        with routing, fake_mode:
             model, ddp, optimizer = _build_training_state(cfg, config)
             batch = _local_batch(cfg)
             params_local = sum(p.numel() for p in ddp.parameters())

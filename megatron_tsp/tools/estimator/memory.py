@@ -42,6 +42,9 @@ TABLE_LAYOUTS = [
     ("cp", 4, 2),
     ("cp", 2, 4),
 ]
+# MoE models: TSP with the experts folded (EP = D, alltoall) and on the TSP expert ring, and the
+# TP+SP baseline with the same expert layout as the folded row
+MOE_TABLE_LAYOUTS = [("tsp", 8, 1), ("tsp", 8, 1), ("tpsp", 8, 1)]
 CATEGORIES = [
     ("Parameter", "params"),
     ("Gradient", "grads"),
@@ -141,6 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="TSP: the loss on the vocabulary ring where it receives fewer bytes than Megatron's "
         "output layer (auto), always or never (Megatron-LM's --tsp-vocab-ring)",
     )
+    e = p.add_argument_group("mixture of experts (models with num_experts)")
+    e.add_argument(
+        "--moe-schedule",
+        choices=("folded", "ring"),
+        default="folded",
+        help="TSP: experts whole on the expert-model-parallel ranks, folded onto the TSP axis "
+        "(folded), or the TSP expert ring (ring, Megatron-LM's --tsp-moe-ring)",
+    )
+    e.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall"),
+        default="alltoall",
+        help="megatron-core's token dispatcher of the folded layout (Megatron-LM's flag)",
+    )
+    e.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        help="EP (default: the TSP / TP group size for folded, 1 for ring)",
+    )
     r.add_argument(
         "--table-tsp-variants",
         action="store_true",
@@ -160,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--table",
         action="store_true",
-        help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP=8+SP+TSP-MLP, TP4xCP2, TP2xCP4 at --seqs",
+        help="the 7B table: TSP D=8, TP=8, TP=8+SP, TP=8+SP+TSP-MLP, TP4xCP2, TP2xCP4 at --seqs; "
+        "for an MoE model: TSP D=8 folded (EP 8, alltoall), TSP D=8 expert ring, TP=8+SP with "
+        "EP 8 (alltoall)",
     )
     r.add_argument("--seqs", default="16384,131072", help="--table: sequence lengths")
     r.add_argument("--no-flops", action="store_true")
@@ -192,12 +216,8 @@ def _model(args):
         changes["gated"] = True
     if args.tie_embeddings:
         changes["tied_embeddings"] = True
-    from megatron_tsp.tools.estimator.moe import refuse_moe
-
     try:
-        model = load_model(args.model, **changes)
-        refuse_moe(model, "megatron-tsp memory")
-        return model
+        return load_model(args.model, **changes)
     except ValueError as exc:
         raise SystemExit(f"--model: {exc}") from exc
 
@@ -229,13 +249,17 @@ def _config(args, scheme, tp, cp, seq, fake=True):
             args.tsp_activation_sums_in_fp32 and scheme in ("tsp", "hybrid")
         ),
         tsp_vocab_ring=args.tsp_vocab_ring,
+        moe_schedule=args.moe_schedule if scheme == "tsp" else "folded",
+        moe_dispatcher=args.moe_token_dispatcher_type,
+        ep=args.expert_model_parallel_size,
     )
 
 
 def format_table(results, units: str = "GB", paper: bool = True) -> str:
     div = 1e9 if units == "GB" else 2**30
+    width = max([16] + [len(r.label) + 1 for r in results])
     head = (
-        f"{'layout':<16}{'S':>8}{'rec':>5}"
+        f"{'layout':<{width}}{'S':>8}{'rec':>5}"
         + "".join(f"{c:>8}" for _, c in CATEGORIES)
         + f"{'peak':>8}{'at':>10}"
         + (f"{'paper':>7}" if paper else "")
@@ -249,7 +273,7 @@ def format_table(results, units: str = "GB", paper: bool = True) -> str:
     ]
     for r in results:
         c = r.config
-        row = f"{r.label:<16}{c['seq']:>8}{c['recompute'][:4]:>5}"
+        row = f"{r.label:<{width}}{c['seq']:>8}{c['recompute'][:4]:>5}"
         row += "".join(f"{r.peak_breakdown.get(k, 0) / div:>8.2f}" for k, _ in CATEGORIES)
         row += f"{r.peak_bytes / div:>8.2f}{r.peak_phase:>10}"
         if paper:
@@ -292,15 +316,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.table:
             seqs = [int(s) for s in args.seqs.split(",") if s]
+            moe = _model(args).is_moe
             for seq in seqs:
-                layouts = list(TABLE_LAYOUTS)
+                layouts = list(MOE_TABLE_LAYOUTS if moe else TABLE_LAYOUTS)
                 variants = [None] * len(layouts)
-                if args.table_tsp_variants:
+                if moe:  # the ring is the second TSP row
+                    variants = [None, "ring", None]
+                if args.table_tsp_variants and not moe:
                     layouts.insert(1, ("tsp", 8, 1))
                     variants.insert(1, "recompute")
                 for (scheme, tp, cp), variant in zip(layouts, variants):
                     cfg = _config(args, scheme, tp, cp, seq)
-                    if variant is not None:
+                    if variant == "ring":
+                        cfg.moe_schedule, cfg.ep = "ring", None
+                    elif variant is not None:
                         cfg.tsp_attention_backward = variant
                     say(f"running {cfg.label} S={seq} recompute={cfg.recompute} ...")
                     # one fresh process per configuration: no cache shared between runs

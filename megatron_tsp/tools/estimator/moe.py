@@ -127,9 +127,14 @@ def alltoall_received(
     }
 
 
-def alltoall_expected_received(m: ModelShape, ep: int, tokens: int, prob_bytes: int = 4) -> float:
+def alltoall_expected_received(
+    m: ModelShape, ep: int, tokens: int, prob_bytes: Optional[int] = None
+) -> float:
     """``alltoall_received`` summed over ops and phases under uniform routing: of a rank's T*k
-    token copies (EP-1)/EP go to other ranks, and by symmetry as many arrive."""
+    token copies (EP-1)/EP go to other ranks, and by symmetry as many arrive. ``prob_bytes``:
+    None is the activations' dtype, in which megatron-core's router returns the probabilities
+    (without ``--moe-router-dtype``)."""
+    prob_bytes = m.dtype_bytes if prob_bytes is None else prob_bytes
     copies = tokens * m.moe_topk * (ep - 1) / ep
     phases = alltoall_received(
         copies, copies, m.hidden, m.num_experts, ep, m.dtype_bytes, prob_bytes
@@ -137,12 +142,15 @@ def alltoall_expected_received(m: ModelShape, ep: int, tokens: int, prob_bytes: 
     return sum(v for ops in phases.values() for v in ops.values())
 
 
-def ring_crossover_seq(m: ModelShape, d: int, micro_batch: int = 1, prob_bytes: int = 4) -> float:
+def ring_crossover_seq(
+    m: ModelShape, d: int, micro_batch: int = 1, prob_bytes: Optional[int] = None
+) -> float:
     """The sequence length S from which the expert ring receives fewer bytes per MoE layer than
     the alltoall dispatcher with EP = D (uniform routing; T = S*b/D). Both grow with (D-1)/D, so
     S* = D * E * w_expert * (2w + g) / (b * k * (4 h w + 2 p)), whatever D is beyond the
-    factor D in T."""
+    factor D in T (``prob_bytes`` p: as ``alltoall_expected_received``'s)."""
     w = m.dtype_bytes
+    prob_bytes = w if prob_bytes is None else prob_bytes
     ring = m.w_experts * (2 * w + accumulation_bytes(w))
     per_token = m.moe_topk * (4 * m.hidden * w + 2 * prob_bytes)
     return d * ring / (micro_batch * per_token)
