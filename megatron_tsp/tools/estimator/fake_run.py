@@ -824,6 +824,11 @@ def _prepare(cfg: RunConfig):
     from megatron_tsp.megatron_lm.fake_world import init_fake_world
 
     WORKSPACE.clear()  # persistent comm buffers are allocated (and counted) inside the step
+    if cfg.model.is_moe:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        # megatron-core's aux-loss log: sized by the first run's layer count, holding its tensors
+        get_moe_layer_wise_logging_tracker().clear()
     enable_cpu_support()
     init_fake_world(cfg.world_size)
     init_parallel(cfg)

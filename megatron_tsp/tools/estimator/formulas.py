@@ -787,7 +787,8 @@ def layer_flops(
 ) -> Dict[str, float]:
     """FLOPs of one layer over all B*S tokens (divide by the group size for per-rank work).
 
-    fwd matmul 2*B*S*(W_qkv + W_proj + W_fc1 + W_fc2); attention core 2 GEMMs (QK^T, PV) of
+    fwd matmul 2*B*S*(W_qkv + W_proj + W_fc1 + W_fc2) (an MoE layer: k experts' fc1 / fc2 per
+    token, the router and the shared expert); attention core 2 GEMMs (QK^T, PV) of
     2*B*S^2*h each times ``causal_fraction``; backward = ``bwd_factor`` x forward; recompute in the
     backward: TSP's per-shard fc1 GEMM (``recompute_mlp_fc1``) and attention-core forward
     (``recompute_attn_core``), or a whole forward (``full_recompute``, Megatron's
@@ -799,6 +800,14 @@ def layer_flops(
         "fc1": 2 * bs * shape.w_fc1,
         "fc2": 2 * bs * shape.w_fc2,
     }
+    if shape.is_moe:
+        # an MoE layer (both schedules do the same work): each token's k expert copies through
+        # one expert's fc1 / fc2, the router GEMM [E, h], the shared expert over every token
+        expert_fc2 = shape.expert_ffn * shape.hidden
+        gemm["fc1"] = 2 * bs * shape.moe_topk * (shape.w_expert - expert_fc2)
+        gemm["fc2"] = 2 * bs * shape.moe_topk * expert_fc2
+        gemm["router"] = 2 * bs * shape.num_experts * shape.hidden
+        gemm["shared_expert"] = 2 * bs * shape.w_shared_expert
     attn = 2 * 2 * bs * shape.seq * shape.hidden * causal_fraction
     matmul_fwd = sum(gemm.values())
     fwd_ = matmul_fwd + attn

@@ -24,20 +24,30 @@ and is left out of the comparison.
 
 ``ring_crossover_seq`` is the sequence length from which the ring receives fewer bytes than the
 alltoall dispatcher with EP = D; ``ring_buffers`` the ring's weight and accumulator buffers.
-The fake-tensor memory tool does not run MoE layers: the dispatchers size tensors from routing
-decisions (``tolist`` of token counts, data-dependent shapes), which shape-only tensors do not
-have, so ``megatron-tsp memory`` / ``plan`` refuse MoE models (``refuse_moe``).
+
+The planner's MoE layer (``planner.py`` calls these): ``layer_params``, ``saved_bytes`` and
+``backward_working_set`` (what megatron-core's MoE layer and the expert ring hold, within 5% of
+the fake-tensor tool, which runs the real layers under uniform routing: ``uniform_routing.py``),
+``comm_terms`` (the formulas above as the planner's terms) and ``choose_schedule``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_tsp.core.model_shape import ModelShape, load_model
 from megatron_tsp.tools.comm_counter import received_fraction
-from megatron_tsp.tools.estimator.formulas import accumulation_bytes
+from megatron_tsp.tools.estimator.formulas import (
+    CommTerm,
+    LayerShape,
+    _term,
+    accumulation_bytes,
+    ring_factor,
+    tp_sp_layer_terms,
+)
 
 Collectives = Dict[str, Dict[str, Tuple[int, int]]]  # phase -> op -> (calls, payload bytes)
 INT64 = 8
@@ -170,15 +180,268 @@ def ring_buffers(m: ModelShape, d: int) -> Dict[str, float]:
     }
 
 
-def refuse_moe(m: ModelShape, tool: str) -> None:
-    """The memory tool and the planner model dense layers only: say so for an MoE model."""
-    if m.is_moe:
-        raise ValueError(
-            f"{tool}: model {m.name or '?'} has num_experts={m.num_experts}; this tool models "
-            "dense layers only (the fake-tensor run cannot size the token dispatch, whose shapes "
-            "come from routing decisions). Use 'megatron-tsp moe' for the MoE schedules' "
-            "communication and the expert ring's buffers."
+# --------------------------------------------------------------------------------------------
+# one MoE layer for the planner (``planner.py``): per rank, t = B*S/D local tokens, C = t*k token
+# copies, EP = D for the folded schedule (whole experts, E/D per rank), the ring's 1/D of each
+
+SCHEDULES = ("folded", "ring")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def dense_layer(shape: LayerShape) -> LayerShape:
+    """The same layer with the model's dense MLP: an MoE model's dense layers
+    (``moe_dense_layers``), and the attention, norms and residual stream of its MoE layers."""
+    return dataclasses.replace(
+        shape, num_experts=None, moe_ffn=None, moe_shared_ffn=None, moe_dense_layers=0
+    )
+
+
+def choose_schedule(m: ModelShape, d: int, tokens: int, policy: str, dispatcher: str) -> str:
+    """``policy`` "folded" / "ring", or "auto": the ring where it receives fewer bytes per MoE
+    layer than the folded schedule with EP = D and ``dispatcher`` (``tokens`` per rank)."""
+    if policy in SCHEDULES:
+        return policy
+    if policy != "auto":
+        raise ValueError(f"moe schedule must be auto, folded or ring, got {policy!r}")
+    folded = (
+        alltoall_expected_received(m, d, tokens)
+        if dispatcher == "alltoall"
+        else allgather_received(m, d, d, tokens)
+    )
+    return "ring" if ring_received(m, d) < folded else "folded"
+
+
+def layer_params(m: ModelShape, d: int) -> float:
+    """Parameters of one MoE layer on one rank: attention 1/D, norms (and the projection bias)
+    whole, the router [E, h] whole, 1/D of the routed experts (E/D whole ones folded, 1/D of each
+    on the ring), 1/D of the shared expert (Megatron's TP)."""
+    router = m.num_experts * m.hidden
+    return (m.w_attn + m.w_experts + m.w_shared_expert) / d + m.norm_params + m.b_proj + router
+
+
+def saved_bytes(shape: LayerShape, d: int, schedule: str) -> Dict[str, float]:
+    """What the MLP part of one MoE layer keeps for its backward on one rank (megatron-core's
+    router, dispatcher and experts; inventoried with saved-tensor hooks on the real layers):
+    the router's fp32 scores [t, E], top-k indices and probabilities, the permutation's two int64
+    indices and permuted probabilities [C], two [C, h] token buffers (the permuted input and the
+    dispatched / expert-output copy; folded non-gated: one, and the [t, h] un-permuted input),
+    and the experts' intermediates: folded SwiGLU the fc1 output [C, 2F] and four [C, F]
+    (gate, up, activation, probability-scaled activation), folded GeLU three [C, F]; the ring
+    only the per-shard fc1 outputs [C, rows] (the activation is recomputed from them). The shared
+    expert is Megatron's TP + SP MLP over all B*S tokens (1/D of its width)."""
+    b, h, k = shape.dtype_bytes, shape.hidden, shape.moe_topk
+    t = shape.tokens / d
+    copies = t * k
+    F_ = shape.expert_ffn
+    rows = (2 if shape.gated else 1) * F_
+    if schedule == "ring":
+        experts, tokens = copies * rows, 2 * copies
+    elif shape.gated:
+        experts, tokens = copies * (rows + 4 * F_), copies
+    else:
+        experts, tokens = copies * 3 * F_, copies
+    out = {
+        "moe_router": t * (4 * shape.num_experts + k * (8 + 8 + 4)) + 8 * shape.num_experts,
+        "moe_permutation": copies * (2 * 8 + b),
+        "moe_tokens": tokens * h * b,
+        "moe_experts": experts * b,
+    }
+    if shape.moe_shared_ffn:
+        fs = shape.moe_shared_ffn
+        # as Megatron's TP+SP MLP (``planner``'s mlp_mid): fc1 output, activation output and,
+        # gated, the activated half, 1/D of the width over all B*S tokens
+        out["moe_shared_expert"] = (
+            t * ((2 if shape.gated else 1) * fs + fs + (fs if shape.gated else 0)) * b
         )
+    return out
+
+
+def backward_working_set(shape: LayerShape, d: int, schedule: str) -> Dict[str, float]:
+    """One MoE layer's MLP backward beyond what it saved, on one rank, at its largest (net of
+    the saved tensors it has already let go; measured with the fake-tensor tracker around one
+    MoE layer's backward): the layer output's gradient and the input-gradient result [t, h],
+    one [C, h] gradient of the token copies, and one expert's (folded: ``SequentialMLP`` runs
+    them one at a time, C*D/E copies each) or one ring step's (C copies, 1/D of the width)
+    [*, F] activation gradient; the ring adds its weight and accumulator buffers
+    (``ring_buffers``)."""
+    b, h = shape.dtype_bytes, shape.hidden
+    t = shape.tokens / d
+    copies = t * shape.moe_topk
+    F_ = shape.expert_ffn
+    out = {"grad_out": 2 * t * h * b, "moe_token_grads": 2 * copies * h * b}
+    if schedule == "ring":
+        out["moe_expert_grads"] = copies * F_ / d * b
+        out["moe_ring_buffers"] = ring_buffers(shape, d)["backward"]
+    else:
+        local_experts = max(shape.num_experts // d, 1)
+        out["moe_expert_grads"] = copies / local_experts * F_ * b
+    return out
+
+
+def comm_terms(
+    shape: LayerShape, d: int, schedule: str, dispatcher: str, group: str = "tsp"
+) -> List[CommTerm]:
+    """The MLP part of one MoE layer's communication on one rank, as the planner's terms
+    (phases mlp_fwd / mlp_bwd; the attention's are the dense layer's): the ring's weight hops
+    (prefetched behind the experts' GEMMs, as the dense MLP ring) and accumulator hops (last one
+    exposed), or the folded dispatcher's token exchange over EP = D (critical: the experts wait
+    for it), uniform routing; the router's all-reduce of E counts; the shared expert's TP + SP
+    all-gathers and reduce-scatters (``formulas.tp_sp_layer_terms``' MLP terms)."""
+    f = ring_factor(d)
+    b, h, e = shape.dtype_bytes, shape.hidden, shape.num_experts
+    t = shape.tokens / d
+    terms = [
+        _term(
+            "mlp_fwd",
+            "all_reduce",
+            "activation",
+            2 * f * e,
+            INT64,
+            group,
+            "critical",
+            what="router: all-reduce of the E token counts (aux loss)",
+        )
+    ]
+    if schedule == "ring":
+        w = shape.w_experts
+        hops = max(d - 1, 1)
+        gb = accumulation_bytes(b)
+        terms += [
+            _term(
+                "mlp_fwd",
+                "p2p",
+                "weight",
+                f * w,
+                b,
+                group,
+                "prefetch",
+                link="p2p",
+                chunks=hops,
+                what="expert ring: every expert's shards",
+            ),
+            _term(
+                "mlp_bwd",
+                "p2p",
+                "weight",
+                f * w,
+                b,
+                group,
+                "prefetch",
+                link="p2p",
+                chunks=hops,
+                what="expert ring of weight shards again",
+            ),
+            _term(
+                "mlp_bwd",
+                "p2p",
+                "grad",
+                f * w,
+                gb,
+                group,
+                "pipelined",
+                link="p2p",
+                chunks=hops,
+                what="expert grad accumulators one hop behind",
+            ),
+        ]
+    elif dispatcher == "alltoall":
+        copies = t * shape.moe_topk * f  # uniform routing: (EP-1)/EP of the copies leave
+        for phase in ("mlp_fwd", "mlp_bwd"):
+            terms += [
+                _term(
+                    phase,
+                    "all_to_all",
+                    "activation",
+                    2 * copies * h,
+                    b,
+                    group,
+                    "critical",
+                    what="alltoall dispatcher: token copies out and back",
+                ),
+                _term(
+                    phase,
+                    "all_to_all",
+                    "activation",
+                    copies,
+                    b,
+                    group,
+                    "critical",
+                    what="alltoall dispatcher: the copies' probabilities",
+                ),
+            ]
+        terms.append(
+            _term(
+                "mlp_fwd",
+                "all_gather",
+                "activation",
+                f * d * e,
+                INT64,
+                group,
+                "critical",
+                what="alltoall dispatcher: every rank's expert counts",
+            )
+        )
+    else:
+        x = d * t  # the EP group's tokens
+        terms += [
+            _term(
+                "mlp_fwd",
+                "all_gather",
+                "activation",
+                f * x * (h + e),
+                b,
+                group,
+                "critical",
+                what="allgather dispatcher: tokens and probabilities",
+            ),
+            _term(
+                "mlp_fwd",
+                "all_gather",
+                "activation",
+                f * x * e,
+                1,
+                group,
+                "critical",
+                what="allgather dispatcher: routing map",
+            ),
+            _term(
+                "mlp_fwd",
+                "reduce_scatter",
+                "activation",
+                f * x * h,
+                b,
+                group,
+                "critical",
+                what="allgather dispatcher: expert outputs back",
+            ),
+            _term(
+                "mlp_bwd",
+                "all_gather",
+                "activation",
+                f * x * h,
+                b,
+                group,
+                "critical",
+                what="allgather dispatcher: output gradients",
+            ),
+            _term(
+                "mlp_bwd",
+                "reduce_scatter",
+                "activation",
+                f * x * (h + e),
+                b,
+                group,
+                "critical",
+                what="allgather dispatcher: input and probability gradients",
+            ),
+        ]
+    if shape.moe_shared_ffn:
+        terms += [
+            dataclasses.replace(term, what="shared expert: " + term.what)
+            for term in tp_sp_layer_terms(shape, d)
+            if term.phase.startswith("mlp")
+        ]
+    return terms
 
 
 # --------------------------------------------------------------------------------------------

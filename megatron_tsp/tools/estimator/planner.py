@@ -34,7 +34,7 @@ from megatron_tsp.core import model_shape
 from megatron_tsp.core.model_shape import ModelShape, available_models
 
 from . import formulas as fm
-from . import measured_traffic
+from . import measured_traffic, moe
 from .formulas import LayerShape
 
 HERE = Path(__file__).resolve().parent
@@ -119,20 +119,16 @@ def _resolve(kind: str, name_or_path: str) -> Path:
 
 
 def available(kind: str) -> List[str]:
-    """Shipped names: dense ``models`` (``megatron_tsp/models``, shared with configs and the
-    memory tool) or ``hardware``."""
-    if kind == "models":  # the dense ones: MoE models are ``megatron-tsp moe``'s
-        return [n for n in available_models() if not model_shape.load_model(n).is_moe]
+    """Shipped names: ``models`` (``megatron_tsp/models``, shared with configs and the memory
+    tool) or ``hardware``."""
+    if kind == "models":
+        return available_models()
     return sorted(x.stem for x in (HERE / kind).glob("*.json"))
 
 
 def load_model(name_or_path: Union[str, ModelShape]) -> ModelShape:
-    from megatron_tsp.tools.estimator.moe import refuse_moe
-
     try:
-        m = model_shape.load_model(name_or_path)
-        refuse_moe(m, "megatron-tsp plan")
-        return m
+        return model_shape.load_model(name_or_path)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
 
@@ -296,6 +292,11 @@ class Options:
     # TSP's loss on the vocabulary ring: its policy (--tsp-vocab-ring auto | always | never;
     # auto: where it receives fewer bytes than Megatron's output layer)
     tsp_vocab_ring: str = "auto"
+    # MoE models: TSP's expert schedule ("folded": experts whole, EP = D; "ring": the TSP expert
+    # ring; "auto": the ring where it receives fewer bytes, ``moe.choose_schedule``) and the
+    # folded layout's token dispatcher (TP+SP runs the folded layout with it too)
+    moe_schedule: str = "auto"
+    moe_dispatcher: str = "alltoall"
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
@@ -303,6 +304,26 @@ class Options:
     # (recorded once by the traffic benchmark, see measured_traffic); "flops" is GEMM + attention
     # FLOPs at the profile's efficiency (the other strategies always use it)
     compute_model: str = "measured"
+
+
+MOE_KINDS = ("tsp", "tp_sp")
+
+
+def moe_schedule(shape: LayerShape, s: Strategy, o: Options) -> Optional[str]:
+    """The expert schedule of ``s``'s MoE layers (None for a dense layer): TSP's per
+    ``o.moe_schedule``, TP+SP's the folded layout (EP = D). Other strategies have no MoE model
+    here: refused by name."""
+    if not shape.is_moe:
+        return None
+    if s.kind not in MOE_KINDS:
+        raise ValueError(
+            f"strategy {s.kind}: the planner models MoE layers (model {shape.name or '?'}, "
+            f"num_experts={shape.num_experts}) under {', '.join(MOE_KINDS)} only"
+        )
+    if s.kind == "tp_sp":
+        return "folded"
+    tokens = shape.tokens // s.tp
+    return moe.choose_schedule(shape, s.tp, tokens, o.moe_schedule, o.moe_dispatcher)
 
 
 def _layer_activation_bytes(
@@ -321,6 +342,10 @@ def _layer_activation_bytes(
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
     fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
     intermediates (fc1 output, activation output, and for GLUs the activated half)."""
+    if shape.is_moe:  # the dense layer's attention, norms and residual, the MoE layer's MLP
+        out = _layer_activation_bytes(moe.dense_layer(shape), s, o, rope)
+        out = {k: v for k, v in out.items() if not k.startswith("mlp_")}
+        return {**out, **moe.saved_bytes(shape, s.tp, moe_schedule(shape, s, o))}
     h, hkv, hn = shape.hidden, shape.kv_hidden, shape.head_dim
     b = shape.dtype_bytes
     F_, rows = shape.ffn_hidden, shape.fc1_rows
@@ -460,6 +485,9 @@ def _tsp_backward_working_sets(
     F_, rows = shape.ffn_hidden, shape.fc1_rows
     G = _head_groups(shape, D)
     m = D // G  # weight shards per head group: fewer K/V heads than D read several at once
+    if shape.is_moe:
+        _, attn = _tsp_backward_working_sets(moe.dense_layer(shape), s, o)
+        return moe.backward_working_set(shape, D, moe_schedule(shape, s, o)), attn
     mlp = {
         "grad_out": t * h * b,  # the layer output's gradient, held through the layer
         "grad_x_accumulator": t * h * sums,
@@ -529,7 +557,8 @@ def _tsp_backward_peak(
     full = sum(saved.values())
     # the MLP part of the saved tensors (freed by the time the attention backward runs): the
     # residual, the MLP Function's input with its norm statistics, the kept fc1 outputs
-    mlp_part = 2 * t * shape.hidden * b + saved["norm_stats"] / 2 + saved.get("mlp_fc1_out", 0.0)
+    mlp_part = 2 * t * shape.hidden * b + saved["norm_stats"] / 2
+    mlp_part += sum(v for k, v in saved.items() if k.startswith(("mlp_", "moe_")))
     per_layer = full
     if recompute == "full":
         # the recomputed layer's saved tensors; its input is already stored (the checkpoint)
@@ -591,6 +620,10 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
         out["mlp_shard_mid"] = (bs / D) * mid / D * b
         return out
+    if shape.is_moe:  # the MoE backward (no gathered input), then the attention's
+        moe_work = moe.backward_working_set(shape, s.tp, moe_schedule(shape, s, o))
+        attn_work = {"gathered_input_and_dgrad": 2 * t * h * b}
+        return moe_work if sum(moe_work.values()) >= sum(attn_work.values()) else attn_work
     # the MLP backward holds the gradients of its saved intermediates next to them
     out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
     if s.kind in ("tp_sp", "tp_cp"):
@@ -673,22 +706,30 @@ def analytic_memory(
     b = m.dtype_bytes
     T = s.weight_shards
     vpad = m.padded_vocab(T)
-    ls = shape
-    sharded = ls.w_qkv + ls.b_qkv + ls.w_proj + ls.w_fc1 + ls.b_fc1 + ls.w_fc2
-    repl = ls.replicated_params
+    moe_schedule(shape, s, o)  # an MoE model under a strategy without MoE layers: refused
+    dense = moe.dense_layer(shape)
+    sharded = dense.w_qkv + dense.b_qkv + dense.w_proj + dense.w_fc1 + dense.b_fc1 + dense.w_fc2
+    n_moe = m.moe_layers
+    layer_params = (m.num_layers - n_moe) * (sharded / T + dense.replicated_params)
+    if n_moe:
+        layer_params += n_moe * moe.layer_params(m, T)
     emb = vpad * m.hidden * (1 if m.tied_embeddings else 2)
-    local_params = m.num_layers * (sharded / T + repl) + emb / T + m.final_norm_params()
+    local_params = layer_params + emb / T + m.final_norm_params()
     dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp", "tsp_cp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
+    # an MoE model's layers are dense first (``moe_dense_layers``), MoE after: the layer whose
+    # backward runs first, and the largest, is an MoE layer
     layer_act = sum(_layer_activation_bytes(shape, s, o, m.rope).values())
+    dense_act = sum(_layer_activation_bytes(dense, s, o, m.rope).values()) if n_moe else 0.0
     transient = sum(_layer_transient_bytes(shape, s, o).values())
     if recompute == "full":
         resid = shape.tokens / (s.degree if s.kind != "tp" else 1) * m.hidden * b
         activations = m.num_layers * resid
         backward_extra = layer_act + transient  # the recomputed layer and its backward
     elif recompute == "none":
-        activations = m.num_layers * layer_act
+        activations = (m.num_layers - n_moe) * (dense_act if n_moe else layer_act)
+        activations += n_moe * layer_act
         backward_extra = transient
     else:
         raise ValueError(f"recompute must be none or full, got {recompute!r}")
@@ -748,6 +789,11 @@ def analytic_memory(
 # time
 # ---------------------------------------------------------------------------------------------
 def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
+    if shape.is_moe:  # the dense layer's attention terms, the MoE layer's MLP terms
+        schedule = moe_schedule(shape, s, o)
+        attention = [t for t in layer_terms(moe.dense_layer(shape), s, o) if t.phase[:4] == "attn"]
+        group = "tsp" if s.is_tsp else "tp"
+        return attention + moe.comm_terms(shape, s.tp, schedule, o.moe_dispatcher, group)
     if s.kind == "tsp":
         return fm.tsp_layer_terms(
             shape,
@@ -839,8 +885,8 @@ def measured_layer(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq
     """The kernels one rank's layer issues at ``seq``, per phase (kernels, bytes, FLOPs, seconds:
     the sum of their rooflines), or None where the compute model is "flops" or the strategy has
     no recorded layer."""
-    if o.compute_model == "flops" or s.kind not in measured_traffic.SCHEME_OF_KIND:
-        return None
+    if o.compute_model == "flops" or s.kind not in measured_traffic.SCHEME_OF_KIND or m.is_moe:
+        return None  # the recorded layers are dense: an MoE model's layers are priced by FLOPs
     if o.compute_model != "measured":
         raise ValueError(f"compute_model must be 'measured' or 'flops', got {o.compute_model!r}")
     dtype = {2: "bf16", 4: "fp32"}[m.dtype_bytes]
@@ -978,8 +1024,27 @@ def evaluate(
     gpus: int,
     o: Optional[Options] = None,
 ) -> dict:
-    """All numbers for one strategy at one sequence length."""
-    m, hw, o = load_model(model), load_hardware(hw), o or Options()
+    """All numbers for one strategy at one sequence length. An MoE model under TSP with
+    ``moe_schedule="auto"``: both expert schedules are evaluated and the one that fits and
+    trains faster is returned (``moe_alternative``: the other's schedule and tokens/s); the
+    schedule's bytes alone (``moe.choose_schedule``) would miss that the ring, which saves
+    less per token, can avoid a recompute the folded layout needs."""
+    m, o = load_model(model), o or Options()
+    if not (m.is_moe and s.is_tsp and o.moe_schedule == "auto"):
+        return _evaluate(m, hw, s, seq, gpus, o)
+    rows = [_evaluate(m, hw, s, seq, gpus, replace(o, moe_schedule=x)) for x in moe.SCHEDULES]
+    best, other = sorted(rows, key=lambda r: (not r["fits"], -r["tokens_per_s"]))
+    best["moe_alternative"] = {
+        "schedule": other["moe_schedule"],
+        "tokens_per_s": other["tokens_per_s"],
+    }
+    return best
+
+
+def _evaluate(
+    m: ModelShape, hw: Union[str, HardwareSpec], s: Strategy, seq: int, gpus: int, o: Options
+) -> dict:
+    hw = load_hardware(hw)
     D = s.degree
     if gpus % D:
         raise ValueError(f"{gpus} GPUs not divisible by group size {D}")
@@ -1008,25 +1073,29 @@ def evaluate(
     measured = measured_layer(m, s, hw, o, seq)
     layer = _layer_time(shape, s, hw, o, full, measured)
     hf, head_time = _head_time(m, shape, s, hw, o, seq, full)
-    micro = m.num_layers * (layer["fwd"] + layer["bwd"]) + head_time
+    n_moe = m.moe_layers  # an MoE model: ``layer`` is an MoE layer, the first ones are dense
+    per_layer = layer["fwd"] + layer["bwd"]
+    micro = m.num_layers * per_layer + head_time
+    if n_moe:
+        dense = _layer_time(moe.dense_layer(shape), s, hw, o, full, measured)
+        micro += (m.num_layers - n_moe) * (dense["fwd"] + dense["bwd"] - per_layer)
     per_step = _step_comm(m, shape, s, hw, o, mem["none"]["params"] / m.dtype_bytes, dp, layer)
     step = nmb * micro + per_step["replicated_allreduce_s"] + per_step["dp_exposed_s"]
     tokens = dp * nmb * o.micro_batch * seq
-    model_flops = (
-        (
-            m.num_layers
-            * fm.layer_flops(shape, causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)[
-                "total"
-            ]
-            + hf["total"]
-        )
-        * nmb
-        * dp
-    )
+
+    def flops(layer_shape):
+        kw = dict(causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
+        return fm.layer_flops(layer_shape, **kw)["total"]
+
+    layer_flops = m.num_layers * flops(shape)
+    if n_moe:
+        layer_flops = (m.num_layers - n_moe) * flops(moe.dense_layer(shape)) + n_moe * flops(shape)
+    model_flops = (layer_flops + hf["total"]) * nmb * dp
     comm = fm.sum_terms(layer["terms"])
     return {
         "strategy": s.label,
         "kind": s.kind,
+        "moe_schedule": moe_schedule(shape, s, o),
         "tp": s.tp,
         "cp": s.cp,
         "dp": dp,
@@ -1192,6 +1261,18 @@ def assumptions(
         "tokens/s = DP * micro-batches * B * S / step time; 'layer-fwd tok/s' = DP*B*S / one "
         "layer's forward time (the paper's 173M tok/s is most likely this metric)",
     ]
+    if m.is_moe:
+        a += [
+            "MoE layers: uniform routing (each expert T*k/E of a rank's T*k token copies, no "
+            "token dropping); TSP's experts folded onto the TSP axis (EP = D, whole experts, "
+            f"megatron-core's {o.moe_dispatcher} dispatcher, its token exchange on the critical "
+            "path) or on the TSP expert ring (every expert 1/D per rank, weight hops prefetched "
+            f"behind the experts' GEMMs); schedule {o.moe_schedule!r} (auto: the faster that "
+            "fits); TP+SP with the experts folded the same way; MoE layers priced by FLOPs (the "
+            "recorded kernels are dense layers'); activations and the backward working set "
+            "as megatron-core's MoE layer saves them (within 5% of the fake-tensor tool, "
+            "tests/estimator/test_planner_moe.py)",
+        ]
     return a
 
 
@@ -1324,6 +1405,8 @@ def plan(
 ) -> dict:
     """Structured result of a plan (what the CLI prints)."""
     m, hw, o = load_model(model), load_hardware(hardware), options or Options()
+    if m.is_moe:
+        return _plan_moe(m, hw, seq, gpus, degree, strategies, o)
     strategies = strategies or default_strategies(degree)
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
     shape = LayerShape.of(m, o.micro_batch, seq)
@@ -1357,6 +1440,60 @@ def plan(
             else []
         ),
     }
+
+
+def _plan_moe(m, hw, seq, gpus, degree, strategies, o) -> dict:
+    """``plan`` for an MoE model: TSP (its expert schedule chosen per ``o.moe_schedule``) and
+    TP+SP with the experts folded onto the same D ranks; the bytes crossover of the expert ring
+    against the alltoall dispatcher and where TSP trains faster than TP+SP."""
+    strategies = strategies or default_strategies(degree, MOE_KINDS)
+    rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
+    tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
+    return {
+        "model": m,
+        "hardware": hw,
+        "options": o,
+        "seq": seq,
+        "gpus": gpus,
+        "degree": degree,
+        "rows": rows,
+        "strategies": strategies,
+        "moe_ring_crossover_seq": moe.ring_crossover_seq(m, degree, o.micro_batch),
+        "throughput_regions": throughput_regions(m, hw, tsp, tpsp, gpus, o, lo=4096, hi=2**21),
+    }
+
+
+def moe_report(p: dict) -> List[str]:
+    """The MoE lines of ``render``: each TSP row's expert schedule, the bytes crossover, where
+    TSP is faster than TP+SP."""
+    m, o = p["model"], p["options"]
+    lines = [
+        f"Mixture of experts ({m.num_experts} experts, top-{m.moe_topk}, {m.moe_layers} "
+        f"MoE layers of {m.num_layers}):"
+    ]
+    for r in p["rows"]:
+        other = r.get("moe_alternative")
+        alt = (
+            f" (the {other['schedule']} schedule: {other['tokens_per_s'] / 1e6:.3f}M tok/s)"
+            if other
+            else ""
+        )
+        lines.append(
+            f"  {r['strategy']}: experts {r['moe_schedule']}"
+            + (f", {o.moe_dispatcher} dispatcher, EP = D" if r["moe_schedule"] == "folded" else "")
+            + f"; {r['tokens_per_s'] / 1e6:.3f}M tok/s{alt}"
+        )
+    lines.append(
+        f"  bytes: the expert ring receives fewer than the alltoall dispatcher (EP = D, uniform "
+        f"routing) from S = {p['moe_ring_crossover_seq']:,.0f} (micro-batch {o.micro_batch})"
+    )
+    regs = p["throughput_regions"]
+    txt = ", ".join(f"[{a:,.0f}, {'2M+' if b is None else f'{b:,.0f}'}]" for a, b in regs)
+    lines.append(
+        "  predicted tokens/s, TSP >= TP+SP on this hardware for S in: "
+        + (txt if regs else "nowhere in [4k, 2M]")
+    )
+    return lines
 
 
 def cheapest_fitting_layer_time(
@@ -1503,6 +1640,11 @@ def render(p: dict) -> str:
         "comm = received bytes per layer per micro-batch; times per layer per micro-batch"
     )
     lines.append("")
+    if m.is_moe:
+        lines += moe_report(p)
+        lines += ["", "Assumptions:"]
+        lines += [f"  - {a}" for a in assumptions(m, hw, o, p["degree"], p["gpus"], p["seq"])]
+        return "\n".join(lines)
     lines.append("Crossover (counted bytes, TSP <= baseline):")
     lines += crossover_report(m, p["degree"], o)
     c = p["bytes_crossover_seq"]
@@ -1643,6 +1785,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="TSP's MLP output and input gradients summed over shards in fp32 (Megatron-LM's "
         "--tsp-activation-sums-in-fp32; default: in place in the compute dtype)",
     )
+    ap.add_argument(
+        "--moe-schedule",
+        choices=("auto", *moe.SCHEDULES),
+        default="auto",
+        help="MoE models, TSP: experts folded onto the TSP axis (EP = D), the TSP expert ring, "
+        "or auto (the faster that fits)",
+    )
+    ap.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=moe.DISPATCHERS,
+        default="alltoall",
+        help="MoE models: megatron-core's token dispatcher of the folded layout",
+    )
     ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
     ap.add_argument(
         "--sweep",
@@ -1672,8 +1827,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compute_model=args.compute_model,
         tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,
         tsp_activation_sums_fp32=args.tsp_activation_sums_in_fp32,
+        moe_schedule=args.moe_schedule,
+        moe_dispatcher=args.moe_token_dispatcher_type,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
+    if m.is_moe:
+        refused = [k for k in kinds if k not in MOE_KINDS]
+        if refused and args.strategies != build_parser().get_default("strategies"):
+            print(
+                f"megatron-tsp plan: --strategies {','.join(refused)}: model {m.name} has "
+                f"num_experts={m.num_experts}; MoE layers are modelled under "
+                f"{', '.join(MOE_KINDS)} only",
+                file=sys.stderr,
+            )
+            return 2
+        kinds = [k for k in kinds if k in MOE_KINDS]
     cps = [int(c) for c in args.cp.split(",") if c.strip()]
     bad = [c for c in cps if c < 2 or args.gpus % (args.degree * c)]
     if bad:
