@@ -39,7 +39,6 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_tsp.core.model_shape import ModelShape, load_model
-from megatron_tsp.tools.comm_counter import received_fraction
 from megatron_tsp.tools.estimator.formulas import (
     CommTerm,
     LayerShape,
@@ -93,6 +92,9 @@ def allgather_collectives(
 
 def received(collectives: Collectives, group: int) -> float:
     """Bytes one rank receives for ``collectives``, by ``CommCounter``'s rule per op."""
+    # the counter patches torch.distributed (torch, megatron-core): the planner need not load it
+    from megatron_tsp.tools.comm_counter import received_fraction
+
     return sum(
         received_fraction(op, group) * payload
         for ops in collectives.values()
