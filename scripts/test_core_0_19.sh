@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the TSP core numerics tests against megatron-core 0.19.2 (Python >= 3.12 required), then
+# Run the TSP core numerics tests (and the fake-tensor MoE run, whose dispatcher answers are
+# per-version) against megatron-core 0.19.2 (Python >= 3.12 required), then
 # the real core_v0.19.0 pretrain_gpt.py training loop (TSP=2 vs TP=2) through the CPU runner.
 # Creates .venv312/ (git-ignored) with pyenv's Python 3.12; torch 2.13.0 there is a CUDA build
 # (about 4.8 GB, ~40 s) that runs on CPU. Outside CI a missing Python 3.12 or a failed install is
@@ -34,7 +35,7 @@ fi
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
   tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py tests/test_spec_modules.py \
   tests/test_moe.py tests/megatron_lm/test_patches.py tests/test_model_args.py tests/test_hf_import.py \
-  tests/test_tsp_cp.py "$@" || exit 1
+  tests/test_tsp_cp.py tests/estimator/test_memory_moe.py "$@" || exit 1
 
 # The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
 SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \

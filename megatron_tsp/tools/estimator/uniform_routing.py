@@ -30,6 +30,7 @@ rows, the permuted tokens, the permuted probabilities); only which rows are copi
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import List
 
 import torch
@@ -114,12 +115,17 @@ def _alltoall_preprocess(self, routing_map):
     return _host([tp * ep * c for c in mine])
 
 
-def _alltoall_permute(
-    tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False
-):
-    """The alltoall dispatcher's first permute: ``num_out_tokens`` (T*k) rows."""
-    by_expert = probs.T.contiguous() if probs is not None else None
-    return _permute_rows(tokens, by_expert, int(num_out_tokens))
+def _shape_only_permute(original):
+    """The alltoall dispatcher's first permute for ``num_out_tokens`` (T*k) rows; megatron-core
+    0.19's ``permute`` (which can pad per expert) returns two more values, unused here."""
+    padded_returns = "align_size" in inspect.signature(original).parameters
+
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, *args, **kwargs):
+        by_expert = probs.T.contiguous() if probs is not None else None
+        out = _permute_rows(tokens, by_expert, int(num_out_tokens))
+        return (*out, None, None) if padded_returns else out
+
+    return permute
 
 
 @contextlib.contextmanager
@@ -138,7 +144,9 @@ def uniform_routing():
                 _allgather_dispatch_postprocess,
             ),
             (f"{_DISPATCHER}:MoEAlltoAllTokenDispatcher.preprocess", _alltoall_preprocess),
-            (f"{_DISPATCHER}:permute", _alltoall_permute),
         ):
             stack.enter_context(patches.applied(patches.FAKE_RUN, target, replacement))
+        stack.enter_context(
+            patches.applied(patches.FAKE_RUN, f"{_DISPATCHER}:permute", make=_shape_only_permute)
+        )
         yield
