@@ -45,6 +45,11 @@ P019=$(echo "$SOURCES" | sed -n 's/^export MEGATRON_LM_PATH_0_19=//p')
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_training_loop.py \
   -k "test_tsp2_matches_tp2 or (test_tsp2_cp2_matches_tp2 and llama)" -p no:cacheprovider || exit 1
+# MoE in the real loop: TSP with the experts folded (EP=2, EP=4 spanning DP, alltoall) and on the
+# TSP expert ring (also under TSP x CP) against TP=2+SP with the same experts, checkpoints both
+# ways (~75 s)
+MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
+  tests/megatron_lm/test_moe_loop.py -p no:cacheprovider || exit 1
 # pretrain_gpt.py starting from Hugging Face weights converted by `generate --hf --save`
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_hf_initial_weights.py -p no:cacheprovider || exit 1
