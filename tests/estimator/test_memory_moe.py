@@ -139,7 +139,10 @@ def test_moe_cli(capsys):
     args = ["--model", "deepseek-v2-lite", "--num-layers", "2", "--tp", "4", "--world-size", "4"]
     args += ["--seq", "4096", "--no-flops"]
     assert memory_main(args + ["--moe-schedule", "ring"]) == 0
-    assert "TSP D=4 ring" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TSP D=4 ring" in out
+    crossover = moe.ring_crossover_seq(load_model("deepseek-v2-lite"), 4)
+    assert f"from S = {crossover:,.0f} tokens" in out
     assert memory_main(args + ["--expert-model-parallel-size", "2"]) == 0
     assert "TSP D=4 EP2 alltoall" in capsys.readouterr().out
     with pytest.raises(ValueError, match="ring is the TSP expert ring"):

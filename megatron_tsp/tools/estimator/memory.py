@@ -361,6 +361,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         _teardown()
     say(format_table(results, args.units, paper=args.model == "7b"))
+    model = _model(args)
+    if model.is_moe:
+        from megatron_tsp.tools.estimator.moe import ring_crossover_seq
+
+        say(
+            f"MoE: the expert ring receives fewer bytes than the alltoall dispatcher (EP = D = "
+            f"{args.tp}, uniform routing) from S = "
+            f"{ring_crossover_seq(model, args.tp, args.micro_batch):,.0f} tokens per micro-batch "
+            f"of {args.micro_batch}; token dispatch here is the uniform-routing expectation"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1, default=str)
