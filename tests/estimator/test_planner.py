@@ -9,6 +9,7 @@ import pytest
 
 from megatron_tsp.core.model_shape import ModelShape
 from megatron_tsp.tools.estimator import formulas as fm
+from megatron_tsp.tools.estimator import memory_model, planner_inputs, timing
 from megatron_tsp.tools.estimator import planner as pl
 from megatron_tsp.tools.estimator.formulas import LayerShape
 
@@ -29,7 +30,7 @@ def test_shipped_profiles_load():
 
 
 def test_profiles_from_user_files(tmp_path):
-    d = json.loads((pl.HERE / "hardware" / "h100.json").read_text())
+    d = json.loads((planner_inputs.HERE / "hardware" / "h100.json").read_text())
     d["name"], d["hbm_gb"] = "mine", 1
     p = tmp_path / "mine.json"
     p.write_text(json.dumps(d))
@@ -64,14 +65,14 @@ def test_bandwidth_model():
 
 
 def test_exposed_comm_model():
-    assert pl.exposed_comm([(1.0, "critical", 1)], 10.0, 5.0) == 1.0
-    assert pl.exposed_comm([(1.0, "prefetch", 8)], 10.0, 0.0) == 0.0
-    assert pl.exposed_comm([(3.0, "prefetch", 1)], 2.0, 0.0) == pytest.approx(1.0)
-    assert pl.exposed_comm([(8.0, "pipelined", 8)], 100.0, 0.0) == pytest.approx(1.0)
+    assert timing.exposed_comm([(1.0, "critical", 1)], 10.0, 5.0) == 1.0
+    assert timing.exposed_comm([(1.0, "prefetch", 8)], 10.0, 0.0) == 0.0
+    assert timing.exposed_comm([(3.0, "prefetch", 1)], 2.0, 0.0) == pytest.approx(1.0)
+    assert timing.exposed_comm([(8.0, "pipelined", 8)], 100.0, 0.0) == pytest.approx(1.0)
     # attention-core overlap is bounded by attention compute, the rest by what is left
-    assert pl.exposed_comm([(3.0, "attn_core", 1), (2.0, "async", 1)], 4.0, 1.0) == pytest.approx(
-        2.0
-    )
+    assert timing.exposed_comm(
+        [(3.0, "attn_core", 1), (2.0, "async", 1)], 4.0, 1.0
+    ) == pytest.approx(2.0)
 
 
 def _golden_tsp_memory(seq, D, recompute):
@@ -363,13 +364,13 @@ def test_kernel_dkv_workspace_by_backend():
     S, D = 8192, 4
     shape = LayerShape.of(m, 1, S)
     unit = 2 * S / D * 2  # K+V of one hidden unit over S tokens, bf16
-    assert pl._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
-    assert pl._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
-    assert pl._kernel_dkv_bytes(shape, D, "cpu_flash") == pytest.approx(
+    assert memory_model._kernel_dkv_bytes(shape, D, "aten_flash") == pytest.approx(unit * 256)
+    assert memory_model._kernel_dkv_bytes(shape, D, "te_fused") == pytest.approx(2 * unit * 256)
+    assert memory_model._kernel_dkv_bytes(shape, D, "cpu_flash") == pytest.approx(
         unit * 1024 + unit * (1024 + 256)
     )
     with pytest.raises(ValueError, match="attn_kernel='fa9'"):
-        pl._kernel_dkv_bytes(shape, D, "fa9")
+        memory_model._kernel_dkv_bytes(shape, D, "fa9")
 
 
 def test_tsp_backward_broadcast_fill_only_with_attention_recompute():

@@ -1,13 +1,13 @@
 """The planner's analytic peak memory agrees with the fake-tensor tool within 5%.
 
 The tool (``megatron-tsp memory``) runs one rank of the real model code; the planner models what
-each layer saves (``planner._layer_activation_bytes``), so a change to what the layers save shows
-up here. Reduced config: h=512, 2 layers, 8 heads, vocab 4096, S=8192, D=4 (TSP saved / recompute
-attention, TP+SP with and without full recompute, TP2 x CP2): about 1-2 min; the same with 2 and
-1 query groups (fewer K/V heads than D), TSP layouts: about 30 s each; TSP x CP (TSP2 x CP2,
-TSP4 x CP2; MHA and 2 query groups): about 20 s each. The 7B / 128k check
-is marked slow (TSP D=8 saved attention and full recompute, TP=8+SP without and with full
-recompute: about 3 min on an idle 2-core machine, ~12 min with the cores shared).
+each layer saves (``memory_model._layer_activation_bytes``), so a change to what the layers save
+shows up here. Reduced config: h=512, 2 layers, 8 heads, vocab 4096, S=8192, D=4 (TSP saved /
+recompute attention, TP+SP with and without full recompute, TP2 x CP2): about 1-2 min; the same with
+2 and 1 query groups (fewer K/V heads than D), TSP layouts: about 30 s each; TSP x CP (TSP2 x CP2,
+TSP4 x CP2; MHA and 2 query groups): about 20 s each. The 7B / 128k check is marked slow (TSP D=8
+saved attention and full recompute, TP=8+SP without and with full recompute: about 3 min on an idle
+2-core machine, ~12 min with the cores shared).
 """
 
 import json

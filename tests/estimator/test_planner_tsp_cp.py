@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
 from megatron_tsp.core.model_shape import load_model  # noqa: E402
-from megatron_tsp.tools.estimator import fake_run  # noqa: E402
+from megatron_tsp.tools.estimator import fake_run, timing  # noqa: E402
 from megatron_tsp.tools.estimator import formulas as fm  # noqa: E402
 from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
 
@@ -165,7 +165,7 @@ def test_tsp_cp_timing_uses_inter_node_bandwidth():
     nvlink = hw.link_GBps * pl.GB * hw.comm_efficiency
     for t in pl.layer_terms(shape, s, pl.Options()):
         bw = nic if t.group == "seq" else nvlink
-        assert pl._term_time(t, s, hw) == pytest.approx(t.nbytes / bw)
+        assert timing._term_time(t, s, hw) == pytest.approx(t.nbytes / bw)
     ring = pl.Strategy("tsp_cp", tp=8, cp=8, kv_flavour="ring")
     for t in pl.layer_terms(shape, ring, pl.Options()):
         if t.group != "cp_ring":
@@ -173,7 +173,7 @@ def test_tsp_cp_timing_uses_inter_node_bandwidth():
         intra, inter = fm.ring_split(8, 8)
         n = t.nbytes / (intra + inter)
         expected = max(intra * n / nvlink, inter * n / (nic / hw.gpus_per_node))
-        assert pl._term_time(t, ring, hw) == pytest.approx(expected)
+        assert timing._term_time(t, ring, hw) == pytest.approx(expected)
 
 
 def test_tsp_cp_memory_relations():

@@ -25,7 +25,7 @@ and is left out of the comparison.
 ``ring_crossover_seq`` is the sequence length from which the ring receives fewer bytes than the
 alltoall dispatcher with EP = D; ``ring_buffers`` the ring's weight and accumulator buffers.
 
-The planner's MoE layer (``planner.py`` calls these): ``layer_params``, ``saved_bytes`` and
+The planner's MoE layer (``memory_model.py`` and ``timing.py`` call these): ``layer_params``,
 ``backward_working_set`` (what megatron-core's MoE layer and the expert ring hold, within 5% of
 the fake-tensor tool, which runs the real layers under uniform routing: ``uniform_routing.py``),
 ``comm_terms`` (the formulas above as the planner's terms) and ``choose_schedule``.
@@ -183,8 +183,9 @@ def ring_buffers(m: ModelShape, d: int) -> Dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# one MoE layer for the planner (``planner.py``): per rank, t = B*S/D local tokens, C = t*k token
-# copies, EP = D for the folded schedule (whole experts, E/D per rank), the ring's 1/D of each
+# one MoE layer for the planner (``memory_model.py``, ``timing.py``): per rank, t = B*S/D local
+# tokens, C = t*k token copies, EP = D for the folded schedule (whole experts, E/D per rank),
+# the ring's 1/D of each
 
 SCHEDULES = ("folded", "ring")
 DISPATCHERS = ("alltoall", "allgather")
