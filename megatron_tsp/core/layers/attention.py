@@ -114,22 +114,24 @@ def _column_split(t: torch.Tensor, parts: int) -> list:
     return list(t.chunk(parts, dim=-1)) if parts > 1 else [t]
 
 
-def rotate_qkv(mixed, layout: HeadLayout, rope_q, rope_k, kv_out: torch.Tensor):
+def rotate_qkv(mixed, head_layout: HeadLayout, rope_q, rope_k, kv_out: torch.Tensor):
     """One head group's local qkv [s, b, ng/D, (np/ng + 2) * hn] into q [s, b, np/D, hn] (a new
     contiguous tensor) and the packed K/V send buffer ``kv_out`` [s, b, 2 * ng/D, hn] (K in the
     first ng/D heads, V in the rest), RoPE applied on the way (``rope.rotate`` writes straight into
     q and into K's slot of ``kv_out``: no rotated copies, no pack ``cat``). ``rope_*``: this
     rank's ``RopeTables`` or None. Returns q."""
     s, b, groups = mixed.shape[:3]
-    per_group, hn = layout.heads // layout.groups, layout.head_dim
+    per_group, hn = head_layout.heads // head_layout.groups, head_layout.head_dim
     heads5 = mixed.view(s, b, groups, per_group + 2, hn)
     q_in, k_in, v_in = heads5[:, :, :, :per_group], heads5[:, :, :, per_group], heads5[:, :, :, -1]
     if rope_q is None:
-        q = q_in.reshape(s, b, layout.heads, hn)
+        q = q_in.reshape(s, b, head_layout.heads, hn)
     else:
         # [s, b * ng/D, np/ng, hn]: a 4-D [s, b, h, d] view of the strided q (fused kernels
         # take 4-D tensors), rotated into a contiguous [s, b, np/D, hn]
-        q = rotate(q_in.reshape(s, b * groups, per_group, hn), rope_q).view(s, b, layout.heads, hn)
+        q = rotate(q_in.reshape(s, b * groups, per_group, hn), rope_q).view(
+            s, b, head_layout.heads, hn
+        )
     if rope_k is None:
         torch.cat([k_in, v_in], dim=2, out=kv_out)
     else:
@@ -138,13 +140,13 @@ def rotate_qkv(mixed, layout: HeadLayout, rope_q, rope_k, kv_out: torch.Tensor):
     return q
 
 
-def qkv_grad(dq, dk, dv, layout: HeadLayout, rope_q, rope_k) -> torch.Tensor:
+def qkv_grad(dq, dk, dv, head_layout: HeadLayout, rope_q, rope_k) -> torch.Tensor:
     """Adjoint of ``rotate_qkv`` (its RoPE inverted analytically, ``rope.rotate(inverse=True)``):
     dq [s, b, np/D, hn], dk and dv [s, b, ng/D, hn] into the local qkv gradient
     [s, b, ng/D, (np/ng + 2) * hn], each written straight into its slot."""
     s, b = dq.shape[:2]
-    groups, hn = dk.shape[2], layout.head_dim
-    per_group = layout.heads // layout.groups
+    groups, hn = dk.shape[2], head_layout.head_dim
+    per_group = head_layout.heads // head_layout.groups
     d_mixed = torch.empty((s, b, groups, (per_group + 2) * hn), dtype=dq.dtype, device=dq.device)
     heads5 = d_mixed.view(s, b, groups, per_group + 2, hn)
     # q's slot as a 4-D [s, b * ng/D, np/ng, hn] view (fused kernels take 4-D tensors)
@@ -180,17 +182,19 @@ def _replay_rng(state, device: torch.device):
         yield
 
 
-def kv_send_buffer(x: torch.Tensor, layout: HeadLayout, fresh: bool, slot: int) -> torch.Tensor:
+def kv_send_buffer(
+    x: torch.Tensor, head_layout: HeadLayout, fresh: bool, slot: int
+) -> torch.Tensor:
     """A packed local K/V buffer [s/D, b, 2 * ng/D, hn] for ``rotate_qkv`` to fill and
     ``_post_kv_gather`` to send: a new tensor when it is kept for the backward (``fresh``), else
     ``WORKSPACE`` slot ``slot`` (one per group in flight)."""
-    shape = x.shape[:2] + (2 * layout.groups, layout.head_dim)
+    shape = x.shape[:2] + (2 * head_layout.groups, head_layout.head_dim)
     if fresh:
         return torch.empty(shape, dtype=x.dtype, device=x.device)
     return WORKSPACE.get("kv_send", slot, shape, x.dtype, x.device)
 
 
-def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
+def _post_kv_gather(packed, group, layout: TSPLayout, slot: int) -> Pending:
     """Post the all-gather of a head group's packed K/V [s/D, b, 2 * ng/D, hn] (``rotate_qkv``'s
     ``kv_out``: this rank's early chunk, then its late chunk); ``wait()`` returns (K, V)
     [S + C, b, ng/D, hn], views of ``WORKSPACE`` slot ``slot`` in the gathered layout of
@@ -204,7 +208,7 @@ def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     pass, and each chunk's attention is one kernel call. One buffer per slot: group r+2's
     gather into group r's slot is posted after group r's attention is queued."""
     groups = packed.shape[2] // 2
-    if seq_layout.group_size == 1:
+    if layout.group_size == 1:
         return done((packed.narrow(2, 0, groups), packed.narrow(2, groups, groups)))
     chunk = packed.shape[0] // 2
     halves = (packed.narrow(0, chunk, chunk), packed.narrow(0, 0, chunk))  # late, then early
@@ -217,12 +221,12 @@ def _post_kv_gather(packed, group, seq_layout: TSPLayout, slot: int) -> Pending:
     )
 
 
-def _natural_kv(k_all, v_all, seq_layout: TSPLayout):
+def _natural_kv(k_all, v_all, layout: TSPLayout):
     """Natural-order copies of the gathered K and V, for the kernel without a log-sum-exp
     (``sdpa_recompute``: its blocks cannot be merged, so they run on natural-order keys)."""
-    if seq_layout.group_size == 1:
+    if layout.group_size == 1:
         return k_all, v_all
-    index = seq_layout.gathered_index(k_all.device)
+    index = layout.gathered_index(k_all.device)
     return k_all.index_select(0, index), v_all.index_select(0, index)
 
 
@@ -260,7 +264,7 @@ class _KVGradScatter:
         wire_dtype,
         dtype,
         group,
-        seq_layout: TSPLayout,
+        layout: TSPLayout,
         slot: int,
         sum_dtype: Optional[torch.dtype] = None,
     ):
@@ -269,15 +273,15 @@ class _KVGradScatter:
         rows = dks[0][1]  # (first row, layout.KeyRows)
         first = rows if isinstance(rows, torch.Tensor) else rows[0]
         _, b, groups, dim = first.shape
-        shape, device = (seq_layout.seq_length, b, 2 * groups, dim), first.device
-        if seq_layout.group_size == 1:
+        shape, device = (layout.seq_length, b, 2 * groups, dim), first.device
+        if layout.group_size == 1:
             self.send = torch.empty(shape, dtype=wire_dtype, device=device)
         else:
             self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
         k_half, v_half = self.send.narrow(2, 0, groups), self.send.narrow(2, groups, groups)
         for dest, sources in ((k_half, dks), (v_half, dvs)):  # one launch each on CUDA
-            row_sum_kernel.sum_pieces(dest, seq_layout.key_pieces(dest.shape[0], sources))
-        if seq_layout.group_size == 1:
+            row_sum_kernel.sum_pieces(dest, layout.key_pieces(dest.shape[0], sources))
+        if layout.group_size == 1:
             self.pending = done(self.send)
 
     def post(self) -> None:
@@ -339,18 +343,20 @@ class _TSPAttentionFunction(torch.autograd.Function):
         proj_w,
         rope_q,
         rope_k,
+        head_layout,
         layout,
-        seq_layout,
         group,
         accumulate_into_main_grad,
         kernel,
         seq_group,
     ):
-        size = seq_layout.weight_group_size
+        size = layout.weight_group_size
         has_bias = qkv_b is not None
-        blocks = seq_layout.gathered_blocks
-        save_outputs = layout.backward == "saved" and kernel.has_lse and layout.dropout_p == 0
-        rng = _rng_state(x.device) if layout.dropout_p > 0 else None
+        blocks = layout.gathered_blocks
+        save_outputs = (
+            head_layout.backward == "saved" and kernel.has_lse and head_layout.dropout_p == 0
+        )
+        rng = _rng_state(x.device) if head_layout.dropout_p > 0 else None
         own = pack_own_shard(qkv_w, qkv_b, proj_w)
         # the output projection's operands, filled group by group (see the module docstring)
         cols = proj_w.shape[1]
@@ -360,16 +366,16 @@ class _TSPAttentionFunction(torch.autograd.Function):
         )
         saved = []
 
-        m = layout.shards_per_group
+        m = head_layout.shards_per_group
         steps = size // m
 
         def prepare(r):
             shards = stream.get(r)
-            mixed = group_qkv_linear(x, shards, has_bias, layout)
-            kv = kv_send_buffer(x, layout, fresh=save_outputs, slot=r % 2)
-            q = rotate_qkv(mixed, layout, rope_q, rope_k, kv)
+            mixed = group_qkv_linear(x, shards, has_bias, head_layout)
+            kv = kv_send_buffer(x, head_layout, fresh=save_outputs, slot=r % 2)
+            q = rotate_qkv(mixed, head_layout, rope_q, rope_k, kv)
             pws = [weight_bias_views(shard.views(), has_bias)[2] for shard in shards]
-            return q, kv, pws, _post_kv_gather(kv, seq_group, seq_layout, slot=r % 2)
+            return q, kv, pws, _post_kv_gather(kv, seq_group, layout, slot=r % 2)
 
         with labelled("tsp_attention"):
             stream = GroupStream(own, group, m, hold=2)
@@ -382,16 +388,16 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 k_all, v_all = gather.wait()
                 if kernel.has_lse:
                     outs, lses = kernels.zigzag_forward(
-                        kernel, q, k_all, v_all, blocks, layout.softmax_scale
+                        kernel, q, k_all, v_all, blocks, head_layout.softmax_scale
                     )
                 else:
                     rows = kernels.zigzag_attend(
                         kernel,
                         q,
-                        *_natural_kv(k_all, v_all, seq_layout),
-                        seq_layout.causal_blocks,
-                        layout.softmax_scale,
-                        layout.dropout_p,
+                        *_natural_kv(k_all, v_all, layout),
+                        layout.causal_blocks,
+                        head_layout.softmax_scale,
+                        head_layout.dropout_p,
                     )
                     outs, lses = _block_rows(rows, blocks), []
                 del k_all, v_all
@@ -403,9 +409,9 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 current = upcoming
         ctx.rope = _save_rope(ctx, rope_q, rope_k)
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
-        ctx.layout, ctx.group, ctx.rng, ctx.kernel = layout, group, rng, kernel
+        ctx.head_layout, ctx.group, ctx.rng, ctx.kernel = head_layout, group, rng, kernel
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
-        ctx.seq_layout, ctx.seq_group = seq_layout, seq_group
+        ctx.layout, ctx.seq_group = layout, seq_group
         # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
         return torch.matmul(context, proj_full.t())
 
@@ -516,24 +522,24 @@ class _AttentionBackward:
         self.rope_q, self.rope_k, flat = _saved_rope(ctx, rest)
         self.x, self.flat = x, flat
         self.grad_out, self.rng = grad_out, ctx.rng
-        self.layout, self.seq_layout = ctx.layout, ctx.seq_layout
+        self.head_layout, self.layout = ctx.head_layout, ctx.layout
         self.group, self.seq_group, self.kernel = ctx.group, ctx.seq_group, ctx.kernel
-        self.blocks = self.seq_layout.gathered_blocks
+        self.blocks = self.layout.gathered_blocks
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
         self.acc_dtype = accumulation_dtype(self.dtype)
-        self.wire_dtype = self.acc_dtype if self.layout.kv_grad_fp32 else self.dtype
+        self.wire_dtype = self.acc_dtype if self.head_layout.kv_grad_fp32 else self.dtype
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
         self.own = pack_own_shard(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
         # [tokens, h], started by the first group's dgrad (``activation_sum_dtype``)
         self.grad_x = None
-        self.grad_x_dtype = activation_sum_dtype(self.dtype, self.layout.activation_sums_fp32)
+        self.grad_x_dtype = activation_sum_dtype(self.dtype, self.head_layout.activation_sums_fp32)
         self.tokens_x = x.reshape(-1, self.hidden)
         self.dy_rows = [
             rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
         ]
-        self.m = self.layout.shards_per_group
+        self.m = self.head_layout.shards_per_group
         self.shards = {}  # the weight shards being read: r -> [FlatShard] (at most r-1 .. r+1)
         self.stream = None
 
@@ -549,7 +555,7 @@ class _AttentionBackward:
             hold = 2 if self.saved_mode else 3
             self.stream = GroupStream(self.own, self.group, self.m, hold=hold)  # posts shard 0
             current, finishing = self.prepare_group(0), None
-            size = self.seq_layout.weight_group_size // self.m
+            size = self.layout.weight_group_size // self.m
             for r in range(size):
                 # every element is written before it is read (``output_projection_wgrad``,
                 # ``finish_group``): no zeroing pass
@@ -585,10 +591,10 @@ class _AttentionBackward:
             outs = self.flat[base + 2 : base + 2 + n_blocks]
             lses = self.flat[base + 2 + n_blocks : base + per_group]
         else:
-            mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.layout)
-            kv = kv_send_buffer(self.x, self.layout, fresh=False, slot=r % 2)
-            q = rotate_qkv(mixed, self.layout, self.rope_q, self.rope_k, kv)
-        gather = _post_kv_gather(kv, self.seq_group, self.seq_layout, slot=r % 2)
+            mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.head_layout)
+            kv = kv_send_buffer(self.x, self.head_layout, fresh=False, slot=r % 2)
+            q = rotate_qkv(mixed, self.head_layout, self.rope_q, self.rope_k, kv)
+        gather = _post_kv_gather(kv, self.seq_group, self.layout, slot=r % 2)
         return _HeadGroup(r, q, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:
@@ -636,9 +642,9 @@ class _AttentionBackward:
             self.wire_dtype,
             self.dtype,
             self.seq_group,
-            self.seq_layout,
+            self.layout,
             slot=group.r % 2,
-            sum_dtype=self.acc_dtype if self.layout.kv_grad_all_to_all else None,
+            sum_dtype=self.acc_dtype if self.head_layout.kv_grad_all_to_all else None,
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -649,7 +655,7 @@ class _AttentionBackward:
         gathered K/V (``kernels.zigzag_backward_sources``)."""
         if not self.saved_mode:
             group.outs, group.lses = kernels.zigzag_forward(
-                self.kernel, q, k_all, v_all, self.blocks, self.layout.softmax_scale
+                self.kernel, q, k_all, v_all, self.blocks, self.head_layout.softmax_scale
             )
             self.output_projection_wgrad(group, g_pw)
         return kernels.zigzag_backward_sources(
@@ -659,7 +665,7 @@ class _AttentionBackward:
             k_all,
             v_all,
             self.blocks,
-            self.layout.softmax_scale,
+            self.head_layout.softmax_scale,
             group.outs,
             group.lses,
             after_first_block=post,
@@ -680,10 +686,10 @@ class _AttentionBackward:
             rows = kernels.zigzag_attend(
                 self.kernel,
                 q,
-                *_natural_kv(inputs[1], inputs[2], self.seq_layout),
-                self.seq_layout.causal_blocks,
-                self.layout.softmax_scale,
-                self.layout.dropout_p,
+                *_natural_kv(inputs[1], inputs[2], self.layout),
+                self.layout.causal_blocks,
+                self.head_layout.softmax_scale,
+                self.head_layout.dropout_p,
             )
             post()
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
@@ -698,7 +704,7 @@ class _AttentionBackward:
         d_kv = group.scatter.wait()  # the sum over ranks, in the input dtype
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
-        d_mixed = qkv_grad(group.dq, dk, dv, self.layout, self.rope_q, self.rope_k)
+        d_mixed = qkv_grad(group.dq, dk, dv, self.head_layout, self.rope_q, self.rope_k)
         d_all = d_mixed.reshape(self.tokens_x.shape[0], -1)
         for i, (shard, partial) in enumerate(zip(self.shards[group.r], group.partial)):
             w, _, _ = weight_bias_views(shard.views(), self.has_bias)
@@ -738,35 +744,39 @@ def tsp_self_attention(
     qkv_weight,
     qkv_bias,
     proj_weight,
-    layout: HeadLayout,
+    head_layout: HeadLayout,
     group,
     rope_q: Optional[RopeTables] = None,
     rope_k: Optional[RopeTables] = None,
     accumulate_into_main_grad: bool = False,
     kernel: Optional[kernels.AttentionKernel] = None,
-    seq_layout: Optional[TSPLayout] = None,
+    layout: Optional[TSPLayout] = None,
     seq_group=None,
 ):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
     its bias excluded). ``rope_*``: this rank's RoPE tables for q and k (``rope.local_tables``),
     or None. ``kernel``: the attention backend (``kernels.select_kernel`` for
     ``x`` when None). ``group``: the TSP (weight) group. ``seq_group``: the sequence group (TSP x
-    CP: the D*C tensor-and-context-parallel group; ``group`` when None). ``seq_layout``: this
+    CP: the D*C tensor-and-context-parallel group; ``group`` when None). ``layout``: this
     rank's zigzag layout over ``seq_group`` (built from the groups and the local token count
     when None)."""
     if kernel is None:
         kernel = kernels.select_kernel(
-            x.device, x.dtype, layout.head_dim, layout.heads != layout.groups, layout.dropout_p
+            x.device,
+            x.dtype,
+            head_layout.head_dim,
+            head_layout.heads != head_layout.groups,
+            head_layout.dropout_p,
         )
     if seq_group is None:
         seq_group = group
-    if seq_layout is None:
+    if layout is None:
         seq_size, d = dist.get_world_size(seq_group), dist.get_world_size(group)
-        seq_layout = TSPLayout.of_groups(group, seq_group, x.shape[0] * seq_size, seq_size // d)
-    elif seq_layout.local_len != x.shape[0]:
+        layout = TSPLayout.of_groups(group, seq_group, x.shape[0] * seq_size, seq_size // d)
+    elif layout.local_len != x.shape[0]:
         raise ValueError(
             f"TSP attention got {x.shape[0]} local tokens but its layout holds "
-            f"{seq_layout.local_len} per rank ({seq_layout})"
+            f"{layout.local_len} per rank ({layout})"
         )
     return _TSPAttentionFunction.apply(
         x,
@@ -775,8 +785,8 @@ def tsp_self_attention(
         proj_weight,
         rope_q,
         rope_k,
+        head_layout,
         layout,
-        seq_layout,
         group,
         accumulate_into_main_grad,
         kernel,
@@ -921,13 +931,13 @@ class TSPSelfAttention(SelfAttention):
     def _select_kernel(self, device, dtype) -> None:
         """Choose the attention backend for this device/dtype (at construction, and again only if
         the module later runs on another device or dtype)."""
-        layout = self.head_layout
+        head_layout = self.head_layout
         self.attention_kernel = kernels.select_kernel(
             device,
             dtype,
-            layout.head_dim,
-            layout.heads != layout.groups,
-            layout.dropout_p,
+            head_layout.head_dim,
+            head_layout.heads != head_layout.groups,
+            head_layout.dropout_p,
         )
         self._kernel_key = (torch.device(device).type, dtype)
 
@@ -985,7 +995,7 @@ class TSPSelfAttention(SelfAttention):
                 f"({local_len * size}) must be divisible by 2 x tensor-sequence-parallel size "
                 f"= {2 * size} (zigzag chunks); pass batches through get_batch_on_this_tsp_rank"
             )
-        seq_layout = TSPLayout.of_groups(
+        layout = TSPLayout.of_groups(
             self.tsp_group,
             self.seq_group,
             local_len * dist.get_world_size(self.seq_group),
@@ -994,11 +1004,11 @@ class TSPSelfAttention(SelfAttention):
         # RoPE tables at this rank's positions: built by the first layer of the step, cached on
         # the embedding tensor (rope.local_tables)
         dtype = hidden_states.dtype
-        rope_q = local_tables(q_emb, seq_layout, dtype, self.config)
-        rope_k = rope_q if k_emb is q_emb else local_tables(k_emb, seq_layout, dtype, self.config)
-        layout = self.head_layout
-        if not self.training and layout.dropout_p > 0:
-            layout = dataclasses.replace(layout, dropout_p=0.0)
+        rope_q = local_tables(q_emb, layout, dtype, self.config)
+        rope_k = rope_q if k_emb is q_emb else local_tables(k_emb, layout, dtype, self.config)
+        head_layout = self.head_layout
+        if not self.training and head_layout.dropout_p > 0:
+            head_layout = dataclasses.replace(head_layout, dropout_p=0.0)
         if (hidden_states.device.type, hidden_states.dtype) != self._kernel_key:
             self._select_kernel(hidden_states.device, hidden_states.dtype)
         # linear_qkv / linear_proj are not called: fire their pre-hooks (DDP param-gather waits).
@@ -1009,13 +1019,13 @@ class TSPSelfAttention(SelfAttention):
             self.linear_qkv.weight,
             self.linear_qkv.bias,
             self.linear_proj.weight,
-            layout,
+            head_layout,
             self.tsp_group,
             rope_q,
             rope_k,
             self.gradient_accumulation_fusion,
             self.attention_kernel,
-            seq_layout,
+            layout,
             self.seq_group,
         )
         return out, self.linear_proj.bias

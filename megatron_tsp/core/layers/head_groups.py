@@ -53,23 +53,23 @@ def pack_own_shard(qkv_w, qkv_b, proj_w) -> FlatShard:
     return FlatShard.pack([qkv_w] + ([qkv_b] if qkv_b is not None else []) + [proj_w])
 
 
-def qkv_linear(x, qkv_w, qkv_b, layout: HeadLayout) -> torch.Tensor:
+def qkv_linear(x, qkv_w, qkv_b, head_layout: HeadLayout) -> torch.Tensor:
     """Local tokens through one QKV shard: [s, b, ng/D, (np/ng + 2) * hn] (Megatron's layout)."""
     mixed = torch.matmul(x, qkv_w.t())
     if qkv_b is not None:
         mixed = mixed + qkv_b
-    return mixed.view(*mixed.shape[:2], layout.groups, -1)
+    return mixed.view(*mixed.shape[:2], head_layout.groups, -1)
 
 
-def group_qkv_linear(x, shards, has_bias: bool, layout: HeadLayout) -> torch.Tensor:
+def group_qkv_linear(x, shards, has_bias: bool, head_layout: HeadLayout) -> torch.Tensor:
     """Local tokens through one step's QKV rows, the concatenation of its ``shards`` (one GEMM
     per shard, no copy of the weights): [s, b, groups, (heads/groups + 2) * hn]."""
     parts = []
     for shard in shards:
         w, b, _ = weight_bias_views(shard.views(), has_bias)
-        parts.append(qkv_linear(x, w, b, layout).flatten(2))
+        parts.append(qkv_linear(x, w, b, head_layout).flatten(2))
     mixed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return mixed.view(*mixed.shape[:2], layout.groups, -1)
+    return mixed.view(*mixed.shape[:2], head_layout.groups, -1)
 
 
 class ShardStream:

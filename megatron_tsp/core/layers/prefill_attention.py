@@ -116,7 +116,7 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     seq_group = getattr(module, "seq_group", group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     seq_size = dist.get_world_size(seq_group)
-    layout = module.head_layout
+    head_layout = module.head_layout
     local_len, batch = hidden_states.shape[0], hidden_states.shape[1]
     if local_len % 2 != 0:
         raise ValueError(
@@ -135,11 +135,11 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     q_table, k_table = (
         rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
     )
-    seq_layout = TSPLayout.of_groups(group, seq_group, seq, seq_size // size)
-    serving = seq_layout.split_rank(seq_layout.rank)[1] == 0  # CP rank 0 keeps the cache
+    layout = TSPLayout.of_groups(group, seq_group, seq, seq_size // size)
+    serving = layout.split_rank(layout.rank)[1] == 0  # CP rank 0 keeps the cache
     freqs_q = freqs_k = None
     if q_table is not None:
-        positions = offset + seq_layout.positions(q_table.device)
+        positions = offset + layout.positions(q_table.device)
         freqs_q = q_table.index_select(0, positions)
         freqs_k = k_table[: offset + seq]
     key_mem = val_mem = None
@@ -149,26 +149,28 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     own = pack_own_shard(
         module.linear_qkv.weight, module.linear_qkv.bias, module.linear_proj.weight
     )
-    groups, head_dim = layout.groups, layout.head_dim
-    m = layout.shards_per_group  # shards per head group: D / ng when ng < D, else 1
+    groups, head_dim = head_layout.groups, head_layout.head_dim
+    m = head_layout.shards_per_group  # shards per head group: D / ng when ng < D, else 1
     out = None
     with torch.no_grad(), labelled("tsp_prefill_attention"):
         stream = GroupStream(own, group, m, hold=1)  # posts shard 0
         for r in range(size // m):
             shards = stream.get(r)  # posts the next group's first shard before returning
-            mixed = group_qkv_linear(hidden_states, shards, has_bias, layout)
-            q, k, v = torch.split(mixed, layout.qkv_split, dim=3)
-            q = q.reshape(local_len, batch, layout.heads, head_dim)
-            q = megatron_rotary(q, freqs_q, layout.config)
-            kv = _natural_kv(torch.cat([k, v], dim=2), offset, seq_group, seq_layout)
+            mixed = group_qkv_linear(hidden_states, shards, has_bias, head_layout)
+            q, k, v = torch.split(mixed, head_layout.qkv_split, dim=3)
+            q = q.reshape(local_len, batch, head_layout.heads, head_dim)
+            q = megatron_rotary(q, freqs_q, head_layout.config)
+            kv = _natural_kv(torch.cat([k, v], dim=2), offset, seq_group, layout)
             if offset > 0:  # every rank of the group caches the same rows: the first sends
                 _fill_cached_prefix(kv, key_mem, val_mem, offset, b0, r * m, seq_group)
             if serving and rank // m == r:  # what a TP=D rank of this group's prefill caches
                 key_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, :groups]
                 val_mem[offset : offset + seq, b0 : b0 + batch] = kv[offset:, :, groups:]
-            k_all = _rope_in_place(kv[:, :, :groups], freqs_k, layout.config)  # cache is written
+            k_all = _rope_in_place(
+                kv[:, :, :groups], freqs_k, head_layout.config
+            )  # cache is written
             ctx_r = chunk_attention(
-                q, k_all, kv[:, :, groups:], seq_layout.causal_blocks, offset, layout
+                q, k_all, kv[:, :, groups:], layout.causal_blocks, offset, head_layout
             )
             del k_all, kv
             for ctx_part, shard in zip(ctx_r.chunk(m, dim=-1), shards):  # each shard's heads
@@ -178,12 +180,12 @@ def prefill_attention(module, hidden_states: torch.Tensor, context, rotary_pos_e
     return out, module.linear_proj.bias
 
 
-def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Tensor:
+def _natural_kv(local_kv, offset: int, group, layout: TSPLayout) -> torch.Tensor:
     """``[offset + S, b, 2 ng/D, hn]`` buffer whose rows [offset, offset + S) receive every rank's
     local K/V in natural order: two all-gathers (first chunks, second chunks) straight into the
     natural-order row blocks, so no permuted copy of the full-sequence K/V is ever made. Rows
     [0, offset) are left for the cached prefix."""
-    size, chunk_len, seq = seq_layout.group_size, seq_layout.chunk_len, seq_layout.seq_length
+    size, chunk_len, seq = layout.group_size, layout.chunk_len, layout.seq_length
     kv = torch.empty(
         (offset + seq,) + tuple(local_kv.shape[1:]), dtype=local_kv.dtype, device=local_kv.device
     )
@@ -191,7 +193,7 @@ def _natural_kv(local_kv, offset: int, group, seq_layout: TSPLayout) -> torch.Te
     if size == 1:
         new.copy_(local_kv)
         return kv
-    spans = [seq_layout.spans_of(r) for r in range(size)]  # per rank: (first, second) chunk
+    spans = [layout.spans_of(r) for r in range(size)]  # per rank: (first, second) chunk
     firsts = [new[first[0] : first[1]] for first, _ in spans]
     seconds = [new[second[0] : second[1]] for _, second in spans]
     dist.all_gather(firsts, local_kv[:chunk_len].contiguous(), group=group)
@@ -227,7 +229,7 @@ def _rope_in_place(k, freqs, config) -> torch.Tensor:
     return k
 
 
-def chunk_attention(q, k_nat, v_nat, blocks, offset, layout):
+def chunk_attention(q, k_nat, v_nat, blocks, offset, head_layout):
     """Each causal block's queries (``TSPLayout.causal_blocks``: local chunk c, natural positions
     offset + [cC, (c+1)C)) against keys [0, offset + (c+1)C), bottom-right causal. Returns
     ``[2C, b, np * hn]``. (A module attribute: the prefill memory tool swaps in a flash-equivalent
@@ -244,8 +246,8 @@ def chunk_attention(q, k_nat, v_nat, blocks, offset, layout):
             k_c,
             v_c,
             attn_mask=_lower_right_causal(rows, kv_len),
-            scale=layout.softmax_scale,
-            enable_gqa=layout.heads != layout.groups,
+            scale=head_layout.softmax_scale,
+            enable_gqa=head_layout.heads != head_layout.groups,
         )
         outs.append(o.permute(2, 0, 1, 3).reshape(rows, q.shape[1], -1))
     return torch.cat(outs, dim=0)

@@ -122,23 +122,23 @@ class RopeTables:
         return dataclasses.replace(self, tensors=tuple(tensors))
 
 
-def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTables:
+def _build(emb: torch.Tensor, layout: TSPLayout, dtype, config) -> RopeTables:
     if emb.dim() != 4 or emb.shape[1] != 1 or emb.shape[2] != 1:
         raise ValueError(f"TSP attention needs a [s, 1, 1, d] rotary table, got {tuple(emb.shape)}")
-    if seq_layout.context_parallel_size > 1:
+    if layout.context_parallel_size > 1:
         # Megatron's rotary embedding hands each CP rank its CP-local table (CP chunks c and
         # 2C-1-c), which holds exactly this CP rank's tokens (``TSPLayout.cp_local_positions``)
-        if emb.shape[0] != seq_layout.cp_local_len:
+        if emb.shape[0] != layout.cp_local_len:
             raise ValueError(
                 f"TSP x CP attention expects Megatron's CP-local rotary table of "
-                f"{seq_layout.cp_local_len} positions, got {emb.shape[0]}"
+                f"{layout.cp_local_len} positions, got {emb.shape[0]}"
             )
-        rows = seq_layout.cp_local_positions(emb.device)
+        rows = layout.cp_local_positions(emb.device)
     else:
-        seq = seq_layout.seq_length
+        seq = layout.seq_length
         if emb.shape[0] < seq:
             raise ValueError(f"rotary table covers {emb.shape[0]} positions, need {seq}")
-        rows = seq_layout.positions(emb.device)
+        rows = layout.positions(emb.device)
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     rot = emb.shape[-1]
     # Megatron's RoPE indexes its table by sequence index, not position_ids (see
@@ -168,7 +168,7 @@ def _build(emb: torch.Tensor, seq_layout: TSPLayout, dtype, config) -> RopeTable
 
 
 def local_tables(
-    emb: Optional[torch.Tensor], seq_layout: TSPLayout, dtype: torch.dtype, config
+    emb: Optional[torch.Tensor], layout: TSPLayout, dtype: torch.dtype, config
 ) -> Optional[RopeTables]:
     """This rank's tables for the rotary embedding ``emb`` ([S, 1, 1, rot] fp32 angles, natural
     positions), built on first use and cached on ``emb`` (keyed by layout, dtype, rotary options
@@ -177,10 +177,10 @@ def local_tables(
     if emb is None:
         return None
     key = (
-        seq_layout.group_size,
-        seq_layout.seq_length,
-        seq_layout.rank,
-        seq_layout.context_parallel_size,
+        layout.group_size,
+        layout.seq_length,
+        layout.rank,
+        layout.context_parallel_size,
         dtype,
         emb.device,
         emb._version,
@@ -195,7 +195,7 @@ def local_tables(
         setattr(emb, _CACHE_ATTR, cache)
     tables = cache.get(key)
     if tables is None:
-        tables = cache[key] = _build(emb, seq_layout, dtype, config)
+        tables = cache[key] = _build(emb, layout, dtype, config)
     return tables
 
 
