@@ -15,7 +15,7 @@ NCCL, the dry run
    schedule, experts per rank and this rank's experts, the EP / expert-TP / expert-DP groups, the
    MoE layers of this stage);
 5. checks every target of the patch registry in the imported megatron-core and torch and in the
-   Megatron-LM checkout the script runs from (``patches.check_everywhere``), then exits with
+   Megatron-LM checkout the script runs from (``patch_checks.check_everywhere``), then exits with
    status 0, or 1 when a target is missing or lacks a parameter the patch relies on.
 
 CUDA is never initialized (checked and printed at the end).
@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_tsp.megatron_lm import arguments as tsp_args
-from megatron_tsp.megatron_lm import patches
+from megatron_tsp.megatron_lm import patch_checks, patches
 
 _MAX_GROUPS_SHOWN = 8
 
@@ -410,8 +410,8 @@ def run(args, build: Callable) -> dict:
             report["zigzag"] = zigzag_chunks(args.seq_length, d, args.context_parallel_size)
         report["cuda_initialized"] = torch.cuda.is_initialized()
         report["patches"] = patches.report_lines()
-        tree = patches.imported_megatron_lm_tree()
-        checked, problems = patches.check_everywhere([tree] if tree else [])
+        tree = patch_checks.imported_megatron_lm_tree()
+        checked, problems = patch_checks.check_everywhere([tree] if tree else [])
         report["patch_check"] = {"checked": checked, "problems": problems}
         return report
     finally:

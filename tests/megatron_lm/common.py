@@ -106,7 +106,7 @@ def megatron_lm_tree(version: str) -> Optional[str]:
     """The Megatron-LM tree of ``version`` ("0.16" / "0.19") among ``MEGATRON_LM_PATH`` and
     ``MEGATRON_LM_PATH_0_19`` (read as source only: any interpreter), or None (the test skips).
     In CI (``CI=true``) a missing tree is an error, never a skip."""
-    from megatron_tsp.megatron_lm.patches import tree_version
+    from megatron_tsp.megatron_lm.patch_checks import tree_version
 
     paths = [os.environ.get(name) for name in ("MEGATRON_LM_PATH", "MEGATRON_LM_PATH_0_19")]
     for path in paths:

@@ -175,7 +175,7 @@ def test_dry_run_end_to_end(name):
     assert f"TSP rank 1: chunks 1 and 14 -> tokens [{c}, {2 * c}), [{14 * c}, {15 * c})" in out
     assert "CUDA initialized  : no" in out
     # the patch registry: what this run replaced, each line with its target and reason
-    from megatron_tsp.megatron_lm import patches
+    from megatron_tsp.megatron_lm import patch_checks, patches
 
     listed = re.search(r"patches\s+: (\d+) applied", out)
     assert listed and int(listed.group(1)) >= 10, out[-3000:]
@@ -191,7 +191,7 @@ def test_dry_run_end_to_end(name):
     declared = len(patches.REGISTRY)
     assert f"patch targets     : all {declared} declared targets present" in out, out[-3000:]
     tree = os.path.dirname(os.path.abspath(_script()))
-    version = patches.tree_version(tree)
+    version = patch_checks.tree_version(tree)
     assert f"checked in Megatron-LM tree {tree} (core_v{version})" in out, out[-3000:]
 
 

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from megatron_tsp.megatron_lm import patch_checks as C
 from megatron_tsp.megatron_lm import patches as P
 from tests.megatron_lm.common import REPO, megatron_lm_tree
 
@@ -49,14 +50,14 @@ def test_installed_targets_exist_with_their_parameters():
 
     assert P.megatron_version() in P.MEGATRON_VERSIONS, megatron.core.__version__
     assert torch.__version__.startswith(P.TORCH_VERSIONS), torch.__version__
-    assert P.check_installed() == []
+    assert C.check_installed() == []
 
 
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
 def test_megatron_targets_exist_with_their_parameters_in_the_tree(version):
     tree = _tree_or_skip(version)
-    assert P.tree_version(tree) == version
-    assert P.check_tree(tree) == []
+    assert C.tree_version(tree) == version
+    assert C.check_tree(tree) == []
 
 
 def _imported_names(path: str) -> dict:
@@ -97,18 +98,18 @@ def _planted(**changes) -> P.Patch:
 
 def test_a_wrong_signature_fails_the_installed_check_naming_the_target():
     bad = _planted(params=("batch", "no_such_parameter"))
-    problems = P.check_installed([bad])
+    problems = C.check_installed([bad])
     assert len(problems) == 1 and bad.target in problems[0] and "no_such_parameter" in problems[0]
     # order matters: cp_group comes after batch
-    assert P.check_installed([_planted(params=("cp_group", "batch"))])
+    assert C.check_installed([_planted(params=("cp_group", "batch"))])
 
 
 def test_a_missing_target_fails_the_installed_check_naming_the_target():
     bad = _planted(target="megatron.core.utils:get_batch_on_this_cp_rank_renamed")
-    problems = P.check_installed([bad])
+    problems = C.check_installed([bad])
     assert len(problems) == 1 and "get_batch_on_this_cp_rank_renamed" in problems[0]
     torch_bad = P.Patch(P.CPU_RUNNER, "torch.cuda:no_such_function", "planted", ())
-    assert "torch.cuda:no_such_function" in P.check_installed([torch_bad])[0]
+    assert "torch.cuda:no_such_function" in C.check_installed([torch_bad])[0]
 
 
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
@@ -118,7 +119,7 @@ def test_planted_errors_fail_the_tree_check_naming_the_target(version):
     missing = _planted(target="megatron.training.arguments:validate_args_renamed")
     other = "0.19" if version == "0.16" else "0.16"
     stale = _planted(target="megatron.training.arguments:validate_args", versions=(other,))
-    problems = P.check_tree(tree, [wrong, missing, stale])
+    problems = C.check_tree(tree, [wrong, missing, stale])
     assert len(problems) == 3, problems
     assert "validate_args" in problems[0] and "oops" in problems[0]
     assert "validate_args_renamed" in problems[1] and "missing" in problems[1]
@@ -128,7 +129,7 @@ def test_planted_errors_fail_the_tree_check_naming_the_target(version):
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
 def test_check_patches_command_passes_on_a_supported_tree(version, capsys):
     tree = _tree_or_skip(version)
-    assert P.main(["--megatron-lm", tree]) == 0
+    assert C.main(["--megatron-lm", tree]) == 0
     out = capsys.readouterr().out
     assert f"{len(P.REGISTRY)} declared patch targets, checked in:" in out
     assert f"Megatron-LM tree {tree} (core_v{version})" in out
@@ -141,7 +142,7 @@ def test_check_patches_command_fails_naming_every_missing_target(tmp_path, capsy
     info = tmp_path / "megatron" / "core" / "package_info.py"
     info.parent.mkdir(parents=True)
     info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
-    assert P.main(["--megatron-lm", str(tmp_path)]) == 1
+    assert C.main(["--megatron-lm", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     expected = [
         p
@@ -353,12 +354,12 @@ def test_report_lines_name_state_mode_target_and_reason():
 def test_docs_show_the_current_table():
     with open(os.path.join(REPO, "docs", "megatron-lm.md")) as f:
         text = f.read()
-    assert P.doc_block() in text, (
+    assert C.doc_block() in text, (
         "docs/megatron-lm.md is out of date: replace the block between the patches-table markers "
-        "with megatron_tsp.megatron_lm.patches.doc_block()"
+        "with megatron_tsp.megatron_lm.patch_checks.doc_block()"
     )
     for p in P.REGISTRY:
-        assert f"`{p.target}`" in P.markdown_table()
+        assert f"`{p.target}`" in C.markdown_table()
 
 
 def test_hooks_install_and_uninstall_restore_megatron_lm():
