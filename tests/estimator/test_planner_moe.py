@@ -136,6 +136,27 @@ def test_planner_moe_cli(capsys):
     assert "--strategies cp" in capsys.readouterr().err
 
 
+def test_planner_moe_cli_plot_and_json(tmp_path, capsys):
+    """The CLI's defaults write a plot: an MoE plan marks the expert ring's crossover instead of
+    the dense bytes crossover; the JSON carries each row's schedule."""
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    args = ["--model", "deepseek-v2-lite", "--seq-length", "32768", "--gpus", "64"]
+    args += ["--plot", str(png), "--json", str(js), "--sweep", "16384,65536"]
+    assert planner.main(args) == 0
+    d = json.loads(js.read_text())
+    assert [r["moe_schedule"] for r in d["rows"]][1] == "folded"  # TP+SP: experts folded
+    assert d["moe_ring_crossover_seq"] == pytest.approx(
+        moe.ring_crossover_seq(load_model("deepseek-v2-lite"), 8)
+    )
+    assert d["sweep"]["seqs"] == [16384, 65536]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "skipped" in capsys.readouterr().out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_dense_model_plans_are_unchanged_by_the_moe_path():
     """A dense model never enters the MoE code: no schedule, the dense layer terms."""
     m = ModelShape(name="dense", hidden=512, num_layers=2, heads=8, vocab=4096)

@@ -45,20 +45,26 @@ def plot_sweep(sweep: dict, seqs: List[int], plan: dict, path: str) -> Optional[
     axes[0].set_ylabel("memory per GPU [GB] (recompute auto)")
     axes[1].set_ylabel("received bytes per layer fwd+bwd [GB]")
     axes[2].set_ylabel(f"predicted tokens/s on {plan['gpus']} x {hw.name} [M]")
-    cross = plan["bytes_crossover_seq"]
-    marks = [
-        (cross["fwd"], "bytes crossover fwd", "tab:red"),
-        (cross["total"], "bytes crossover fwd+bwd", "tab:purple"),
-    ]
+    marks = []
+    cross = plan.get("bytes_crossover_seq")  # dense models: TSP's bytes against TP+SP's
+    if cross:
+        marks += [
+            (cross["fwd"], "TSP vs TP+SP bytes crossover fwd", "tab:red"),
+            (cross["total"], "TSP vs TP+SP bytes crossover fwd+bwd", "tab:purple"),
+        ]
+    if plan.get("moe_ring_crossover_seq"):  # MoE models: the expert ring against all-to-all
+        marks.append((plan["moe_ring_crossover_seq"], "expert ring vs alltoall bytes", "tab:red"))
     if plan.get("throughput_crossover_seq"):
-        marks.append((plan["throughput_crossover_seq"], "tokens/s crossover", "tab:green"))
+        marks.append(
+            (plan["throughput_crossover_seq"], "TSP vs TP+SP tokens/s crossover", "tab:green")
+        )
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
         ax.axvline(plan["seq"], color="gray", lw=0.8)
         for x, txt, col in marks:
             if x and math.isfinite(x) and seqs[0] <= x <= seqs[-1]:
-                ax.axvline(x, color=col, lw=1, ls="-.", label=f"TSP vs TP+SP {txt} S={x:,.0f}")
+                ax.axvline(x, color=col, lw=1, ls="-.", label=f"{txt} S={x:,.0f}")
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     axes[1].legend(fontsize=7)
