@@ -345,3 +345,17 @@ def test_shape_validation():
         LayerShape(batch=1, seq=4, hidden=10, heads=4)
     with pytest.raises(ValueError):
         LayerShape(batch=1, seq=4, hidden=8, heads=4, query_groups=3)
+
+
+def test_design_md_shows_the_current_layer_schedule():
+    """docs/design.md's schedule table is ``formulas.TSP_SCHEDULE``, generated."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design.md")
+    with open(path) as f:
+        text = f.read()
+    assert fm.schedule_doc_block() in text, (
+        "docs/design.md is out of date: replace the block between the schedule markers with "
+        "megatron_tsp.tools.estimator.formulas.schedule_doc_block()"
+    )
+    assert len(fm.TSP_SCHEDULE) == len(fm.tsp_layer_terms(_shape(), 4))  # defaults: every row

@@ -14,21 +14,14 @@ g query groups (= a for MHA), hn = h / a, h_kv = g * hn, F ffn hidden.
 
 Schedules (per layer, per rank, in elements):
 
-TSP, group D (weights move, tokens stay)
-    attn fwd   broadcast of every owner's (qkv w, qkv b, proj w) shard  f * W_attn   [weight]
-               all-gather K, V per head group                           f * 2BSh_kv  [activation]
-    mlp fwd    ring of D-1 P2P steps carrying (fc1 w, fc1 b, fc2 w)     f * W_mlp    [weight]
-    attn bwd   re-broadcast weights                                     f * W_attn   [weight]
-               re-gather K, V (not kept from the forward)               f * 2BSh_kv  [activation]
-               reduce-scatter dK, dV back to the token owners           f * 2BSh_kv  [activation*]
-               reduce each weight-grad shard to its owner               f * W_attn   [grad]
-    mlp bwd    ring again                                               f * W_mlp    [weight]
-               gradient accumulator riding the ring one hop behind      f * W_mlp    [grad]
+TSP, group D (weights move, tokens stay): ``TSP_SCHEDULE``, one ``ScheduleRow`` per
+    communication (phase, collective, what moves, received elements, wire dtype, overlap), the
+    one statement of the layer schedule (docs/design.md's table is generated from it).
     W_attn = W_qkv (+ qkv bias) + W_proj;  W_mlp = W_fc1 (+ fc1 bias) + W_fc2.
     [grad] terms travel in the accumulation dtype (``accumulation_bytes``): fp32 when the model
     runs in bf16/fp16, so the D ranks' partial weight gradients are summed in fp32 like Megatron's
     single wgrad GEMM (layers/precision.py); f * W bytes at 4 instead of 2 per element.
-    [activation*]: each rank sums its dK/dV over its two chunks in fp32 and rounds once into the
+    dK/dV: each rank sums its dK/dV over its two chunks in fp32 and rounds once into the
     send buffer, which travels in the compute dtype like TP+SP's activation-gradient
     reduce-scatters (f * 2BSh_kv at 2 bytes per element in bf16); with
     ``kv_grad_reduce_in_fp32`` (``--tsp-kv-grad-reduce-in-fp32``) it travels and is summed over
@@ -80,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_tsp.core.model_shape import ModelShape
 
@@ -192,6 +185,170 @@ def _term(
     )
 
 
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One communication of a TSP layer: the layer schedule as data. ``tsp_layer_terms`` builds
+    the planner's terms from ``TSP_SCHEDULE``, ``schedule_markdown`` the table in
+    docs/design.md, and tests/test_comm.py counts the collectives the layers issue against the
+    terms. ``elements``: what one rank receives, before the factor f = (D-1)/D; ``width``: the
+    element's bytes (``compute``: the model's dtype; ``grad``: the weight-gradient wire,
+    ``accumulation_bytes`` by default); ``chunks``: the pipeline stages the overlap class counts
+    (D shards, the head groups, the D-1 ring hops); ``when``: the option the row needs;
+    ``variant``: how an option changes it (and ``variant_text`` says so in the docs)."""
+
+    phase: str
+    op: str
+    category: str
+    moves: str
+    formula: str
+    elements: Callable[[LayerShape], float]
+    width: str
+    overlap: str
+    chunks: str
+    link: str = "collective"
+    calls_per_chunk: int = 1
+    when: Optional[str] = None
+    variant: Optional[Callable[["ScheduleRow", dict], "ScheduleRow"]] = None
+    variant_text: str = ""
+
+
+def _kv(shape: LayerShape) -> float:
+    return 2 * shape.tokens * shape.kv_hidden
+
+
+def _rebroadcast(row: ScheduleRow, o: dict) -> ScheduleRow:
+    if not o["recompute_attn"]:
+        return row
+    return dataclasses.replace(row, overlap="pipelined", moves=row.moves + " (first one exposed)")
+
+
+def _kv_grads(row: ScheduleRow, o: dict) -> ScheduleRow:
+    a2a, fp32 = o["kv_grad_all_to_all"], o["kv_grad_reduce_in_fp32"]
+    return dataclasses.replace(
+        row,
+        op="all_to_all" if a2a else row.op,
+        width="accumulation" if fp32 else row.width,
+        moves=("all-to-all" if a2a else "reduce-scatter")
+        + " dK,dV to token owners"
+        + (" (fp32 wire)" if fp32 else ""),
+    )
+
+
+TSP_SCHEDULE: Tuple[ScheduleRow, ...] = (
+    ScheduleRow(
+        "attn_fwd",
+        "broadcast",
+        "weight",
+        "owner broadcasts qkv w/b + proj w shard (first one exposed)",
+        "f·W_attn",
+        lambda s: s.w_attn,
+        "compute",
+        "pipelined",
+        "D",
+    ),
+    ScheduleRow(
+        "attn_fwd",
+        "all_gather",
+        "activation",
+        "all-gather K,V of one head group",
+        "f·2BSh_kv",
+        _kv,
+        "compute",
+        "pipelined",
+        "head groups",
+        calls_per_chunk=2,
+    ),
+    ScheduleRow(
+        "mlp_fwd",
+        "p2p",
+        "weight",
+        "ring of fc1 w/b + fc2 w shards",
+        "f·W_mlp",
+        lambda s: s.w_mlp,
+        "compute",
+        "prefetch",
+        "D-1",
+        link="p2p",
+    ),
+    ScheduleRow(
+        "attn_bwd",
+        "broadcast",
+        "weight",
+        "re-broadcast attention weight shards",
+        "f·W_attn",
+        lambda s: s.w_attn,
+        "compute",
+        "prefetch",
+        "D",
+        variant=_rebroadcast,
+        variant_text="attention recompute: pipelined, the first one exposed",
+    ),
+    ScheduleRow(
+        "attn_bwd",
+        "all_gather",
+        "activation",
+        "re-gather K,V",
+        "f·2BSh_kv",
+        _kv,
+        "compute",
+        "pipelined",
+        "head groups",
+        calls_per_chunk=2,
+        when="regather_kv_bwd",
+    ),
+    ScheduleRow(
+        "attn_bwd",
+        "reduce_scatter",
+        "activation",
+        "reduce-scatter dK,dV to token owners",
+        "f·2BSh_kv",
+        _kv,
+        "compute",
+        "pipelined",
+        "head groups",
+        calls_per_chunk=2,
+        variant=_kv_grads,
+        variant_text="--tsp-kv-grad-reduce-in-fp32: accumulation dtype; --tsp-kv-grad-all-to-all: "
+        "an all-to-all",
+    ),
+    ScheduleRow(
+        "attn_bwd",
+        "reduce",
+        "grad",
+        "reduce weight-grad shard to owner (last one exposed)",
+        "f·W_attn",
+        lambda s: s.w_attn,
+        "grad",
+        "pipelined",
+        "D",
+    ),
+    ScheduleRow(
+        "mlp_bwd",
+        "p2p",
+        "weight",
+        "ring of weight shards again",
+        "f·W_mlp",
+        lambda s: s.w_mlp,
+        "compute",
+        "prefetch",
+        "D-1",
+        link="p2p",
+    ),
+    ScheduleRow(
+        "mlp_bwd",
+        "p2p",
+        "grad",
+        "grad accumulator one hop behind (last hop exposed)",
+        "f·W_mlp",
+        lambda s: s.w_mlp,
+        "grad",
+        "pipelined",
+        "D-1",
+        link="p2p",
+    ),
+)
+
+
 def tsp_layer_terms(
     shape: LayerShape,
     D: int,
@@ -202,12 +359,12 @@ def tsp_layer_terms(
     kv_grad_reduce_in_fp32: bool = False,
     kv_grad_all_to_all: bool = False,
 ) -> List[CommTerm]:
-    """Every communication of one TSP layer (see module docstring). ``grad_dtype_bytes``: bytes
-    per element of the weight-gradient traffic; None = ``accumulation_bytes`` (what the layers
-    do). ``kv_grad_reduce_in_fp32``: the dK/dV reduce-scatter in the accumulation dtype instead
-    of the compute dtype (the layers' ``kv_grad_reduce_in_fp32``). ``kv_grad_all_to_all``: the
-    dK/dV sum as an all-to-all of the partials (the layers' ``kv_grad_all_to_all``): the same
-    bytes, another collective.
+    """Every communication of one TSP layer, ``TSP_SCHEDULE`` evaluated (module docstring).
+    ``grad_dtype_bytes``: bytes per element of the weight-gradient traffic; None =
+    ``accumulation_bytes`` (what the layers do). ``kv_grad_reduce_in_fp32``: the dK/dV
+    reduce-scatter in the accumulation dtype instead of the compute dtype (the layers'
+    ``kv_grad_reduce_in_fp32``). ``kv_grad_all_to_all``: the dK/dV sum as an all-to-all of the
+    partials (the layers' ``kv_grad_all_to_all``): the same bytes, another collective.
 
     Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
@@ -218,128 +375,65 @@ def tsp_layer_terms(
     head group's attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py);
     with attention recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the
     first is exposed."""
-    f = ring_factor(D)
+    options = dict(
+        regather_kv_bwd=regather_kv_bwd,
+        recompute_attn=recompute_attn,
+        kv_grad_reduce_in_fp32=kv_grad_reduce_in_fp32,
+        kv_grad_all_to_all=kv_grad_all_to_all,
+    )
     b = shape.dtype_bytes
-    gb = grad_dtype_bytes or accumulation_bytes(b)
-    kv = 2 * shape.tokens * shape.kv_hidden
-    head_groups = min(D, shape.groups)  # K/V gathers: one per head group (g < D: shared heads)
-    ring = max(D - 1, 1)
-    t = [
-        _term(
-            "attn_fwd",
-            "broadcast",
-            "weight",
-            f * shape.w_attn,
-            b,
-            "tsp",
-            "pipelined",
-            chunks=D,
-            what="owner broadcasts qkv w/b + proj w shard (first one exposed)",
-        ),
-        _term(
-            "attn_fwd",
-            "all_gather",
-            "activation",
-            f * kv,
-            b,
-            "tsp",
-            "pipelined",
-            chunks=head_groups,
-            calls_per_chunk=2,
-            what="all-gather K,V of one head group",
-        ),
-        _term(
-            "mlp_fwd",
-            "p2p",
-            "weight",
-            f * shape.w_mlp,
-            b,
-            "tsp",
-            "prefetch",
-            link="p2p",
-            chunks=ring,
-            what="ring of fc1 w/b + fc2 w shards",
-        ),
-        _term(
-            "attn_bwd",
-            "broadcast",
-            "weight",
-            f * shape.w_attn,
-            b,
-            "tsp",
-            "pipelined" if recompute_attn else "prefetch",
-            chunks=D,
-            what="re-broadcast attention weight shards"
-            + (" (first one exposed)" if recompute_attn else ""),
-        ),
-    ]
-    if regather_kv_bwd:
-        t.append(
+    width = {
+        "compute": b,
+        "grad": grad_dtype_bytes or accumulation_bytes(b),
+        "accumulation": accumulation_bytes(b),
+    }
+    chunks = {"D": D, "head groups": min(D, shape.groups), "D-1": max(D - 1, 1)}
+    f = ring_factor(D)
+    terms = []
+    for row in TSP_SCHEDULE:
+        if row.when and not options[row.when]:
+            continue
+        row = row.variant(row, options) if row.variant else row
+        terms.append(
             _term(
-                "attn_bwd",
-                "all_gather",
-                "activation",
-                f * kv,
-                b,
+                row.phase,
+                row.op,
+                row.category,
+                f * row.elements(shape),
+                width[row.width],
                 "tsp",
-                "pipelined",
-                chunks=head_groups,
-                calls_per_chunk=2,
-                what="re-gather K,V",
+                row.overlap,
+                link=row.link,
+                chunks=chunks[row.chunks],
+                what=row.moves,
+                calls_per_chunk=row.calls_per_chunk,
             )
         )
-    t += [
-        _term(
-            "attn_bwd",
-            "all_to_all" if kv_grad_all_to_all else "reduce_scatter",
-            "activation",
-            f * kv,
-            accumulation_bytes(b) if kv_grad_reduce_in_fp32 else b,
-            "tsp",
-            "pipelined",
-            chunks=head_groups,
-            calls_per_chunk=2,
-            what=("all-to-all" if kv_grad_all_to_all else "reduce-scatter")
-            + " dK,dV to token owners"
-            + (" (fp32 wire)" if kv_grad_reduce_in_fp32 else ""),
-        ),
-        _term(
-            "attn_bwd",
-            "reduce",
-            "grad",
-            f * shape.w_attn,
-            gb,
-            "tsp",
-            "pipelined",
-            chunks=D,
-            what="reduce weight-grad shard to owner (last one exposed)",
-        ),
-        _term(
-            "mlp_bwd",
-            "p2p",
-            "weight",
-            f * shape.w_mlp,
-            b,
-            "tsp",
-            "prefetch",
-            link="p2p",
-            chunks=ring,
-            what="ring of weight shards again",
-        ),
-        _term(
-            "mlp_bwd",
-            "p2p",
-            "grad",
-            f * shape.w_mlp,
-            gb,
-            "tsp",
-            "pipelined",
-            link="p2p",
-            chunks=ring,
-            what="grad accumulator one hop behind (last hop exposed)",
-        ),
+    return terms
+
+
+def schedule_markdown() -> str:
+    """``TSP_SCHEDULE`` as the table docs/design.md shows (a test keeps the page current)."""
+    lines = [
+        "| phase | collective | what moves | received per rank | wire | overlap (stages) "
+        "| option |",
+        "|---|---|---|---|---|---|---|",
     ]
-    return t
+    for r in TSP_SCHEDULE:
+        option = r.variant_text or (f"only with {r.when}" if r.when else "")
+        lines.append(
+            f"| {r.phase} | {r.op} ({r.link}) | {r.moves} | {r.formula} | {r.width} | "
+            f"{r.overlap} ({r.chunks}) | {option} |"
+        )
+    return "\n".join(lines)
+
+
+SCHEDULE_BEGIN = "<!-- TSP layer schedule: generated by formulas.schedule_markdown() -->"
+SCHEDULE_END = "<!-- end of the TSP layer schedule -->"
+
+
+def schedule_doc_block() -> str:
+    return f"{SCHEDULE_BEGIN}\n{schedule_markdown()}\n{SCHEDULE_END}"
 
 
 def tp_sp_layer_terms(shape: LayerShape, D: int) -> List[CommTerm]:
