@@ -105,8 +105,11 @@ class AttentionKernel:
     """See the module docstring for the contract; subclasses implement one backend."""
 
     name = "abstract"
-    native_gqa = False
+    native_gqa = False  # False: K/V repeated to the query heads, dK/dV folded back
     has_lse = True  # False: no (out, lse) forward; the layer recomputes under autograd
+    # the backward holds contiguous copies of the chunk's K/V beside their dK/dV (read by the
+    # planner's memory model, as ``native_gqa`` is)
+    copies_kv = False
     selected_by = "direct"  # how select_kernel chose it: default / override / TSP_ATTENTION_KERNEL
 
     def forward(self, q, k, v, alignment: str, scale: float):
@@ -378,6 +381,7 @@ class TeFusedKernel(AttentionKernel):
 
     name = "te_fused"
     native_gqa = True
+    copies_kv = True
 
     def __init__(self):
         from transformer_engine.pytorch.cpp_extensions import fused_attn as te_fa
@@ -604,10 +608,15 @@ def select_kernel(
     return kernel
 
 
-def get_kernel(name: str) -> AttentionKernel:
+def kernel_class(name: str) -> type:
+    """The backend class of ``name`` (not built: its facts, e.g. ``native_gqa``, ``copies_kv``)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention kernel {name!r}: choose one of {KERNEL_NAMES}")
-    return _BACKENDS[name]()
+    return _BACKENDS[name]
+
+
+def get_kernel(name: str) -> AttentionKernel:
+    return kernel_class(name)()
 
 
 # --------------------------------------------------------------------------------------------

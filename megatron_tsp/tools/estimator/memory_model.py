@@ -128,15 +128,6 @@ def _tsp_comm_workspace(
     return fwd, fwd + grad_slots * (kv_full + kv_local) * acc
 
 
-_TOP_LEFT_KERNELS = ("cudnn", "cpu_flash")
-
-
-_REPEAT_KV_KERNELS = ("cudnn", "cpu_flash")
-
-
-_COPY_KV_KERNELS = ("te_fused",)  # contiguous copies of the chunk's K/V beside their dK/dV
-
-
 def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     """What the attention kernel's backward holds for the largest zigzag chunk (its keys span the
     whole sequence S), before ``TSPLayout.key_pieces`` are summed into the send buffer: the kernel's
@@ -146,17 +137,18 @@ def _kernel_dkv_bytes(shape: LayerShape, D: int, kernel: str) -> float:
     the chunk's K and V (as many bytes as its dK/dV) while its backward runs; a kernel without
     native GQA computes dK/dV per query head from K/V repeated to the query heads, then folds them
     to the key/value heads."""
-    if kernel not in _TOP_LEFT_KERNELS + _COPY_KV_KERNELS + ("aten_flash", "sdpa_recompute"):
-        raise ValueError(
-            f"Options.attn_kernel={kernel!r}: choose aten_flash, cudnn, te_fused, "
-            "cpu_flash or sdpa_recompute"
-        )
+    from megatron_tsp.core.layers import kernels
+
+    try:
+        backend = kernels.kernel_class(kernel)  # the facts below are the kernel class's
+    except ValueError as exc:
+        raise ValueError(f"Options.attn_kernel={kernel!r}: {exc}") from exc
     b = shape.dtype_bytes
     # K+V (or dK+dV) over S keys of one hidden unit, times the fraction of the heads one step has
     per_head_group = 2 * shape.tokens / _head_groups(shape, D) * b
-    repeat = kernel in _REPEAT_KV_KERNELS and shape.heads != shape.groups
+    repeat = not backend.native_gqa and shape.heads != shape.groups
     width = shape.hidden if repeat else shape.kv_hidden  # heads the kernel computes dK/dV for
-    out = per_head_group * width * (2 if kernel in _COPY_KV_KERNELS else 1)
+    out = per_head_group * width * (2 if backend.copies_kv else 1)
     if repeat:  # the repeated K/V inputs and the folded dK/dV
         out += per_head_group * (shape.hidden + shape.kv_hidden)
     return out
