@@ -149,3 +149,5 @@ def test_moe_cli(capsys):
         _cfg(SMALL_MOE, scheme="tpsp", schedule="ring").validate()
     with pytest.raises(ValueError, match="--scheme tsp"):
         _cfg(SMALL_MOE, scheme="cp", cp=2, tp=2).validate()
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 3: num_experts=4"):
+        _cfg(SMALL_MOE, ep=3, world_size=12).validate()

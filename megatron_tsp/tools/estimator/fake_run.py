@@ -207,21 +207,25 @@ class RunConfig:
             )
         if self.moe_dispatcher not in DISPATCHERS:
             raise ValueError(
-                f"--moe-dispatcher must be one of {DISPATCHERS}, got {self.moe_dispatcher!r}"
+                f"--moe-token-dispatcher-type must be one of {DISPATCHERS}, got "
+                f"{self.moe_dispatcher!r}"
             )
         if self.cp != 1:
             raise ValueError("MoE models: the fake-tensor run takes --cp 1")
+        # megatron-core's own requirement (not a TSP rule: rejections.py holds those), which its
+        # MoELayer asserts without a message
+        _, rest = divmod(m.num_experts, ep)
+        if rest:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep}: num_experts={m.num_experts} must be a "
+                f"multiple of it (megatron-core places {m.num_experts}/{ep} experts per rank)"
+            )
         if self.moe_routing not in ("uniform", "router"):
             raise ValueError(f"moe_routing must be uniform or router, got {self.moe_routing!r}")
         if self.moe_routing == "router" and (self.fake or ep != 1):
             raise ValueError(
                 "moe_routing='router' needs real tensors and no token exchange (EP 1): the fake "
                 "process group brings no other rank's routing"
-            )
-        if m.num_experts % ep or (self.world_size // self.cp) % ep:
-            raise ValueError(
-                f"--ep {ep}: must divide num_experts={m.num_experts} and the world size "
-                f"{self.world_size}"
             )
 
     def padded_vocab(self) -> int:
