@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch.multiprocessing as mp
 
-from megatron_tsp.tools.cpu_ranks import free_port  # noqa: F401 (tests import it from here)
+from megatron_tsp.megatron_lm.cpu_runner import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -648,7 +648,8 @@ def _wait_for_ranks(
         return code, rank
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for ``tcp://127.0.0.1:port``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -704,7 +705,7 @@ def run_training(
     """
     python = python or sys.executable
     for _ in range(_PORT_ATTEMPTS):
-        run = _run_once(script, args, nproc, env, python, stock, timeout, _free_port())
+        run = _run_once(script, args, nproc, env, python, stock, timeout, free_port())
         # the port was free when probed and taken before rank 0 bound it (another run on the
         # machine): nothing ran, try another
         if run.returncode == 0 or _ADDRESS_IN_USE not in run.rank_log(run.failed_rank or 0):

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import rejections
-from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
+from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 VARIANTS = ("tsp", "tp_sp", "tp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "tp": "TP"}

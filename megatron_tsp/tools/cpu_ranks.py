@@ -8,7 +8,6 @@ rank pool the same way.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -59,13 +58,6 @@ def unfused_config(d: int, dtype: torch.dtype, sequence_parallel: bool = None, *
     )
     config.update(fields)
     return TransformerConfig(**config)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (for ``tcp://127.0.0.1:port``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo_rank(

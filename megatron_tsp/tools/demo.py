@@ -17,7 +17,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, style_fields, unfused_config
+from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 

@@ -27,7 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.tools.cpu_ranks import free_port, init_gloo_rank, unfused_config
+from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cpu_ranks import init_gloo_rank, unfused_config
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

@@ -37,7 +37,7 @@ def main(out_dir, seed, world=2):
     import torch.multiprocessing as mp
 
     sys.path.insert(0, REPO)
-    from tests.harness import free_port
+    from megatron_tsp.megatron_lm.cpu_runner import free_port
 
     mp.spawn(_worker, args=(world, free_port(), out_dir, seed), nprocs=world, join=True)
     merged = {

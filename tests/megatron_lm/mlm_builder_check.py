@@ -199,7 +199,7 @@ def main(checkout, out, seed):
     import torch.multiprocessing as mp
 
     sys.path.insert(0, REPO)
-    from tests.harness import free_port
+    from megatron_tsp.megatron_lm.cpu_runner import free_port
 
     mp.spawn(_worker, args=(free_port(), checkout, out, seed), nprocs=2, join=True)
     merged = [json.load(open(f"{out}.rank{r}")) for r in range(2)]

@@ -276,7 +276,7 @@ def test_tsp_checkpoint_in_a_transformer_engine_request(runs):
     import subprocess
     import sys
 
-    from tests.harness import free_port
+    from megatron_tsp.megatron_lm.cpu_runner import free_port
 
     ckpt = runs["root"] / "tsp" / "iter_0000002"
     proc = subprocess.run(

@@ -215,7 +215,7 @@ def test_a_port_taken_before_rank_0_binds_it_is_retried(tmp_path, monkeypatch):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = [taken.getsockname()[1]]
-    probe = cpu_runner._free_port
+    probe = cpu_runner.free_port
 
     def next_port():
         return ports.pop(0) if ports else probe()
@@ -227,7 +227,7 @@ def test_a_port_taken_before_rank_0_binds_it_is_retried(tmp_path, monkeypatch):
         launches.append(run_once(*args))
         return launches[-1]
 
-    monkeypatch.setattr(cpu_runner, "_free_port", next_port)
+    monkeypatch.setattr(cpu_runner, "free_port", next_port)
     monkeypatch.setattr(cpu_runner, "_run_once", recorded)
     try:
         run = cpu_runner.run_training(str(script), [], nproc=2, stock=True, timeout=120)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_tsp.megatron_lm import compare, configs
-from tests.harness import free_port
+from megatron_tsp.megatron_lm.cpu_runner import free_port
 from tests.megatron_lm.common import REPO, megatron_lm_path
 
 CHECKOUT = megatron_lm_path()
