@@ -211,17 +211,17 @@ def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
     # each step's fc1 GEMM behind the next hop; after the ring, the one fc2 GEMM
     expected = ["isend", "irecv", "mm"] * (d - 1) + ["mm", "mm"]
     assert trace["fwd"] == expected
-    # Backward: step t posts the next weight shard (W) before its matmuls; the gradient
-    # accumulator (A) of step t-1 follows the dX matmuls (k_a) and precedes the two weight-
-    # gradient matmuls, which it overlaps; the last hop drains:
-    # W mm*(k_a+2) | W mm*k_a mm*2 | W mm*k_a A mm*2 | ... | mm*k_a A mm*2 | A
+    # Backward: step 0 posts the next weight shard (W) before its matmuls; step t >= 1 runs
+    # its dX matmuls (k_a, covering the accumulator hop A(t-1) still in flight), posts W(t+1),
+    # runs the two weight-gradient matmuls onto the arrived accumulator (covering W(t+1)) and
+    # posts A(t); the last A is the drain:
+    # W mm*(k_a+2) | mm*k_a W mm*2 A | ... | mm*k_a mm*2 A
     bwd = trace["bwd"]
     k_a = bwd.count("mm") // d - 2
     p2p, mm_a, mm_b = ["isend", "irecv"], ["mm"] * k_a, ["mm"] * 2
     expected = p2p + mm_a + mm_b
     for t in range(1, d):
-        expected += (p2p if t < d - 1 else []) + mm_a + (p2p if t >= 2 else []) + mm_b
-    expected += p2p
+        expected += mm_a + (p2p if t < d - 1 else []) + mm_b + p2p
     assert bwd == expected
 
 

@@ -113,14 +113,13 @@ def test_hybrid_mlp_ring_posted_before_matmuls(pool4, d):
     assert trace["fwd"] == ["isend", "irecv", "mm"] * (d - 1) + ["mm", "mm"], trace
     bwd = trace["bwd"]
     assert not {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"} & set(bwd)
-    # queue order (as tests/test_comm.py): the accumulator hop of step t-1 after step t's
-    # weight hop and dX matmuls (k_a), before its two weight-gradient matmuls; the drain last
+    # queue order (as tests/test_comm.py): step t's dX matmuls (k_a), the next weight hop, the
+    # two weight-gradient matmuls onto the arrived accumulator, then its hop; the drain last
     k_a = bwd.count("mm") // d - 2
     p2p, mm_a, mm_b = ["isend", "irecv"], ["mm"] * k_a, ["mm"] * 2
     expected = p2p + mm_a + mm_b
     for t in range(1, d):
-        expected += (p2p if t < d - 1 else []) + mm_a + (p2p if t >= 2 else []) + mm_b
-    expected += p2p
+        expected += mm_a + (p2p if t < d - 1 else []) + mm_b + p2p
     assert bwd == expected, bwd
 
 

@@ -67,6 +67,25 @@ def test_kernel_equals_the_formula_at_any_strides(seed, dtype, interleaved, inve
         assert torch.equal(out[..., rot:], x[..., rot:])
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_five_dimensions_into_a_slot_of_a_wider_row(seed, inverse):
+    """The backward's q gradient [s, b, groups, heads per group, d] written into its slot of the
+    layer's QKV gradient (each token's row wider than one group's: b and the groups cannot be
+    merged into one dimension there)."""
+    g = torch.Generator().manual_seed(seed)
+    s, b, groups, per_group, d, rot = 6, 2, 3, 2, 8, 8
+    x = torch.randn(s, b, groups, per_group, d, generator=g)
+    cos, signed = _tables(s, rot, False, g)
+    holder = torch.full((s, b, 2, groups, per_group + 2, d), float("nan"))
+    out = holder[:, :, 1, :, :per_group]
+    rope_kernel.rope_into(x, cos, signed, out, False, inverse)
+    ref = _reference(x, cos, signed, False, inverse)
+    assert (out.double() - ref).abs().max().item() < 1e-5, f"seed={seed}"
+    written = torch.zeros_like(holder, dtype=torch.bool)
+    written[:, :, 1, :, :per_group] = True
+    assert holder[~written].isnan().all(), "wrote outside the destination"
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_inverse_is_the_adjoint(seed, interleaved):
     """<R x, y> = <x, R^T y>: what lets the backward rotate the gradient by -θ."""

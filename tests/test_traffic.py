@@ -244,3 +244,44 @@ def test_cached_index_table_uploads_are_not_step_kernels(layer):
     assert all(r["source"] in traffic.CACHED_UPLOAD_SOURCES for r in uploads)
     kernels = [r for r in s["records"] if r["kind"] == "kernel"]
     assert not [r for r in kernels if r["source"] in traffic.CACHED_UPLOAD_SOURCES]
+
+
+@pytest.fixture(scope="module")
+def layer_d4(tmp_path_factory):
+    """The tiny layer at D = 4 (a ring long enough for an accumulator to be added onto)."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
+    path = tmp_path_factory.mktemp("traffic4") / "tiny.json"
+    model = dict(name="tiny", hidden=H, num_layers=1, heads=HEADS, ffn=FFN, vocab=128)
+    model.update(gated=False, bias=False, normalization="LayerNorm", rope=True)
+    path.write_text(json.dumps(model))
+    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=4, top=100)
+    return traffic.measure_isolated(cfg, timeout=600)
+
+
+def test_tsp_backward_sums_inside_its_gemms(layer_d4):
+    """Where TSP's backward sums partial products, the GEMMs do it: the MLP ring's weight-
+    gradient accumulator is added onto in place by the weight-gradient GEMMs of every step after
+    its first (one fp32 ``add_`` in all: the drain onto the rank's own shard), and the attention's
+    input gradient is one dgrad GEMM over every head group (no in-place bf16 sums: only the MLP's
+    D-1 dgrad GEMMs accumulate onto grad_x)."""
+    d = 4
+    backward = [
+        r
+        for r in layer_d4["tsp"]["records"]
+        if r["kind"] == "kernel" and r["phase"] == "backward"
+    ]
+    adds = [r["source"] for r in backward if r["name"] in ("add_", "add")]
+    assert adds.count("weight_ring.backward") == 1, adds
+    in_place_dgrad = [r["source"] for r in backward if r["name"] == "addmm_"]
+    assert in_place_dgrad == ["precision.matmul_acc"] * (d - 1), in_place_dgrad
+    # the weight-gradient GEMMs onto the arrived accumulator: fc1 and fc2 at steps 2 .. D-1,
+    # each reading the fp32 accumulator it writes (``addmm`` with the accumulator as out=)
+    shard = FFN // d * H * 4  # one fp32 weight-gradient block of the shard
+    onto = [
+        r
+        for r in backward
+        if r["name"] == "addmm" and r["source"] == "precision.matmul_acc" and r["written"] == shard
+    ]
+    assert len(onto) == 2 * (d - 2), [(r["name"], r["source"], r["written"]) for r in backward]

@@ -93,7 +93,7 @@ def _golden_tsp_memory(seq, D, recompute):
         t * h * b  # the layer output's gradient
         + t * h * 4  # fp32 grad_x accumulator
         + 2 * (8 * h * h) / D * b  # the MLP weight shard read and the next in flight
-        + 4 * 8 * h * h / D * 4  # four fp32 grad-accumulator shards
+        + 3 * 8 * h * h / D * 4  # three fp32 grad-accumulator shards (own + two alternating)
         # step t's activation output, its gradient, d(fc1); step t-1's activation and d(fc1)
         + 5 * t * 4 * h / D * b
     )
@@ -101,6 +101,9 @@ def _golden_tsp_memory(seq, D, recompute):
         t * h * b  # the layer output's gradient
         + t * h * 4  # fp32 grad_x accumulator
         + t * h * b  # d(context)
+        # every group's QKV gradient side by side and every shard's QKV weight: the one dgrad
+        + t * 3 * h * b
+        + 3 * h * h * b
         + (1 + 3) * 4 * h * h / D * b  # own attention shard + 3 stream buffers (hold 2)
         + 4 * h * h / D * 4  # fp32 weight-gradient partial of the group's shard
         # the first chunk's bf16 dK/dV (up to S/2 keys) kept while the second chunk's runs
@@ -112,14 +115,14 @@ def _golden_tsp_memory(seq, D, recompute):
     # the vocabulary ring where it receives fewer bytes than Megatron's output layer (the
     # default, "auto": V h (2b + 4) <= S (3 h b + 20), i.e. from 43,656 tokens here): fp32
     # logits of the local tokens over the padded vocabulary, one shard's bf16 GEMM output, the
-    # weight ring's packed shard + 2 spares; backward adds the 4 fp32 gradient-accumulator
+    # weight ring's packed shard + 2 spares; backward adds the 3 fp32 gradient-accumulator
     # shards and the bf16 dX accumulator. Megatron's: bf16 logits + their fp32 copy, the
     # gathered final hidden. Then 3 [S/D, h] tensors around the final norm, ~47 B of per-token
     # ids / losses / cross-entropy statistics
     ring = vpad * h * (2 * b + 4) <= seq * (3 * h * b + 20)
     shard = vpad / D * h
     ring_fwd = t * vpad * 4 + t * vpad / D * b + 3 * shard * b
-    ring_bwd = ring_fwd + 4 * shard * 4 + t * h * b
+    ring_bwd = ring_fwd + 3 * shard * 4 + t * h * b
     megatron = seq * vpad / D * (2 + 4) + seq * h * b
     head = (max(ring_fwd, ring_bwd) if ring else megatron) + 3 * t * h * b + 47 * seq
     # persistent K/V comm workspace: forward 2 gathered [S + S/(2D), 2h/D] (the gathered K/V

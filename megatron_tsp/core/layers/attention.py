@@ -52,12 +52,14 @@ The output projection is one GEMM over every head (the contraction over head gro
 inside it, so no partial sums exist): its input, the D groups' attention outputs side by side,
 and its weight, the D shards' columns copied as they arrive, are [s/D, b, h] and [h, h] bf16
 buffers of the forward, where D fp32-accumulating GEMMs per chunk read and wrote an fp32 [s/D, b,
-h] accumulator. grad_x is summed over the head groups in place by the dgrad GEMMs, in the compute
-dtype (``precision.activation_sum_dtype``: one rounding of the running sum per group; fp32 with
-``HeadLayout.activation_sums_fp32``); the other partial sums (dK/dV over chunks, weight gradients
-over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and cast once. The dK/dV
-sum over the D ranks travels in the compute dtype like TP+SP's activation gradients
-(``kv_grad_reduce_in_fp32``: in the accumulation dtype).
+h] accumulator. The backward mirrors it: grad_x is one dgrad GEMM after the last head group, over
+every group's QKV gradient side by side and every shard's QKV weight (copied as the shards pass),
+so the contraction over head groups is again inside one GEMM, rounded once (in
+``precision.activation_sum_dtype``; fp32 with ``HeadLayout.activation_sums_fp32``), where D
+in-place GEMMs read and wrote grad_x once per group; the other partial sums (dK/dV over chunks,
+weight gradients over ranks) are accumulated in ``accumulation_dtype`` (fp32 for bf16/fp16) and
+cast once. The dK/dV sum over the D ranks travels in the compute dtype like TP+SP's activation
+gradients (``kv_grad_reduce_in_fp32``: in the accumulation dtype).
 """
 
 from __future__ import annotations
@@ -140,18 +142,23 @@ def rotate_qkv(mixed, head_layout: HeadLayout, rope_q, rope_k, kv_out: torch.Ten
     return q
 
 
-def qkv_grad(dq, dk, dv, head_layout: HeadLayout, rope_q, rope_k) -> torch.Tensor:
+def qkv_grad(dq, dk, dv, head_layout: HeadLayout, rope_q, rope_k, out=None) -> torch.Tensor:
     """Adjoint of ``rotate_qkv`` (its RoPE inverted analytically, ``rope.rotate(inverse=True)``):
     dq [s, b, np/D, hn], dk and dv [s, b, ng/D, hn] into the local qkv gradient
-    [s, b, ng/D, (np/ng + 2) * hn], each written straight into its slot."""
+    [s, b, ng/D, (np/ng + 2) * hn] (``out``, possibly a strided slot of a wider tensor, or a new
+    tensor), each written straight into its slot."""
     s, b = dq.shape[:2]
     groups, hn = dk.shape[2], head_layout.head_dim
     per_group = head_layout.heads // head_layout.groups
-    d_mixed = torch.empty((s, b, groups, (per_group + 2) * hn), dtype=dq.dtype, device=dq.device)
+    d_mixed = out
+    if d_mixed is None:
+        shape = (s, b, groups, (per_group + 2) * hn)
+        d_mixed = torch.empty(shape, dtype=dq.dtype, device=dq.device)
     heads5 = d_mixed.view(s, b, groups, per_group + 2, hn)
-    # q's slot as a 4-D [s, b * ng/D, np/ng, hn] view (fused kernels take 4-D tensors)
-    dq_in = dq.reshape(s, b * groups, per_group, hn)
-    dq_out = heads5[:, :, :, :per_group].view(s, b * groups, per_group, hn)
+    # q's slot: [s, b, ng/D, np/ng, hn] (a strided slot of a wider row when ``out`` is given:
+    # b and the groups cannot be merged into one dimension there)
+    dq_in = dq.view(s, b, groups, per_group, hn)
+    dq_out = heads5[:, :, :, :per_group]
     if rope_q is None:
         dq_out.copy_(dq_in)
     else:
@@ -530,12 +537,17 @@ class _AttentionBackward:
         self.acc_dtype = accumulation_dtype(self.dtype)
         self.wire_dtype = self.acc_dtype if self.head_layout.kv_grad_fp32 else self.dtype
         self.saved_mode = bool(flat)  # the forward saved per head group: qkv, outputs, lse
-        self.own = pack_own_shard(qkv_w, qkv_b, proj_w)
         self.reducer = _OwnerReduce(self.group)
-        # [tokens, h], started by the first group's dgrad (``activation_sum_dtype``)
-        self.grad_x = None
-        self.grad_x_dtype = activation_sum_dtype(self.dtype, self.head_layout.activation_sums_fp32)
         self.tokens_x = x.reshape(-1, self.hidden)
+        self.own = pack_own_shard(qkv_w, qkv_b, proj_w)
+        # grad_x is one dgrad GEMM after the last group: every group's QKV gradient side by
+        # side (``d_qkv``, [tokens, QKV rows of all D shards]) times the QKV weight of every
+        # shard (``qkv_weight``, its rows copied from the shards as they pass), in shard order
+        self.grad_x_dtype = activation_sum_dtype(self.dtype, self.head_layout.activation_sums_fp32)
+        self.qkv_rows = qkv_w.shape[0]  # QKV rows of one shard
+        all_rows = self.layout.weight_group_size * self.qkv_rows
+        self.d_qkv = x.new_empty((self.tokens_x.shape[0], all_rows))
+        self.qkv_weight = qkv_w.new_empty((all_rows, self.hidden))
         self.dy_rows = [
             rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
         ]
@@ -576,8 +588,8 @@ class _AttentionBackward:
                     self.finish_group(finishing)
                 finishing, current = current, upcoming
             self.finish_group(finishing)
-            grad_x = self.grad_x.to(self.dtype).view(self.x.shape)
-            return grad_x, self.reducer.finish()
+            grad_x = matmul_acc(self.d_qkv, self.qkv_weight, dtype=self.grad_x_dtype)
+            return grad_x.to(self.dtype).view(self.x.shape), self.reducer.finish()
 
     def prepare_group(self, r: int) -> _HeadGroup:
         """Group r's rotated q and packed K/V (saved by the forward, or recomputed with shard r's
@@ -698,18 +710,23 @@ class _AttentionBackward:
         return dq, [(0, dk)], [(0, dv)]
 
     def finish_group(self, group: _HeadGroup) -> None:
-        """Waits ``group``'s dK/dV reduce-scatter, then the dgrad (into grad_x) and wgrad (into
-        its partial) of its QKV projection, and posts the reduce of that partial onto the
-        shard's owner (``_OwnerReduce`` waits the previous reduce first)."""
+        """Waits ``group``'s dK/dV reduce-scatter, writes its QKV gradient into its columns of
+        ``d_qkv`` and its shards' QKV weights into their rows of ``qkv_weight`` (for the one dgrad
+        GEMM after the last group), runs the wgrad of its QKV projection (into its partial) and
+        posts the reduce of that partial onto the shard's owner (``_OwnerReduce`` waits the
+        previous reduce first)."""
         d_kv = group.scatter.wait()  # the sum over ranks, in the input dtype
         groups = d_kv.shape[2] // 2
         dk, dv = d_kv.narrow(2, 0, groups), d_kv.narrow(2, groups, groups)
-        d_mixed = qkv_grad(group.dq, dk, dv, self.head_layout, self.rope_q, self.rope_k)
-        d_all = d_mixed.reshape(self.tokens_x.shape[0], -1)
+        rows = self.qkv_rows
+        d_all = self.d_qkv.narrow(1, group.r * self.m * rows, self.m * rows)
+        s, b = group.dq.shape[:2]
+        slot = d_all.view(s, b, groups, -1)
+        qkv_grad(group.dq, dk, dv, self.head_layout, self.rope_q, self.rope_k, out=slot)
         for i, (shard, partial) in enumerate(zip(self.shards[group.r], group.partial)):
             w, _, _ = weight_bias_views(shard.views(), self.has_bias)
+            self.qkv_weight.narrow(0, (group.r * self.m + i) * rows, rows).copy_(w)
             d_rows = _column_split(d_all, self.m)[i]  # the QKV rows of shard i of the group
-            self.grad_x = matmul_acc(d_rows, w, self.grad_x, dtype=self.grad_x_dtype)
             g_w, g_b, _ = weight_bias_views(partial.views(), self.has_bias)
             matmul_into(d_rows.t(), self.tokens_x, g_w)  # the partial's only QKV term
             if self.has_bias:

@@ -38,8 +38,8 @@ class HeadLayout:
     # accumulation dtype at the owner (--tsp-kv-grad-all-to-all): one rounding whatever the
     # group size, where the ring reduce-scatter rounds to the wire dtype at each of its hops
     kv_grad_all_to_all: bool = False
-    # grad_x's sum over the head groups in the accumulation dtype instead of the compute dtype
-    # (--tsp-activation-sums-in-fp32, ``precision.activation_sum_dtype``)
+    # grad_x (one dgrad GEMM over the head groups) in the accumulation dtype instead of the
+    # compute dtype (--tsp-activation-sums-in-fp32, ``precision.activation_sum_dtype``)
     activation_sums_fp32: bool = False
     shards_per_group: int = 1  # m = D / ng weight shards per step when ng < D, else 1
 

@@ -15,7 +15,8 @@ keeps; the activation and the gathered fc2 weight [h, ffn] are transient (TP+SP'
 [S, b, ffn/D], the same size). Each weight hop hides behind the current shard's fc1 GEMM.
 Backward runs the ring again from the kept fc1 output (no extra FLOPs), and a gradient
 accumulator rides the ring behind the weights: rank p+t adds its contribution to shard p's
-weight gradient at step t, and the last hop lands on the owner, who holds the full gradient of
+weight gradient at step t (its weight-gradient GEMMs accumulate onto the accumulator in the
+buffer it arrived in), and the last hop lands on the owner, who holds the full gradient of
 its shard exactly like a TP=D rank.
 
 Recompute follows Megatron's flags, applied by Megatron itself: ``recompute_granularity=
@@ -26,7 +27,7 @@ shard's fc1 in backward (+2·T·P_fc1 FLOPs per layer, no fc1 outputs kept, no r
 
 Precision: in bf16/fp16 the D ranks' partial weight gradients are summed in fp32
 (``accumulation_dtype``), so the gradient accumulator rides the ring in fp32 and is cast once, when
-handed to ``main_grad`` / autograd (four fp32 flat gradient shards, O(weights / D); its hops are 4
+handed to ``main_grad`` / autograd (three fp32 flat gradient shards, O(weights / D); its hops are 4
 bytes/element instead of 2, ``formulas.tsp_layer_terms``). The output is one GEMM (fp32
 accumulation inside, rounded once). The D ``grad_x`` contributions are accumulated in place by
 the dgrad GEMMs in the compute dtype, one rounding of the running sum per shard
@@ -51,8 +52,9 @@ from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
     activation_sum_dtype,
     matmul_acc,
-    matmul_into,
+    matmul_onto,
     ring_grad_dtype,
+    sum_rows_onto,
 )
 from megatron_tsp.core.parallel_state import resolve_group
 
@@ -154,9 +156,10 @@ def _fc1_into(rows, fc1_w, fc1_b, out):
 class _TSPMLPFunction(torch.autograd.Function):
     """Forward: D-1 ring steps (isend to rank+1 / irecv from rank-1) of the flat (fc1 w, fc1 b,
     fc2 w) shard, each posted before the current shard's GEMMs. Backward: the same D-1 weight
-    steps, plus D-1 steps of the (fp32 in bf16 runs) gradient accumulator one hop behind, each
-    posted after the next weight step and the dX GEMMs (queue order: ``weight_ring``, shared
-    with the TSP expert ring); no collectives.
+    steps, each posted after the dX GEMMs, plus D-1 steps of the (fp32 in bf16 runs) gradient
+    accumulator one hop behind, each posted after the weight-gradient GEMMs that accumulate onto
+    it in place (queue order: ``weight_ring``, shared with the TSP expert ring and the vocabulary
+    ring); no collectives.
 
     Forward compute: each shard's fc1 GEMM writes its block of one fc1 output [tokens, D, fc1
     rows per shard] (shard order), the fc2 shard is copied into its columns of the fc2 weight;
@@ -242,15 +245,15 @@ class _TSPMLPFunction(torch.autograd.Function):
             grad_x = matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype)
             return d_rows, hidden
 
-        def weight_grads(kept, out: FlatShard) -> None:
-            """This rank's tokens' partial weight gradients of the shard, written (not added)
-            into ``out`` in ``out``'s dtype (fp32 in bf16 runs)."""
+        def weight_grads(kept, out: FlatShard, accumulate: bool) -> None:
+            """This rank's tokens' partial weight gradients of the shard, in ``out``'s dtype
+            (fp32 in bf16 runs): written, or added in place by the GEMMs (``accumulate``)."""
             d_rows, hidden = kept
             g_w1, g_b1, g_w2 = weight_bias_views(out.views(), has_bias)
-            matmul_into(d_rows.t(), tokens_x, g_w1)
+            matmul_onto(d_rows.t(), tokens_x, g_w1, accumulate)
             if has_bias:
-                torch.sum(d_rows, dim=0, dtype=g_b1.dtype, out=g_b1)
-            matmul_into(tokens_dy.t(), hidden, g_w2)
+                sum_rows_onto(d_rows, g_b1, accumulate)
+            matmul_onto(tokens_dy.t(), hidden, g_w2, accumulate)
 
         with labelled("tsp_mlp"):  # the schedule and its queue order: ``weight_ring``
             own = weight_ring.backward(

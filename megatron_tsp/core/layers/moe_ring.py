@@ -63,8 +63,9 @@ from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
     activation_sum_dtype,
     matmul_acc,
-    matmul_into,
+    matmul_onto,
     ring_grad_dtype,
+    sum_rows_onto,
 )
 
 # Payload names of the expert ring's transfers (``comm.Pending.payload``).
@@ -136,15 +137,15 @@ class _ExpertRingFunction(torch.autograd.Function):
                 kept.append((d_pre, hidden.detach()))
             return kept
 
-        def weight_grads(kept, out: FlatShard) -> None:
-            """This rank's tokens' partial weight gradients of every expert's shard, written (not
-            added) into ``out``."""
+        def weight_grads(kept, out: FlatShard, accumulate: bool) -> None:
+            """This rank's tokens' partial weight gradients of every expert's shard, written into
+            ``out`` or added in place by the GEMMs (``accumulate``)."""
             for e, (g_w1, g_b1, g_w2) in enumerate(_per_expert(out.views(), has_bias)):
                 d_pre, hidden = kept[e]
-                matmul_into(d_pre.t(), xs[e], g_w1)
+                matmul_onto(d_pre.t(), xs[e], g_w1, accumulate)
                 if has_bias:
-                    torch.sum(d_pre, dim=0, dtype=g_b1.dtype, out=g_b1)
-                matmul_into(dys[e].t(), hidden, g_w2)
+                    sum_rows_onto(d_pre, g_b1, accumulate)
+                matmul_onto(dys[e].t(), hidden, g_w2, accumulate)
 
         with labelled(LABEL):  # the schedule and its queue order: ``weight_ring``
             own = weight_ring.backward(

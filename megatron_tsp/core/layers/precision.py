@@ -139,3 +139,19 @@ def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
     if _gpu_out_dtype(a, out.dtype):
         return torch.mm(a, b, out_dtype=out.dtype, out=out)
     return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def matmul_onto(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool):
+    """``out = a @ b`` (``matmul_into``) or, with ``accumulate``, ``out += a @ b`` in place by
+    the GEMM itself (``matmul_acc``: beta = 1, ``out`` read and written once, no temporary)."""
+    if accumulate:
+        return matmul_acc(a, b, acc=out)
+    return matmul_into(a, b, out)
+
+
+def sum_rows_onto(rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """``out = rows.sum(0)`` or, with ``accumulate``, ``out += rows.sum(0)``, summed in
+    ``out.dtype`` (a bias gradient: one row of ``out``'s size)."""
+    if accumulate:
+        return out.add_(torch.sum(rows, dim=0, dtype=out.dtype))
+    return torch.sum(rows, dim=0, dtype=out.dtype, out=out)

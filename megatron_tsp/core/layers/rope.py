@@ -224,7 +224,9 @@ def rotate(
     with torch.no_grad():
         if tables.fused is not None:
             angles = tables.tensors[1 if inverse else 0]
-            y = tables.fused(x, angles, interleaved=tables.interleaved)
+            # the fused kernel takes [s, b, h, d]: extra head dimensions are folded into b
+            x4 = x if x.dim() == 4 else x.reshape(x.shape[0], -1, *x.shape[-2:])
+            y = tables.fused(x4, angles, interleaved=tables.interleaved).view(x.shape)
             if out is None:
                 return y
             return out.copy_(y)

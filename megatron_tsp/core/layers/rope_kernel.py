@@ -8,9 +8,9 @@ strided slot TSP needs (the K half of the packed K/V send buffer, the q / k slot
 gradient). This kernel reads ``x`` and the tables once and writes the destination once, at any
 strides, in fp32 arithmetic with one rounding (TE's fused kernel's numerics).
 
-Contract of ``rope_into(x, cos, signed, out, interleaved, inverse)``: ``x`` and ``out`` [t, a, b,
-d] (2 to 4 dimensions, any strides, the same shape), ``cos`` and ``signed`` fp32 [t, rot] with
-rot <= d even (``signed`` = the sine with sign -1 on each pair's first channel, see ``rope``).
+Contract of ``rope_into(x, cos, signed, out, interleaved, inverse)``: ``x`` and ``out`` [t, a1,
+a2, b, d] (2 to 5 dimensions, any strides, the same shape), ``cos`` and ``signed`` fp32 [t, rot]
+with rot <= d even (``signed`` = the sine with sign -1 on each pair's first channel, see ``rope``).
 Channel i < rot of a row: ``out[i] = x[i] cos[i] + x[p(i)] s[i]`` with p(i) its pair partner
 (i ± rot/2, or i xor 1 when ``interleaved``) and s = ``signed`` (``inverse``: s[p(i)], the
 adjoint rotation by -θ); channels from rot on are copied.
@@ -48,14 +48,15 @@ def _kernel(interpret: bool):
 
     def rope_rows(
         x_ptr, out_ptr, cos_ptr, sin_ptr,
-        sx0, sx1, sx2, sx3, so0, so1, so2, so3,
-        rows_b, dim, rot,
+        sx0, sx1, sx2, sx3, sx4, so0, so1, so2, so3, so4,
+        n_a2, rows_b, dim, rot,
         INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        # one program per (token, a): the [b, d] block of that token's rows
+        # one program per (token, a1, a2): the [b, d] block of that token's rows
         t = tl.program_id(0)
-        a = tl.program_id(1)
+        a1 = tl.program_id(1) // n_a2
+        a2 = tl.program_id(1) % n_a2
         rb = tl.arange(0, BLOCK_B)[:, None]
         ch = tl.arange(0, BLOCK_D)[None, :]
         inside = (rb < rows_b) & (ch < dim)
@@ -66,16 +67,16 @@ def _kernel(interpret: bool):
         else:
             partner = tl.where(ch < half, ch + half, ch - half)
         partner = tl.where(rotated, partner, ch)
-        x_row = x_ptr + t * sx0 + a * sx1 + rb * sx2
-        x = tl.load(x_row + ch * sx3, mask=inside, other=0.0).to(tl.float32)
-        x_p = tl.load(x_row + partner * sx3, mask=inside & rotated, other=0.0).to(tl.float32)
+        x_row = x_ptr + t * sx0 + a1 * sx1 + a2 * sx2 + rb * sx3
+        x = tl.load(x_row + ch * sx4, mask=inside, other=0.0).to(tl.float32)
+        x_p = tl.load(x_row + partner * sx4, mask=inside & rotated, other=0.0).to(tl.float32)
         table = rot * t
         c = tl.load(cos_ptr + table + ch, mask=rotated & (ch < dim), other=1.0)
         s_index = partner if INVERSE else ch
         s = tl.load(sin_ptr + table + s_index, mask=rotated & (ch < dim), other=0.0)
         y = x * c + x_p * s
-        out_row = out_ptr + t * so0 + a * so1 + rb * so2
-        tl.store(out_row + ch * so3, y.to(out_ptr.dtype.element_ty), mask=inside)
+        out_row = out_ptr + t * so0 + a1 * so1 + a2 * so2 + rb * so3
+        tl.store(out_row + ch * so4, y.to(out_ptr.dtype.element_ty), mask=inside)
 
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
@@ -84,10 +85,10 @@ def _kernel(interpret: bool):
     return triton.jit(rope_rows)
 
 
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    if not 2 <= t.dim() <= 4:
-        raise ValueError(f"rope kernel takes 2 to 4 dimensions, got {tuple(t.shape)}")
-    while t.dim() < 4:
+def _as_5d(t: torch.Tensor) -> torch.Tensor:
+    if not 2 <= t.dim() <= 5:
+        raise ValueError(f"rope kernel takes 2 to 5 dimensions, got {tuple(t.shape)}")
+    while t.dim() < 5:
         t = t.unsqueeze(-2)
     return t
 
@@ -103,14 +104,14 @@ def _rope(
 ) -> None:
     import triton
 
-    x4, o4 = _as_4d(x), _as_4d(out)
-    t, a, b, d = x4.shape
+    x5, o5 = _as_5d(x), _as_5d(out)
+    t, a1, a2, b, d = x5.shape
     rot = cos.shape[-1]
     interpret = x.device.type == "cpu"
-    _kernel(interpret)[(t, a)](
-        x4, o4, cos, signed,
-        *x4.stride(), *o4.stride(),
-        b, d, rot,
+    _kernel(interpret)[(t, a1 * a2)](
+        x5, o5, cos, signed,
+        *x5.stride(), *o5.stride(),
+        a2, b, d, rot,
         INTERLEAVED=interleaved, INVERSE=inverse,
         BLOCK_B=triton.next_power_of_2(b), BLOCK_D=triton.next_power_of_2(d),
     )  # fmt: skip

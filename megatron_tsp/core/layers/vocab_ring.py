@@ -40,7 +40,7 @@ from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.precision import (
     activation_sum_dtype,
     matmul_acc,
-    matmul_into,
+    matmul_onto,
     ring_grad_dtype,
 )
 
@@ -114,9 +114,9 @@ class _VocabRingCrossEntropy(torch.autograd.Function):
             grad_x = matmul_acc(d_shard, w, grad_x, dtype=sum_dtype)
             return d_shard
 
-        def weight_grads(d_shard, out: FlatShard) -> None:
+        def weight_grads(d_shard, out: FlatShard, accumulate: bool) -> None:
             (g_w,) = out.views()
-            matmul_into(d_shard.t(), tokens, g_w)
+            matmul_onto(d_shard.t(), tokens, g_w, accumulate)
 
         with labelled("vocab_ring"):
             own = weight_ring.backward(

@@ -8,13 +8,16 @@ Forward (``shards``): D-1 weight hops, each posted before the current shard's GE
 after them.
 
 Backward (``backward``): the same D-1 weight hops, plus D-1 hops of the weight-gradient
-accumulator one step behind. Issue order per step t (``comm``'s queue model): the next weight hop
-W(t+1), the dX kernels, the accumulator hop A(t-1) of the previous step, the weight-gradient
-kernels, then A(t-1) is waited and added. W(t+1) is needed first and never queues behind A(t-1);
-A(t-1) follows compute that covers W(t+1); each transfer is posted after the previous one was
-waited or covered, so no kernel waits for a transfer that is not needed yet, and A(t-1) overlaps
-step t's weight-gradient GEMMs. The last hop (the drain) brings every other rank's contribution
-to the rank's own shard.
+accumulator. The accumulator of shard j starts at the rank that reads shard j at step 1 and
+travels with it; every later rank's weight-gradient GEMMs accumulate onto it in place, in the
+buffer it arrived in (a GEMM with beta = 1: the accumulator is read and written once per step, no
+separate partial and no ``add_``), and that buffer is sent on. Issue order per step t (``comm``'s
+queue model): wait W(t); the dX kernels (they need no accumulator and cover the accumulator hop
+A(t-1) posted at the end of step t-1); post W(t+1); wait A(t-1); the weight-gradient GEMMs onto
+it (they cover W(t+1)); post A(t). Each transfer is posted with compute between it and the
+previous post, so no kernel queues behind a transfer that is not needed yet. The last hop (the
+drain) brings every other rank's contribution to the rank's own shard, whose own part was written
+at step 0: one ``add_``.
 """
 
 from __future__ import annotations
@@ -50,19 +53,26 @@ def shards(
             current = incoming
 
 
+# fp32 flat gradient shards a backward ring holds: the rank's own shard and two that alternate
+# between being accumulated onto and being on the wire (the estimator counts these)
+GRAD_SHARDS_HELD = 3
+
+
 def backward(
     params: Sequence[torch.Tensor],
     group,
     grad_dtype: torch.dtype,
     input_grads: Callable[[List[torch.Tensor], int], object],
-    weight_grads: Callable[[object, FlatShard], None],
+    weight_grads: Callable[[object, FlatShard, bool], None],
     payloads: Tuple[str, str],
 ) -> FlatShard:
     """The backward ring (module docstring). Per step t: ``kept = input_grads(views of shard
-    (rank - t) mod D, t)`` (the dX kernels; needs no accumulator), then ``weight_grads(kept,
-    out)`` writes (not adds) this rank's partial weight gradients of that shard into ``out``
-    (a ``FlatShard`` of ``grad_dtype``). Returns this rank's own shard's gradient, summed over
-    the ring. ``payloads``: the names of the weight and accumulator transfers."""
+    (rank - t) mod D, t)`` (the dX kernels; needs no accumulator), then ``weight_grads(kept, out,
+    accumulate)`` puts this rank's partial weight gradients of that shard into ``out`` (a
+    ``FlatShard`` of ``grad_dtype``): written when ``accumulate`` is False (the shard's first
+    contribution), added in place onto the arrived accumulator when True. Returns this rank's own
+    shard's gradient, summed over the ring. ``payloads``: the names of the weight and accumulator
+    transfers."""
     weight_payload, grad_payload = payloads
     size = dist.get_world_size(group)
     current = FlatShard.pack(params)
@@ -73,32 +83,27 @@ def backward(
     # ``kept`` stays bound until the next step's ``input_grads`` returns, at every step (the
     # estimator's memory model counts step t-1's tensors next to step t's)
     kept = input_grads(current.views(), 0)
-    weight_grads(kept, own)
+    weight_grads(kept, own, False)
     if size == 1:
         return own
-    # Two send buffers: step t fills one while the other is still on the wire. One receive
-    # buffer: each hop is waited and added before the next is posted.
-    acc_out = [FlatShard.like(own), FlatShard.like(own)]
-    acc_recv = FlatShard.like(own)
-    to_send = None
+    # Two accumulator buffers: one is accumulated onto (it arrived in it) while the other is on
+    # the wire; an exchange sends one and receives into the other.
+    acc = [FlatShard.like(own), FlatShard.like(own)]
+    acc_pending = None  # A(t-1): sends step t-1's accumulator, receives step t's
     for t in range(1, size):
         pending.wait()
         current = spare[(t - 1) % len(spare)]
-        if t < size - 1:  # W(t+1) before this step's matmuls
+        kept = input_grads(current.views(), t)  # covers A(t-1)
+        if t < size - 1:  # W(t+1), covered by this step's weight-gradient GEMMs
             pending = ring_exchange(
                 current.buffer, spare[t % len(spare)].buffer, group, weight_payload
             )
-        kept = input_grads(current.views(), t)
-        acc_pending = None
-        if to_send is not None:  # A(t-1), behind W(t+1) and the dX kernels
-            acc_pending = ring_exchange(to_send.buffer, acc_recv.buffer, group, grad_payload)
-        # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours.
-        filled = acc_out[t % 2]
-        weight_grads(kept, filled)
+        # Accumulator of shard (p - t): ranks p-t+1 .. p-1 added theirs; add ours onto it.
+        arrived = acc[t % 2]
         if acc_pending is not None:
             acc_pending.wait()
-            filled.buffer.add_(acc_recv.buffer)
-        to_send = filled
-    ring_exchange(to_send.buffer, acc_recv.buffer, group, grad_payload).wait()
-    own.buffer.add_(acc_recv.buffer)
+        weight_grads(kept, arrived, acc_pending is not None)
+        acc_pending = ring_exchange(arrived.buffer, acc[(t + 1) % 2].buffer, group, grad_payload)
+    acc_pending.wait()  # the drain: every other rank's part of the own shard
+    own.buffer.add_(acc[size % 2].buffer)
     return own

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union
 
+from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.model_shape import ModelShape
 
 from . import formulas as fm
@@ -179,8 +180,8 @@ def _tsp_backward_working_sets(
         "grad_x_accumulator": t * h * sums,
         # the shard being read and the next one in flight (the packed own shard is let go)
         "weight_shard_buffers": min(2, D) * shape.w_mlp / D * b,
-        # own shard, two send buffers (one on the wire while the next is filled), one receive
-        "grad_accumulators": (4 if D > 1 else 1) * shape.w_mlp / D * gb,
+        # own shard and the two that alternate between accumulated onto and on the wire
+        "grad_accumulators": (weight_ring.GRAD_SHARDS_HELD if D > 1 else 1) * shape.w_mlp / D * gb,
         # step t's activation output, its gradient and d(fc1 output), while step t-1's
         # activation output and d(fc1 output) rows are still referenced (they are rebound only
         # when ``input_grads`` returns)
@@ -194,7 +195,11 @@ def _tsp_backward_working_sets(
     hold = 3 if o.tsp_recompute_attn else 2
     attn = {
         "grad_out": t * h * b,
-        "grad_x_accumulator": t * h * sums,
+        # every head group's QKV gradient side by side and every shard's QKV weight, the
+        # operands of the one dgrad GEMM after the last group, and its output
+        "qkv_grad_all_groups": t * shape.w_qkv / h * b,
+        "qkv_weight_all_shards": shape.w_qkv * b,
+        "grad_x": t * h * sums,
         "context_grad": t * h * b,  # d(context) [s/D, b, h] from the one projection GEMM
         # the packed own shard and the stream's spare buffers (``head_groups.GroupStream``)
         "weight_shard_buffers": (1 + min((hold + 1) * m, D)) * shape.w_attn / D * b,
@@ -298,7 +303,7 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         out = {
             "gathered_input_and_dgrad": 2 * t * h * b,
             "weight_shard_buffers": 2 * shape.w_mlp / D * b,
-            "grad_accumulators": 4 * shape.w_mlp / D * gb,
+            "grad_accumulators": weight_ring.GRAD_SHARDS_HELD * shape.w_mlp / D * gb,
             "grad_x_accumulator": (bs / D)
             * h
             * (fm.accumulation_bytes(b) if o.tsp_activation_sums_fp32 else b),
@@ -336,7 +341,7 @@ def _vocab_ring_head_bytes(m: ModelShape, local_tokens: float, T: int, vpad: int
     """The vocabulary ring's working set (``core.layers.vocab_ring``), the larger of its forward
     and its backward: the fp32 logits of the rank's own tokens over the whole vocabulary (the
     softmax and then its gradient, in place), one shard's GEMM output / gradient in the compute
-    dtype, the weight ring's packed shard and spares, and in backward the four fp32
+    dtype, the weight ring's packed shard and spares, and in backward its fp32
     gradient-accumulator shards and the dX accumulator."""
     b = m.dtype_bytes
     shard = vpad / T * m.hidden
@@ -345,7 +350,7 @@ def _vocab_ring_head_bytes(m: ModelShape, local_tokens: float, T: int, vpad: int
     weights = (1 + min(T - 1, 2)) * shard * b if T > 1 else 0.0
     forward = logits + step + weights
     sums = fm.accumulation_bytes(b) if o.tsp_activation_sums_fp32 else b
-    grads = (4 if T > 1 else 1) * shard * fm.accumulation_bytes(b)
+    grads = (weight_ring.GRAD_SHARDS_HELD if T > 1 else 1) * shard * fm.accumulation_bytes(b)
     backward = logits + step + weights + grads + local_tokens * m.hidden * sums
     if _cpu_gemm_upcast(o):  # the weight-gradient GEMM's fp32 operand copies (CPU)
         backward += (local_tokens * vpad / T + local_tokens * m.hidden) * 4
@@ -374,7 +379,7 @@ def analytic_memory(
     activations tensors every layer keeps for its backward (``recompute='full'``: only each
                 layer's input in the residual-stream layout)
     transient   (backward peak only) one layer's working set: TSP: two weight-shard buffers
-                (current + prefetched), four fp32 gradient-accumulator shards, the fp32 grad_x
+                (current + prefetched), the ring's fp32 gradient-accumulator shards, the grad_x
                 accumulator, one head group's full-sequence K/V and dK/dV, one MLP shard's
                 intermediate; TP+SP: gathered input + full dgrad; CP: gathered K/V and dK/dV;
                 with full recompute also the recomputed layer's activations

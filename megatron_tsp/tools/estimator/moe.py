@@ -38,6 +38,7 @@ import dataclasses
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.model_shape import ModelShape, load_model
 from megatron_tsp.tools.estimator.formulas import (
     CommTerm,
@@ -171,14 +172,15 @@ def ring_crossover_seq(
 def ring_buffers(m: ModelShape, d: int) -> Dict[str, float]:
     """The expert ring's buffers beyond the experts' own parameters, per MoE layer while it runs
     (``weight_ring``: the packed own shard and two spares forward; backward the packed own shard,
-    two weight spares and four gradient-accumulator shards: own, two to send, one receive)."""
+    two weight spares and ``weight_ring.GRAD_SHARDS_HELD`` gradient-accumulator shards)."""
     w = m.dtype_bytes
     shard = m.w_experts / d
     g = accumulation_bytes(w)
     spares = min(2, d - 1)
     return {
         "forward": (1 + spares) * shard * w,
-        "backward": (1 + spares) * shard * w + (4 if d > 1 else 1) * shard * g,
+        "backward": (1 + spares) * shard * w
+        + (weight_ring.GRAD_SHARDS_HELD if d > 1 else 1) * shard * g,
     }
 
 
