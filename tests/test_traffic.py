@@ -268,9 +268,7 @@ def test_tsp_backward_sums_inside_its_gemms(layer_d4):
     D-1 dgrad GEMMs accumulate onto grad_x)."""
     d = 4
     backward = [
-        r
-        for r in layer_d4["tsp"]["records"]
-        if r["kind"] == "kernel" and r["phase"] == "backward"
+        r for r in layer_d4["tsp"]["records"] if r["kind"] == "kernel" and r["phase"] == "backward"
     ]
     adds = [r["source"] for r in backward if r["name"] in ("add_", "add")]
     assert adds.count("weight_ring.backward") == 1, adds
