@@ -73,10 +73,13 @@ def check_mlp(
     recompute_activation=True,
     fusions="megatron-lm",
     offload_hooks=False,
+    triton_kernel=False,
 ):
     """TSP MLP on zigzag tokens vs megatron-core's stock ``MLP`` (TP=1) on the full sequence:
     output, input gradient and every weight gradient. ``fusions``: "megatron-lm" (the defaults,
-    fused bias-GeLU / SwiGLU) or "off".
+    fused bias-GeLU / SwiGLU) or "off". ``triton_kernel``: the activation backward in TSP's
+    Triton kernel (``activation_kernel``, chosen on CUDA), here on CPU tensors in Triton's
+    interpreter, its launches counted (one per shard).
 
     ``offload_hooks``: the TSP forward runs under ``saved_tensors_hooks`` that emulate activation
     offloading (``--cpu-offloading``): pack stores a copy and drops the tensor, the backward gets
@@ -147,7 +150,23 @@ def check_mlp(
         )
         assert not alive, f"packed activations still alive after the forward: {alive}"
     y = out + out_bias if out_bias is not None else out
-    y.backward(zigzag_rows(dy_full, size, rank))
+    from megatron_tsp.core.layers import activation_kernel
+
+    saved_kernel = activation_kernel.available, activation_kernel.act_backward_into
+    launches = []
+    if triton_kernel:
+        activation_kernel.available = lambda device, dtype: dtype in activation_kernel.DTYPES
+        activation_kernel.act_backward_into = lambda *a: (
+            launches.append(a[0]),
+            saved_kernel[1](*a),
+        )[1]
+    try:
+        y.backward(zigzag_rows(dy_full, size, rank))
+    finally:
+        activation_kernel.available, activation_kernel.act_backward_into = saved_kernel
+    if triton_kernel:
+        kind = "swiglu" if gated else ("gelu_tanh" if fusions == "megatron-lm" else "gelu")
+        assert launches == [kind] * size, f"activation kernel launches {launches}"
     if offload_hooks:
         assert sorted(unpacked) == sorted(packed), (unpacked, packed)
     actual = {"output": y, "grad:input": x.grad}

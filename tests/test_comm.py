@@ -214,14 +214,15 @@ def test_mlp_ring_posts_next_shard_before_matmuls(pool4, d):
     # Backward: step 0 posts the next weight shard (W) before its matmuls; step t >= 1 runs
     # its dX matmuls (k_a, covering the accumulator hop A(t-1) still in flight), posts W(t+1),
     # runs the two weight-gradient matmuls onto the arrived accumulator (covering W(t+1)) and
-    # posts A(t); the last A is the drain:
-    # W mm*(k_a+2) | mm*k_a W mm*2 A | ... | mm*k_a mm*2 A
+    # posts A(t); the last A is the drain, covered by the one dgrad GEMM:
+    # W mm*(k_a+2) | mm*k_a W mm*2 A | ... | mm*k_a mm*2 A mm
     bwd = trace["bwd"]
-    k_a = bwd.count("mm") // d - 2
+    k_a = (bwd.count("mm") - 1) // d - 2
     p2p, mm_a, mm_b = ["isend", "irecv"], ["mm"] * k_a, ["mm"] * 2
     expected = p2p + mm_a + mm_b
     for t in range(1, d):
         expected += mm_a + (p2p if t < d - 1 else []) + mm_b + p2p
+    expected += ["mm"]  # the one dgrad GEMM, issued while the drain is in flight
     assert bwd == expected
 
 

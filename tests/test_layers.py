@@ -47,6 +47,40 @@ def test_mlp_matches_reference(
 
 
 @pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize(
+    "gated,bias,recompute,fusions",
+    [
+        (False, True, False, "megatron-lm"),  # Megatron's fused tanh-GeLU
+        (True, False, False, "megatron-lm"),  # fused SwiGLU
+        (True, True, True, "megatron-lm"),  # fc1 recomputed
+        (False, True, False, "off"),  # the exact GeLU
+        (True, False, False, "off"),  # the unfused gated SiLU
+    ],
+)
+def test_mlp_triton_kernel(pool4, seed, d, gated, bias, recompute, fusions):
+    """TSP's activation kernel, the CUDA default for Megatron's GeLU / SwiGLU, fused or not (the
+    activation recomputed and its backward in one launch per shard, d(fc1 output) written into
+    its columns of the one dgrad GEMM's operand), run here in Triton's interpreter: fp32 parity
+    with megatron-core's stock MLP, forward and backward."""
+    pool4.run(
+        checks_layers.check_mlp,
+        d,
+        seed,
+        "float32",
+        gated=gated,
+        bias=bias,
+        seq=24,
+        batch=2,
+        hidden=32,
+        ffn=48,
+        activation="silu" if gated else "gelu",
+        recompute_activation=recompute,
+        fusions=fusions,
+        triton_kernel=True,
+    )
+
+
+@pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_mlp_saved_tensors_go_through_hooks(pool4, seed, d, recompute):
     """Activation offloading (``saved_tensors_hooks`` packing to a copy, as ``--cpu-offloading``

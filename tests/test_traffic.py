@@ -263,9 +263,9 @@ def layer_d4(tmp_path_factory):
 def test_tsp_backward_sums_inside_its_gemms(layer_d4):
     """Where TSP's backward sums partial products, the GEMMs do it: the MLP ring's weight-
     gradient accumulator is added onto in place by the weight-gradient GEMMs of every step after
-    its first (one fp32 ``add_`` in all: the drain onto the rank's own shard), and the attention's
-    input gradient is one dgrad GEMM over every head group (no in-place bf16 sums: only the MLP's
-    D-1 dgrad GEMMs accumulate onto grad_x)."""
+    its first (one fp32 ``add_`` in all: the drain onto the rank's own shard), and the MLP's and
+    the attention's input gradients are one dgrad GEMM each, over every shard / head group (no
+    in-place sums onto grad_x)."""
     d = 4
     backward = [
         r for r in layer_d4["tsp"]["records"] if r["kind"] == "kernel" and r["phase"] == "backward"
@@ -273,7 +273,7 @@ def test_tsp_backward_sums_inside_its_gemms(layer_d4):
     adds = [r["source"] for r in backward if r["name"] in ("add_", "add")]
     assert adds.count("weight_ring.backward") == 1, adds
     in_place_dgrad = [r["source"] for r in backward if r["name"] == "addmm_"]
-    assert in_place_dgrad == ["precision.matmul_acc"] * (d - 1), in_place_dgrad
+    assert in_place_dgrad == [], in_place_dgrad
     # the weight-gradient GEMMs onto the arrived accumulator: fc1 and fc2 at steps 2 .. D-1,
     # each reading the fp32 accumulator it writes (``addmm`` with the accumulator as out=)
     shard = FFN // d * H * 4  # one fp32 weight-gradient block of the shard
@@ -283,3 +283,20 @@ def test_tsp_backward_sums_inside_its_gemms(layer_d4):
         if r["name"] == "addmm" and r["source"] == "precision.matmul_acc" and r["written"] == shard
     ]
     assert len(onto) == 2 * (d - 2), [(r["name"], r["source"], r["written"]) for r in backward]
+
+
+def test_tsp_mlp_activation_backward_one_launch_per_shard(layer_d4):
+    """The MLP's activation recomputed and differentiated in one launch per shard (TSP's
+    activation kernel, ``megatron_tsp.mlp_act_backward``): it reads the shard's fc1 output and the
+    activation's gradient once and writes the activation output and d(fc1 output) once (no
+    autograd re-run of the activation, no copy into the one dgrad GEMM's operand)."""
+    d = 4
+    backward = [
+        r
+        for r in layer_d4["tsp"]["records"]
+        if r["kind"] == "kernel" and r["phase"] == "backward"
+    ]
+    acts = [r for r in backward if r["name"] == "mlp_act_backward"]
+    one = SEQ // d * FFN // d * BF16  # one shard's [local tokens, ffn / D] in bf16
+    assert len(acts) == d and all(r["read"] == 2 * one and r["written"] == 2 * one for r in acts)
+    assert not [r for r in backward if r["name"] in ("gelu", "gelu_backward")], backward

@@ -88,9 +88,10 @@ NOT_KERNELS = frozenset(
 )
 # in-place / out ops that overwrite their destination without reading it
 OVERWRITES = frozenset({"copy_", "fill_", "zero_", "index_copy_", "normal_", "uniform_"})
-# custom ops that return nothing and write their mutated arguments without reading them
-# (TSP's one-kernel RoPE, ``megatron_tsp.rope``: it writes ``out``)
-WRITE_ONLY_MUTATED = frozenset({"rope", "sum_rows"})
+# custom ops that return nothing and write their mutated arguments without reading them (TSP's
+# Triton kernels: ``megatron_tsp.rope`` writes ``out``, ``sum_rows`` ``dest``, ``mlp_act_backward``
+# ``hidden_out`` and ``d_pre_out``)
+WRITE_ONLY_MUTATED = frozenset({"rope", "sum_rows", "mlp_act_backward"})
 # gathers: they read as many source bytes as they write (plus the index)
 GATHERS = frozenset({"index_select", "embedding", "gather", "index"})
 GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm"})

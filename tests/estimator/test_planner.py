@@ -91,15 +91,19 @@ def _golden_tsp_memory(seq, D, recompute):
     mlp_part = t * (2 * h * b + 2 * b + 4 * h * b)
     mlp_work = (
         t * h * b  # the layer output's gradient
-        + t * h * 4  # fp32 grad_x accumulator
+        # the one dgrad GEMM: every shard's d(fc1 output) and fc1 weight, its bf16 output
+        + t * 4 * h * b
+        + 4 * h * h * b
+        + t * h * b
         + 2 * (8 * h * h) / D * b  # the MLP weight shard read and the next in flight
         + 3 * 8 * h * h / D * 4  # three fp32 grad-accumulator shards (own + two alternating)
-        # step t's activation output, its gradient, d(fc1); step t-1's activation and d(fc1)
-        + 5 * t * 4 * h / D * b
+        # step t's activation output and its gradient; step t-1's activation output (the
+        # activation kernel writes d(fc1) into the dgrad operand)
+        + 3 * t * 4 * h / D * b
     )
     attn_work = (
         t * h * b  # the layer output's gradient
-        + t * h * 4  # fp32 grad_x accumulator
+        + t * h * b  # grad_x, the one dgrad GEMM's bf16 output
         + t * h * b  # d(context)
         # every group's QKV gradient side by side and every shard's QKV weight: the one dgrad
         + t * 3 * h * b

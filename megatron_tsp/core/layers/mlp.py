@@ -38,6 +38,7 @@ accumulator instead).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -46,7 +47,7 @@ from megatron.core.transformer.mlp import MLP
 
 from megatron_tsp.core import rejections
 from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
-from megatron_tsp.core.layers import weight_ring
+from megatron_tsp.core.layers import activation_kernel, weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
@@ -63,7 +64,22 @@ WEIGHTS = "mlp.weights"
 WEIGHT_GRADS = "mlp.weight_grads"
 
 
-def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
+@dataclass(frozen=True)
+class MLPActivation:
+    """The activation of Megatron's ``MLP`` for a config, as a function of an fc1 output (its
+    bias already added). ``kernel_kind``: the ``activation_kernel`` formula that is exactly this
+    function ("gelu_tanh": Megatron's fused GeLU; "gelu": the exact GeLU; "swiglu": the fused
+    SwiGLU or the unfused gated SiLU without clamp or offset), None where the kernel has none
+    (GeGLU, other functions): the TSP MLP's backward then runs it under autograd."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    kernel_kind: Optional[str] = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def make_activation(config) -> MLPActivation:
     """The activation Megatron's ``MLP.forward`` applies for ``config``, as a function of one
     shard's fc1 output (the fc1 bias already added).
 
@@ -90,8 +106,10 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
         )
     if config.bias_activation_fusion:
         return _fused_activation(config, act)
+    import torch.nn.functional as F
+
     if not config.gated_linear_unit:
-        return act
+        return MLPActivation(act, "gelu" if act is F.gelu else None)
     clamp = getattr(config, "activation_func_clamp_value", None)
     offset = getattr(config, "glu_linear_offset", 0.0) or 0.0
 
@@ -102,7 +120,8 @@ def make_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
             x_linear = x_linear.clamp(min=-clamp, max=clamp)
         return act(x_glu) * (x_linear + offset)
 
-    return glu
+    plain_swiglu = act is F.silu and clamp is None and offset == 0.0
+    return MLPActivation(glu, "swiglu" if plain_swiglu else None)
 
 
 def _name(fn) -> str:
@@ -110,7 +129,7 @@ def _name(fn) -> str:
     return f"{module}.{getattr(fn, '__qualname__', repr(fn))}".lstrip(".")
 
 
-def _fused_activation(config, act) -> Callable[[torch.Tensor], torch.Tensor]:
+def _fused_activation(config, act) -> MLPActivation:
     """Megatron's fused bias-activation kernel for ``act`` (``MLP.forward``'s fused branch)."""
     import torch.nn.functional as F
 
@@ -118,20 +137,20 @@ def _fused_activation(config, act) -> Callable[[torch.Tensor], torch.Tensor]:
         if config.gated_linear_unit:
             from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
 
-            return lambda x: bias_geglu_impl(x, None)
+            return MLPActivation(lambda x: bias_geglu_impl(x, None))
         from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
         def fused_gelu(x: torch.Tensor) -> torch.Tensor:
             return bias_gelu_impl(x, x.new_zeros(()))
 
-        return fused_gelu
+        return MLPActivation(fused_gelu, "gelu_tanh")
     if act is F.silu and config.gated_linear_unit:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
         fp8_store = bool(getattr(config, "activation_func_fp8_input_store", False))
         # The last argument only tags the saved input for Transformer Engine's activation
         # offloading (Megatron passes it with TE CPU offloading); it changes no value.
-        return lambda x: bias_swiglu_impl(x, None, fp8_store, False)
+        return MLPActivation(lambda x: bias_swiglu_impl(x, None, fp8_store, False), "swiglu")
     raise ValueError(
         f"activation_func={_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
         "fused bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): "
@@ -151,6 +170,29 @@ def _fc1_into(rows, fc1_w, fc1_b, out):
     if fc1_b is None:
         return torch.mm(rows, fc1_w.t(), out=out)
     return torch.addmm(fc1_b, rows, fc1_w.t(), out=out)
+
+
+def activation_backward(
+    activation: MLPActivation, pre: torch.Tensor, d_hidden: torch.Tensor, d_pre_out, lead_shape
+) -> torch.Tensor:
+    """One shard's activation recomputed from its fc1 output ``pre`` [tokens, fc1 rows] and its
+    backward for ``d_hidden`` [tokens, ffn rows]: d(pre) is written into ``d_pre_out`` (a strided
+    slot); returns the activation output [tokens, ffn rows]. On CUDA, where the kernel has the
+    activation's formula: one launch of ``activation_kernel``; otherwise Megatron's own
+    functions under autograd
+    (on ``lead_shape`` + [fc1 rows] views, as Megatron's MLP applies them), then copied into the
+    slot."""
+    if activation.kernel_kind is not None and activation_kernel.available(pre.device, pre.dtype):
+        hidden = torch.empty(d_hidden.shape, dtype=d_hidden.dtype, device=d_hidden.device)
+        return activation_kernel.act_backward_into(
+            activation.kernel_kind, pre, d_hidden, hidden, d_pre_out
+        )
+    with torch.enable_grad():
+        pre = pre.detach().view(*lead_shape, -1).requires_grad_(True)
+        hidden = activation(pre)
+        (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden.view(*lead_shape, -1))
+    d_pre_out.copy_(d_pre.view(d_pre_out.shape))
+    return hidden.detach().reshape(d_hidden.shape)
 
 
 class _TSPMLPFunction(torch.autograd.Function):
@@ -222,27 +264,28 @@ class _TSPMLPFunction(torch.autograd.Function):
         tokens_x = x.reshape(-1, x.shape[-1])
         tokens_dy = grad_out.reshape(-1, grad_out.shape[-1])
 
-        grad_x = None  # this rank's dX, started by the first shard (``acc_dtype``)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
+        fc1_rows = fc1_w.shape[0]
+        # the one dgrad GEMM's operands, filled shard by shard in shard order: every shard's
+        # d(fc1 output) side by side and every shard's fc1 weight
+        d_pre_all = x.new_empty((tokens_x.shape[0], size, fc1_rows))
+        fc1_all = fc1_w.new_empty((size * fc1_rows, fc1_w.shape[1]))
 
         def input_grads(views, step):
-            """This shard's activation backward and dX contribution, added onto ``grad_x``.
-            Returns ``(d_pre rows, hidden rows)``; needs no gradient accumulator, so it runs
-            while the previous hop is in flight."""
-            nonlocal grad_x
+            """This shard's activation backward, its d(fc1 output) written into its columns of
+            ``d_pre_all`` and its fc1 weight into its rows of ``fc1_all``. Returns ``(d_pre
+            rows, hidden rows)``; needs no gradient accumulator, so it runs while the previous
+            hop is in flight."""
+            j = (rank - step) % size
             w1, b1, w2 = weight_bias_views(views, has_bias)
-            with torch.enable_grad():
-                if saved_pre:  # shard (rank - step) mod D's block, as [s, b, fc1 rows]
-                    pre = saved_pre[0][:, (rank - step) % size].view(*x.shape[:-1], -1)
-                else:
-                    pre = _fc1(x, w1, b1)
-                pre = pre.detach().requires_grad_(True)
-                hidden = activation(pre)
-                d_hidden = torch.matmul(grad_out, w2)
-                (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden)
-            hidden = hidden.detach().reshape(-1, hidden.shape[-1])
-            d_rows = d_pre.reshape(-1, d_pre.shape[-1])
-            grad_x = matmul_acc(d_rows, w1, grad_x, dtype=acc_dtype)
+            fc1_all.narrow(0, j * fc1_rows, fc1_rows).copy_(w1)
+            if saved_pre:  # shard j's block, [tokens, fc1 rows]
+                pre = saved_pre[0][:, j]
+            else:
+                pre = _fc1(x, w1, b1).view(tokens_x.shape[0], -1)
+            d_hidden = torch.matmul(tokens_dy, w2)
+            d_rows = d_pre_all[:, j]
+            hidden = activation_backward(activation, pre, d_hidden, d_rows, x.shape[:-1])
             return d_rows, hidden
 
         def weight_grads(kept, out: FlatShard, accumulate: bool) -> None:
@@ -255,9 +298,23 @@ class _TSPMLPFunction(torch.autograd.Function):
                 sum_rows_onto(d_rows, g_b1, accumulate)
             matmul_onto(tokens_dy.t(), hidden, g_w2, accumulate)
 
+        grad_x = None
+
+        def input_grad() -> None:
+            """The input gradient: one GEMM over the whole FFN width (rounded once), issued
+            while the ring's last hop is in flight."""
+            nonlocal grad_x
+            grad_x = matmul_acc(d_pre_all.view(tokens_x.shape[0], -1), fc1_all, dtype=acc_dtype)
+
         with labelled("tsp_mlp"):  # the schedule and its queue order: ``weight_ring``
             own = weight_ring.backward(
-                params, group, grad_dtype, input_grads, weight_grads, (WEIGHTS, WEIGHT_GRADS)
+                params,
+                group,
+                grad_dtype,
+                input_grads,
+                weight_grads,
+                (WEIGHTS, WEIGHT_GRADS),
+                cover_drain=input_grad,
             )
         g_w1, g_b1, g_w2 = weight_bias_views(own.views(), has_bias)
         accumulate = ctx.accumulate_into_main_grad

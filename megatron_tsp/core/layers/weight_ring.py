@@ -17,12 +17,13 @@ A(t-1) posted at the end of step t-1); post W(t+1); wait A(t-1); the weight-grad
 it (they cover W(t+1)); post A(t). Each transfer is posted with compute between it and the
 previous post, so no kernel queues behind a transfer that is not needed yet. The last hop (the
 drain) brings every other rank's contribution to the rank's own shard, whose own part was written
-at step 0: one ``add_``.
+at step 0: one ``add_``; the caller's ``cover_drain`` work (the MLP's one dgrad GEMM) is issued
+between its post and its wait.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,7 @@ def backward(
     input_grads: Callable[[List[torch.Tensor], int], object],
     weight_grads: Callable[[object, FlatShard, bool], None],
     payloads: Tuple[str, str],
+    cover_drain: Optional[Callable[[], None]] = None,
 ) -> FlatShard:
     """The backward ring (module docstring). Per step t: ``kept = input_grads(views of shard
     (rank - t) mod D, t)`` (the dX kernels; needs no accumulator), then ``weight_grads(kept, out,
@@ -72,7 +74,8 @@ def backward(
     ``FlatShard`` of ``grad_dtype``): written when ``accumulate`` is False (the shard's first
     contribution), added in place onto the arrived accumulator when True. Returns this rank's own
     shard's gradient, summed over the ring. ``payloads``: the names of the weight and accumulator
-    transfers."""
+    transfers. ``cover_drain``: work issued after the last hop is posted and before it is waited
+    (it must not read the own shard's gradient), so that hop does not block."""
     weight_payload, grad_payload = payloads
     size = dist.get_world_size(group)
     current = FlatShard.pack(params)
@@ -85,6 +88,8 @@ def backward(
     kept = input_grads(current.views(), 0)
     weight_grads(kept, own, False)
     if size == 1:
+        if cover_drain is not None:
+            cover_drain()
         return own
     # Two accumulator buffers: one is accumulated onto (it arrived in it) while the other is on
     # the wire; an exchange sends one and receives into the other.
@@ -104,6 +109,8 @@ def backward(
             acc_pending.wait()
         weight_grads(kept, arrived, acc_pending is not None)
         acc_pending = ring_exchange(arrived.buffer, acc[(t + 1) % 2].buffer, group, grad_payload)
+    if cover_drain is not None:
+        cover_drain()
     acc_pending.wait()  # the drain: every other rank's part of the own shard
     own.buffer.add_(acc[size % 2].buffer)
     return own

@@ -175,23 +175,30 @@ def _tsp_backward_working_sets(
     if shape.is_moe:
         _, attn = _tsp_backward_working_sets(moe.dense_layer(shape), s, o)
         return moe.backward_working_set(shape, D, moe_schedule(shape, s, o)), attn
+    # the MLP's activation backward: one kernel on a GPU (``activation_kernel``), torch ops
+    # under autograd on the CPU (a fresh d(fc1 output) per shard, then copied into its slot)
+    act_kernel = not _cpu_gemm_upcast(o)
     mlp = {
         "grad_out": t * h * b,  # the layer output's gradient, held through the layer
-        "grad_x_accumulator": t * h * sums,
+        # the one dgrad GEMM's operands (every shard's d(fc1 output) side by side, every
+        # shard's fc1 weight) and its output
+        "fc1_grad_all_shards": t * rows * b,
+        "fc1_weight_all_shards": rows * h * b,
+        "grad_x": t * h * sums,
         # the shard being read and the next one in flight (the packed own shard is let go)
         "weight_shard_buffers": min(2, D) * shape.w_mlp / D * b,
         # own shard and the two that alternate between accumulated onto and on the wire
         "grad_accumulators": (weight_ring.GRAD_SHARDS_HELD if D > 1 else 1) * shape.w_mlp / D * gb,
-        # step t's activation output, its gradient and d(fc1 output), while step t-1's
-        # activation output and d(fc1 output) rows are still referenced (they are rebound only
-        # when ``input_grads`` returns)
-        "mlp_shard_mid": (3 * F_ + 2 * rows) * t / D * b,
+        # step t's activation output and its gradient (on the CPU also its fresh d(fc1
+        # output)), while step t-1's activation output is still referenced (rebound only when
+        # ``input_grads`` returns)
+        "mlp_shard_mid": (3 * F_ + (0 if act_kernel else rows)) * t / D * b,
     }
     if o.tsp_recompute_mlp:
         mlp["mlp_shard_fc1_recomputed"] = t * rows / D * b
     if _cpu_gemm_upcast(o) and o.tsp_activation_sums_fp32:
-        # ``precision.matmul_acc`` off CUDA: fp32 copies of d(fc1 output) and the fc1 shard
-        mlp["dx_gemm_fp32_operands"] = (t * rows / D + rows * h / D) * acc
+        # ``precision.matmul_acc`` off CUDA: fp32 copies of the one dgrad GEMM's operands
+        mlp["dx_gemm_fp32_operands"] = (t * rows + rows * h) * acc
     hold = 3 if o.tsp_recompute_attn else 2
     attn = {
         "grad_out": t * h * b,
@@ -210,6 +217,8 @@ def _tsp_backward_working_sets(
         "first_block_dkv": (bs * shape.kv_hidden / G) * b,
         "kernel_dkv_outputs": _kernel_dkv_bytes(shape, D, o.attn_kernel),
     }
+    if _cpu_gemm_upcast(o) and o.tsp_activation_sums_fp32:
+        attn["dx_gemm_fp32_operands"] = (t * shape.w_qkv / h + shape.w_qkv) * acc
     if s.kv_flavour == "ring":
         # what-if: the kernel sees one node block of S/C keys at a time
         attn["first_block_dkv"] /= s.cp
