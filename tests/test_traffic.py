@@ -292,9 +292,7 @@ def test_tsp_mlp_activation_backward_one_launch_per_shard(layer_d4):
     autograd re-run of the activation, no copy into the one dgrad GEMM's operand)."""
     d = 4
     backward = [
-        r
-        for r in layer_d4["tsp"]["records"]
-        if r["kind"] == "kernel" and r["phase"] == "backward"
+        r for r in layer_d4["tsp"]["records"] if r["kind"] == "kernel" and r["phase"] == "backward"
     ]
     acts = [r for r in backward if r["name"] == "mlp_act_backward"]
     one = SEQ // d * FFN // d * BF16  # one shard's [local tokens, ffn / D] in bf16
