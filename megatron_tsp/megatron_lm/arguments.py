@@ -115,12 +115,13 @@ def add_tsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         dest="tsp_activation_sums_in_fp32",
         action="store_true",
         default=False,
-        help="Sum the input gradients of the TSP MLP and attention over their D weight shards "
-        "and head groups in an fp32 accumulator instead of in place in the compute dtype (the "
-        "MLP output is one GEMM over every shard either way). Default: the GEMMs accumulate in "
-        "place (fp32 arithmetic, one rounding of the running sum per shard: fewer roundings than "
-        "TP+SP's bf16 reduce-scatter of the same sums); fp32 reads and writes the accumulator "
-        "at twice the bytes (bf16 runs).",
+        help="Write the TSP MLP's and attention's input gradients (one GEMM each over every "
+        "weight shard / head group, like the MLP output) in fp32 before the cast to the model "
+        "dtype, and sum the vocabulary ring's and the expert ring's input gradients over their "
+        "shards in an fp32 accumulator instead of in place in the compute dtype (the GEMMs' fp32 "
+        "arithmetic, one rounding of the running sum per shard: fewer roundings than TP+SP's "
+        "bf16 reduce-scatter of the same sums); fp32 reads and writes those sums at twice the "
+        "bytes (bf16 runs).",
     )
     group.add_argument(
         VOCAB_RING_FLAG,
