@@ -35,8 +35,9 @@ against an fp32 SDPA-math reference on the same inputs (``megatron_tsp/tools/ker
 forward and backward, both zigzag chunks, GQA, micro-batch 2); the errors go to the report, and
 the TSP layers are pinned (``TSP_ATTENTION_KERNEL``) to a verified backend, the default choice
 when it passed, whose name is recorded. TSP's own Triton kernels are checked too: the one-kernel
-RoPE against the fp64 formula (report section (c)) and the one-launch dK/dV row sum against its
-torch path on every rank's pieces of a D=8 group (section (d)).
+RoPE against the fp64 formula (report section (c)), the one-launch dK/dV row sum against its
+torch path on every rank's pieces of a D=8 group (section (d)) and the one-launch MLP activation
+backward against Megatron's formulas (section (e)).
 
 Timings are reported as ratios and absolute medians, never asserted. Total run time on an H200:
 a few minutes (7B-layer builds on CPU dominate); ``--iters`` / ``--seq`` shorten it.
@@ -589,6 +590,59 @@ def verify_row_sum_kernel(device) -> dict:
     }
 
 
+def verify_activation_kernel(device) -> dict:
+    """TSP's one-launch MLP activation backward (``activation_kernel``: Triton, the CUDA default)
+    against Megatron's fused GeLU / SwiGLU formulas and torch's exact GeLU evaluated in fp64, bf16
+    and fp32, from and into strided slots (a shard's columns of a [tokens, D, width] tensor): the
+    worst error of the activation output and of d(fc1 output) relative to their terms' magnitude
+    (one rounding is 2^-9 in bf16, 6e-8 in fp32). Triton missing: reported, not run."""
+    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+
+    from megatron_tsp.core.layers import activation_kernel, triton_choice
+
+    if not triton_choice.triton_importable():
+        return {"ran": False, "why": "triton not importable", "errors": {}}
+    g = torch.Generator().manual_seed(0)
+    n, shards, f = (4096 if torch.device(device).type == "cuda" else 16), 4, 256
+    errors = {}
+    for kind in activation_kernel.KINDS:
+        cols = 2 * f if kind == "swiglu" else f
+        for dtype in (torch.bfloat16, torch.float32):
+            pre = (torch.randn(n, shards, cols, generator=g) * 3).to(dtype).to(device)[:, 1]
+            dh = torch.randn(n, f, generator=g).to(dtype).to(device)
+            d_pre = torch.empty(n, shards, cols, dtype=dtype, device=device)[:, 2]
+            hidden = torch.empty(n, f, dtype=dtype, device=device)
+            activation_kernel.act_backward_into(kind, pre, dh, hidden, d_pre)
+            x, gd = pre.double(), dh.double()
+            if kind == "gelu":
+                ref_h = torch.nn.functional.gelu(x)
+                ref_d = torch.ops.aten.gelu_backward(gd, x)
+            elif kind == "gelu_tanh":
+                zero = x.new_zeros(())
+                ref_h = fused_bias_gelu.bias_gelu(zero, x)
+                ref_d = fused_bias_gelu.bias_gelu_back(gd, zero, x)
+            else:
+                ref_h, ref_d = fused_bias_swiglu.swiglu(x), fused_bias_swiglu.swiglu_back(gd, x)
+            # the terms' magnitudes (as in tests/test_activation_kernel.py): fp32 loses digits
+            # where 1 + erf / 1 + tanh cancel, as torch's own GeLU does
+            ax, ag = x.abs(), gd.abs()
+            if kind == "swiglu":
+                a, b = ax.chunk(2, -1)
+                terms = {"h": a * b, "d": torch.cat([ag * (1 + a) * b, ag * a], -1)}
+            else:
+                terms = {"h": ax, "d": ag * (1 + ax * (0.8 + 0.11 * ax * ax))}
+            for name, got, ref in (("h", hidden, ref_h), ("d", d_pre, ref_d)):
+                scale = (ref.abs() + terms[name]).clamp_min(1e-30)
+                err = ((got.double() - ref).abs() / scale).max().item()
+                errors[f"{kind} {str(dtype).split('.')[-1]} {name}"] = err
+    return {
+        "ran": True,
+        "why": "",
+        "errors": errors,
+        "chosen_on_this_device": activation_kernel.available(torch.device(device), torch.bfloat16),
+    }
+
+
 def _check_case(device) -> dict:
     if device == "cpu":
         return dict(size=2, rank=1, chunk=8, head_dim=16, batch=2)
@@ -706,13 +760,21 @@ def write_report(result: dict, out_dir: str) -> None:
         "largest difference in units of the result's rounding (0 where both round to nearest)",
         ("dtype", "ulps", "{:.2f}"),
     )
+    lines += _triton_kernel_lines(
+        "(e) TSP's one-launch MLP activation backward against Megatron's formulas",
+        result.get("activation_kernel", {}),
+        "errors",
+        "worst error relative to the terms' magnitude (one rounding: 2^-9 = 2.0e-03 in bf16)",
+        ("case", "error", "{:.2e}"),
+    )
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines))
 
 
 def _triton_kernel_lines(title: str, check: dict, key: str, what: str, columns) -> list:
     """Report section of one of TSP's Triton kernel checks (``verify_rope_kernel``,
-    ``verify_row_sum_kernel``): the measured values by case, or why it did not run."""
+    ``verify_row_sum_kernel``, ``verify_activation_kernel``): the measured values by case, or why
+    it did not run."""
     lines = [f"## {title}", ""]
     if not check.get("ran"):
         return lines + [f"not run: {check.get('why', '?')}", ""]
@@ -836,6 +898,8 @@ def main(argv=None) -> int:
     print("[rope kernel]", rope, flush=True)
     row_sum = verify_row_sum_kernel(device)
     print("[row-sum kernel]", row_sum, flush=True)
+    activation = verify_activation_kernel(device)
+    print("[activation kernel]", activation, flush=True)
     timing = {}
     for scheme in SCHEMES:
         profile_path = None
@@ -912,6 +976,7 @@ def main(argv=None) -> int:
         "attention_backends": backends,
         "rope_kernel": rope,
         "row_sum_kernel": row_sum,
+        "activation_kernel": activation,
         "timing": timing,
         "precision": precision,
     }

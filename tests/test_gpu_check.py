@@ -139,6 +139,11 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     assert max(rope["errors"].values()) <= 2.0**-7, rope
     assert row_sum["ulps"]["float32"] == 0 and row_sum["ulps"]["bfloat16"] <= 1, row_sum
     assert not rope["chosen_on_this_device"] and not row_sum["chosen_on_this_device"]
+    act = report["activation_kernel"]
+    assert act["ran"] and "## (e)" in md and not act["chosen_on_this_device"]
+    assert len(act["errors"]) == 3 * 2 * 2, act  # kinds x dtypes x (h, d)
+    # fp32 within a few ulps of the value; bf16 within one rounding (the interpreter truncates)
+    assert all(v < (1e-5 if "float32" in k else 2.0**-7) for k, v in act["errors"].items()), act
     assert ("skipped (--skip-fake)" in md) is not fake
     # the attention backends were checked before timing, and the timed one is a verified one
     bk = report["attention_backends"]
