@@ -1,6 +1,7 @@
-"""When TSP's own Triton kernels run (``rope_kernel``, ``row_sum_kernel``): on CUDA tensors of
-an fp32-or-narrower dtype (their arithmetic is fp32), where Triton imports, unless the kernel's
-environment variable says ``torch`` (its torch-op path, kept for comparison and as a fallback)."""
+"""When TSP's own Triton kernels run (``rope_kernel``, ``row_sum_kernel``,
+``activation_kernel``): on CUDA tensors of an fp32-or-narrower dtype (their arithmetic is fp32),
+where Triton imports, unless the kernel's environment variable says ``torch`` (its torch-op path,
+kept for comparison and as a fallback)."""
 
 from __future__ import annotations
 

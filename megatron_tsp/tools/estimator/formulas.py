@@ -315,11 +315,11 @@ TSP_SCHEDULE: Tuple[ScheduleRow, ...] = (
         "attn_bwd",
         "reduce",
         "grad",
-        "reduce weight-grad shard to owner (last one exposed)",
+        "reduce weight-grad shard to owner (the last one behind the one dgrad GEMM)",
         "f·W_attn",
         lambda s: s.w_attn,
         "grad",
-        "pipelined",
+        "prefetch",
         "D",
     ),
     ScheduleRow(
@@ -338,11 +338,11 @@ TSP_SCHEDULE: Tuple[ScheduleRow, ...] = (
         "mlp_bwd",
         "p2p",
         "grad",
-        "grad accumulator one hop behind (last hop exposed)",
+        "grad accumulator one hop behind (the last behind the one dgrad GEMM)",
         "f·W_mlp",
         lambda s: s.w_mlp,
         "grad",
-        "pipelined",
+        "prefetch",
         "D-1",
         link="p2p",
     ),
@@ -368,13 +368,13 @@ def tsp_layer_terms(
 
     Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
-    reduce-to-owner of the weight gradients likewise exposes only the last (drain); the MLP ring
-    hides every weight hop behind a shard's GEMMs, and its gradient accumulator every hop but
-    the last. The K/V all-gathers and dK/dV reduce-scatters are posted one head group ahead
-    (only fill/drain exposed). The backward's first weight re-broadcast hides behind the first
-    head group's attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py);
-    with attention recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the
-    first is exposed."""
+    reduce-to-owner of the weight gradients hides behind the next group's work and the last one
+    behind the one dgrad GEMM; the MLP ring hides every weight hop behind a shard's GEMMs, and
+    its gradient accumulator every hop, the last behind the one dgrad GEMM. The K/V all-gathers
+    and dK/dV reduce-scatters are posted one head group ahead (only fill/drain exposed). The
+    backward's first weight re-broadcast hides behind the first head group's attention backward
+    from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention recompute
+    (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is exposed."""
     options = dict(
         regather_kv_bwd=regather_kv_bwd,
         recompute_attn=recompute_attn,

@@ -102,8 +102,7 @@ def assumptions(
         "compute model",
         "overlap: TSP weight/grad traffic is data-independent (prefetch, hides behind any compute "
         "of the phase) except the first forward weight broadcast (and with attention recompute "
-        "the first backward one), the last attention weight-grad reduce and the MLP gradient "
-        "ring's last hop; TSP K/V all-gathers / dK/dV reduce-scatters are "
+        "the first backward one); TSP K/V all-gathers / dK/dV reduce-scatters are "
         "pipelined one head group ahead (first group exposed); TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
@@ -401,8 +400,7 @@ def layer_time_report(
     res = {k: cheapest_fitting_layer_time(m, hw, k, seq, gpus, degree, o) for k in ("tsp", "tp_sp")}
     lines = [
         f"Per-layer step time at the cheapest recompute that fits in {hw.hbm_gb:g} GB "
-        "(TSP K/V collectives pipelined, fill/drain exposed; MLP ring hidden except the "
-        "gradient's last hop):"
+        "(TSP K/V collectives pipelined, fill/drain exposed; MLP ring hidden):"
     ]
     for k, r in res.items():
         b = r["best"]
