@@ -33,11 +33,31 @@ from typing import Optional
 
 from megatron_tsp.core.validation import TSP_FLAG
 from megatron_tsp.core.zigzag import get_batch_on_this_tsp_rank
+from megatron_tsp.megatron_lm import patches
 
 _ACTIVE_SIZE: Optional[int] = None
 
 # Modules from which pretrain scripts import ``get_batch_on_this_cp_rank`` by name.
 CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
+# the batch hook's launch patches, one per module scripts import the function from
+_BATCH_HOOKS = patches.declare(
+    [
+        patches.row(
+            patches.LAUNCH,
+            "megatron.core.utils:get_batch_on_this_cp_rank",
+            "zigzag permutation of each micro-batch after the TP broadcast (0.19 scripts import "
+            "it from here)",
+            ("batch",),
+        ),
+        patches.row(
+            patches.LAUNCH,
+            "megatron.training.utils:get_batch_on_this_cp_rank",
+            "zigzag permutation (core_v0.16 scripts import it from here)",
+            ("batch",),
+            versions=("0.16",),
+        ),
+    ]
+)
 
 
 def activate(tsp_size: Optional[int]) -> None:
@@ -87,14 +107,10 @@ def _wrap(original):
 
 def install_batch_hook() -> None:
     """Wrap ``get_batch_on_this_cp_rank`` where scripts import it from (idempotent)."""
-    from megatron_tsp.megatron_lm import patches
-
-    for name in CP_BATCH_MODULES:
-        patches.apply(patches.LAUNCH, f"{name}:get_batch_on_this_cp_rank", make=_wrap)
+    for patch in _BATCH_HOOKS:
+        patches.apply(patch.mode, patch.target, make=_wrap)
 
 
 def uninstall_batch_hook() -> None:
-    from megatron_tsp.megatron_lm import patches
-
-    for name in CP_BATCH_MODULES:
-        patches.remove(patches.LAUNCH, f"{name}:get_batch_on_this_cp_rank")
+    for patch in _BATCH_HOOKS:
+        patches.remove(patch.mode, patch.target)

@@ -58,7 +58,7 @@ import time
 import types
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from megatron_tsp.megatron_lm import rank_zygote
+from megatron_tsp.megatron_lm import patches, rank_zygote
 
 RECORD_ENV = "TSP_CPU_RUNNER_RECORD"
 # a file a rank writes its CLOCK_MONOTONIC time to when it fails: ranks that fail because a peer
@@ -253,17 +253,16 @@ def _spawn_children_import_the_runner(original):
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """One CUDA-only call and what the CPU run answers instead (why, and whether the target may
-    be absent: its ``cpu-runner`` row in ``megatron_tsp.megatron_lm.patches``)."""
+    """One CUDA-only call and what the CPU run answers instead: its ``cpu-runner`` patch (target,
+    why, the parameters the answer relies on, whether the target may be absent) and ``make``
+    (original -> replacement)."""
 
-    target: str  # "module:attr" (attribute of an importable module)
-    make: Callable  # original -> replacement
+    patch: patches.Patch
+    make: Callable
 
     @property
-    def patch(self):
-        from megatron_tsp.megatron_lm import patches
-
-        return patches.find(patches.CPU_RUNNER, self.target)
+    def target(self) -> str:
+        return self.patch.target
 
     @property
     def why(self) -> str:
@@ -272,6 +271,14 @@ class Answer:
     @property
     def optional(self) -> bool:
         return self.patch.optional
+
+
+def _answer(target, why, make, params=None, versions=patches.MEGATRON_VERSIONS, optional=False):
+    return Answer(patches.row(patches.CPU_RUNNER, target, why, params, versions, optional), make)
+
+
+_DEVICE = patches.DEVICE_PARAM
+_MEMORY_REPORT = "memory report (no device memory on CPU: 0)"
 
 
 def _const(value):
@@ -325,8 +332,6 @@ ALLTOALL_DISPATCHER_TARGETS = (
 def alltoall_dispatcher_on_cpu():
     """The ``CUDA_ANSWERS`` of ``ALLTOALL_DISPATCHER_TARGETS`` for the ``with`` block: what
     megatron-core's alltoall token dispatcher needs to run on CPU tensors in-process."""
-    from megatron_tsp.megatron_lm import patches
-
     with contextlib.ExitStack() as stack:
         for answer in CUDA_ANSWERS:
             if answer.target in ALLTOALL_DISPATCHER_TARGETS:
@@ -338,58 +343,133 @@ def alltoall_dispatcher_on_cpu():
 
 CUDA_ANSWERS: Sequence[Answer] = (
     # device setup
-    Answer("torch.cuda:is_available", _const(True)),
-    Answer("torch.cuda:device_count", _const(1)),
-    Answer("torch.cuda:set_device", _value(_nothing)),
-    Answer("torch.cuda:get_device_properties", _value(_device_properties)),
-    Answer("torch.cuda:get_device_capability", _const((9, 0))),
-    Answer("torch.cuda:get_device_name", _const("cpu")),
-    Answer("torch.accelerator:is_available", _const(False)),
+    _answer("torch.cuda:is_available", "initialize_megatron asserts CUDA first", _const(True), ()),
+    _answer(
+        "torch.cuda:device_count",
+        "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed",
+        _const(1),
+        (),
+    ),
+    _answer("torch.cuda:set_device", "one CPU 'device' per rank", _value(_nothing), _DEVICE),
+    _answer(
+        "torch.cuda:get_device_properties",
+        "architecture checks read .major",
+        _value(_device_properties),
+        _DEVICE,
+    ),
+    _answer("torch.cuda:get_device_capability", "architecture checks", _const((9, 0)), _DEVICE),
+    _answer("torch.cuda:get_device_name", "printed in start-up reports", _const("cpu"), _DEVICE),
+    _answer(
+        "torch.accelerator:is_available",
+        "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA build "
+        "of torch and no driver that initialises CUDA and fails",
+        _const(False),
+        (),
+        optional=True,
+    ),
     # streams and events (CPU work is ordered: waits are no-ops)
-    Answer("torch.cuda:Stream", _value(_CpuStream)),
-    Answer("torch.cuda:Event", _value(_CpuEvent)),
-    Answer("torch.cuda:current_stream", _const(_CPU_STREAM)),
-    Answer("torch.cuda:default_stream", _const(_CPU_STREAM)),
-    Answer("torch.cuda:set_stream", _value(_nothing)),
-    Answer("torch.cuda:stream", _value(lambda *a, **k: contextlib.nullcontext())),
-    Answer("torch.cuda:synchronize", _value(_nothing)),
+    _answer(
+        "torch.cuda:Stream",
+        "DDP / optimizer side streams (CPU work is ordered)",
+        _value(_CpuStream),
+    ),
+    _answer("torch.cuda:Event", "timers and overlap bookkeeping", _value(_CpuEvent)),
+    _answer("torch.cuda:current_stream", "stream ordering", _const(_CPU_STREAM), _DEVICE),
+    _answer("torch.cuda:default_stream", "stream ordering", _const(_CPU_STREAM), _DEVICE),
+    _answer("torch.cuda:set_stream", "stream ordering", _value(_nothing), ("stream",)),
+    _answer(
+        "torch.cuda:stream",
+        "`with torch.cuda.stream(s):` blocks",
+        _value(lambda *a, **k: contextlib.nullcontext()),
+        ("stream",),
+    ),
+    _answer("torch.cuda:synchronize", "timers, barriers", _value(_nothing), _DEVICE),
     # memory reports (no device memory on CPU: 0)
-    Answer("torch.cuda:empty_cache", _value(_nothing)),
-    Answer("torch.cuda:memory_allocated", _value(_zero)),
-    Answer("torch.cuda:max_memory_allocated", _value(_zero)),
-    Answer("torch.cuda:memory_reserved", _value(_zero)),
-    Answer("torch.cuda:max_memory_reserved", _value(_zero)),
-    Answer("torch.cuda:reset_peak_memory_stats", _value(_nothing)),
-    Answer("torch.cuda:memory_stats", _value(lambda *a, **k: {})),
-    Answer("torch.cuda:device_memory_used", _value(_zero)),
-    Answer("torch.cuda:mem_get_info", _const((0, 0))),
+    _answer("torch.cuda:empty_cache", "memory housekeeping", _value(_nothing), ()),
+    _answer("torch.cuda:memory_allocated", _MEMORY_REPORT, _value(_zero), _DEVICE),
+    _answer("torch.cuda:max_memory_allocated", _MEMORY_REPORT, _value(_zero), _DEVICE),
+    _answer("torch.cuda:memory_reserved", _MEMORY_REPORT, _value(_zero), _DEVICE),
+    _answer("torch.cuda:max_memory_reserved", _MEMORY_REPORT, _value(_zero), _DEVICE),
+    _answer("torch.cuda:reset_peak_memory_stats", _MEMORY_REPORT, _value(_nothing), _DEVICE),
+    _answer("torch.cuda:memory_stats", _MEMORY_REPORT, _value(lambda *a, **k: {}), _DEVICE),
+    _answer("torch.cuda:device_memory_used", _MEMORY_REPORT, _value(_zero), _DEVICE, optional=True),
+    _answer("torch.cuda:mem_get_info", _MEMORY_REPORT, _const((0, 0)), _DEVICE),
     # RNG: the CUDA generator is the CPU one. megatron_tsp.megatron_lm.cpu_support (applied with
     # these answers) also routes torch.cuda.current_device / get_rng_state / manual_seed, the
     # model-parallel RNG tracker and the default causal mask to the CPU.
-    Answer(
+    _answer(
         "torch.cuda:set_rng_state",
+        "checkpoints save and restore the 'CUDA' RNG state",
         _value(lambda state, *a, **k: __import__("torch").set_rng_state(state)),
+        ("new_state",),
     ),
-    Answer("torch.cuda.nvtx:range_push", _value(_nothing)),
-    Answer("torch.cuda.nvtx:range_pop", _value(_nothing)),
+    _answer(
+        "torch.cuda.nvtx:range_push",
+        "profiling ranges",
+        _value(_nothing),
+        ("msg",),
+        optional=True,
+    ),
+    _answer("torch.cuda.nvtx:range_pop", "profiling ranges", _value(_nothing), (), optional=True),
     # the alltoall MoE dispatcher's device-to-host copy of its split sizes
-    Answer(f"{TOKEN_DISPATCHER}:maybe_move_tensor_to_cpu", _host_copy_of_cpu_tensors),
-    # builds of CUDA code
-    Answer("megatron.core.datasets.utils:compile_helpers", _value(_check_dataset_helpers)),
-    Answer(
-        "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
-        lambda original: lambda self, *a, **k: False,
+    _answer(
+        f"{TOKEN_DISPATCHER}:maybe_move_tensor_to_cpu",
+        "the alltoall MoE dispatcher copies its split sizes to the host, where a CUDA tensor "
+        "becomes a numpy array; a CPU tensor is returned as it is, which all_to_all_single "
+        "refuses as split sizes",
+        _host_copy_of_cpu_tensors,
+        ("tensor", "as_numpy", "record_stream"),
     ),
-    Answer("megatron.legacy.fused_kernels:load", _value(_nothing)),
+    # builds of CUDA code
+    _answer(
+        "megatron.core.datasets.utils:compile_helpers",
+        "rank 0 runs `make` for the dataset index helpers; the compiled .so must be there",
+        _value(_check_dataset_helpers),
+        (),
+    ),
+    _answer(
+        "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
+        "the fused softmax CUDA kernels are imported when fp16/bf16 shapes qualify; without them "
+        "Megatron's own torch softmax runs",
+        lambda original: lambda self, *a, **k: False,
+        ("self",),
+    ),
+    _answer(
+        "megatron.legacy.fused_kernels:load",
+        "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
+        _value(_nothing),
+        ("args",),
+        versions=("0.16",),
+        optional=True,
+    ),
     # spawned helper processes
-    Answer("multiprocessing.spawn:get_preparation_data", _spawn_children_import_the_runner),
+    _answer(
+        "multiprocessing.spawn:get_preparation_data",
+        "the checkpoint writer's 'spawn' Manager child would re-run pretrain_gpt.py without these "
+        "answers; children import the runner module instead",
+        _spawn_children_import_the_runner,
+        ("name",),
+    ),
     # the jit warm-up's random draws
-    Answer("megatron.training.initialize:_warmup_jit_function", _fork_rng),
+    _answer(
+        "megatron.training.initialize:_warmup_jit_function",
+        "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights",
+        _fork_rng,
+    ),
     # overlapped pipeline sends over gloo (interleaved schedule)
-    Answer(f"{SCHEDULES}:deallocate_output_tensor", _hold_sent_output_storage),
-    Answer(
+    _answer(
+        f"{SCHEDULES}:deallocate_output_tensor",
+        "the interleaved schedule pseudo-frees a stage output while its overlapped isend may still "
+        "be running; gloo (unlike NCCL) does not keep the storage alive, so the allocator could "
+        "reuse it mid-send: the storage is held until the next step's schedule starts",
+        _hold_sent_output_storage,
+        ("out", "deallocate_pipeline_outputs"),
+    ),
+    _answer(
         f"{SCHEDULES}:forward_backward_pipelining_with_interleaving",
+        "marks the steps whose pseudo-freed outputs are held (see deallocate_output_tensor)",
         _release_held_outputs_each_step,
+        (),
     ),
 )
 
@@ -439,6 +519,37 @@ _MODE = None
 
 BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 FUSED_WEIGHT_GRADIENT = "fused_weight_gradient_mlp_cuda"
+# the stand-in modules and the per-iteration record, applied by the runner itself
+_FUSED_WEIGHT_GRADIENT_STAND_IN = patches.row(
+    patches.CPU_RUNNER,
+    f"{patches.STAND_IN_MODULE}:{FUSED_WEIGHT_GRADIENT}",
+    "apex's gradient-accumulation-fusion kernels (imported by tensor_parallel.layers): a torch "
+    "stand-in accumulating in fp32",
+    ("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
+)
+_TRITON_KERNELS_STAND_IN = patches.row(
+    patches.CPU_RUNNER,
+    f"{patches.STAND_IN_MODULE}:{BATCH_INVARIANT_KERNELS}",
+    "training.initialize imports these Triton kernels at import time; without triton a "
+    "stand-in refuses --batch-invariant-mode",
+    (
+        "enable_batch_invariant_mode",
+        "set_batch_invariant_mode",
+        "disable_batch_invariant_mode",
+        "is_batch_invariant_mode_enabled",
+    ),
+    optional=True,
+)
+_ITERATION_RECORD = patches.row(
+    patches.CPU_RUNNER,
+    "megatron.training.training:training_log",
+    "records the full-precision loss and grad norm per iteration (TSP_CPU_RUNNER_RECORD)",
+    ("loss_dict", "iteration", "skipped_iter", "grad_norm"),
+)
+patches.declare(
+    [a.patch for a in CUDA_ANSWERS]
+    + [_ITERATION_RECORD, _FUSED_WEIGHT_GRADIENT_STAND_IN, _TRITON_KERNELS_STAND_IN]
+)
 
 
 def _triton_kernels_stand_in(original=None) -> types.ModuleType:
@@ -467,18 +578,14 @@ def apply_cuda_answers() -> List[str]:
     global _MODE
     import importlib.util
 
-    from megatron_tsp.megatron_lm import cpu_support, patches
+    from megatron_tsp.megatron_lm import cpu_support
 
     if importlib.util.find_spec("triton") is None:
-        patches.apply(
-            patches.CPU_RUNNER,
-            f"{patches.STAND_IN_MODULE}:{BATCH_INVARIANT_KERNELS}",
-            make=_triton_kernels_stand_in,
-        )
+        stand_in = _TRITON_KERNELS_STAND_IN
+        patches.apply(stand_in.mode, stand_in.target, make=_triton_kernels_stand_in)
+    stand_in = _FUSED_WEIGHT_GRADIENT_STAND_IN
     patches.apply(
-        patches.CPU_RUNNER,
-        f"{patches.STAND_IN_MODULE}:{FUSED_WEIGHT_GRADIENT}",
-        make=lambda original: _fused_weight_gradient_module(),
+        stand_in.mode, stand_in.target, make=lambda original: _fused_weight_gradient_module()
     )
     replaced = []
     for answer in CUDA_ANSWERS:
@@ -500,11 +607,9 @@ def apply_cuda_answers() -> List[str]:
 
 
 def _install_iteration_record(path: str) -> None:
-    from megatron_tsp.megatron_lm import patches
-
     patches.apply(
-        patches.CPU_RUNNER,
-        "megatron.training.training:training_log",
+        _ITERATION_RECORD.mode,
+        _ITERATION_RECORD.target,
         make=lambda original: _recording_training_log(original, path),
     )
 

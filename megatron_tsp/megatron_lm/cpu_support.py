@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from megatron_tsp.megatron_lm import patches
+
 
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
@@ -74,30 +76,64 @@ def _cpu_router_gating_linear(inp, weight, bias, router_dtype):
     )
 
 
+def _cpu_support(target, reason, params, optional=False) -> patches.Patch:
+    return patches.row(patches.CPU_SUPPORT, target, reason, params, optional=optional)
+
+
+# each cpu-support patch and its shim
 _SHIMS = {
-    "torch.cuda:current_device": _cpu_current_device,
-    "torch.cuda:get_rng_state": _cpu_get_rng_state,
-    "torch.cuda:manual_seed": _cpu_manual_seed,
-    "megatron.core.transformer.utils:get_default_causal_mask": _cpu_causal_mask,
-    "megatron.core.fusions.fused_softmax:get_default_causal_mask": _cpu_causal_mask,
-    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _cpu_set_rng_state,
-    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _cpu_get_rng_state,
-    "megatron.core.transformer.moe.router:router_gating_linear": _cpu_router_gating_linear,
-    "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank": (
-        _cpu_pos_emb_on_this_cp_rank
-    ),
+    _cpu_support(
+        "torch.cuda:current_device", "megatron-core allocates buffers there", ()
+    ): _cpu_current_device,
+    _cpu_support(
+        "torch.cuda:get_rng_state", "the RNG tracker saves 'CUDA' states", patches.DEVICE_PARAM
+    ): _cpu_get_rng_state,
+    _cpu_support(
+        "torch.cuda:manual_seed", "model_parallel_cuda_manual_seed", ("seed",)
+    ): _cpu_manual_seed,
+    _cpu_support(
+        "megatron.core.transformer.utils:get_default_causal_mask",
+        "local attention builds its causal mask with device='cuda'",
+        ("sq",),
+    ): _cpu_causal_mask,
+    _cpu_support(
+        "megatron.core.fusions.fused_softmax:get_default_causal_mask",
+        "the same function, imported by name into the softmax module",
+        ("sq",),
+    ): _cpu_causal_mask,
+    _cpu_support(
+        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        "the RNG tracker restores CUDA generator states",
+        ("new_state",),
+    ): _cpu_set_rng_state,
+    _cpu_support(
+        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+        "the RNG tracker reads CUDA generator states",
+        (),
+        optional=True,
+    ): _cpu_get_rng_state,
+    _cpu_support(
+        "megatron.core.transformer.moe.router:router_gating_linear",
+        "the MoE router's gating GEMM reads te_general_gemm, which core 0.16 leaves undefined "
+        "without Transformer Engine",
+        ("inp", "weight", "bias", "router_dtype"),
+    ): _cpu_router_gating_linear,
+    _cpu_support(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+        "RoPE under context parallelism indexes its table with a pinned CUDA tensor",
+        ("pos_emb", "seq_dim", "cp_group"),
+    ): _cpu_pos_emb_on_this_cp_rank,
 }
+patches.declare(_SHIMS)
 
 
 def is_enabled() -> bool:
-    from megatron_tsp.megatron_lm import patches
-
-    return any(patches.is_active(patches.CPU_SUPPORT, target) for target in _SHIMS)
+    return any(patches.is_active(p.mode, p.target) for p in _SHIMS)
 
 
 def enable_cpu_support(force: bool = False) -> None:
-    """Route megatron-core's CUDA-only helpers to the CPU (the ``cpu-support`` rows of
-    ``megatron_tsp.megatron_lm.patches``).
+    """Route megatron-core's CUDA-only helpers to the CPU (the ``cpu-support`` patches,
+    ``_SHIMS``).
 
     ``force=True`` applies the shims even if CUDA is present (for tests of this module only).
     """
@@ -107,16 +143,12 @@ def enable_cpu_support(force: bool = False) -> None:
         )
     import importlib
 
-    from megatron_tsp.megatron_lm import patches
-
-    for target in _SHIMS:  # import all first: fused_softmax binds the unpatched mask function
-        importlib.import_module(target.split(":")[0])
-    for target, shim in _SHIMS.items():
-        patches.apply(patches.CPU_SUPPORT, target, shim)
+    for patch in _SHIMS:  # import all first: fused_softmax binds the unpatched mask function
+        importlib.import_module(patch.module)
+    for patch, shim in _SHIMS.items():
+        patches.apply(patch.mode, patch.target, shim)
 
 
 def disable_cpu_support() -> None:
     """Restore every function ``enable_cpu_support`` replaced."""
-    from megatron_tsp.megatron_lm import patches
-
     patches.remove_mode(patches.CPU_SUPPORT)

@@ -81,12 +81,37 @@ def dry_run_arch() -> int:
     return int(os.environ.get("TSP_DRY_RUN_ARCH", DEFAULT_DRY_RUN_ARCH))
 
 
+_ARCH_QUERY, _CURRENT_DEVICE, _TENSOR_CUDA = patches.declare(
+    [
+        patches.row(
+            patches.DRY_RUN,
+            "megatron.training.arguments:get_device_arch_version",
+            "validate_args asks the GPU architecture; the dry run reports TSP_DRY_RUN_ARCH "
+            "(during validation only)",
+            (),
+        ),
+        patches.row(
+            patches.DRY_RUN,
+            "torch.cuda:current_device",
+            "the model is built on the meta device",
+            (),
+        ),
+        patches.row(
+            patches.DRY_RUN,
+            "torch:Tensor.cuda",
+            "tied embeddings across stages call weight.data.cuda(); a meta tensor stays put",
+        ),
+    ]
+)
+# what a launch with --tsp-dry-run applies, and so what it checks against the installed packages
+# and the script's Megatron-LM tree
+LAUNCH_MODES = (patches.LAUNCH, patches.CPU_SUPPORT, patches.DRY_RUN)
+
+
 @contextlib.contextmanager
 def no_cuda_in_validation():
     """During ``validate_args``: Megatron's architecture query answers ``dry_run_arch()``."""
-    with patches.applied(
-        patches.DRY_RUN, "megatron.training.arguments:get_device_arch_version", dry_run_arch
-    ):
+    with patches.applied(_ARCH_QUERY.mode, _ARCH_QUERY.target, dry_run_arch):
         yield
 
 
@@ -170,8 +195,8 @@ def _meta_device():
     # Tied embeddings across pipeline stages call ``weight.data.cuda()`` before an all-reduce on
     # the embedding group; a meta tensor stays where it is.
     with (
-        patches.applied(patches.DRY_RUN, "torch.cuda:current_device", lambda: torch.device("meta")),
-        patches.applied(patches.DRY_RUN, "torch:Tensor.cuda", lambda self, *args, **kwargs: self),
+        patches.applied(_CURRENT_DEVICE.mode, _CURRENT_DEVICE.target, lambda: torch.device("meta")),
+        patches.applied(_TENSOR_CUDA.mode, _TENSOR_CUDA.target, lambda self, *a, **k: self),
         torch.device("meta"),
     ):
         yield
@@ -411,8 +436,12 @@ def run(args, build: Callable) -> dict:
         report["cuda_initialized"] = torch.cuda.is_initialized()
         report["patches"] = patches.report_lines()
         tree = patch_checks.imported_megatron_lm_tree()
-        checked, problems = patch_checks.check_everywhere([tree] if tree else [])
-        report["patch_check"] = {"checked": checked, "problems": problems}
+        checked, problems = patch_checks.check_everywhere([tree] if tree else [], launch_patches())
+        report["patch_check"] = {
+            "checked": checked,
+            "problems": problems,
+            "declared": len(launch_patches()),
+        }
         return report
     finally:
         mpu.destroy_model_parallel()
@@ -426,13 +455,21 @@ def _fmt_groups(groups: List[List[int]]) -> str:
     return shown
 
 
+def launch_patches() -> List[patches.Patch]:
+    """The patches a launch applies (``LAUNCH_MODES``): the rows their appliers declared (the
+    dry run is reached through ``hooks``, which imports the launch's appliers)."""
+    from megatron_tsp.megatron_lm import cpu_support  # noqa: F401  (its rows)
+
+    return [p for p in patches.declared() if p.mode in LAUNCH_MODES]
+
+
 def _patch_check_lines(check: dict) -> List[str]:
     problems = check["problems"]
     verdict = (
         f"{len(problems)} PROBLEM(S): the run would patch what is not there"
         if problems
-        else f"all {len(patches.REGISTRY)} declared targets present, with the parameters they "
-        "rely on"
+        else f"all {check['declared']} declared targets of a launch present, with the parameters "
+        "they rely on"
     )
     lines = [f"  patch targets     : {verdict}"]
     lines += [f"    checked in {where}" for where in check["checked"]]

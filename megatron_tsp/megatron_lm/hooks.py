@@ -1,7 +1,8 @@
 """``install()``: hook TSP into an unmodified Megatron-LM checkout.
 
 What is wrapped (each looked up where the scripts look it up, at install time; idempotent; every
-one is a ``launch`` row of ``patches.REGISTRY``, applied and removed through it):
+one is a ``launch`` row declared in ``_HOOKS`` below, in ``batch.py`` or in ``spec.py``, applied and
+removed through ``patches``):
 
 * ``megatron.training.arguments.add_megatron_arguments`` -> also adds the "tensor-sequence
   parallel" argument group (``parse_args`` calls it through the module global, in every version);
@@ -43,14 +44,6 @@ def _log(message: str) -> None:
 
     if os.environ.get("RANK", "0") == "0":
         print(f"[megatron_tsp] {message}", flush=True)
-
-
-def _replace(target: str, make_wrapper) -> None:
-    """Wrap a declared ``patches.LAUNCH`` target (skipped where this Megatron-LM has none)."""
-    patches.apply(patches.LAUNCH, target, make=make_wrapper)
-
-
-GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
 
 
 def _wrap_add_megatron_arguments(original):
@@ -161,6 +154,52 @@ def _wrap_pretrain(original):
     return pretrain
 
 
+_TRAINING = "megatron.training"
+
+
+def _launch(target, reason, params=None, versions=patches.MEGATRON_VERSIONS) -> patches.Patch:
+    return patches.row(patches.LAUNCH, target, reason, params, versions)
+
+
+# each launch patch of this module and the wrapper it installs (skipped where this Megatron-LM
+# has no such target)
+_HOOKS = {
+    _launch(
+        f"{_TRAINING}.arguments:add_megatron_arguments",
+        "adds the tensor-sequence parallel argument group (parse_args calls it by module global)",
+        ("parser",),
+    ): _wrap_add_megatron_arguments,
+    _launch(
+        f"{_TRAINING}.arguments:validate_args",
+        "translates the TSP flags before Megatron's world-size arithmetic, then checks them",
+        ("args", "defaults"),
+    ): _wrap_validate_args,
+    _launch(
+        f"{_TRAINING}.initialize:validate_args",
+        "the same, where initialize imports validate_args by name",
+        ("args", "defaults"),
+        versions=("0.16",),
+    ): _wrap_validate_args,
+    _launch(
+        f"{_TRAINING}.training:pretrain", "--tsp-dry-run replaces the training run"
+    ): _wrap_pretrain,
+    _launch(
+        f"{_TRAINING}:pretrain", "--tsp-dry-run (pretrain_gpt.py imports it from here)"
+    ): _wrap_pretrain,
+    _launch(
+        f"{_TRAINING}.checkpointing:generate_state_dict",
+        "checkpoints store the args of a stock TP=D + SP run",
+        ("args",),
+    ): checkpoint_args.wrap_generate_state_dict,
+    _launch(
+        f"{tsp_spec.GPT_MODEL}.forward",
+        "lets TSP attention refuse tokens that skipped the zigzag hook (core/batch_guard.py)",
+        ("self", "input_ids"),
+    ): batch_guard.guard_model_forward,
+}
+patches.declare(_HOOKS)
+
+
 def install() -> None:
     """Hook TSP into Megatron-LM's argument parsing, validation, batch path and model building.
 
@@ -176,18 +215,14 @@ def install() -> None:
             "checkout (not with the megatron-core wheel): put the checkout on PYTHONPATH or run "
             "from its root"
         ) from exc
-    _replace("megatron.training.arguments:add_megatron_arguments", _wrap_add_megatron_arguments)
-    _replace("megatron.training.arguments:validate_args", _wrap_validate_args)
-    _replace("megatron.training.initialize:validate_args", _wrap_validate_args)
-    _replace("megatron.training.training:pretrain", _wrap_pretrain)
-    _replace("megatron.training:pretrain", _wrap_pretrain)
-    _replace(
-        "megatron.training.checkpointing:generate_state_dict",
-        checkpoint_args.wrap_generate_state_dict,
-    )
+    for patch, make_wrapper in _HOOKS.items():
+        if not patch.target.endswith(".forward"):  # the model hooks after the batch hooks
+            patches.apply(patch.mode, patch.target, make=make_wrapper)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
-    _replace(f"{GPT_MODEL}.forward", batch_guard.guard_model_forward)
+    for patch, make_wrapper in _HOOKS.items():
+        if patch.target.endswith(".forward"):
+            patches.apply(patch.mode, patch.target, make=make_wrapper)
     batch_guard.enforce(tsp_batch.active_size() is not None)
     _INSTALLED = True
 

@@ -1,11 +1,11 @@
-"""Checks of ``patches.REGISTRY`` against what is installed and against Megatron-LM's source.
+"""Checks of declared patches (``patches.Patch`` rows) against what is installed and against
+Megatron-LM's source.
 
 ``check_installed``: every megatron-core / torch target importable here, with the parameters
 its patch relies on; ``check_tree``: every Megatron-LM target in a checkout's source, read with
 ``ast`` (no import: its module-level imports resolved by hand, ``_source_definition``);
-``check_everywhere`` both (what ``--tsp-dry-run`` reports); ``main`` is ``megatron-tsp
-check-patches``; ``markdown_table`` / ``doc_block`` the registry as ``docs/megatron-lm.md``
-shows it (a test keeps the page current).
+``check_everywhere`` both (what ``--tsp-dry-run`` reports for a launch's patches, and
+``megatron-tsp check-patches``, ``megatron_tsp.tools.patch_table``, for every applier's).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import inspect
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_tsp.megatron_lm.patches import (
-    REGISTRY,
     STAND_IN_MODULE,
-    TORCH_VERSIONS,
     Patch,
     megatron_version,
     resolve,
@@ -49,7 +47,7 @@ def signature_problem(patch: Patch, names: Optional[Sequence[str]]) -> Optional[
     )
 
 
-def check_installed(patches: Sequence[Patch] = REGISTRY) -> List[str]:
+def check_installed(patches: Sequence[Patch]) -> List[str]:
     """Problems of ``patches`` against what is importable here (megatron-core, torch; the
     Megatron-LM targets are checked against the trees' source by the tests). Empty: all fine."""
     version = megatron_version()
@@ -188,7 +186,7 @@ def tree_version(tree: str) -> Optional[str]:
     return f"{major.group(1)}.{minor.group(1)}" if major and minor else None
 
 
-def check_tree(tree: str, patches: Sequence[Patch] = REGISTRY) -> List[str]:
+def check_tree(tree: str, patches: Sequence[Patch]) -> List[str]:
     """Problems of the Megatron targets of ``patches`` against a Megatron-LM tree's source
     (``megatron/training``, ``megatron/core``): each exists exactly in the versions its row lists,
     with the parameters it relies on. Empty: all fine."""
@@ -253,9 +251,10 @@ def _imported_from(module: str) -> Optional[str]:
     return os.path.dirname(os.path.abspath(spec.origin))
 
 
-def check_everywhere(trees: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
-    """``(checked, problems)``: every declared target against the installed megatron-core and
-    torch and against the source of each Megatron-LM tree in ``trees``; ``checked`` names where."""
+def check_everywhere(trees: Sequence[str], patches: Sequence[Patch]) -> Tuple[List[str], List[str]]:
+    """``(checked, problems)``: every target of ``patches`` against the installed megatron-core
+    and torch and against the source of each Megatron-LM tree in ``trees``; ``checked`` names
+    where."""
     import importlib.metadata
 
     core_folder = _imported_from("megatron.core") or "not importable"
@@ -263,71 +262,8 @@ def check_everywhere(trees: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
         f"megatron-core {megatron_version()} ({core_folder}) and torch "
         f"{importlib.metadata.version('torch')} (as imported here)"
     ]
-    problems = check_installed()
+    problems = check_installed(patches)
     for tree in trees:
         checked.append(f"Megatron-LM tree {tree} (core_v{tree_version(tree)})")
-        problems += check_tree(tree)
+        problems += check_tree(tree, patches)
     return checked, problems
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``megatron-tsp check-patches``: does every patch target exist, with the parameters it
-    relies on, in this installation (and the given Megatron-LM checkouts)? Exit 1 if not."""
-    import argparse
-    import os
-
-    parser = argparse.ArgumentParser(prog="megatron-tsp check-patches", description=main.__doc__)
-    parser.add_argument(
-        "--megatron-lm",
-        action="append",
-        default=[],
-        metavar="TREE",
-        help="a Megatron-LM checkout to check by source (repeatable; default: the checkout whose "
-        "megatron.training this interpreter imports, if any)",
-    )
-    args = parser.parse_args(argv)
-    trees = [os.path.abspath(t) for t in args.megatron_lm]
-    if not trees and imported_megatron_lm_tree():
-        trees = [imported_megatron_lm_tree()]
-    checked, problems = check_everywhere(trees)
-    print(f"{len(REGISTRY)} declared patch targets, checked in:")
-    print("\n".join(f"  {where}" for where in checked))
-    if not trees:
-        print("  (no Megatron-LM tree: pass --megatron-lm PATH to check its targets too)")
-    if problems:
-        print(f"{len(problems)} problem(s):")
-        print("\n".join(f"  {problem}" for problem in problems))
-        return 1
-    print("all present, with the parameters they rely on")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------
-# the table in docs/megatron-lm.md
-
-
-DOC_BEGIN = (
-    "<!-- patches table: generated by megatron_tsp.megatron_lm.patch_checks.markdown_table() -->"
-)
-DOC_END = "<!-- end of patches table -->"
-
-
-def _versions_text(p: Patch) -> str:
-    if p.owner_kind in ("torch", "python"):
-        return "torch " + ", ".join(TORCH_VERSIONS) if p.owner_kind == "torch" else "-"
-    text = ", ".join(p.versions)
-    return text + (" (optional)" if p.optional else "")
-
-
-def markdown_table() -> str:
-    """The registry as a Markdown table (what ``docs/megatron-lm.md`` shows)."""
-    lines = ["| applied by | target | relies on | versions | why |", "|---|---|---|---|---|"]
-    for p in REGISTRY:
-        params = "-" if p.params is None else "(" + ", ".join(p.params) + ")"
-        reason = p.reason.replace("|", "\\|")
-        lines.append(f"| {p.mode} | `{p.target}` | {params} | {_versions_text(p)} | {reason} |")
-    return "\n".join(lines)
-
-
-def doc_block() -> str:
-    return f"{DOC_BEGIN}\n{markdown_table()}\n{DOC_END}"

@@ -1,16 +1,17 @@
-"""Every patch megatron_tsp makes to Megatron-LM, megatron-core, torch or Python, in one table.
+"""Every patch megatron_tsp makes to Megatron-LM, megatron-core, torch or Python goes through here.
 
 A *patch* replaces an attribute of a module or class that megatron_tsp does not own (a function
 Megatron-LM's scripts look up by name, a CUDA-only torch call answered on CPU, ...). Each one is a
-``Patch`` row of ``REGISTRY``: its target, why it exists, which mode applies it, the parameters of
-the target it relies on (checked in the supported versions by ``tests/megatron_lm/
-test_patches.py``) and the Megatron versions whose source holds it. Code applies a patch only
-through ``apply(mode, target, ...)``, which refuses a target the table does not declare, records the
-original object and is idempotent; ``remove`` / ``remove_mode`` put the original back (the very
-same object). ``--tsp-dry-run`` prints the patches applied in its process (``report_lines``).
-Checking every target against the installed packages and the Megatron-LM trees, the
-``megatron-tsp check-patches`` CLI and the table ``docs/megatron-lm.md`` shows are
-``patch_checks``.
+``Patch`` row: its target, why it exists, which mode applies it, the parameters of the target it
+relies on (checked in the supported versions by ``tests/megatron_lm/test_patches.py``) and the
+Megatron versions whose source holds it. The rows live next to the code that applies them: each
+applier module builds its table with ``row`` and hands it to ``declare`` at import (``MODES``
+names the appliers). Code applies a patch only through ``apply(mode, target, ...)``, which refuses
+a target no applier declared, records the original object and is idempotent; ``remove`` /
+``remove_mode`` put the original back (the very same object). ``--tsp-dry-run`` prints the patches
+applied in its process (``report_lines``). Checking the targets against the installed packages
+and the Megatron-LM trees is ``patch_checks``; every applier's rows together (``megatron-tsp
+check-patches``, the table ``docs/megatron-lm.md`` shows) are ``megatron_tsp.tools.patch_table``.
 
 Supported: megatron-core 0.16.x and 0.19.x (``MEGATRON_VERSIONS``), the Megatron-LM trees
 core_v0.16.1 and core_v0.19.0, torch 2.13 (``TORCH_VERSIONS``).
@@ -25,7 +26,7 @@ import contextlib
 import dataclasses
 import importlib
 import sys
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 MEGATRON_VERSIONS = ("0.16", "0.19")  # megatron-core 0.16.x / 0.19.x; trees core_v0.16.1, 0.19.0
 TORCH_VERSIONS = ("2.13",)
@@ -39,12 +40,16 @@ FAKE_RUN = "fake-run"
 COUNTER = "counter"
 GENERATE = "generate"
 
+# each mode and the modules that declare and apply its rows (``megatron_tsp.tools.patch_table``
+# imports them all)
 MODES = {
-    LAUNCH: "megatron_tsp.megatron_lm.hooks.install(): the launcher, the patched pretrain_gpt.py",
+    LAUNCH: "megatron_tsp.megatron_lm.hooks.install() (with batch and spec): the launcher, the "
+    "patched pretrain_gpt.py",
     CPU_SUPPORT: "megatron_tsp.megatron_lm.cpu_support.enable_cpu_support(): every CPU run",
     CPU_RUNNER: "megatron_tsp.megatron_lm.cpu_runner.apply_cuda_answers(): pretrain_gpt.py on CPU",
     DRY_RUN: "megatron_tsp.megatron_lm.dry_run: --tsp-dry-run",
-    FAKE_RUN: "megatron_tsp.tools.estimator.fake_run: the fake-tensor memory estimator",
+    FAKE_RUN: "megatron_tsp.tools.estimator.fake_run (with uniform_routing): the fake-tensor "
+    "memory estimator",
     COUNTER: "megatron_tsp.tools.comm_counter.CommCounter: counts communication while active",
     GENERATE: "megatron_tsp.tools.generate: torch_dist checkpoint I/O on CPU",
 }
@@ -89,407 +94,41 @@ class Patch:
         return "python"
 
 
-def _p(mode, target, reason, params=None, versions=MEGATRON_VERSIONS, optional=False) -> Patch:
+def row(mode, target, reason, params=None, versions=MEGATRON_VERSIONS, optional=False) -> Patch:
+    """One ``Patch`` (the parameters as a tuple), for an applier's table."""
     return Patch(
         mode, target, reason, None if params is None else tuple(params), tuple(versions), optional
     )
 
 
-_DEVICE = ("device",)
-_TRAINING = "megatron.training"
-_GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
-_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+DEVICE_PARAM = ("device",)  # what torch.cuda's per-device queries take
 
-_LAUNCH_PATCHES = [
-    _p(
-        LAUNCH,
-        f"{_TRAINING}.arguments:add_megatron_arguments",
-        "adds the tensor-sequence parallel argument group (parse_args calls it by module global)",
-        ("parser",),
-    ),
-    _p(
-        LAUNCH,
-        f"{_TRAINING}.arguments:validate_args",
-        "translates the TSP flags before Megatron's world-size arithmetic, then checks them",
-        ("args", "defaults"),
-    ),
-    _p(
-        LAUNCH,
-        f"{_TRAINING}.initialize:validate_args",
-        "the same, where initialize imports validate_args by name",
-        ("args", "defaults"),
-        versions=("0.16",),
-    ),
-    _p(LAUNCH, f"{_TRAINING}.training:pretrain", "--tsp-dry-run replaces the training run"),
-    _p(LAUNCH, f"{_TRAINING}:pretrain", "--tsp-dry-run (pretrain_gpt.py imports it from here)"),
-    _p(
-        LAUNCH,
-        f"{_TRAINING}.checkpointing:generate_state_dict",
-        "checkpoints store the args of a stock TP=D + SP run",
-        ("args",),
-    ),
-    _p(
-        LAUNCH,
-        "megatron.core.utils:get_batch_on_this_cp_rank",
-        "zigzag permutation of each micro-batch after the TP broadcast (0.19 scripts import it "
-        "from here)",
-        ("batch",),
-    ),
-    _p(
-        LAUNCH,
-        f"{_TRAINING}.utils:get_batch_on_this_cp_rank",
-        "zigzag permutation (core_v0.16 scripts import it from here)",
-        ("batch",),
-        versions=("0.16",),
-    ),
-    _p(
-        LAUNCH,
-        f"{_GPT_MODEL}.__init__",
-        "resolves the stage-dependent TSP block spec function (core_v0.16 passes --spec as is)",
-        ("self", "config", "transformer_layer_spec", "pg_collection", "vp_stage"),
-    ),
-    _p(
-        LAUNCH,
-        f"{_GPT_MODEL}.forward",
-        "lets TSP attention refuse tokens that skipped the zigzag hook (core/batch_guard.py)",
-        ("self", "input_ids"),
-    ),
-]
+_DECLARED: Dict[Tuple[str, str], Patch] = {}
 
-_CPU_SUPPORT_PATCHES = [
-    _p(CPU_SUPPORT, "torch.cuda:current_device", "megatron-core allocates buffers there", ()),
-    _p(CPU_SUPPORT, "torch.cuda:get_rng_state", "the RNG tracker saves 'CUDA' states", _DEVICE),
-    _p(CPU_SUPPORT, "torch.cuda:manual_seed", "model_parallel_cuda_manual_seed", ("seed",)),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.transformer.utils:get_default_causal_mask",
-        "local attention builds its causal mask with device='cuda'",
-        ("sq",),
-    ),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.fusions.fused_softmax:get_default_causal_mask",
-        "the same function, imported by name into the softmax module",
-        ("sq",),
-    ),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
-        "the RNG tracker restores CUDA generator states",
-        ("new_state",),
-    ),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
-        "the RNG tracker reads CUDA generator states",
-        (),
-        optional=True,
-    ),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.transformer.moe.router:router_gating_linear",
-        "the MoE router's gating GEMM reads te_general_gemm, which core 0.16 leaves undefined "
-        "without Transformer Engine",
-        ("inp", "weight", "bias", "router_dtype"),
-    ),
-    _p(
-        CPU_SUPPORT,
-        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
-        "RoPE under context parallelism indexes its table with a pinned CUDA tensor",
-        ("pos_emb", "seq_dim", "cp_group"),
-    ),
-]
 
-# pretrain_gpt.py on CPU ranks: each CUDA-only call of the loop (the answers themselves are
-# cpu_runner.CUDA_ANSWERS).
-_MEMORY_REPORT = "memory report (no device memory on CPU: 0)"
-_CPU_RUNNER_PATCHES = [
-    _p(CPU_RUNNER, "torch.cuda:is_available", "initialize_megatron asserts CUDA first", ()),
-    _p(
-        CPU_RUNNER,
-        "torch.cuda:device_count",
-        "with 0 devices Megatron skips initialize_model_parallel and the model-parallel seed",
-        (),
-    ),
-    _p(CPU_RUNNER, "torch.cuda:set_device", "one CPU 'device' per rank", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:get_device_properties", "architecture checks read .major", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:get_device_capability", "architecture checks", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:get_device_name", "printed in start-up reports", _DEVICE),
-    _p(
-        CPU_RUNNER,
-        "torch.accelerator:is_available",
-        "the DataLoader pins memory on 'the accelerator' when one is reported; with a CUDA build "
-        "of torch and no driver that initialises CUDA and fails",
-        (),
-        optional=True,
-    ),
-    _p(CPU_RUNNER, "torch.cuda:Stream", "DDP / optimizer side streams (CPU work is ordered)"),
-    _p(CPU_RUNNER, "torch.cuda:Event", "timers and overlap bookkeeping"),
-    _p(CPU_RUNNER, "torch.cuda:current_stream", "stream ordering", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:default_stream", "stream ordering", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:set_stream", "stream ordering", ("stream",)),
-    _p(CPU_RUNNER, "torch.cuda:stream", "`with torch.cuda.stream(s):` blocks", ("stream",)),
-    _p(CPU_RUNNER, "torch.cuda:synchronize", "timers, barriers", _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:empty_cache", "memory housekeeping", ()),
-    _p(CPU_RUNNER, "torch.cuda:memory_allocated", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:max_memory_allocated", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:memory_reserved", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:max_memory_reserved", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:reset_peak_memory_stats", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:memory_stats", _MEMORY_REPORT, _DEVICE),
-    _p(CPU_RUNNER, "torch.cuda:device_memory_used", _MEMORY_REPORT, _DEVICE, optional=True),
-    _p(CPU_RUNNER, "torch.cuda:mem_get_info", _MEMORY_REPORT, _DEVICE),
-    _p(
-        CPU_RUNNER,
-        "torch.cuda:set_rng_state",
-        "checkpoints save and restore the 'CUDA' RNG state",
-        ("new_state",),
-    ),
-    _p(CPU_RUNNER, "torch.cuda.nvtx:range_push", "profiling ranges", ("msg",), optional=True),
-    _p(CPU_RUNNER, "torch.cuda.nvtx:range_pop", "profiling ranges", (), optional=True),
-    _p(
-        CPU_RUNNER,
-        "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
-        "the alltoall MoE dispatcher copies its split sizes to the host, where a CUDA tensor "
-        "becomes a numpy array; a CPU tensor is returned as it is, which all_to_all_single "
-        "refuses as split sizes",
-        ("tensor", "as_numpy", "record_stream"),
-    ),
-    _p(
-        CPU_RUNNER,
-        "megatron.core.datasets.utils:compile_helpers",
-        "rank 0 runs `make` for the dataset index helpers; the compiled .so must be there",
-        (),
-    ),
-    _p(
-        CPU_RUNNER,
-        "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available",
-        "the fused softmax CUDA kernels are imported when fp16/bf16 shapes qualify; without them "
-        "Megatron's own torch softmax runs",
-        ("self",),
-    ),
-    _p(
-        CPU_RUNNER,
-        "megatron.legacy.fused_kernels:load",
-        "compiles CUDA softmax kernels; Megatron falls back to torch softmax without them",
-        ("args",),
-        versions=("0.16",),
-        optional=True,
-    ),
-    _p(
-        CPU_RUNNER,
-        "multiprocessing.spawn:get_preparation_data",
-        "the checkpoint writer's 'spawn' Manager child would re-run pretrain_gpt.py without these "
-        "answers; children import the runner module instead",
-        ("name",),
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{_TRAINING}.initialize:_warmup_jit_function",
-        "its torch.rand draws depend on TP/SP and would shift --use-cpu-initialization weights",
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{_SCHEDULES}:deallocate_output_tensor",
-        "the interleaved schedule pseudo-frees a stage output while its overlapped isend may still "
-        "be running; gloo (unlike NCCL) does not keep the storage alive, so the allocator could "
-        "reuse it mid-send: the storage is held until the next step's schedule starts",
-        ("out", "deallocate_pipeline_outputs"),
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving",
-        "marks the steps whose pseudo-freed outputs are held (see deallocate_output_tensor)",
-        (),
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{_TRAINING}.training:training_log",
-        "records the full-precision loss and grad norm per iteration (TSP_CPU_RUNNER_RECORD)",
-        ("loss_dict", "iteration", "skipped_iter", "grad_norm"),
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{STAND_IN_MODULE}:fused_weight_gradient_mlp_cuda",
-        "apex's gradient-accumulation-fusion kernels (imported by tensor_parallel.layers): a torch "
-        "stand-in accumulating in fp32",
-        ("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
-    ),
-    _p(
-        CPU_RUNNER,
-        f"{STAND_IN_MODULE}:megatron.core.transformer.custom_layers.batch_invariant_kernels",
-        "training.initialize imports these Triton kernels at import time; without triton a "
-        "stand-in refuses --batch-invariant-mode",
-        (
-            "enable_batch_invariant_mode",
-            "set_batch_invariant_mode",
-            "disable_batch_invariant_mode",
-            "is_batch_invariant_mode_enabled",
-        ),
-        optional=True,
-    ),
-]
+def declare(rows: Iterable[Patch]) -> Tuple[Patch, ...]:
+    """Declare an applier's patches (its module calls this at import, with its table); returns
+    them. A (mode, target) declared twice with different rows is refused."""
+    rows = tuple(rows)
+    for patch in rows:
+        key = (patch.mode, patch.target)
+        if patch.mode not in MODES:
+            raise ValueError(f"{patch.target}: unknown mode {patch.mode!r} (one of {list(MODES)})")
+        if _DECLARED.get(key, patch) != patch:
+            raise ValueError(f"{patch.mode} {patch.target} is declared twice, differently")
+        _DECLARED[key] = patch
+    return rows
 
-_DRY_RUN_PATCHES = [
-    _p(
-        DRY_RUN,
-        f"{_TRAINING}.arguments:get_device_arch_version",
-        "validate_args asks the GPU architecture; the dry run reports TSP_DRY_RUN_ARCH (during "
-        "validation only)",
-        (),
-    ),
-    _p(DRY_RUN, "torch.cuda:current_device", "the model is built on the meta device", ()),
-    _p(
-        DRY_RUN,
-        "torch:Tensor.cuda",
-        "tied embeddings across stages call weight.data.cuda(); a meta tensor stays put",
-    ),
-]
 
-_FAKE_RUN_PATCHES = [
-    _p(
-        FAKE_RUN,
-        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
-        "builds its index on CUDA; the CPU version selects the same two chunks",
-        ("pos_emb", "seq_dim", "cp_group"),
-    ),
-    _p(
-        FAKE_RUN,
-        "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
-        "FakeTensorMode cannot dispatch torch's coalescing manager; the bucket collectives run "
-        "one by one (same buffers, same bytes)",
-        ("group",),
-    ),
-    _p(
-        FAKE_RUN,
-        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
-        "fork compares RNG states with .item(), which a fake tensor cannot answer (dropout is 0; "
-        "patched on the tracker instance)",
-        ("self", "name"),
-    ),
-    _p(
-        FAKE_RUN,
-        "megatron.core.transformer.moe.token_dispatcher:MoEAllGatherTokenDispatcher."
-        "dispatch_postprocess",
-        "counts the local experts' token copies and permutes by the routing map's values; "
-        "shape-only tensors take the uniform-routing counts (tools/estimator/uniform_routing.py)",
-        ("self", "hidden_states", "probs"),
-    ),
-    _p(
-        FAKE_RUN,
-        "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.preprocess",
-        "all-to-all split sizes from the routing map's values; shape-only tensors take the "
-        "uniform-routing splits as host tensors",
-        ("self", "routing_map"),
-    ),
-    _p(
-        FAKE_RUN,
-        "megatron.core.transformer.moe.token_dispatcher:permute",
-        "masked_select by the routing map has a value-dependent size; shape-only tensors select "
-        "the known T*k rows",
-        ("tokens", "routing_map", "probs", "num_out_tokens"),
-    ),
-]
-
-# CommCounter: the torch.distributed entry points (op -> the parameter holding the payload) and
-# the names megatron-core binds at import time.
-COUNTED_OPS = {
-    "all_reduce": "tensor",
-    "all_gather": "tensor_list",
-    "all_gather_into_tensor": "output_tensor",
-    "_all_gather_base": "output_tensor",
-    "all_gather_single": "output_tensor",
-    "reduce_scatter": "input_list",
-    "reduce_scatter_tensor": "input",
-    "_reduce_scatter_base": "input",
-    "reduce_scatter_single": "input",
-    "all_to_all": "input_tensor_list",
-    "all_to_all_single": "input",
-    "broadcast": "tensor",
-    "reduce": "tensor",
-    "send": "tensor",
-    "isend": "tensor",
-    "recv": "tensor",
-    "irecv": "tensor",
-}
-_NEW_IN_TORCH_2_13 = ("all_gather_single", "reduce_scatter_single")
-_P2P_OP_CHECKS = ("isend", "irecv", "send", "recv")
-MEGATRON_BOUND_COLLECTIVES = {
-    "dist_all_gather_func": ("output_tensor", "input_tensor", "group"),
-    "dist_reduce_scatter_func": ("output", "input", "op", "group"),
-}
-_COUNTER_PATCHES = (
-    [
-        _p(
-            COUNTER,
-            f"torch.distributed:{op}",
-            "counted (payload and group read by name)",
-            (payload, "group"),
-            optional=op in _NEW_IN_TORCH_2_13,
-        )
-        for op, payload in COUNTED_OPS.items()
-    ]
-    + [
-        _p(
-            COUNTER,
-            f"torch.distributed.distributed_c10d:{op}",
-            "P2POp validates its op against these globals: counted under both names",
-            ("tensor", "group"),
-        )
-        for op in _P2P_OP_CHECKS
-    ]
-    + [
-        _p(
-            COUNTER,
-            "torch.distributed.distributed_c10d:" + op,
-            "the same global identity for the collectives",
-            (payload, "group"),
-        )
-        for op, payload in COUNTED_OPS.items()
-        if op not in _P2P_OP_CHECKS and op not in _NEW_IN_TORCH_2_13
-    ]
-    + [
-        _p(
-            COUNTER,
-            "torch.distributed:batch_isend_irecv",
-            "counts each P2POp of the batch",
-            ("p2p_op_list",),
-        )
-    ]
-    + [
-        _p(
-            COUNTER,
-            f"megatron.core.tensor_parallel.{module}:{name}",
-            "megatron-core binds this collective by name at import",
-            params,
-        )
-        for module in ("mappings", "layers")
-        for name, params in MEGATRON_BOUND_COLLECTIVES.items()
-    ]
-)
-
-_GENERATE_PATCHES = [
-    _p(
-        GENERATE,
-        "torch.cuda:synchronize",
-        "torch_dist's reader and writer synchronize the CUDA stream; nothing to wait for on CPU",
-        _DEVICE,
-    ),
-]
-
-REGISTRY: Tuple[Patch, ...] = tuple(
-    _LAUNCH_PATCHES
-    + _CPU_SUPPORT_PATCHES
-    + _CPU_RUNNER_PATCHES
-    + _DRY_RUN_PATCHES
-    + _FAKE_RUN_PATCHES
-    + _COUNTER_PATCHES
-    + _GENERATE_PATCHES
-)
+def declared() -> Tuple[Patch, ...]:
+    """The patches the modules imported so far declared, by mode (``MODES`` order) and in each
+    applier's table order."""
+    order = {mode: i for i, mode in enumerate(MODES)}
+    return tuple(sorted(_DECLARED.values(), key=lambda p: order[p.mode]))
 
 
 class UndeclaredPatchError(LookupError):
-    """A patch was applied that ``REGISTRY`` does not declare."""
+    """A patch was applied that no applier declared."""
 
 
 class PatchTargetMissing(AttributeError):
@@ -497,17 +136,17 @@ class PatchTargetMissing(AttributeError):
 
 
 def find(mode: str, target: str) -> Patch:
-    for patch in REGISTRY:
-        if patch.mode == mode and patch.target == target:
-            return patch
-    raise UndeclaredPatchError(
-        f"{mode} patches {target}, which megatron_tsp/megatron_lm/patches.py does not declare: "
-        "add a row (target, reason, parameters, versions) to REGISTRY"
-    )
+    patch = _DECLARED.get((mode, target))
+    if patch is None:
+        raise UndeclaredPatchError(
+            f"{mode} patches {target}, which its applier does not declare: add a row (target, "
+            "reason, parameters, versions) to the table it passes to patches.declare"
+        )
+    return patch
 
 
 def of_mode(mode: str) -> List[Patch]:
-    return [p for p in REGISTRY if p.mode == mode]
+    return [p for p in declared() if p.mode == mode]
 
 
 def megatron_version() -> Optional[str]:

@@ -25,6 +25,7 @@ from typing import Optional
 
 from megatron_tsp.core import output_head
 from megatron_tsp.core.batch_guard import has_zigzag_layers
+from megatron_tsp.megatron_lm import patches
 
 
 def _transformer_config(config):
@@ -124,7 +125,17 @@ def _pp_rank_of(pg_collection) -> Optional[int]:
     return dist.get_rank(pp)
 
 
-GPT_MODEL_INIT = "megatron.core.models.gpt.gpt_model:GPTModel.__init__"
+GPT_MODEL = "megatron.core.models.gpt.gpt_model:GPTModel"
+_MODEL_HOOK = patches.declare(
+    [
+        patches.row(
+            patches.LAUNCH,
+            f"{GPT_MODEL}.__init__",
+            "resolves the stage-dependent TSP block spec function (core_v0.16 passes --spec as is)",
+            ("self", "config", "transformer_layer_spec", "pg_collection", "vp_stage"),
+        )
+    ]
+)[0]
 
 
 def describe_attention_backends(model) -> Optional[str]:
@@ -226,15 +237,11 @@ def install_gpt_model_hook() -> None:
     Any other spec goes through untouched, so stock models built in the same process (the TP+SP
     reference in tests, a teacher model) are unaffected.
     """
-    from megatron_tsp.megatron_lm import patches
-
-    patches.apply(patches.LAUNCH, GPT_MODEL_INIT, make=_resolve_tsp_spec)
+    patches.apply(_MODEL_HOOK.mode, _MODEL_HOOK.target, make=_resolve_tsp_spec)
 
 
 def uninstall_gpt_model_hook() -> None:
-    from megatron_tsp.megatron_lm import patches
-
-    patches.remove(patches.LAUNCH, GPT_MODEL_INIT)
+    patches.remove(_MODEL_HOOK.mode, _MODEL_HOOK.target)
 
 
 def tp_sp_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):

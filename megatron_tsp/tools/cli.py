@@ -27,7 +27,7 @@ COMMANDS = {
         "one rank's peak memory of a long-prompt prefill: TSP / TP / CP",
     ),
     "check-patches": (
-        "megatron_tsp.megatron_lm.patch_checks",
+        "megatron_tsp.tools.patch_table",
         "check every patch target in this installation and Megatron-LM checkout",
     ),
     "cpu-run": (

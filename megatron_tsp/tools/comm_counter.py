@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core import comm
+from megatron_tsp.megatron_lm import patches
 
 # The scope label lives in the core (``comm.labelled``): layers label their own traffic and the
 # counter reads it, so the core never imports this module.
@@ -126,6 +127,70 @@ _RENAMED = {
     "reduce_scatter_tensor": "reduce_scatter_single",
 }
 _RECORDED_AS = {new: old for old, new in _RENAMED.items()}
+_P2P_OPS = ("isend", "irecv", "send", "recv")
+# megatron-core binds two collectives by name at import, in these modules: name -> (the op it
+# is counted as, the parameters the wrapper reads)
+_MEGATRON_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+)
+_MEGATRON_BOUND = {
+    "dist_all_gather_func": ("all_gather_into_tensor", ("output_tensor", "input_tensor", "group")),
+    "dist_reduce_scatter_func": ("reduce_scatter_tensor", ("output", "input", "op", "group")),
+}
+
+
+def _counter_patches() -> List[patches.Patch]:
+    """What ``CommCounter`` replaces while active (it sets and restores the attributes itself;
+    declared so that ``megatron-tsp check-patches`` checks every target and the parameters the
+    wrappers read)."""
+    new_names = set(_RENAMED.values())
+
+    def row(target, reason, params, optional=False):
+        return patches.row(patches.COUNTER, target, reason, params, optional=optional)
+
+    rows = [
+        row(
+            f"torch.distributed:{op}",
+            "counted (payload and group read by name)",
+            (payload, "group"),
+            optional=op in new_names,
+        )
+        for op, (payload, _) in _SPEC.items()
+    ]
+    rows += [
+        row(
+            f"torch.distributed.distributed_c10d:{op}",
+            "P2POp validates its op against these globals: counted under both names",
+            ("tensor", "group"),
+        )
+        for op in _P2P_OPS
+    ]
+    rows += [
+        row(
+            f"torch.distributed.distributed_c10d:{op}",
+            "the same global identity for the collectives",
+            (payload, "group"),
+        )
+        for op, (payload, _) in _SPEC.items()
+        if op not in _P2P_OPS and op not in new_names
+    ]
+    rows.append(
+        row(
+            "torch.distributed:batch_isend_irecv",
+            "counts each P2POp of the batch",
+            ("p2p_op_list",),
+        )
+    )
+    rows += [
+        row(f"{module}:{name}", "megatron-core binds this collective by name at import", params)
+        for module in _MEGATRON_MODULES
+        for name, (_, params) in _MEGATRON_BOUND.items()
+    ]
+    return rows
+
+
+patches.declare(_counter_patches())
 
 
 class CommCounter:
@@ -197,10 +262,7 @@ class CommCounter:
     # -- patching ------------------------------------------------------------------------------
     def _megatron_modules(self):
         """megatron-core modules that bind collectives by name at import time."""
-        for name in (
-            "megatron.core.tensor_parallel.mappings",
-            "megatron.core.tensor_parallel.layers",
-        ):
+        for name in _MEGATRON_MODULES:
             try:
                 yield importlib.import_module(name)
             except ImportError:  # megatron-core is optional for the counter
@@ -218,10 +280,7 @@ class CommCounter:
                 if same and op not in _RECORDED_AS:
                     self._patch(c10d, op, wrapped)
         for module in self._megatron_modules():
-            for name, op in (
-                ("dist_all_gather_func", "all_gather_into_tensor"),
-                ("dist_reduce_scatter_func", "reduce_scatter_tensor"),
-            ):
+            for name, (op, _) in _MEGATRON_BOUND.items():
                 if hasattr(module, name):
                     self._patch(module, name, self._wrap(op, getattr(module, name)))
         batch = self._wrap_batch(dist.batch_isend_irecv)

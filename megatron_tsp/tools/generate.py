@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_tsp.megatron_lm import patches
 from megatron_tsp.megatron_lm.cpu_runner import free_port
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, unfused_config
 
@@ -264,6 +265,19 @@ def _save_torch_dist(model, root: str, stored_args: dict) -> None:
         dist_checkpointing.save(state, path)
 
 
+_CUDA_SYNC = patches.declare(
+    [
+        patches.row(
+            patches.GENERATE,
+            "torch.cuda:synchronize",
+            "torch_dist's reader and writer synchronize the CUDA stream; nothing to wait for on "
+            "CPU",
+            patches.DEVICE_PARAM,
+        )
+    ]
+)[0]
+
+
 @contextlib.contextmanager
 def _cpu_cuda_sync():
     """torch_dist's reader / writer synchronize the CUDA stream; on a CPU-only torch there is
@@ -271,9 +285,7 @@ def _cpu_cuda_sync():
     if torch.cuda.is_available():
         yield
         return
-    from megatron_tsp.megatron_lm import patches
-
-    with patches.applied(patches.GENERATE, "torch.cuda:synchronize", lambda *a, **k: None):
+    with patches.applied(_CUDA_SYNC.mode, _CUDA_SYNC.target, lambda *a, **k: None):
         yield
 
 

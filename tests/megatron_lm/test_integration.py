@@ -174,8 +174,11 @@ def test_dry_run_end_to_end(name):
     c = s // 16
     assert f"TSP rank 1: chunks 1 and 14 -> tokens [{c}, {2 * c}), [{14 * c}, {15 * c})" in out
     assert "CUDA initialized  : no" in out
-    # the patch registry: what this run replaced, each line with its target and reason
-    from megatron_tsp.megatron_lm import patch_checks, patches
+    # the declared patches: what this run replaced, each line with its target and reason
+    from megatron_tsp.megatron_lm import dry_run, patch_checks, patches
+    from megatron_tsp.tools import patch_table
+
+    patch_table.all_patches()  # every applier's rows declared in this process
 
     listed = re.search(r"patches\s+: (\d+) applied", out)
     assert listed and int(listed.group(1)) >= 10, out[-3000:]
@@ -187,9 +190,11 @@ def test_dry_run_end_to_end(name):
     ):
         line = f"{state} {mode:<11} {target}: {patches.find(mode, target).reason}"
         assert line in out, (line, out[-3000:])
-    # every declared target checked in the imported megatron-core and the script's checkout
-    declared = len(patches.REGISTRY)
-    assert f"patch targets     : all {declared} declared targets present" in out, out[-3000:]
+    # every target a launch patches, checked in the imported megatron-core and the script's
+    # checkout
+    declared = len([p for p in patch_table.all_patches() if p.mode in dry_run.LAUNCH_MODES])
+    line = f"patch targets     : all {declared} declared targets of a launch present"
+    assert line in out, out[-3000:]
     tree = os.path.dirname(os.path.abspath(_script()))
     version = patch_checks.tree_version(tree)
     assert f"checked in Megatron-LM tree {tree} (core_v{version})" in out, out[-3000:]

@@ -1,4 +1,5 @@
-"""The patch registry (megatron_tsp/megatron_lm/patches.py) against the supported versions.
+"""The declared patches (each applier's table, collected by megatron_tsp/tools/patch_table.py)
+against the supported versions.
 
 * every megatron-core / torch target exists, with the parameters its row relies on, in the
   installed packages (megatron-core 0.16.1 on 3.11 here; scripts/test_core_0_19.sh runs this file
@@ -7,8 +8,9 @@
   lists, core_v0.16.1 and core_v0.19.0, read with ``ast`` (no import);
 * apply then remove gives back the very same objects; applying twice changes nothing;
 * a planted wrong signature or missing target fails the checks, naming the target;
-* the registry is complete for the appliers that keep their own tables (cpu_support,
-  cpu_runner) or patching loop (the counter); docs/megatron-lm.md shows the current table.
+* every patch an applier applies is one it declared (cpu_support, cpu_runner, the counter's own
+  patching loop); a patch declared twice differently is refused; docs/megatron-lm.md shows the
+  current table.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 from megatron_tsp.megatron_lm import patch_checks as C
 from megatron_tsp.megatron_lm import patches as P
+from megatron_tsp.tools import patch_table as T
 from tests.megatron_lm.common import REPO, megatron_lm_tree
 
 _INSTALLED_KINDS = ("megatron-core", "torch", "python")
@@ -36,9 +39,9 @@ def _tree_or_skip(version):
 
 
 def test_every_row_is_complete_and_unique():
-    keys = [(p.mode, p.target) for p in P.REGISTRY]
+    keys = [(p.mode, p.target) for p in T.all_patches()]
     assert len(keys) == len(set(keys))
-    for p in P.REGISTRY:
+    for p in T.all_patches():
         assert p.mode in P.MODES, p
         assert ":" in p.target and len(p.reason) > 8, p
         assert set(p.versions) <= set(P.MEGATRON_VERSIONS) and p.versions, p
@@ -50,14 +53,14 @@ def test_installed_targets_exist_with_their_parameters():
 
     assert P.megatron_version() in P.MEGATRON_VERSIONS, megatron.core.__version__
     assert torch.__version__.startswith(P.TORCH_VERSIONS), torch.__version__
-    assert C.check_installed() == []
+    assert C.check_installed(T.all_patches()) == []
 
 
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
 def test_megatron_targets_exist_with_their_parameters_in_the_tree(version):
     tree = _tree_or_skip(version)
     assert C.tree_version(tree) == version
-    assert C.check_tree(tree) == []
+    assert C.check_tree(tree, T.all_patches()) == []
 
 
 def _imported_names(path: str) -> dict:
@@ -92,7 +95,9 @@ def test_pretrain_gpt_imports_the_patched_names_from_patched_modules(version):
 
 
 def _planted(**changes) -> P.Patch:
-    row = next(p for p in P.REGISTRY if p.target == "megatron.core.utils:get_batch_on_this_cp_rank")
+    row = next(
+        p for p in T.all_patches() if p.target == "megatron.core.utils:get_batch_on_this_cp_rank"
+    )
     return dataclasses.replace(row, **changes)
 
 
@@ -129,9 +134,9 @@ def test_planted_errors_fail_the_tree_check_naming_the_target(version):
 @pytest.mark.parametrize("version", P.MEGATRON_VERSIONS)
 def test_check_patches_command_passes_on_a_supported_tree(version, capsys):
     tree = _tree_or_skip(version)
-    assert C.main(["--megatron-lm", tree]) == 0
+    assert T.main(["--megatron-lm", tree]) == 0
     out = capsys.readouterr().out
-    assert f"{len(P.REGISTRY)} declared patch targets, checked in:" in out
+    assert f"{len(T.all_patches())} declared patch targets, checked in:" in out
     assert f"Megatron-LM tree {tree} (core_v{version})" in out
     assert out.rstrip().endswith("all present, with the parameters they rely on"), out
 
@@ -142,11 +147,11 @@ def test_check_patches_command_fails_naming_every_missing_target(tmp_path, capsy
     info = tmp_path / "megatron" / "core" / "package_info.py"
     info.parent.mkdir(parents=True)
     info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
-    assert C.main(["--megatron-lm", str(tmp_path)]) == 1
+    assert T.main(["--megatron-lm", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     expected = [
         p
-        for p in P.REGISTRY
+        for p in T.all_patches()
         if p.owner_kind in ("megatron-lm", "megatron-core")
         and "0.16" in p.versions
         and not p.optional
@@ -176,10 +181,21 @@ def test_undeclared_patches_are_refused():
 
 def test_a_declared_target_that_is_missing_is_refused_naming_it(monkeypatch):
     row = P.Patch(P.DRY_RUN, "megatron_tsp.megatron_lm.patches:no_such_attribute", "planted", ())
-    monkeypatch.setattr(P, "REGISTRY", P.REGISTRY + (row,))
+    monkeypatch.setattr(P, "_DECLARED", dict(P._DECLARED))
+    P.declare([row])
     with pytest.raises(P.PatchTargetMissing, match="patches:no_such_attribute"):
         P.apply(row.mode, row.target, None)
     assert not P.is_active(row.mode, row.target)
+
+
+def test_a_patch_declared_twice_differently_is_refused(monkeypatch):
+    monkeypatch.setattr(P, "_DECLARED", dict(P._DECLARED))
+    row = next(p for p in T.all_patches() if p.mode == P.DRY_RUN)
+    assert P.declare([row]) == (row,)  # the same row again: nothing changes
+    with pytest.raises(ValueError, match="declared twice"):
+        P.declare([dataclasses.replace(row, reason="another reason")])
+    with pytest.raises(ValueError, match="unknown mode"):
+        P.declare([dataclasses.replace(row, mode="no-such-mode")])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,7 +205,7 @@ def test_a_declared_target_that_is_missing_is_refused_naming_it(monkeypatch):
 def _applicable_here():
     """Rows whose target is importable in this process (Megatron-LM targets need a tree)."""
     rows = []
-    for p in P.REGISTRY:
+    for p in T.all_patches():
         if p.owner_kind not in _INSTALLED_KINDS or p.module == P.STAND_IN_MODULE:
             continue
         try:
@@ -307,21 +323,26 @@ def test_cpu_support_is_removable():
 
 
 # ------------------------------------------------------------------------------------------------
-# the appliers' own tables and loops are declared
+# each mode's rows are its applier's table; the counter's own patching loop is declared
 
 
-def test_cpu_support_and_cpu_runner_tables_match_the_registry():
-    from megatron_tsp.megatron_lm import cpu_runner, cpu_support
+def test_each_modes_rows_are_its_appliers_tables():
+    from megatron_tsp.megatron_lm import batch, cpu_runner, cpu_support, dry_run, hooks, spec
 
-    assert set(cpu_support._SHIMS) == {p.target for p in P.of_mode(P.CPU_SUPPORT)}
-    answered = {a.target for a in cpu_runner.CUDA_ANSWERS}
-    declared = {p.target for p in P.of_mode(P.CPU_RUNNER)}
+    T.all_patches()  # every applier imported
+    assert set(cpu_support._SHIMS) == set(P.of_mode(P.CPU_SUPPORT))
     applied_apart = {
-        "megatron.training.training:training_log",
-        f"{P.STAND_IN_MODULE}:{cpu_runner.FUSED_WEIGHT_GRADIENT}",
-        f"{P.STAND_IN_MODULE}:{cpu_runner.BATCH_INVARIANT_KERNELS}",
+        cpu_runner._ITERATION_RECORD,
+        cpu_runner._FUSED_WEIGHT_GRADIENT_STAND_IN,
+        cpu_runner._TRITON_KERNELS_STAND_IN,
     }
-    assert answered == declared - applied_apart
+    answered = {a.patch for a in cpu_runner.CUDA_ANSWERS}
+    assert answered | applied_apart == set(P.of_mode(P.CPU_RUNNER))
+    launch = set(hooks._HOOKS) | set(batch._BATCH_HOOKS) | {spec._MODEL_HOOK}
+    assert launch == set(P.of_mode(P.LAUNCH))
+    assert {p.mode for p in dry_run.launch_patches()} == set(dry_run.LAUNCH_MODES)
+    # the applier modules named in MODES hold the rows of their mode
+    assert [m for m in P.MODES if not P.of_mode(m)] == []
 
 
 def test_every_counter_patch_is_declared():
@@ -354,12 +375,12 @@ def test_report_lines_name_state_mode_target_and_reason():
 def test_docs_show_the_current_table():
     with open(os.path.join(REPO, "docs", "megatron-lm.md")) as f:
         text = f.read()
-    assert C.doc_block() in text, (
+    assert T.doc_block() in text, (
         "docs/megatron-lm.md is out of date: replace the block between the patches-table markers "
-        "with megatron_tsp.megatron_lm.patch_checks.doc_block()"
+        "with megatron_tsp.tools.patch_table.doc_block()"
     )
-    for p in P.REGISTRY:
-        assert f"`{p.target}`" in C.markdown_table()
+    for p in T.all_patches():
+        assert f"`{p.target}`" in T.markdown_table()
 
 
 def test_hooks_install_and_uninstall_restore_megatron_lm():

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megatron_tsp.core import rejections
 from megatron_tsp.core.model_shape import ModelShape, load_model
+from megatron_tsp.megatron_lm import patches
 from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
@@ -559,6 +560,34 @@ def build_model(cfg: RunConfig, config):
     return model
 
 
+# the fake-run patches (the MoE dispatchers' are ``uniform_routing``'s)
+_CP_ROPE, _COALESCING, _RNG_FORK = patches.declare(
+    [
+        patches.row(
+            patches.FAKE_RUN,
+            "megatron.core.models.common.embeddings.rotary_pos_embedding:"
+            "get_pos_emb_on_this_cp_rank",
+            "builds its index on CUDA; the CPU version selects the same two chunks",
+            ("pos_emb", "seq_dim", "cp_group"),
+        ),
+        patches.row(
+            patches.FAKE_RUN,
+            "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
+            "FakeTensorMode cannot dispatch torch's coalescing manager; the bucket collectives "
+            "run one by one (same buffers, same bytes)",
+            ("group",),
+        ),
+        patches.row(
+            patches.FAKE_RUN,
+            "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+            "fork compares RNG states with .item(), which a fake tensor cannot answer (dropout "
+            "is 0; patched on the tracker instance)",
+            ("self", "name"),
+        ),
+    ]
+)
+
+
 @contextlib.contextmanager
 def no_rng_fork(enabled: bool):
     """Fake runs only: Megatron's RNG-tracker ``fork`` compares CPU RNG states with ``.item()``,
@@ -568,11 +597,9 @@ def no_rng_fork(enabled: bool):
         return
     from megatron.core import tensor_parallel
 
-    from megatron_tsp.megatron_lm import patches
-
     with patches.applied(
-        patches.FAKE_RUN,
-        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+        _RNG_FORK.mode,
+        _RNG_FORK.target,
         lambda *a, **k: contextlib.nullcontext(),
         owner=tensor_parallel.get_cuda_rng_tracker(),
     ):
@@ -593,13 +620,7 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 @contextlib.contextmanager
 def cpu_cp_rope():
-    from megatron_tsp.megatron_lm import patches
-
-    with patches.applied(
-        patches.FAKE_RUN,
-        "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
-        _cpu_pos_emb_on_this_cp_rank,
-    ):
+    with patches.applied(_CP_ROPE.mode, _CP_ROPE.target, _cpu_pos_emb_on_this_cp_rank):
         yield
 
 
@@ -627,17 +648,12 @@ def _uncoalesced_grad_sync():
     """Megatron's grad sync wraps its per-bucket collectives (in place on the grad buffer) in
     ``torch.distributed._coalescing_manager``, which FakeTensorMode cannot dispatch; run them one
     by one instead (same buffers, same bytes)."""
-    from megatron_tsp.megatron_lm import patches
 
     @contextlib.contextmanager
     def plain(*args, **kwargs):
         yield _Done()
 
-    with patches.applied(
-        patches.FAKE_RUN,
-        "megatron.core.distributed.param_and_grad_buffer:_coalescing_manager",
-        plain,
-    ):
+    with patches.applied(_COALESCING.mode, _COALESCING.target, plain):
         yield
 
 

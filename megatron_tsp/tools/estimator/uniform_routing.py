@@ -35,6 +35,8 @@ from typing import List
 
 import torch
 
+from megatron_tsp.megatron_lm import patches
+
 DISPATCHERS = ("allgather", "alltoall")
 
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
@@ -128,25 +130,47 @@ def _shape_only_permute(original):
     return permute
 
 
+def _fake_run(target, reason, params) -> patches.Patch:
+    return patches.row(patches.FAKE_RUN, f"{_DISPATCHER}:{target}", reason, params)
+
+
+# each dispatcher patch and its uniform-routing answer
+_ANSWERS = {
+    _fake_run(
+        "MoEAllGatherTokenDispatcher.dispatch_postprocess",
+        "counts the local experts' token copies and permutes by the routing map's values; "
+        "shape-only tensors take the uniform-routing counts (tools/estimator/uniform_routing.py)",
+        ("self", "hidden_states", "probs"),
+    ): _allgather_dispatch_postprocess,
+    _fake_run(
+        "MoEAlltoAllTokenDispatcher.preprocess",
+        "all-to-all split sizes from the routing map's values; shape-only tensors take the "
+        "uniform-routing splits as host tensors",
+        ("self", "routing_map"),
+    ): _alltoall_preprocess,
+}
+_PERMUTE = _fake_run(
+    "permute",
+    "masked_select by the routing map has a value-dependent size; shape-only tensors select "
+    "the known T*k rows",
+    ("tokens", "routing_map", "probs", "num_out_tokens"),
+)
+patches.declare([*_ANSWERS, _PERMUTE])
+
+
 @contextlib.contextmanager
 def uniform_routing():
     """For the ``with`` block: megatron-core's token dispatchers answer their value-dependent
     sizes with the uniform-routing expectation (module docstring), and the alltoall dispatcher
     has the CPU runner's answers for its side stream and host copies (shape-only tensors live on
     the CPU). Enter it before the model is built (the dispatcher makes its side stream then)."""
-    from megatron_tsp.megatron_lm import cpu_runner, patches
+    from megatron_tsp.megatron_lm import cpu_runner
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cpu_runner.alltoall_dispatcher_on_cpu())
-        for target, replacement in (
-            (
-                f"{_DISPATCHER}:MoEAllGatherTokenDispatcher.dispatch_postprocess",
-                _allgather_dispatch_postprocess,
-            ),
-            (f"{_DISPATCHER}:MoEAlltoAllTokenDispatcher.preprocess", _alltoall_preprocess),
-        ):
-            stack.enter_context(patches.applied(patches.FAKE_RUN, target, replacement))
+        for patch, replacement in _ANSWERS.items():
+            stack.enter_context(patches.applied(patch.mode, patch.target, replacement))
         stack.enter_context(
-            patches.applied(patches.FAKE_RUN, f"{_DISPATCHER}:permute", make=_shape_only_permute)
+            patches.applied(_PERMUTE.mode, _PERMUTE.target, make=_shape_only_permute)
         )
         yield
