@@ -67,7 +67,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 GB = 1e9
-SCHEMES = {"tsp": "TSP", "tpsp": "Megatron TP+SP"}
+SCHEMES = {"tsp": "TSP", "tp_sp": "Megatron TP+SP"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
     config = dataclasses.replace(
         fr.transformer_config(config_cfg), use_cpu_initialization=device == "cpu"
     )
-    if scheme == "tpsp":
+    if scheme == "tp_sp":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from megatron_tsp.core.layers.norm import SequenceParallelNorm
@@ -459,7 +459,7 @@ def precision_check(model, seq, device) -> Tuple[Dict[str, float], Dict[str, str
     """TSP's and Megatron's layer (D=1), each in bf16 against itself in fp32 on the same
     weights and data: TSP's errors, the kernels it ran, and Megatron's errors beside them."""
     tsp, kernels_used = _bf16_vs_fp32("tsp", model, seq, device)
-    megatron, megatron_kernels = _bf16_vs_fp32("tpsp", model, seq, device)
+    megatron, megatron_kernels = _bf16_vs_fp32("tp_sp", model, seq, device)
     return tsp, kernels_used, {"errors": megatron, "attention_kernels": megatron_kernels}
 
 
@@ -722,8 +722,8 @@ def write_report(result: dict, out_dir: str) -> None:
         "allocated before it; the persistent buffers (TSP's communication workspace) are "
         "allocated inside the measured step and counted in its peak.",
         "",
-        f"TSP / TP+SP step time: **{a['ratio_tsp_over_tpsp']:.3f}** ({a['tsp']['kernel_kind']}); "
-        f"kernels' summed time: **{a['tsp']['kernel_busy_s'] / a['tpsp']['kernel_busy_s']:.3f}** "
+        f"TSP / TP+SP step time: **{a['ratio_tsp_over_tp_sp']:.3f}** ({a['tsp']['kernel_kind']}); "
+        f"kernels' summed time: **{a['tsp']['kernel_busy_s'] / a['tp_sp']['kernel_busy_s']:.3f}** "
         "(a step far longer than its kernels' summed time is bound by the host).",
         *_top_kernel_lines(a),
         "",
@@ -929,7 +929,9 @@ def main(argv=None) -> int:
             f"the TSP layer ran {timing['tsp']['attention_kernel']}, not the verified "
             f"{backends['timed']} it was pinned to"
         )
-    timing["ratio_tsp_over_tpsp"] = timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
+    timing["ratio_tsp_over_tp_sp"] = (
+        timing["tsp"]["step_s_median"] / timing["tp_sp"]["step_s_median"]
+    )
     prec_seq = seq if args.cpu_smoke else min(seq, 8192)
     errors, kernels_used, megatron = precision_check(model, prec_seq, device)
     precision = {

@@ -64,7 +64,7 @@ fi
 NCU=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if want hbm && [ -n "$NCU" ]; then
     mkdir -p "$WORK/hbm_32k"
-    for scheme in tsp tpsp; do
+    for scheme in tsp tp_sp; do
         stage "hbm_$scheme" 120 "$NCU" --profile-from-start off --clock-control none \
             --print-units base --csv \
             --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \

@@ -39,8 +39,8 @@ for path in (REPO, os.path.join(REPO, "scripts")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-SCHEMES = ("tsp", "tpsp")
-LABELS = {"tsp": "TSP", "tpsp": "Megatron TP+SP"}
+SCHEMES = ("tsp", "tp_sp")
+LABELS = {"tsp": "TSP", "tp_sp": "Megatron TP+SP"}
 METRICS = {
     "dram__bytes_read.sum": "read",
     "dram__bytes_write.sum": "written",
@@ -197,10 +197,10 @@ def report(directory: str) -> dict:
         )
     result = {"schemes": schemes}
     if len(schemes) == 2:
-        result["tsp_over_tpsp"] = {
-            "dram_bytes": schemes["tsp"]["dram_bytes"] / schemes["tpsp"]["dram_bytes"],
-            "model_bytes": schemes["tsp"]["model_bytes"] / schemes["tpsp"]["model_bytes"],
-            "kernels": schemes["tsp"]["kernels_measured"] / schemes["tpsp"]["kernels_measured"],
+        result["tsp_over_tp_sp"] = {
+            "dram_bytes": schemes["tsp"]["dram_bytes"] / schemes["tp_sp"]["dram_bytes"],
+            "model_bytes": schemes["tsp"]["model_bytes"] / schemes["tp_sp"]["model_bytes"],
+            "kernels": schemes["tsp"]["kernels_measured"] / schemes["tp_sp"]["kernels_measured"],
         }
     with open(os.path.join(directory, "hbm_check.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -234,8 +234,8 @@ def render(result: dict) -> str:
             f"{s['dram_over_model']:.3f} | {1e3 * s['kernel_time_s']:.1f} | "
             f"{s['attention_kernel'] or '-'} |"
         )
-    if "tsp_over_tpsp" in result:
-        r = result["tsp_over_tpsp"]
+    if "tsp_over_tp_sp" in result:
+        r = result["tsp_over_tp_sp"]
         lines += [
             "",
             f"TSP / TP+SP: DRAM bytes {r['dram_bytes']:.3f}, model bytes {r['model_bytes']:.3f}, "

@@ -37,7 +37,7 @@ def _run(out_dir, *argv):
 
 
 def _check_memory(timing, fake):
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         r = timing[scheme]
         assert r["memory_measured_by"] == "MemTracker (CPU smoke)"
         # baseline (parameters, input, RoPE table) recorded; the step's figure excludes it
@@ -58,8 +58,8 @@ def _check_memory(timing, fake):
     # TSP's workspace is allocated inside its measured step and counted there; TP+SP has none
     assert timing["tsp"]["workspace_bytes_after_step"] > 0
     assert timing["tsp"]["step_peak_bytes"] >= timing["tsp"]["workspace_bytes_after_step"]
-    assert timing["tpsp"]["workspace_bytes_after_step"] == 0
-    assert timing["tsp"]["memory_before_step_bytes"] == timing["tpsp"]["memory_before_step_bytes"]
+    assert timing["tp_sp"]["workspace_bytes_after_step"] == 0
+    assert timing["tsp"]["memory_before_step_bytes"] == timing["tp_sp"]["memory_before_step_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         iters,
     )
     timing = report["timing"]
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         r = timing[scheme]
         assert len(r["step_s"]) == iters and all(t > 0 for t in r["step_s"])
         assert r["kernels_per_layer_step"] > 0
@@ -100,10 +100,10 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
             assert "layer_step" in profile.read_text()
     _check_memory(timing, fake)
     # TSP holds 1/D of the weights like TP=D: same parameter count per rank
-    assert timing["tsp"]["layer_params"] == timing["tpsp"]["layer_params"]
+    assert timing["tsp"]["layer_params"] == timing["tp_sp"]["layer_params"]
     assert (
-        timing["ratio_tsp_over_tpsp"]
-        == timing["tsp"]["step_s_median"] / timing["tpsp"]["step_s_median"]
+        timing["ratio_tsp_over_tp_sp"]
+        == timing["tsp"]["step_s_median"] / timing["tp_sp"]["step_s_median"]
     )
     # the bf16 layer ran the verified, pinned backend; the fp32 reference its own default (the
     # pinned one may not run fp32: flash / cuDNN on the GPU)
@@ -118,7 +118,7 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     for name, err in prec.items():
         assert 0.2 < err / megatron[name] < 5, (name, err, megatron[name])
     assert "| TSP / Megatron |" in md
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         top = timing[scheme]["top_kernels_by_time"]
         assert top and sum(k["launches"] for k in top) <= timing[scheme]["kernels_per_layer_step"]
         assert sum(k["s"] for k in top) <= timing[scheme]["kernel_busy_s"] * (1 + 1e-9)

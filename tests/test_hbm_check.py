@@ -49,7 +49,7 @@ def _ncu_csv(path, kernels):
 def steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("hbm")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         r = subprocess.run(
             [sys.executable, os.path.join(REPO, "scripts", "hbm_check.py"), "step",
              "--cpu-smoke", "--scheme", scheme, "--out", str(out)],  # fmt: skip
@@ -60,7 +60,7 @@ def steps(tmp_path_factory):
 
 
 def test_step_counts_the_layer(steps):
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         with open(steps / f"counted_{scheme}.json") as f:
             c = json.load(f)
         assert c["device"] == "cpu" and c["d"] == 2 and c["seq"] == 64
@@ -78,7 +78,7 @@ def test_report_sums_ncu_rows(steps):
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
     rows = {}
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         rows[scheme] = [
             (f"kernel_{rng.randrange(4)}", rng.randrange(1, 10**9), 1000 * rng.randrange(1, 10**6),
              rng.randrange(1, 10**6))
@@ -86,7 +86,7 @@ def test_report_sums_ncu_rows(steps):
         ]  # fmt: skip
         _ncu_csv(steps / f"ncu_{scheme}.csv", rows[scheme])
     result = hbm_check.report(str(steps))
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         s = result["schemes"][scheme]
         with open(steps / f"counted_{scheme}.json") as f:
             counted = json.load(f)["counted"]
@@ -97,8 +97,8 @@ def test_report_sums_ncu_rows(steps):
         assert s["model_bytes"] == counted["bytes"]
         assert s["dram_over_model"] == pytest.approx(dram / counted["bytes"]), seed
         assert sum(k["launches"] for k in s["top_kernels"]) == len(rows[scheme]), seed
-    assert result["tsp_over_tpsp"]["dram_bytes"] == pytest.approx(
-        result["schemes"]["tsp"]["dram_bytes"] / result["schemes"]["tpsp"]["dram_bytes"]
+    assert result["tsp_over_tp_sp"]["dram_bytes"] == pytest.approx(
+        result["schemes"]["tsp"]["dram_bytes"] / result["schemes"]["tp_sp"]["dram_bytes"]
     )
     md = (steps / "hbm_check.md").read_text()
     assert "DRAM / model" in md and "kernel_" in md

@@ -233,7 +233,7 @@ def test_each_shape_row_is_refused_after_validation(mode, row):
 
 
 @pytest.mark.parametrize(
-    "scheme,mode", [("tsp", R.TSP), ("hybrid", R.TSP_MLP), ("tp", R.TP), ("tpsp", R.TP)]
+    "scheme,mode", [("tsp", R.TSP), ("hybrid", R.TSP_MLP), ("tp", R.TP), ("tp_sp", R.TP)]
 )
 def test_estimator_run_config_uses_the_shape_rows(scheme, mode):
     from megatron_tsp.core.model_shape import ModelShape

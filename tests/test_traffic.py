@@ -134,7 +134,7 @@ def _gemms(summary):
 
 
 def test_layer_totals_are_sums_of_ops(layer):
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         s = layer[scheme]
         kernels = [r for r in s["records"] if r["kind"] == "kernel"]
         assert s["kernels"] == len(kernels) > 0
@@ -153,13 +153,13 @@ def test_layer_totals_are_sums_of_ops(layer):
 
 def test_layer_gemm_flops_are_two_tokens_params(layer):
     params = H * 3 * H // D + H * H // D + 2 * H * FFN // D  # qkv, proj, fc1, fc2 per rank
-    for scheme in ("tsp", "tpsp"):
+    for scheme in ("tsp", "tp_sp"):
         s = layer[scheme]
         assert sum(s["linear_params_per_rank"].values()) == params
         assert s["by_phase"]["forward"]["gemm_flops"] == 2 * SEQ * params
         check = traffic.gemm_check(s)
         assert check["forward_exact"] and check["backward_recompute"] is not None
-    assert layer["tpsp"]["by_phase"]["backward"]["gemm_flops"] == 4 * SEQ * params
+    assert layer["tp_sp"]["by_phase"]["backward"]["gemm_flops"] == 4 * SEQ * params
 
 
 def test_tpsp_gemm_launches_and_bytes(layer):
@@ -172,7 +172,7 @@ def test_tpsp_gemm_launches_and_bytes(layer):
         expected += (m * k + k * n + m * n) * BF16  # forward y = x W^T
         expected += (m * n + n * k + m * k) * BF16  # dgrad dx = dy W
         expected += (n * m + m * k + n * k) * BF16  # wgrad dW = dy^T x
-    gemms = _gemms(layer["tpsp"])
+    gemms = _gemms(layer["tp_sp"])
     assert len(gemms) == 12
     assert sum(r["read"] + r["written"] for r in gemms) == expected
 

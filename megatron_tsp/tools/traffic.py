@@ -51,8 +51,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-SCHEMES = ("tsp", "tpsp")
-LABELS = {"tsp": "TSP", "tpsp": "TP+SP"}
+SCHEMES = ("tsp", "tp_sp")
+LABELS = {"tsp": "TSP", "tp_sp": "TP+SP"}
 GB = 1e9
 
 # ops that are not kernels: metadata-only, allocation without initialisation
@@ -521,7 +521,7 @@ def _layer_and_inputs(cfg, scheme: str, shape):
         fake_run.init_parallel(run_cfg)
     config = fake_run.transformer_config(run_cfg)
     spec = fake_run.layer_spec(run_cfg, config)
-    if scheme == "tpsp":
+    if scheme == "tp_sp":
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _whole_sequence_attention()
     block = TransformerBlock(config=config, spec=spec, pre_process=True, post_process=False)
@@ -642,12 +642,12 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
     """Markdown: the per-layer table (kernels, bytes, FLOPs, TSP / TP+SP) and the top ops."""
     seqs = sorted(results)
     schemes = [s for s in SCHEMES if s in cfg.schemes]
-    both = "tsp" in schemes and "tpsp" in schemes
+    both = "tsp" in schemes and "tp_sp" in schemes
     head = ["per layer"] + [f"{LABELS[s]} {_seq_label(q)}" for q in seqs for s in schemes]
 
     def ratio(q, key):
         r = results[q]
-        return f" ({r['tsp'][key] / r['tpsp'][key]:.2f}×)" if both else ""
+        return f" ({r['tsp'][key] / r['tp_sp'][key]:.2f}×)" if both else ""
 
     rows = []
     for label, key, fmt in (
@@ -676,7 +676,7 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
     for q in seqs:
         for s in schemes:
             r = results[q]
-            row.append(f"{r['tsp']['flops'] / r['tpsp']['flops']:.3f}×" if s == "tsp" else "1")
+            row.append(f"{r['tsp']['flops'] / r['tp_sp']['flops']:.3f}×" if s == "tsp" else "1")
     rows.append(row)
     row = ["GEMM FLOPs = 2·T·P fwd / bwd"]
     for q in seqs:
@@ -766,7 +766,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=8, help="D (TSP group = TP group)")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list among tsp,tpsp")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list among tsp,tp_sp")
     p.add_argument("--top", type=int, default=8, help="top ops by bytes to list")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the summaries here")
@@ -834,7 +834,7 @@ def layer_traffic(
     model: str, seq: int, world_size: int, micro_batch: int = 1, dtype: str = "bf16"
 ) -> Dict[str, Dict[str, float]]:
     """Measured kernel launches and bytes read + written of one layer (fwd + bwd) of one rank,
-    per scheme ("tsp", "tpsp"), for the planner: ``{"tsp": {"kernels": ..., "bytes": ...,
+    per scheme ("tsp", "tp_sp"), for the planner: ``{"tsp": {"kernels": ..., "bytes": ...,
     "flops": ...}, ...}``. Runs :func:`measure_isolated` (a fresh interpreter, ~seconds)."""
     res = measure_isolated(
         TrafficConfig(

@@ -16,10 +16,10 @@ LAYOUTS = [
     ("tsp", "tsp", "folded", "alltoall", "none"),
     ("tsp", "tsp", "folded", "allgather", "none"),
     ("tsp", "tsp", "ring", "allgather", "none"),
-    ("tpsp", "tp_sp", "folded", "alltoall", "none"),
+    ("tp_sp", "tp_sp", "folded", "alltoall", "none"),
     ("tsp", "tsp", "folded", "alltoall", "full"),
     ("tsp", "tsp", "ring", "allgather", "full"),
-    ("tpsp", "tp_sp", "folded", "alltoall", "full"),
+    ("tp_sp", "tp_sp", "folded", "alltoall", "full"),
 ]
 
 

@@ -18,10 +18,10 @@ def layouts(d):
     return [
         ("tsp", "tsp", "tsp", d, 1, "none", "saved"),
         ("tsp-attn-recompute", "tsp", "tsp", d, 1, "none", "recompute"),
-        ("tpsp", "tpsp", "tp_sp", d, 1, "none", None),
-        ("tpsp-full", "tpsp", "tp_sp", d, 1, "full", None),
+        ("tp_sp", "tp_sp", "tp_sp", d, 1, "none", None),
+        ("tpsp-full", "tp_sp", "tp_sp", d, 1, "full", None),
         ("tsp-full", "tsp", "tsp", d, 1, "full", "saved"),
-        ("tpcp", "cp", "tp_cp", d // 2, 2, "none", None),
+        ("tpcp", "tp_cp", "tp_cp", d // 2, 2, "none", None),
         # TSP x CP (``--scheme tsp --cp C``): TSP of d/2 and of d, times CP 2
         ("tspcp", "tsp", "tsp_cp", d // 2, 2, "none", "saved"),
         ("tspcp-attn-recompute", "tsp", "tsp_cp", d // 2, 2, "none", "recompute"),

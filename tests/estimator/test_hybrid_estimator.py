@@ -146,7 +146,7 @@ def test_fake_run_hybrid_matches_real_allocator_and_flops():
     )
     err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
     assert err < 0.10, (fake.peak_bytes, real.real_peak_bytes)
-    tpsp = run_step(RunConfig(scheme="tpsp", **base))
+    tpsp = run_step(RunConfig(scheme="tp_sp", **base))
     m = base["model"]
     fc1 = 2 * base["seq"] // 4 * m.hidden * m.ffn_hidden * m.num_layers
     assert fake.flops["matmul"] == tpsp.flops["matmul"]

@@ -82,12 +82,12 @@ def test_planner_prices_every_recorded_kernel(recorded):
     hw = pl.load_hardware("h100")
     costs = hw.kernel_costs()
     seq = 7 * samples[0]
-    for kind, scheme in mt.SCHEME_OF_KIND.items():
+    for kind in mt.RECORDED_KINDS:
         s = pl.make_strategy(kind, D)
         o = pl.Options(recompute="none")
         r = pl.evaluate(model, hw, s, seq, D, o)
         assert r["compute_model"] == "measured"
-        curves = mt.fit_curves({x: raw[scheme][str(x)] for x in samples})
+        curves = mt.fit_curves({x: raw[kind][str(x)] for x in samples})
         for phase in ("fwd", "bwd"):
             expected = sum(costs.seconds(*c.at(seq)) for c in curves if c.phase == phase)
             assert r["layer_compute_s"][phase] == pytest.approx(expected, rel=1e-12)

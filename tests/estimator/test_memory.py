@@ -50,7 +50,7 @@ def _fake_world_teardown():
 
 def _cfg(scheme, fake=True, **kw):
     base = dict(model=TINY, world_size=4, tp=4, cp=1, seq=SMALL_SEQ, count_comm=False)
-    if scheme == "cp":
+    if scheme == "tp_cp":
         base.update(tp=2, cp=2)
     base.update(kw)
     return RunConfig(scheme=scheme, fake=fake, **base)
@@ -117,9 +117,9 @@ def test_baseline_attention_gqa_square(seed):
     "scheme,kw",
     [
         ("tsp", {}),
-        ("tpsp", {}),
+        ("tp_sp", {}),
         ("tp", {}),
-        ("cp", {}),
+        ("tp_cp", {}),
         ("tsp", {"recompute": "full"}),
         ("tsp", {"tp": 2, "cp": 2}),  # TSP x CP: K/V over the tensor-and-context group
     ],
@@ -182,7 +182,7 @@ def test_tsp_flops_within_documented_recompute():
     "recompute"``'s attention core forward). By default (fc1 kept, saved attention backward)
     the GEMM and attention FLOPs are equal."""
     tsp = run_step(_cfg("tsp"))
-    tpsp = run_step(_cfg("tpsp"))
+    tpsp = run_step(_cfg("tp_sp"))
     g = _per_layer_gemm(_cfg("tsp"))
     extra_gemm = tsp.flops["matmul"] - tpsp.flops["matmul"]
     extra_attn = tsp.flops["attention"] - tpsp.flops["attention"]
@@ -193,8 +193,8 @@ def test_tsp_flops_within_documented_recompute():
 
 def test_baselines_do_the_same_gemm_work():
     """TP, TP+SP and TPxCP split the same model over 4 ranks: identical per-rank FLOPs."""
-    flops = {s: run_step(_cfg(s)).flops for s in ("tp", "tpsp", "cp")}
-    assert flops["tp"] == flops["tpsp"] == flops["cp"]
+    flops = {s: run_step(_cfg(s)).flops for s in ("tp", "tp_sp", "tp_cp")}
+    assert flops["tp"] == flops["tp_sp"] == flops["tp_cp"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_cli_validate(capsys):
             "--model",
             "small",
             "--scheme",
-            "tpsp",
+            "tp_sp",
             "--tp",
             "2",
             "--world-size",
@@ -325,7 +325,7 @@ def test_full_scale_7b_128k_d8():
     assert tsp.static_bytes["Parameter"] == 2 * n
     assert tsp.static_bytes["Gradient"] == 4 * n
     assert abs(tsp.static_bytes["Optstate"] - 12 * n) <= 64
-    tpsp = run_step(RunConfig(scheme="tpsp", **full))
+    tpsp = run_step(RunConfig(scheme="tp_sp", **full))
     assert 45e9 < tsp.peak_bytes < 0.75 * tpsp.peak_bytes, (tsp.peak_bytes, tpsp.peak_bytes)
     rec_fc1 = run_step(RunConfig(scheme="tsp", tsp_mlp_recompute_activation=True, **full))
     assert rec_fc1.peak_bytes < 58.7e9, rec_fc1.peak_bytes

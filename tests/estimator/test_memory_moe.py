@@ -85,7 +85,7 @@ def test_expert_counts_spread_every_copy():
         ("tsp", "folded", "alltoall"),
         ("tsp", "folded", "allgather"),
         ("tsp", "ring", "allgather"),
-        ("tpsp", "folded", "alltoall"),
+        ("tp_sp", "folded", "alltoall"),
     ],
 )
 def test_moe_fake_peak_matches_real_run(scheme, schedule, dispatcher):
@@ -146,8 +146,8 @@ def test_moe_cli(capsys):
     assert memory_main(args + ["--expert-model-parallel-size", "2"]) == 0
     assert "TSP D=4 EP2 alltoall" in capsys.readouterr().out
     with pytest.raises(ValueError, match="ring is the TSP expert ring"):
-        _cfg(SMALL_MOE, scheme="tpsp", schedule="ring").validate()
+        _cfg(SMALL_MOE, scheme="tp_sp", schedule="ring").validate()
     with pytest.raises(ValueError, match="--scheme tsp"):
-        _cfg(SMALL_MOE, scheme="cp", cp=2, tp=2).validate()
+        _cfg(SMALL_MOE, scheme="tp_cp", cp=2, tp=2).validate()
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3: num_experts=4"):
         _cfg(SMALL_MOE, ep=3, world_size=12).validate()

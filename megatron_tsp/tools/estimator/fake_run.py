@@ -50,7 +50,7 @@ from megatron_tsp.core.model_shape import ModelShape, load_model
 from megatron_tsp.megatron_lm import patches
 from megatron_tsp.tools.estimator import flops_count
 
-SCHEMES = ("tsp", "tp", "tpsp", "hybrid", "cp")
+SCHEMES = ("tsp", "tp", "tp_sp", "hybrid", "tp_cp")
 GB = 1e9
 GIB = 2**30
 
@@ -61,7 +61,7 @@ GIB = 2**30
 
 @dataclass
 class RunConfig:
-    scheme: str = "tsp"  # tsp | tp | tpsp | hybrid (TP+SP attention + TSP MLP) | cp
+    scheme: str = "tsp"  # tsp | tp | tp_sp | hybrid (TP+SP attention + TSP MLP) | tp_cp (TP x CP)
     model: ModelShape = field(default_factory=lambda: load_model("7b"))
     world_size: int = 8
     tp: int = 8  # the TSP group size D for scheme "tsp"
@@ -114,7 +114,7 @@ class RunConfig:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.scheme in ("tsp", "tpsp", "hybrid") or (self.scheme == "cp" and self.tp > 1)
+        return self.scheme in ("tsp", "tp_sp", "hybrid") or (self.scheme == "tp_cp" and self.tp > 1)
 
     @property
     def label(self) -> str:
@@ -144,7 +144,7 @@ class RunConfig:
             rec = " rec-fc1" if self.tsp_mlp_recompute_activation else ""
             rec += " sums-fp32" if self.tsp_activation_sums_fp32 else ""
             return f"TP={self.tp}+SP+TSP-MLP{rec}"
-        if self.scheme == "cp":
+        if self.scheme == "tp_cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
@@ -153,10 +153,10 @@ class RunConfig:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.model.is_moe:
             self._validate_moe()
-        if self.scheme not in ("cp", "tsp") and self.cp != 1:
-            raise ValueError(f"--cp {self.cp} needs scheme 'cp' (TP x CP) or 'tsp' (TSP x CP)")
-        if self.scheme == "cp" and self.cp < 2:
-            raise ValueError("scheme 'cp' needs --cp >= 2")
+        if self.scheme not in ("tp_cp", "tsp") and self.cp != 1:
+            raise ValueError(f"--cp {self.cp} needs scheme 'tp_cp' (TP x CP) or 'tsp' (TSP x CP)")
+        if self.scheme == "tp_cp" and self.cp < 2:
+            raise ValueError("scheme 'tp_cp' needs --cp >= 2")
         if self.world_size % (self.tp * self.cp):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by TP*CP={self.tp * self.cp}"
@@ -173,8 +173,8 @@ class RunConfig:
         )
         split = {
             "tsp": 2 * self.tp * self.cp,
-            "cp": 2 * self.cp * self.tp,
-            "tpsp": self.tp,
+            "tp_cp": 2 * self.cp * self.tp,
+            "tp_sp": self.tp,
             "hybrid": self.tp,
             "tp": 1,
         }[self.scheme]
@@ -193,10 +193,10 @@ class RunConfig:
         from megatron_tsp.tools.estimator.uniform_routing import DISPATCHERS
 
         m, ep = self.model, self.expert_parallel
-        if self.scheme not in ("tsp", "tpsp"):
+        if self.scheme not in ("tsp", "tp_sp"):
             raise ValueError(
                 f"model {m.name or '?'} has num_experts={m.num_experts}: the fake-tensor run "
-                f"models MoE layers under TSP (--scheme tsp) and TP+SP (--scheme tpsp), not "
+                f"models MoE layers under TSP (--scheme tsp) and TP+SP (--scheme tp_sp), not "
                 f"--scheme {self.scheme}"
             )
         if self.moe_schedule not in ("folded", "ring"):

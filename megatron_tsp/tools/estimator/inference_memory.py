@@ -39,7 +39,7 @@ def _run_config(scheme: str, size: int, seq: int, model, batch: int, dtype: str,
     if scheme not in SCHEMES:
         raise ValueError(f"--scheme {scheme!r}: must be one of {SCHEMES}")
     return RunConfig(
-        scheme=scheme,
+        scheme="tp_cp" if scheme == "cp" else scheme,  # CP alone: the fake run's TP x CP, TP 1
         model=model,
         world_size=size,
         tp=1 if scheme == "cp" else size,

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_tsp.core.model_shape import ModelShape
+from megatron_tsp.tools import traffic
 
-# planner strategy kind -> the traffic recorder's scheme
-SCHEME_OF_KIND = {"tsp": "tsp", "tp_sp": "tpsp"}
+# the planner's strategy kinds whose layer the traffic recorder runs (its schemes, same names)
+RECORDED_KINDS = traffic.SCHEMES
 PHASES = {"forward": "fwd", "backward": "bwd"}
 SAMPLE_MULTIPLES = (1, 2, 3)
 _FITTED: Dict[str, Dict[str, List["KernelCurve"]]] = {}  # cache file -> curves, this process
@@ -200,7 +201,7 @@ def cache_path(model: ModelShape, d: int, micro_batch: int, dtype: str) -> Path:
 def layer_curves(
     model: ModelShape, d: int, micro_batch: int = 1, dtype: str = "bf16"
 ) -> Dict[str, List[KernelCurve]]:
-    """Per scheme ("tsp", "tpsp"), the layer's kernel curves; recorded once and cached."""
+    """Per scheme ("tsp", "tp_sp"), the layer's kernel curves; recorded once and cached."""
     path = cache_path(model, d, micro_batch, dtype)
     if str(path) in _FITTED:
         return _FITTED[str(path)]

@@ -8,10 +8,10 @@ for what is allocated and ``docs/memory.md`` for the assumptions and the 7B tabl
 Examples::
 
     megatron-tsp memory --scheme tsp --tp 8 --seq 131072              # one rank of 7B, D=8
-    megatron-tsp memory --scheme cp --tp 4 --cp 2 --seq 131072 --recompute full
+    megatron-tsp memory --scheme tp_cp --tp 4 --cp 2 --seq 131072 --recompute full
     megatron-tsp memory --scheme hybrid --tp 8 --seq 131072         # TP+SP attention + TSP MLP
     megatron-tsp memory --table                                        # the paper's 7B table
-    megatron-tsp memory --validate --model small --scheme tpsp --tp 4 --world-size 4 --seq 2048
+    megatron-tsp memory --validate --model small --scheme tp_sp --tp 4 --world-size 4 --seq 2048
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ PAPER_GB = {
     ("tp", 8, 1, 16384): 31.5,
     ("tsp", 8, 1, 131072): 38.8,
     ("tp", 8, 1, 131072): 70.0,
-    ("cp", 4, 2, 131072): 85.0,
-    ("cp", 2, 4, 131072): 140.0,
+    ("tp_cp", 4, 2, 131072): 85.0,
+    ("tp_cp", 2, 4, 131072): 140.0,
 }
 
 TABLE_LAYOUTS = [
     ("tsp", 8, 1),
     ("tp", 8, 1),
-    ("tpsp", 8, 1),
+    ("tp_sp", 8, 1),
     ("hybrid", 8, 1),
-    ("cp", 4, 2),
-    ("cp", 2, 4),
+    ("tp_cp", 4, 2),
+    ("tp_cp", 2, 4),
 ]
 # MoE models: TSP with the experts folded (EP = D, alltoall) and on the TSP expert ring, and the
 # TP+SP baseline with the same expert layout as the folded row
-MOE_TABLE_LAYOUTS = [("tsp", 8, 1), ("tsp", 8, 1), ("tpsp", 8, 1)]
+MOE_TABLE_LAYOUTS = [("tsp", 8, 1), ("tsp", 8, 1), ("tp_sp", 8, 1)]
 CATEGORIES = [
     ("Parameter", "params"),
     ("Gradient", "grads"),
@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("run")
     r.add_argument(
         "--scheme",
-        choices=["tsp", "tp", "tpsp", "hybrid", "cp"],
+        choices=["tsp", "tp", "tp_sp", "hybrid", "tp_cp"],
         default="tsp",
-        help="tsp (TSP, D=--tp), tp (Megatron TP), tpsp (TP + sequence parallel), "
+        help="tsp (TSP, D=--tp), tp (Megatron TP), tp_sp (TP + sequence parallel), "
         "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
         "cp (TP x CP with SP)",
     )
