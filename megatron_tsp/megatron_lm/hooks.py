@@ -1,22 +1,12 @@
 """``install()``: hook TSP into an unmodified Megatron-LM checkout.
 
-What is wrapped (each looked up where the scripts look it up, at install time; idempotent; every
-one is a ``launch`` row declared in ``_HOOKS`` below, in ``batch.py`` or in ``spec.py``, applied and
-removed through ``patches``):
-
-* ``megatron.training.arguments.add_megatron_arguments`` -> also adds the "tensor-sequence
-  parallel" argument group (``parse_args`` calls it through the module global, in every version);
-* ``validate_args`` in ``megatron.training.arguments`` and, where it is imported by name
-  (core_v0.16), ``megatron.training.initialize`` -> translates the TSP flags *before* Megatron's
-  world-size arithmetic, then checks the derived values (``--tsp-mlp``: selects the hybrid
-  block spec only; the batch hook stays a pass-through);
-* ``get_batch_on_this_cp_rank`` (``megatron.core.utils``, ``megatron.training.utils``) -> zigzag;
-* ``GPTModel.__init__`` -> resolves the stage-dependent TSP block spec (see ``spec.py``);
-* ``GPTModel.forward`` -> under TSP, records whether the tokens came out of the zigzag hook, so
-  TSP attention can refuse a micro-batch that did not (``megatron_tsp/core/batch_guard.py``);
-* ``pretrain`` (``megatron.training`` and ``megatron.training.training``) -> ``--tsp-dry-run``;
-* ``generate_state_dict`` (``megatron.training.checkpointing``) -> checkpoints store the args of a
-  stock TP=D + SP run (no TSP spec, no TSP-only flags; see ``checkpoint_args.py``).
+What is wrapped, and why, is the launch patches' table: ``_HOOKS`` below (argument parsing and
+validation, ``pretrain`` for ``--tsp-dry-run``, checkpoint args, the model's forward),
+``batch._BATCH_HOOKS`` (the zigzag permutation of each micro-batch) and ``spec``'s model hook
+(the stage-dependent TSP block spec); each is looked up where the scripts look it up, at install
+time, applied and removed through ``patches`` (idempotent). The validation wrapper translates the
+TSP flags *before* Megatron's world-size arithmetic, then checks the derived values; under
+``--tsp-mlp`` it selects the hybrid block spec only and the batch hook stays a pass-through.
 
 ``install()`` must run before the training script imports those names (the launcher does that;
 the patches in ``patches/`` put it at the top of ``pretrain_gpt.py``).
