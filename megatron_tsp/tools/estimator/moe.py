@@ -47,6 +47,7 @@ from megatron_tsp.tools.estimator.formulas import (
     accumulation_bytes,
     ring_factor,
     tp_sp_layer_terms,
+    weight_ring_terms,
 )
 
 Collectives = Dict[str, Dict[str, Tuple[int, int]]]  # phase -> op -> (calls, payload bytes)
@@ -308,47 +309,9 @@ def comm_terms(
         )
     ]
     if schedule == "ring":
-        w = shape.w_experts
-        hops = max(d - 1, 1)
-        gb = accumulation_bytes(b)
-        terms += [
-            _term(
-                "mlp_fwd",
-                "p2p",
-                "weight",
-                f * w,
-                b,
-                group,
-                "prefetch",
-                link="p2p",
-                chunks=hops,
-                what="expert ring: every expert's shards",
-            ),
-            _term(
-                "mlp_bwd",
-                "p2p",
-                "weight",
-                f * w,
-                b,
-                group,
-                "prefetch",
-                link="p2p",
-                chunks=hops,
-                what="expert ring of weight shards again",
-            ),
-            _term(
-                "mlp_bwd",
-                "p2p",
-                "grad",
-                f * w,
-                gb,
-                group,
-                "pipelined",
-                link="p2p",
-                chunks=hops,
-                what="expert grad accumulators one hop behind",
-            ),
-        ]
+        terms += weight_ring_terms(
+            shape, d, shape.w_experts, drain_covered=False, label="expert ring", group=group
+        )
     elif dispatcher == "alltoall":
         copies = t * shape.moe_topk * f  # uniform routing: (EP-1)/EP of the copies leave
         for phase in ("mlp_fwd", "mlp_bwd"):
