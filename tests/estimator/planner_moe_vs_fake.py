@@ -8,8 +8,8 @@ import warnings
 warnings.filterwarnings("ignore")
 
 from megatron_tsp.core.model_shape import ModelShape  # noqa: E402
-from megatron_tsp.tools.estimator import fake_run as fr  # noqa: E402
 from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
+from tests.estimator.planner_check import RESULT, compare  # noqa: E402
 
 # (fake-tool scheme, planner kind, expert schedule, dispatcher, recompute)
 LAYOUTS = [
@@ -42,39 +42,23 @@ def main(experts, topk, layers, seq, d, shared):
     )
     out = []
     for scheme, kind, schedule, dispatcher, recompute in LAYOUTS:
-        measured = fr.run_step(
-            fr.RunConfig(
-                scheme=scheme,
-                model=shape,
-                world_size=d,
-                tp=d,
-                seq=seq,
-                recompute=recompute,
-                moe_schedule=schedule,
-                moe_dispatcher=dispatcher,
-                count_flops=False,
-                count_comm=False,
-            )
+        options = pl.Options(
+            attn_kernel="cpu_flash", moe_schedule=schedule, moe_dispatcher=dispatcher
         )
-        planned = pl.analytic_memory(
+        row = compare(
             shape,
-            pl.Strategy(kind, tp=d),
             seq,
-            recompute=recompute,
-            distributed_optimizer=False,
-            options=pl.Options(
-                attn_kernel="cpu_flash", moe_schedule=schedule, moe_dispatcher=dispatcher
-            ),
+            scheme,
+            kind,
+            d,
+            1,
+            recompute,
+            options,
+            moe_schedule=schedule,
+            moe_dispatcher=dispatcher,
         )
-        out.append(
-            {
-                "layout": f"{measured.label} {recompute}",
-                "measured": measured.peak_bytes,
-                "planned": sum(planned.values()),
-                "measured_phase": measured.peak_phase,
-            }
-        )
-    print("@@RESULT@@" + json.dumps(out))
+        out.append({k: row[k] for k in ("layout", "measured", "planned", "measured_phase")})
+    print(RESULT + json.dumps(out))
 
 
 if __name__ == "__main__":

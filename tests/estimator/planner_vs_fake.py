@@ -8,8 +8,8 @@ import warnings
 warnings.filterwarnings("ignore")
 
 from megatron_tsp.core.model_shape import ModelShape  # noqa: E402
-from megatron_tsp.tools.estimator import fake_run as fr  # noqa: E402
 from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
+from tests.estimator.planner_check import RESULT, compare  # noqa: E402
 
 
 def layouts(d):
@@ -45,39 +45,13 @@ def main(hidden, layers, heads, vocab, seq, d, which, groups=None):
     for name, scheme, kind, tp, cp, recompute, attn in layouts(d):
         if which and name not in which:
             continue
-        measured = fr.run_step(
-            fr.RunConfig(
-                scheme=scheme,
-                model=shape,
-                world_size=tp * cp,
-                tp=tp,
-                cp=cp,
-                seq=seq,
-                recompute=recompute,
-                count_flops=False,
-                count_comm=False,
-                tsp_attention_backward=attn,
-            )
+        options = pl.Options(tsp_recompute_attn=attn == "recompute", attn_kernel="cpu_flash")
+        row = compare(
+            shape, seq, scheme, kind, tp, cp, recompute, options, tsp_attention_backward=attn
         )
-        planned = pl.analytic_memory(
-            shape,
-            pl.Strategy(kind, tp=tp, cp=cp),
-            seq,
-            recompute=recompute,
-            distributed_optimizer=False,
-            options=pl.Options(tsp_recompute_attn=attn == "recompute", attn_kernel="cpu_flash"),
-        )  # the tool runs the CPU backend
-        out.append(
-            {
-                "layout": f"{measured.label} {recompute}" + (f" attn={attn}" if attn else ""),
-                "measured": measured.peak_bytes,
-                "planned": sum(planned.values()),
-                "measured_phase": measured.peak_phase,
-                "measured_by_category": measured.peak_breakdown,
-                "planned_by_category": planned,
-            }
-        )
-    print("@@RESULT@@" + json.dumps(out))
+        row["layout"] += f" attn={attn}" if attn else ""
+        out.append(row)
+    print(RESULT + json.dumps(out))
 
 
 if __name__ == "__main__":

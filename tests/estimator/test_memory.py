@@ -26,6 +26,7 @@ from megatron_tsp.tools.estimator import fake_run  # noqa: E402
 from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
 from tests.common import zigzag_rows  # noqa: E402
+from tests.estimator.fake_world_fixture import _fake_world_teardown  # noqa: E402,F401
 
 # h=128, 2 layers, 8 heads, vocab 512: every scheme runs in seconds.
 TINY = ModelShape(name="tiny-h128", hidden=128, num_layers=2, heads=8, vocab=512)
@@ -33,19 +34,6 @@ SMALL_SEQ = 1024
 # h=256, 4 layers, vocab 2048, S=2048 on 4 ranks: peaks of 28-65 MB, where the CPU flash kernel's
 # per-thread scratch (invisible to any dispatch-level tracker, ~1.5 MB/thread) is noise.
 VALIDATE = dict(model=load_model("small"), seq=2048)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world_teardown():
-    from megatron_tsp.megatron_lm import cpu_support
-
-    was_enabled = cpu_support.is_enabled()
-    yield
-    from megatron_tsp.tools.estimator.memory import _teardown
-
-    _teardown()
-    if not was_enabled:
-        cpu_support.disable_cpu_support()
 
 
 def _cfg(scheme, fake=True, **kw):

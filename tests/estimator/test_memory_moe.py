@@ -26,6 +26,7 @@ from megatron_tsp.tools.estimator import fake_run, moe  # noqa: E402
 from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step  # noqa: E402
 from megatron_tsp.tools.estimator.memory import main as memory_main  # noqa: E402
 from megatron_tsp.tools.estimator.uniform_routing import expert_counts  # noqa: E402
+from tests.estimator.fake_world_fixture import _fake_world_teardown  # noqa: E402,F401
 
 # "small" (h=256, 4 layers, vocab 2048) with 4 SwiGLU experts of FFN 512, top-2: peaks ~80-95 MB
 SMALL_MOE = dataclasses.replace(
@@ -52,19 +53,6 @@ TINY_MOE = ModelShape(
     moe_shared_ffn=128,
     moe_dense_layers=1,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world_teardown():
-    from megatron_tsp.megatron_lm import cpu_support
-
-    was_enabled = cpu_support.is_enabled()
-    yield
-    from megatron_tsp.tools.estimator.memory import _teardown
-
-    _teardown()
-    if not was_enabled:
-        cpu_support.disable_cpu_support()
 
 
 def _cfg(model, scheme="tsp", schedule="folded", dispatcher="alltoall", **kw):

@@ -10,39 +10,13 @@ saved attention and full recompute, TP=8+SP without and with full recompute: abo
 2-core machine, ~12 min with the cores shared).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.estimator.planner_check import run
 
 
 def _run(args, timeout):
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TORCHDYNAMO_DISABLE="1",
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "tests", "estimator", "planner_vs_fake.py"),
-            *map(str, args),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@") :])
-    raise AssertionError(proc.stderr[-4000:])
+    return run("planner_vs_fake.py", args, timeout)
 
 
 def _check(rows):

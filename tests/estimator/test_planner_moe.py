@@ -13,9 +13,6 @@
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,30 +21,11 @@ from megatron_tsp.tools.comm_counter import received_fraction
 from megatron_tsp.tools.estimator import formulas as fm
 from megatron_tsp.tools.estimator import moe, planner
 from megatron_tsp.tools.estimator.formulas import LayerShape
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.estimator.planner_check import run
 
 
 def _fake_vs_planned(*args):
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TORCHDYNAMO_DISABLE="1",
-    )
-    script = os.path.join(REPO, "tests", "estimator", "planner_moe_vs_fake.py")
-    proc = subprocess.run(
-        [sys.executable, script, *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@") :])
-    raise AssertionError(proc.stderr[-4000:])
+    return run("planner_moe_vs_fake.py", args, timeout=900)
 
 
 @pytest.mark.parametrize(
