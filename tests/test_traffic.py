@@ -106,12 +106,13 @@ def test_standin_refuses_after_torch_import():
 H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
 
 
-@pytest.fixture(scope="module")
-def layer(tmp_path_factory):
+def _record_tiny_layer(tmp_path_factory, world_size):
+    """One tiny layer of both schemes recorded in a fresh interpreter (a GELU MLP without
+    biases, LayerNorm, RoPE)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp("traffic") / "tiny.json"
+    path = tmp_path_factory.mktemp(f"traffic{world_size}") / "tiny.json"
     model = dict(
         name="tiny",
         hidden=H,
@@ -125,8 +126,13 @@ def layer(tmp_path_factory):
         rope=True,
     )
     path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=D, top=100)
+    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=world_size, top=100)
     return traffic.measure_isolated(cfg, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def layer(tmp_path_factory):
+    return _record_tiny_layer(tmp_path_factory, D)
 
 
 def _gemms(summary):
@@ -249,15 +255,7 @@ def test_cached_index_table_uploads_are_not_step_kernels(layer):
 @pytest.fixture(scope="module")
 def layer_d4(tmp_path_factory):
     """The tiny layer at D = 4 (a ring long enough for an accumulator to be added onto)."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp("traffic4") / "tiny.json"
-    model = dict(name="tiny", hidden=H, num_layers=1, heads=HEADS, ffn=FFN, vocab=128)
-    model.update(gated=False, bias=False, normalization="LayerNorm", rope=True)
-    path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=4, top=100)
-    return traffic.measure_isolated(cfg, timeout=600)
+    return _record_tiny_layer(tmp_path_factory, 4)
 
 
 def test_tsp_backward_sums_inside_its_gemms(layer_d4):

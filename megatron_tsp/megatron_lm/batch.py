@@ -37,9 +37,8 @@ from megatron_tsp.megatron_lm import patches
 
 _ACTIVE_SIZE: Optional[int] = None
 
-# Modules from which pretrain scripts import ``get_batch_on_this_cp_rank`` by name.
-CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
-# the batch hook's launch patches, one per module scripts import the function from
+# the batch hook's launch patches: one per module from which pretrain scripts import
+# ``get_batch_on_this_cp_rank`` by name
 _BATCH_HOOKS = patches.declare(
     [
         patches.row(

@@ -206,13 +206,9 @@ def install() -> None:
             "from its root"
         ) from exc
     for patch, make_wrapper in _HOOKS.items():
-        if not patch.target.endswith(".forward"):  # the model hooks after the batch hooks
-            patches.apply(patch.mode, patch.target, make=make_wrapper)
+        patches.apply(patch.mode, patch.target, make=make_wrapper)
     tsp_batch.install_batch_hook()
     tsp_spec.install_gpt_model_hook()
-    for patch, make_wrapper in _HOOKS.items():
-        if patch.target.endswith(".forward"):
-            patches.apply(patch.mode, patch.target, make=make_wrapper)
     batch_guard.enforce(tsp_batch.active_size() is not None)
     _INSTALLED = True
 

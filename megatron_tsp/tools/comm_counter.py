@@ -162,7 +162,7 @@ def _counter_patches() -> List[patches.Patch]:
         row(
             f"torch.distributed.distributed_c10d:{op}",
             "P2POp validates its op against these globals: counted under both names",
-            ("tensor", "group"),
+            (_SPEC[op][0], "group"),
         )
         for op in _P2P_OPS
     ]

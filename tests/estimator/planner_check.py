@@ -2,8 +2,7 @@
 (``compare``, run by the scripts ``planner_vs_fake.py`` and ``planner_moe_vs_fake.py`` in a fresh
 interpreter each), and ``run``, which starts such a script and reads its result line."""
 
-import json
-import sys
+import os
 
 from megatron_tsp.tools.estimator import fake_run as fr
 from megatron_tsp.tools.estimator import planner as pl
@@ -45,29 +44,14 @@ def compare(shape, seq, scheme, kind, tp, cp, recompute, options, **run_kwargs) 
 
 
 def run(script: str, args, timeout: float) -> list:
-    """``script`` (a file of this folder) in a fresh interpreter, one thread; its result line."""
-    import os
-    import subprocess
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(
-        os.environ,
-        PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        TORCHDYNAMO_DISABLE="1",
+    """``script`` (a file of this folder) in a fresh interpreter, one thread
+    (``fake_run.run_in_fresh_process``); the list it prints after ``RESULT``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    code = f"import runpy, sys; sys.argv = {[path, *map(str, args)]!r}; " + (
+        f"runpy.run_path({path!r}, run_name='__main__')"
     )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), script), *map(str, args)],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    raise AssertionError(proc.stderr[-4000:])
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    return fr.run_in_fresh_process(code, "", timeout, env)
 
 
-RESULT = "@@RESULT@@"
+RESULT = "@@RESULT@@"  # what run_in_fresh_process reads the result after

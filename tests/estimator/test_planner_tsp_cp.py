@@ -21,21 +21,9 @@ from megatron_tsp.core.model_shape import load_model  # noqa: E402
 from megatron_tsp.tools.estimator import fake_run, timing  # noqa: E402
 from megatron_tsp.tools.estimator import formulas as fm  # noqa: E402
 from megatron_tsp.tools.estimator import planner as pl  # noqa: E402
+from tests.estimator.fake_world_fixture import _fake_world_teardown  # noqa: E402,F401
 
 SEQ = 256
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world_teardown():
-    from megatron_tsp.megatron_lm import cpu_support
-
-    was_enabled = cpu_support.is_enabled()
-    yield
-    from megatron_tsp.tools.estimator.memory import _teardown
-
-    _teardown()
-    if not was_enabled:
-        cpu_support.disable_cpu_support()
 
 
 def _counted(monkeypatch, model, D, C, **kw):

@@ -157,7 +157,7 @@ def qkv_grad(dq, dk, dv, head_layout: HeadLayout, rope_q, rope_k, out=None) -> t
     heads5 = d_mixed.view(s, b, groups, per_group + 2, hn)
     # q's slot: [s, b, ng/D, np/ng, hn] (a strided slot of a wider row when ``out`` is given:
     # b and the groups cannot be merged into one dimension there)
-    dq_in = dq.view(s, b, groups, per_group, hn)
+    dq_in = dq.reshape(s, b, groups, per_group, hn)
     dq_out = heads5[:, :, :, :per_group]
     if rope_q is None:
         dq_out.copy_(dq_in)
