@@ -106,13 +106,13 @@ def test_standin_refuses_after_torch_import():
 H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
 
 
-def _record_tiny_layer(tmp_path_factory, world_size):
+def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ):
     """One tiny layer of both schemes recorded in a fresh interpreter (a GELU MLP without
     biases, LayerNorm, RoPE)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp(f"traffic{world_size}") / "tiny.json"
+    path = tmp_path_factory.mktemp(f"traffic{world_size}_{seq}") / "tiny.json"
     model = dict(
         name="tiny",
         hidden=H,
@@ -126,7 +126,7 @@ def _record_tiny_layer(tmp_path_factory, world_size):
         rope=True,
     )
     path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(model=str(path), seq=SEQ, world_size=world_size, top=100)
+    cfg = traffic.TrafficConfig(model=str(path), seq=seq, world_size=world_size, top=100)
     return traffic.measure_isolated(cfg, timeout=600)
 
 
@@ -296,3 +296,32 @@ def test_tsp_mlp_activation_backward_one_launch_per_shard(layer_d4):
     one = SEQ // d * FFN // d * BF16  # one shard's [local tokens, ffn / D] in bf16
     assert len(acts) == d and all(r["read"] == 2 * one and r["written"] == 2 * one for r in acts)
     assert not [r for r in backward if r["name"] in ("gelu", "gelu_backward")], backward
+
+
+def test_bytes_are_affine_in_the_length_and_tsp_stays_above_its_floor(tmp_path_factory, layer_d4):
+    """The report's split of the bytes into a length-independent part and a part per token
+    (``traffic.length_split``) rests on the counts being affine in the sequence length: at three
+    lengths the two differences are equal, in total and for every source. TSP's length-
+    independent part is at least its floor (``traffic.tsp_weight_floor``: every weight shard read
+    twice, a partial gradient of each written in fp32), and the report shows both."""
+    d = 4
+    results = {SEQ: layer_d4}
+    for seq in (2 * SEQ, 3 * SEQ):
+        results[seq] = _record_tiny_layer(tmp_path_factory, d, seq)
+    for scheme in ("tsp", "tp_sp"):
+        at = [results[q][scheme] for q in (SEQ, 2 * SEQ, 3 * SEQ)]
+        assert at[2]["bytes"] - at[1]["bytes"] == at[1]["bytes"] - at[0]["bytes"] > 0
+        for src in set().union(*(r["bytes_by_source"] for r in at)):
+            b = [r["bytes_by_source"].get(src, 0) for r in at]
+            assert b[2] - b[1] == b[1] - b[0], (scheme, src, b)
+        split = traffic.length_split(results, scheme)
+        assert split["fixed"] + split["per_token"] * 2 * SEQ == at[1]["bytes"]
+        assert sum(split["by_source"].values()) == pytest.approx(split["fixed"])
+    params = H * 3 * H // d + H * H // d + 2 * H * FFN // d  # qkv, proj, fc1, fc2 per rank
+    floor = traffic.tsp_weight_floor(layer_d4["tsp"], d, "bf16")
+    assert floor == d * params * (2 * BF16 + 4)
+    tsp, tp_sp = traffic.length_split(results, "tsp"), traffic.length_split(results, "tp_sp")
+    assert tsp["fixed"] >= floor > tp_sp["fixed"] > 0
+    cfg = traffic.TrafficConfig(model="tiny", seq=SEQ, world_size=d)
+    text = traffic.render(results, cfg, "bench --traffic")
+    assert f"({floor / traffic.GB:.2f} GB)" in text and "independent of the length" in text

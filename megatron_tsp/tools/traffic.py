@@ -54,6 +54,8 @@ from typing import Dict, List, Sequence
 SCHEMES = ("tsp", "tp_sp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP"}
 GB = 1e9
+# the bytes budget the report measures against: TSP's layer within 1.15x TP+SP's
+BYTES_BUDGET = 1.15
 
 # ops that are not kernels: metadata-only, allocation without initialisation
 NOT_KERNELS = frozenset(
@@ -379,6 +381,7 @@ def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
     out["top_sources"] = sorted(
         ({"source": k, **v} for k, v in by_source.items()), key=lambda e: -e["launches"]
     )[:top]
+    out["bytes_by_source"] = {k: v["bytes"] for k, v in by_source.items()}
     out["bytes"] = out["bytes_read"] + out["bytes_written"]
     out["flops"] = out["gemm_flops"] + out["attention_flops"]
     for phase in ("forward", "backward"):
@@ -629,6 +632,99 @@ def gemm_check(summary: Dict[str, object]) -> Dict[str, object]:
 
 
 # --------------------------------------------------------------------------------------------
+# the length-independent part
+
+
+def length_split(
+    results: Dict[int, Dict[str, object]], scheme: str, micro_batch: int = 1
+) -> Dict[str, object]:
+    """``bytes = fixed + per_token x tokens`` for ``scheme`` (tokens = sequence length x
+    ``micro_batch``), from the shortest and the longest
+    length measured: every tensor the layer touches is either a weight (or a weight-sized
+    buffer) or scales with the sequence, and the counting rule reads each kernel's arguments
+    once, so the recorded bytes are affine in the length (``tests/test_traffic.py`` checks it at
+    three lengths). ``fixed`` is what a layer moves for its weights whatever the length;
+    ``by_source`` splits it by the function that issued the op."""
+    lo, hi = min(results), max(results)
+    if lo == hi:
+        raise ValueError(f"length_split needs two sequence lengths, got only {lo}")
+    a, b = results[lo][scheme], results[hi][scheme]
+    tokens_lo, tokens_hi = lo * micro_batch, hi * micro_batch
+
+    def split(at_lo: int, at_hi: int):
+        per_token = (at_hi - at_lo) / (tokens_hi - tokens_lo)
+        return at_lo - per_token * tokens_lo, per_token
+
+    fixed, per_token = split(a["bytes"], b["bytes"])
+    sources = set(a["bytes_by_source"]) | set(b["bytes_by_source"])
+    by_source = {
+        src: split(a["bytes_by_source"].get(src, 0), b["bytes_by_source"].get(src, 0))[0]
+        for src in sources
+    }
+    return {"fixed": fixed, "per_token": per_token, "by_source": by_source}
+
+
+def tsp_weight_floor(summary: Dict[str, object], world_size: int, dtype: str) -> int:
+    """The length-independent bytes no TSP layer can move fewer of under the counting rule: every
+    rank applies every one of the D weight shards to its tokens in the forward and again for
+    dX (all the layer's linear weights read twice, in the compute dtype), and writes a partial
+    gradient of every shard (its tokens touch every weight) in the accumulation dtype that the
+    shard owner's sum keeps (``precision.accumulation_dtype``: fp32 for bf16). TP+SP reads 1/D
+    of the weights; that difference is TSP's, whatever the implementation."""
+    import torch
+
+    from megatron_tsp.core.layers.precision import accumulation_dtype
+
+    weights = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    per_weight = 2 * weights.itemsize + accumulation_dtype(weights).itemsize
+    return world_size * sum(summary["linear_params_per_rank"].values()) * per_weight
+
+
+def _fixed_part_lines(results, cfg: TrafficConfig) -> List[str]:
+    """The report's section on the length-independent part and what the budget leaves per
+    token once that part is at TSP's floor."""
+    seqs = sorted(results)
+    tsp, tp_sp = (length_split(results, s, cfg.micro_batch) for s in ("tsp", "tp_sp"))
+    floor = tsp_weight_floor(results[seqs[0]]["tsp"], cfg.world_size, cfg.dtype)
+
+    def gb(n: float) -> str:
+        return f"{n / GB:.2f} GB"
+
+    left = []
+    for q in seqs:
+        per_token = (BYTES_BUDGET * results[q]["tp_sp"]["bytes"] - floor) / (q * cfg.micro_batch)
+        left.append(
+            f"{per_token:,.0f} B at {_seq_label(q)} ({per_token / tp_sp['per_token']:.3f}× "
+            f"TP+SP's, {per_token / tsp['per_token']:.3f}× TSP's now)"
+        )
+    above_1mb = sorted(
+        ((src, b) for src, b in tsp["by_source"].items() if b > 1e6), key=lambda e: -e[1]
+    )
+    return [
+        "Bytes split into a part independent of the length and a part per token (fitted from "
+        f"{_seq_label(seqs[0])} and {_seq_label(seqs[-1])}; the counts are affine in the length):",
+        "",
+        "| per layer | TSP | TP+SP |",
+        "|---|---:|---:|",
+        f"| independent of the length | {gb(tsp['fixed'])} | {gb(tp_sp['fixed'])} |",
+        f"| per token | {tsp['per_token']:,.0f} B ({tsp['per_token'] / tp_sp['per_token']:.3f}×)"
+        f" | {tp_sp['per_token']:,.0f} B |",
+        "",
+        f"TSP's floor for the length-independent part ({gb(floor)}): every weight shard read "
+        "forward and for dX, one partial gradient of each written in the accumulation dtype. "
+        f"Within {BYTES_BUDGET}× TP+SP's bytes, a TSP layer whose length-independent part were "
+        "at that floor would have per token " + " and ".join(left) + ".",
+        "",
+        "TSP's length-independent bytes by source (above 1 MB):",
+        "",
+        "| source | bytes |",
+        "|---|---:|",
+        *[f"| `{src}` | {gb(b)} |" for src, b in above_1mb],
+        "",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 # report
 
 
@@ -713,6 +809,8 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         f"Command: `{command}`",
         "",
     ]
+    if both and len(seqs) > 1:
+        lines += _fixed_part_lines(results, cfg)
     q = seqs[0]
     for s in schemes:
         r = results[q][s]
