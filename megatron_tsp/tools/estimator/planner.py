@@ -282,8 +282,8 @@ def plan(
         d: fm.crossover_seq_length(shape, degree, d, "tp_sp", candidate="hybrid")
         for d in ("fwd", "total")
     }
-    tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
-    regions = throughput_regions(m, hw, tsp, tpsp, gpus, o)
+    tsp, tp_sp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
+    regions = throughput_regions(m, hw, tsp, tp_sp, gpus, o)
     thr = regions[-1][0] if regions and regions[-1][1] is None else None
     return {
         "model": m,
@@ -297,7 +297,7 @@ def plan(
         "throughput_crossover_seq": thr,
         "hybrid_bytes_crossover_seq": hybrid_cross,
         "hybrid_throughput_regions": throughput_regions(
-            m, hw, make_strategy("hybrid", degree), tpsp, gpus, o
+            m, hw, make_strategy("hybrid", degree), tp_sp, gpus, o
         ),
         "throughput_regions": regions,
         "strategies": strategies,
@@ -315,7 +315,7 @@ def _plan_moe(m, hw, seq, gpus, degree, strategies, o) -> dict:
     against the alltoall dispatcher and where TSP trains faster than TP+SP."""
     strategies = strategies or default_strategies(degree, MOE_KINDS)
     rows = [evaluate(m, hw, s, seq, gpus, o) for s in strategies]
-    tsp, tpsp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
+    tsp, tp_sp = make_strategy("tsp", degree), make_strategy("tp_sp", degree)
     return {
         "model": m,
         "hardware": hw,
@@ -326,7 +326,7 @@ def _plan_moe(m, hw, seq, gpus, degree, strategies, o) -> dict:
         "rows": rows,
         "strategies": strategies,
         "moe_ring_crossover_seq": moe.ring_crossover_seq(m, degree, o.micro_batch),
-        "throughput_regions": throughput_regions(m, hw, tsp, tpsp, gpus, o, lo=4096, hi=2**21),
+        "throughput_regions": throughput_regions(m, hw, tsp, tp_sp, gpus, o, lo=4096, hi=2**21),
     }
 
 
