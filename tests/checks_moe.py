@@ -837,3 +837,38 @@ def _moe_shape(config):
         moe_topk=config.moe_router_topk,
         moe_ffn=config.moe_ffn_hidden_size,
     )
+
+
+def trace_expert_ring(d, experts=3, h=8, ffn=12, tokens_per_expert=2):
+    """Event order (P2P posts and matmuls) of ``tsp_expert_ring``'s forward and backward on fp32
+    SwiGLU experts, every expert with tokens on every rank."""
+    import torch.nn.functional as F
+
+    from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
+    from megatron_tsp.tools.comm_counter import CommCounter
+    from tests.checks_comm import _Trace
+
+    _ensure_groups(d, 1, d)
+    group = tsp_state.get_tensor_sequence_parallel_group()
+    shards = []
+    for _ in range(experts):
+        shards.append(torch.randn(2 * ffn // d, h, requires_grad=True))
+        shards.append(torch.randn(h, ffn // d, requires_grad=True))
+    counts = [tokens_per_expert] * experts
+    x = torch.randn(sum(counts), h, requires_grad=True)
+
+    def act(pre):
+        gate, up = pre.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    trace = _Trace()
+    with CommCounter(on_record=lambda r: trace.events.append(r.op)):
+        with trace:
+            out = tsp_expert_ring(x, counts, shards, False, group, act)
+        fwd = list(trace.events)
+        trace.events.clear()
+        grad = torch.randn_like(out)
+        with trace:
+            out.backward(grad)
+        bwd = list(trace.events)
+    return {"fwd": fwd, "bwd": bwd}

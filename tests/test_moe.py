@@ -67,6 +67,28 @@ def test_moe_ring_zero_tokens(pool4, seed, with_bias):
     print(f"worst relative errors: {checks_moe.worst(errors)}")
 
 
+@pytest.mark.parametrize("d", [2, 4])
+def test_expert_ring_queue_order(pool4, d):
+    """The expert ring's hops and GEMMs in issue order (``weight_ring``'s schedule, every expert
+    per step): forward, each step's GEMMs behind the next weight hop. Backward: step t's dX work
+    (covering the accumulator hop in flight), the next weight hop, the weight-gradient GEMMs onto
+    the arrived accumulator, its hop; the last shard's dX GEMMs are held back and issued between
+    the drain's post and its wait, so the drain has work behind it. (Post order is read from the
+    CommCounter; late completion would run transfers at wait(), so it is off here.)"""
+    e = 3
+    trace = pool4.run(checks_moe.trace_expert_ring, d, e, late_completion=False)[0]
+    p2p = ["isend", "irecv"]
+    assert trace["fwd"] == (p2p + ["mm"] * 2 * e) * (d - 1) + ["mm"] * 2 * e
+    d_act, d_x, wgrad = ["mm"] * e, ["mm"] * e, ["mm"] * 2 * e
+    # per expert: d(activation) = dY W2, then its dX GEMM
+    with_dx = ["mm", "mm"] * e
+    expected = p2p + with_dx + wgrad
+    for t in range(1, d):
+        expected += (with_dx if t < d - 1 else d_act) + (p2p if t < d - 1 else []) + wgrad + p2p
+    expected += d_x  # the last shard's dX, issued while the drain is in flight
+    assert trace["bwd"] == expected
+
+
 # A near-tie in the router's top-k is decided by rounding: a run that routes one token to another
 # expert than the fp64 model does has an error set by that token (measured: 1.4x or 0.5x TP+SP's
 # in one seed), a coin both schedules toss equally. Seeds where a pair's runs route differently

@@ -123,9 +123,13 @@ class _ExpertRingFunction(torch.autograd.Function):
         grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
         grad_xs = grad_x.split(counts)
 
+        last_step = dist.get_world_size(group) - 1
+        last_dx = []  # the last shard's dX GEMMs: issued while the drain is in flight
+
         def input_grads(views, step):
             """Every expert's activation backward and dX contribution of this shard, added onto
-            ``grad_x``; returns [(d_pre, hidden)] per expert for the weight gradients."""
+            ``grad_x`` (the last shard's kept for ``last_shard_input_grads``); returns
+            [(d_pre, hidden)] per expert for the weight gradients."""
             kept = []
             for e, (w1, b1, w2) in enumerate(_per_expert(views, has_bias)):
                 with torch.enable_grad():
@@ -133,9 +137,18 @@ class _ExpertRingFunction(torch.autograd.Function):
                     pre = pre.detach().requires_grad_(True)
                     hidden = activation(pre)
                     (d_pre,) = torch.autograd.grad(hidden, [pre], torch.matmul(dys[e], w2))
-                matmul_acc(d_pre, w1, grad_xs[e])
+                if step == last_step:
+                    last_dx.append((d_pre, w1, grad_xs[e]))
+                else:
+                    matmul_acc(d_pre, w1, grad_xs[e])
                 kept.append((d_pre, hidden.detach()))
             return kept
+
+        def last_shard_input_grads() -> None:
+            """The last shard's dX GEMMs, issued between the drain's post and its wait (its
+            weights stay in their ring buffer: no hop follows the last step's)."""
+            for d_pre, w1, grad_x_e in last_dx:
+                matmul_acc(d_pre, w1, grad_x_e)
 
         def weight_grads(kept, out: FlatShard, accumulate: bool) -> None:
             """This rank's tokens' partial weight gradients of every expert's shard, written into
@@ -149,7 +162,13 @@ class _ExpertRingFunction(torch.autograd.Function):
 
         with labelled(LABEL):  # the schedule and its queue order: ``weight_ring``
             own = weight_ring.backward(
-                params, group, grad_dtype, input_grads, weight_grads, (WEIGHTS, WEIGHT_GRADS)
+                params,
+                group,
+                grad_dtype,
+                input_grads,
+                weight_grads,
+                (WEIGHTS, WEIGHT_GRADS),
+                cover_drain=last_shard_input_grads,
             )
         grads = [weight_grad_output(p, g, ctx.accumulate) for p, g in zip(params, own.views())]
         return (grad_x.to(x.dtype), None, None, None, None, None, None, None, *grads)

@@ -417,24 +417,20 @@ def weight_ring_terms(
     D: int,
     weights: float,
     *,
-    drain_covered: bool,
     label: str,
     group: str = "tsp",
     grad_dtype_bytes: Optional[int] = None,
 ) -> List[CommTerm]:
     """``TSP_SCHEDULE``'s weight-ring rows (the P2P ones: weights forward, weights again and the
     gradient accumulator backward) for another ring over ``weights`` elements per layer (the
-    expert ring: every expert's shards). ``drain_covered``: whether work is issued behind the
-    accumulator's last hop (the dense MLP's one dgrad GEMM); where none is, it is exposed."""
+    expert ring: every expert's shards, its drain covered by the last shard's dX GEMMs as the
+    dense MLP's is by its one dgrad GEMM)."""
     b = shape.dtype_bytes
     width = {"compute": b, "grad": grad_dtype_bytes or accumulation_bytes(b)}
     terms = []
     for row in TSP_SCHEDULE:
         if row.link != "p2p":
             continue
-        overlap = row.overlap
-        if row.category == "grad" and not drain_covered:
-            overlap = "pipelined"  # every hop but the last hidden
         terms.append(
             _term(
                 row.phase,
@@ -443,7 +439,7 @@ def weight_ring_terms(
                 ring_factor(D) * weights,
                 width[row.width],
                 group,
-                overlap,
+                row.overlap,
                 link=row.link,
                 chunks=max(D - 1, 1),
                 what=f"{label}: {row.moves}",

@@ -289,10 +289,11 @@ def comm_terms(
 ) -> List[CommTerm]:
     """The MLP part of one MoE layer's communication on one rank, as the planner's terms
     (phases mlp_fwd / mlp_bwd; the attention's are the dense layer's): the ring's weight hops
-    (prefetched behind the experts' GEMMs, as the dense MLP ring) and accumulator hops (last one
-    exposed), or the folded dispatcher's token exchange over EP = D (critical: the experts wait
-    for it), uniform routing; the router's all-reduce of E counts; the shared expert's TP + SP
-    all-gathers and reduce-scatters (``formulas.tp_sp_layer_terms``' MLP terms)."""
+    (prefetched behind the experts' GEMMs, as the dense MLP ring) and accumulator hops (the last
+    one behind the last shard's dX GEMMs), or the folded dispatcher's token exchange over
+    EP = D (critical: the experts wait for it), uniform routing; the router's all-reduce of E
+    counts; the shared expert's TP + SP all-gathers and reduce-scatters
+    (``formulas.tp_sp_layer_terms``' MLP terms)."""
     f = ring_factor(d)
     b, h, e = shape.dtype_bytes, shape.hidden, shape.num_experts
     t = shape.tokens / d
@@ -309,9 +310,7 @@ def comm_terms(
         )
     ]
     if schedule == "ring":
-        terms += weight_ring_terms(
-            shape, d, shape.w_experts, drain_covered=False, label="expert ring", group=group
-        )
+        terms += weight_ring_terms(shape, d, shape.w_experts, label="expert ring", group=group)
     elif dispatcher == "alltoall":
         copies = t * shape.moe_topk * f  # uniform routing: (EP-1)/EP of the copies leave
         for phase in ("mlp_fwd", "mlp_bwd"):
