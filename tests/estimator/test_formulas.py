@@ -324,7 +324,7 @@ def test_layer_flops_hand_checked():
     assert f["fwd_matmul"] == 2 * 16 * 768
     assert f["fwd_attn_core"] == 2 * 2 * 16 * 16 * 8 * 0.5
     assert f["fwd"] == 24576 + 4096 and f["bwd"] == 2 * f["fwd"] and f["recompute"] == 0
-    tsp = fm.layer_flops(s, recompute_mlp_fc1=True, recompute_attn_core=True)
+    tsp = fm.layer_flops(s, recompute_fc1=True, recompute_attn_core=True)
     assert tsp["recompute"] == 2 * 16 * 256 + 4096
     assert tsp["total"] == 3 * f["fwd"] + tsp["recompute"]
     full = fm.layer_flops(s, full_recompute=True)

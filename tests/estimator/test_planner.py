@@ -236,7 +236,7 @@ def test_evaluate_golden_h100():
         pl.make_strategy("tsp", D),
         S,
         D,
-        pl.Options(recompute="none", tsp_recompute_mlp=True, compute_model="flops"),
+        pl.Options(recompute="none", tsp_recompute_fc1=True, compute_model="flops"),
     )
     recompute = 2 * S * 4 * h * h  # TSP's opt-in fc1 recompute (F = 4h: 4h x h)
     assert opt_in["layer_compute_s"]["bwd"] == pytest.approx(

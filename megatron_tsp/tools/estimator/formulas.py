@@ -909,7 +909,7 @@ def crossover_seq_length(
 def layer_flops(
     shape: LayerShape,
     *,
-    recompute_mlp_fc1: bool = False,
+    recompute_fc1: bool = False,
     recompute_attn_core: bool = False,
     full_recompute: bool = False,
     causal_fraction: float = 0.5,
@@ -920,7 +920,7 @@ def layer_flops(
     fwd matmul 2*B*S*(W_qkv + W_proj + W_fc1 + W_fc2) (an MoE layer: k experts' fc1 / fc2 per
     token, the router and the shared expert); attention core 2 GEMMs (QK^T, PV) of
     2*B*S^2*h each times ``causal_fraction``; backward = ``bwd_factor`` x forward; recompute in the
-    backward: TSP's per-shard fc1 GEMM (``recompute_mlp_fc1``) and attention-core forward
+    backward: TSP's per-shard fc1 GEMM (``recompute_fc1``) and attention-core forward
     (``recompute_attn_core``), or a whole forward (``full_recompute``, Megatron's
     --recompute-granularity full). Element-wise ops, norms, softmax and biases are not counted."""
     bs = shape.tokens
@@ -944,9 +944,7 @@ def layer_flops(
     if full_recompute:
         recompute = fwd_
     else:
-        recompute = (gemm["fc1"] if recompute_mlp_fc1 else 0.0) + (
-            attn if recompute_attn_core else 0.0
-        )
+        recompute = (gemm["fc1"] if recompute_fc1 else 0.0) + (attn if recompute_attn_core else 0.0)
     out = {
         "fwd": fwd_,
         "fwd_matmul": matmul_fwd,

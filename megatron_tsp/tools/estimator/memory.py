@@ -23,6 +23,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from .strategies import RECOMPUTE_FC1_HELP
+
 # The paper's per-GPU peaks (GB), 7B, one 8-GPU node, training. The two "TP x SP" 2-D layouts
 # are listed beside our TP4xCP2 and TP2xCP4 runs (the paper does not name their split).
 PAPER_GB = {
@@ -115,8 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--tsp-recompute-fc1",
         action="store_true",
-        help="TSP / hybrid MLP: TSP's opt-in fc1 recompute (keep only the MLP input, recompute "
-        "each shard's fc1 in the backward; default: keep the per-shard fc1 outputs)",
+        help=RECOMPUTE_FC1_HELP,
     )
     r.add_argument(
         "--tsp-kv-grad-reduce-in-fp32",

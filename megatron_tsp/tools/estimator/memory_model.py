@@ -28,7 +28,7 @@ def _layer_activation_bytes(
     the norms' statistics; saved attention backward: the rotated q and each head group's packed
     local K/V, the attention output (kept once, saved once) and fp32 log-sum-exp; the MLP its
     per-shard fc1 outputs (only its input with TSP's opt-in fc1 recompute,
-    ``tsp_recompute_mlp=True``). The RoPE tables are per step (``_tsp_step_tables``).
+    ``tsp_recompute_fc1=True``). The RoPE tables are per step (``_tsp_step_tables``).
     Megatron TP(+SP) / CP (t = B*S/C tokens, T = TP): norm inputs/outputs (1/T of t with SP), the
     QKV GEMM output (kept alive by the v view), the rotated q and k, the attention output, the
     fp32 log-sum-exp, unfused RoPE's cos/sin (two [t, hn] bf16 per rotated tensor), the MLP
@@ -55,7 +55,7 @@ def _layer_activation_bytes(
             out["attn_qkv"] = t * (h + 2 * hkv) * b
             out["attn_out"] = t * h * b  # saved once (the chunks' output rows)
             out["attn_lse"] = t * shape.heads * 4
-        if not o.tsp_recompute_mlp:
+        if not o.tsp_recompute_fc1:
             out["mlp_fc1_out"] = t * rows * b
         return out
     t = bs / s.cp
@@ -76,7 +76,7 @@ def _layer_activation_bytes(
     if s.kind == "hybrid":
         # The TSP MLP keeps only its (local) input, already counted in norm_in_out, unless it
         # keeps the per-shard fc1 outputs (B*S/D tokens x every shard's fc1 rows).
-        out["mlp_mid"] = 0.0 if o.tsp_recompute_mlp else (bs / s.tp) * rows * b
+        out["mlp_mid"] = 0.0 if o.tsp_recompute_fc1 else (bs / s.tp) * rows * b
     return out
 
 
@@ -194,7 +194,7 @@ def _tsp_backward_working_sets(
         # ``input_grads`` returns)
         "mlp_shard_mid": (3 * F_ + (0 if act_kernel else rows)) * t / D * b,
     }
-    if o.tsp_recompute_mlp:
+    if o.tsp_recompute_fc1:
         mlp["mlp_shard_fc1_recomputed"] = t * rows / D * b
     if _cpu_gemm_upcast(o) and o.tsp_activation_sums_fp32:
         # ``precision.matmul_acc`` off CUDA: fp32 copies of the one dgrad GEMM's operands
@@ -317,7 +317,7 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
             * h
             * (fm.accumulation_bytes(b) if o.tsp_activation_sums_fp32 else b),
         }
-        mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_mlp else 0)
+        mid = shape.ffn_hidden + (shape.fc1_rows if o.tsp_recompute_fc1 else 0)
         out["mlp_shard_mid"] = (bs / D) * mid / D * b
         return out
     if shape.is_moe:  # the MoE backward (no gathered input), then the attention's

@@ -42,7 +42,14 @@ from . import moe
 from .formulas import LayerShape
 from .memory_model import analytic_memory
 from .planner_inputs import GB, HardwareSpec, available, load_hardware, load_model
-from .strategies import MOE_KINDS, Options, Strategy, default_strategies, make_strategy
+from .strategies import (
+    MOE_KINDS,
+    RECOMPUTE_FC1_HELP,
+    Options,
+    Strategy,
+    default_strategies,
+    make_strategy,
+)
 from .timing import (
     cheapest_fitting_layer_time,
     evaluate,
@@ -85,10 +92,10 @@ def assumptions(
         "TSP schedule: fwd bcast attn weights + all-gather K/V per head group + MLP weight ring; "
         f"bwd re-bcast, {'re-gather K/V, ' if o.tsp_regather_kv else ''}reduce-scatter dK/dV, "
         "reduce attn weight grads, MLP ring + grad accumulator ring; TSP recomputes "
-        f"fc1={o.tsp_recompute_mlp}, attention core={o.tsp_recompute_attn} in the backward",
+        f"fc1={o.tsp_recompute_fc1}, attention core={o.tsp_recompute_attn} in the backward",
         "hybrid (--tsp-mlp): TP+SP's attention collectives (fwd f*2BSh, bwd f*3BSh) + TSP's "
         "MLP weight ring (fwd f*W_mlp, bwd ring + grad accumulator 2f*W_mlp); the MLP keeps its "
-        f"fc1 outputs unless it recomputes fc1 (= {o.tsp_recompute_mlp}, TSP's opt-in)",
+        f"fc1 outputs unless it recomputes fc1 (= {o.tsp_recompute_fc1}, TSP's opt-in)",
         "TP+SP (megatron-core 0.16.1 layers.py): fwd AG+RS per block = f*4BSh, bwd re-AG of the "
         "saved input + dgrad RS (both async next to GEMMs) + AG of the row-parallel output grad "
         "= f*6BSh",
@@ -547,10 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
     ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
     ap.add_argument(
-        "--tsp-recompute-mlp",
+        "--tsp-recompute-fc1",
         action="store_true",
-        help="TSP / hybrid MLP: TSP's opt-in fc1 recompute (keeps only the MLP input and "
-        "recomputes each shard's fc1 in the backward; default: keep the fc1 outputs)",
+        help=RECOMPUTE_FC1_HELP,
     )
     ap.add_argument(
         "--tsp-recompute-attn",
@@ -614,7 +620,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         global_batch_tokens=args.global_batch_tokens,
         recompute=args.recompute,
         distributed_optimizer=not args.no_distributed_optimizer,
-        tsp_recompute_mlp=args.tsp_recompute_mlp,
+        tsp_recompute_fc1=args.tsp_recompute_fc1,
         tsp_recompute_attn=args.tsp_recompute_attn,
         compute_model=args.compute_model,
         tsp_kv_grad_fp32=args.tsp_kv_grad_reduce_in_fp32,

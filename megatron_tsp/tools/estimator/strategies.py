@@ -101,6 +101,13 @@ def as_strategy(strategy: Union[str, Strategy], degree: Optional[int]) -> Strate
     return make_strategy(strategy, degree)
 
 
+# the planner's and the memory tool's --tsp-recompute-fc1
+RECOMPUTE_FC1_HELP = (
+    "TSP / hybrid MLP: TSP's opt-in fc1 recompute (keep only the MLP input, recompute each "
+    "shard's fc1 in the backward; default: keep the per-shard fc1 outputs)"
+)
+
+
 @dataclass
 class Options:
     """Knobs of the analytic model (defaults = what the implementation does)."""
@@ -112,7 +119,7 @@ class Options:
     distributed_optimizer: bool = True
     # TSP's opt-in fc1 recompute (``mlp_recompute_activation=True``); the default keeps the
     # per-shard fc1 outputs and recomputes only what Megatron's flags ask for
-    tsp_recompute_mlp: bool = False
+    tsp_recompute_fc1: bool = False
     tsp_recompute_attn: bool = False  # TSP attention_backward="recompute" (default: "saved")
     tsp_regather_kv: bool = True
     # attention kernel backend (layers/kernels.py): "aten_flash" (one call per zigzag chunk,

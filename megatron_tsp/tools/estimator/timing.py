@@ -103,7 +103,7 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
 
 def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
     return dict(
-        recompute_mlp_fc1=(s.kind in ("tsp", "tsp_cp", "hybrid") and o.tsp_recompute_mlp),
+        recompute_fc1=(s.kind in ("tsp", "tsp_cp", "hybrid") and o.tsp_recompute_fc1),
         recompute_attn_core=(s.is_tsp and o.tsp_recompute_attn),
         full_recompute=full,
         causal_fraction=o.causal_fraction,
