@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tsp",
         help="tsp (TSP, D=--tp), tp (Megatron TP), tp_sp (TP + sequence parallel), "
         "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
-        "cp (TP x CP with SP)",
+        "tp_cp (TP x CP with SP)",
     )
     r.add_argument("--tp", type=int, default=8, help="TP size, or the TSP group size D")
     r.add_argument("--cp", type=int, default=1)
