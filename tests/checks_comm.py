@@ -124,11 +124,16 @@ def trace_layer(kind, d, seq=32, batch=2, hidden=32):
     else:
         _, layer = _attention(d, torch.float32, 4, 4, False, hidden)
     x = torch.randn(seq // size, batch, hidden, requires_grad=True)
+    return trace_forward_backward(lambda: layer(x)[0])
+
+
+def trace_forward_backward(forward):
+    """Event order (collectives from the CommCounter, matmuls from dispatch) of ``forward()``
+    and of the backward of the tensor it returns, for a random output gradient."""
     trace = _Trace()
-    fwd, bwd = [], []
     with CommCounter(on_record=lambda r: trace.events.append(r.op)):
         with trace:
-            out, _ = layer(x)
+            out = forward()
         fwd = list(trace.events)
         trace.events.clear()
         grad = torch.randn_like(out)

@@ -551,19 +551,31 @@ def check_moe_ring_traffic(d, seed, dtype_name="float64", case="moe"):
     return got
 
 
-def check_expert_ring_zero_tokens(d, seed, with_bias):
+def _swiglu(pre):
+    """SwiGLU of an fc1 output [tokens, 2 F] (gate columns, then linear ones)."""
+    import torch.nn.functional as F
+
+    gate, up = pre.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def check_expert_ring_zero_tokens(d, seed, with_bias, triton_kernel=False):
     """``tsp_expert_ring`` directly, fp64, with token counts that differ per rank and include
     experts with no tokens on a rank and a rank with no tokens at all (every rank still takes
     every ring step): output, input gradient and every weight-shard gradient equal the full
-    SwiGLU experts applied per token, the weight gradients summed over the ranks' tokens."""
-    import torch.nn.functional as F
-
+    SwiGLU experts applied per token, the weight gradients summed over the ranks' tokens.
+    ``triton_kernel``: fp32, the activation backward in TSP's Triton kernel (``activation_kernel``,
+    chosen on CUDA; here in Triton's interpreter), called for every expert at every step, those
+    without tokens included (no launch), against the same experts in fp32 torch ops."""
+    from megatron_tsp.core.layers import activation_kernel
+    from megatron_tsp.core.layers.mlp import MLPActivation
     from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
 
     _ensure_groups(d, 1, d)
     group = tsp_state.get_tensor_sequence_parallel_group()
     rank = dist.get_rank(group)
-    dtype, h, ffn, experts = torch.float64, 8, 12, 3
+    dtype = torch.float32 if triton_kernel else torch.float64
+    h, ffn, experts = 8, 12, 3
     g = torch.Generator().manual_seed(seed)
     full = []
     for _ in range(experts):
@@ -575,10 +587,7 @@ def check_expert_ring_zero_tokens(d, seed, with_bias):
     local = torch.Generator().manual_seed(seed + 1 + rank)
     x = torch.randn(sum(counts), h, generator=local, dtype=dtype)
     dy = torch.randn(sum(counts), h, generator=local, dtype=dtype)
-
-    def act(pre):
-        gate, up = pre.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    act = MLPActivation(_swiglu, "swiglu") if triton_kernel else _swiglu
 
     shards = []
     for w1, b1, w2 in full:
@@ -588,8 +597,20 @@ def check_expert_ring_zero_tokens(d, seed, with_bias):
         shards.append(sharding.shard(w2, 1, 1, d, rank))
     shards = [s.clone().requires_grad_(True) for s in shards]
     x_ring = x.clone().requires_grad_(True)
-    out = tsp_expert_ring(x_ring, counts, shards, with_bias, group, act)
-    out.backward(dy)
+    calls, saved = [], (activation_kernel.available, activation_kernel.act_backward_into)
+    if triton_kernel:
+        activation_kernel.available = lambda device, dtype: dtype in activation_kernel.DTYPES
+        activation_kernel.act_backward_into = lambda *a: (
+            calls.append(a[1].shape[0]),
+            saved[1](*a),
+        )[1]
+    try:
+        out = tsp_expert_ring(x_ring, counts, shards, with_bias, group, act)
+        out.backward(dy)
+    finally:
+        activation_kernel.available, activation_kernel.act_backward_into = saved
+    if triton_kernel:  # every expert at every step, by its token count on this rank
+        assert calls == list(counts) * d, calls
 
     x_ref = x.clone().requires_grad_(True)
     ref_params = [
@@ -613,7 +634,8 @@ def check_expert_ring_zero_tokens(d, seed, with_bias):
             actual[f"grad:{e}.{name}"] = shards[i].grad
             expected[f"grad:{e}.{name}"] = sharding.shard(summed, dim, stride, d, rank)
             i += 1
-    return assert_close(actual, expected, rtol=1e-10, what=f"expert ring D={d}, zero tokens")
+    rtol = 1e-5 if triton_kernel else 1e-10
+    return assert_close(actual, expected, rtol=rtol, what=f"expert ring D={d}, zero tokens")
 
 
 def moe_bf16_errors_vs_fp64(d, seed, case="moe"):
@@ -842,11 +864,8 @@ def _moe_shape(config):
 def trace_expert_ring(d, experts=3, h=8, ffn=12, tokens_per_expert=2):
     """Event order (P2P posts and matmuls) of ``tsp_expert_ring``'s forward and backward on fp32
     SwiGLU experts, every expert with tokens on every rank."""
-    import torch.nn.functional as F
-
     from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
-    from megatron_tsp.tools.comm_counter import CommCounter
-    from tests.checks_comm import _Trace
+    from tests.checks_comm import trace_forward_backward
 
     _ensure_groups(d, 1, d)
     group = tsp_state.get_tensor_sequence_parallel_group()
@@ -856,19 +875,4 @@ def trace_expert_ring(d, experts=3, h=8, ffn=12, tokens_per_expert=2):
         shards.append(torch.randn(h, ffn // d, requires_grad=True))
     counts = [tokens_per_expert] * experts
     x = torch.randn(sum(counts), h, requires_grad=True)
-
-    def act(pre):
-        gate, up = pre.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    trace = _Trace()
-    with CommCounter(on_record=lambda r: trace.events.append(r.op)):
-        with trace:
-            out = tsp_expert_ring(x, counts, shards, False, group, act)
-        fwd = list(trace.events)
-        trace.events.clear()
-        grad = torch.randn_like(out)
-        with trace:
-            out.backward(grad)
-        bwd = list(trace.events)
-    return {"fwd": fwd, "bwd": bwd}
+    return trace_forward_backward(lambda: tsp_expert_ring(x, counts, shards, False, group, _swiglu))

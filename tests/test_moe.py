@@ -67,6 +67,14 @@ def test_moe_ring_zero_tokens(pool4, seed, with_bias):
     print(f"worst relative errors: {checks_moe.worst(errors)}")
 
 
+def test_moe_ring_activation_kernel(pool4, seed):
+    """The expert ring's activation backward through TSP's Triton kernel (the CUDA default, the
+    MLP's ``activation_backward``), run in Triton's interpreter on fp32 experts, zero-token
+    experts and ranks included: equal to the same experts in fp32 torch ops."""
+    errors = pool4.run(checks_moe.check_expert_ring_zero_tokens, 4, seed, True, True)
+    print(f"worst relative errors: {checks_moe.worst(errors)}")
+
+
 @pytest.mark.parametrize("d", [2, 4])
 def test_expert_ring_queue_order(pool4, d):
     """The expert ring's hops and GEMMs in issue order (``weight_ring``'s schedule, every expert

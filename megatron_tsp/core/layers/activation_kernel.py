@@ -152,5 +152,6 @@ def act_backward_into(
             f"activation kernel ({kind}): pre, d_hidden, hidden_out, d_pre_out shaped "
             f"{[tuple(s) for s in shapes]}, expected {expected}"
         )
-    torch.ops.megatron_tsp.mlp_act_backward(pre, d_hidden, hidden_out, d_pre_out, KINDS[kind])
+    if rows and width:  # an empty grid is no launch (an expert without tokens on this rank)
+        torch.ops.megatron_tsp.mlp_act_backward(pre, d_hidden, hidden_out, d_pre_out, KINDS[kind])
     return hidden_out

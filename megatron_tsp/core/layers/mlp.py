@@ -173,26 +173,36 @@ def _fc1_into(rows, fc1_w, fc1_b, out):
 
 
 def activation_backward(
-    activation: MLPActivation, pre: torch.Tensor, d_hidden: torch.Tensor, d_pre_out, lead_shape
-) -> torch.Tensor:
+    activation: MLPActivation,
+    pre: torch.Tensor,
+    d_hidden: torch.Tensor,
+    lead_shape,
+    d_pre_out: Optional[torch.Tensor] = None,
+):
     """One shard's activation recomputed from its fc1 output ``pre`` [tokens, fc1 rows] and its
-    backward for ``d_hidden`` [tokens, ffn rows]: d(pre) is written into ``d_pre_out`` (a strided
-    slot); returns the activation output [tokens, ffn rows]. On CUDA, where the kernel has the
-    activation's formula: one launch of ``activation_kernel``; otherwise Megatron's own
-    functions under autograd
-    (on ``lead_shape`` + [fc1 rows] views, as Megatron's MLP applies them), then copied into the
-    slot."""
+    backward for ``d_hidden`` [tokens, ffn rows]; returns ``(activation output [tokens, ffn
+    rows], d(pre))``, d(pre) written into ``d_pre_out`` (a strided slot) when given. On CUDA,
+    where the kernel has the activation's formula: one launch of ``activation_kernel``;
+    otherwise Megatron's own functions under autograd (on ``lead_shape`` + [fc1 rows] views, as
+    Megatron's MLP applies them), the gradient copied into ``d_pre_out``."""
     if activation.kernel_kind is not None and activation_kernel.available(pre.device, pre.dtype):
         hidden = torch.empty(d_hidden.shape, dtype=d_hidden.dtype, device=d_hidden.device)
-        return activation_kernel.act_backward_into(
+        if d_pre_out is None:
+            d_pre_out = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
+        activation_kernel.act_backward_into(
             activation.kernel_kind, pre, d_hidden, hidden, d_pre_out
         )
+        return hidden, d_pre_out
+    rows_shape = pre.shape
     with torch.enable_grad():
-        pre = pre.detach().view(*lead_shape, -1).requires_grad_(True)
+        pre = pre.detach().view(*lead_shape, rows_shape[-1]).requires_grad_(True)
         hidden = activation(pre)
-        (d_pre,) = torch.autograd.grad(hidden, [pre], d_hidden.view(*lead_shape, -1))
-    d_pre_out.copy_(d_pre.view(d_pre_out.shape))
-    return hidden.detach().reshape(d_hidden.shape)
+        d_out = d_hidden.view(*lead_shape, d_hidden.shape[-1])
+        (d_pre,) = torch.autograd.grad(hidden, [pre], d_out)
+    d_pre = d_pre.reshape(rows_shape)
+    if d_pre_out is not None:
+        d_pre = d_pre_out.copy_(d_pre)
+    return hidden.detach().reshape(d_hidden.shape), d_pre
 
 
 class _TSPMLPFunction(torch.autograd.Function):
@@ -285,7 +295,7 @@ class _TSPMLPFunction(torch.autograd.Function):
                 pre = _fc1(x, w1, b1).view(tokens_x.shape[0], -1)
             d_hidden = torch.matmul(tokens_dy, w2)
             d_rows = d_pre_all[:, j]
-            hidden = activation_backward(activation, pre, d_hidden, d_rows, x.shape[:-1])
+            hidden, _ = activation_backward(activation, pre, d_hidden, x.shape[:-1], d_rows)
             return d_rows, hidden
 
         def weight_grads(kept, out: FlatShard, accumulate: bool) -> None:

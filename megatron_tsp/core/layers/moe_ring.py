@@ -58,7 +58,12 @@ from megatron_tsp.core import rejections
 from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
-from megatron_tsp.core.layers.mlp import _fc1, make_activation
+from megatron_tsp.core.layers.mlp import (
+    MLPActivation,
+    _fc1,
+    activation_backward,
+    make_activation,
+)
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
     activation_sum_dtype,
@@ -132,16 +137,14 @@ class _ExpertRingFunction(torch.autograd.Function):
             [(d_pre, hidden)] per expert for the weight gradients."""
             kept = []
             for e, (w1, b1, w2) in enumerate(_per_expert(views, has_bias)):
-                with torch.enable_grad():
-                    pre = saved_pre[step * num_experts + e] if saved_pre else _fc1(xs[e], w1, b1)
-                    pre = pre.detach().requires_grad_(True)
-                    hidden = activation(pre)
-                    (d_pre,) = torch.autograd.grad(hidden, [pre], torch.matmul(dys[e], w2))
+                pre = saved_pre[step * num_experts + e] if saved_pre else _fc1(xs[e], w1, b1)
+                d_hidden = torch.matmul(dys[e], w2)
+                hidden, d_pre = activation_backward(activation, pre, d_hidden, (pre.shape[0],))
                 if step == last_step:
                     last_dx.append((d_pre, w1, grad_xs[e]))
                 else:
                     matmul_acc(d_pre, w1, grad_xs[e])
-                kept.append((d_pre, hidden.detach()))
+                kept.append((d_pre, hidden))
             return kept
 
         def last_shard_input_grads() -> None:
@@ -188,7 +191,11 @@ def tsp_expert_ring(
     """``expert_e(x_e)`` (without fc2 bias) for every expert e on rows ``counts[e]`` of ``x``,
     each expert's D shards applied on one ring shared by all experts (module docstring).
     ``params``: per expert ``fc1.weight, [fc1.bias], fc2.weight`` (this rank's shards).
-    ``activation_sums_in_fp32``: as ``mlp.tsp_mlp``'s."""
+    ``activation``: an ``mlp.MLPActivation`` (``make_activation``: its backward is TSP's
+    activation kernel where that has the formula) or any function of the fc1 output (its
+    backward under autograd). ``activation_sums_in_fp32``: as ``mlp.tsp_mlp``'s."""
+    if not isinstance(activation, MLPActivation):
+        activation = MLPActivation(activation)
     return _ExpertRingFunction.apply(
         x,
         tuple(int(c) for c in counts),
