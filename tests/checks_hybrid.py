@@ -34,18 +34,12 @@ from tests.checks_gpt import (
 from tests.common import (
     DTYPES,
     FUSIONS_OFF,
+    MEGATRON_LM_FUSION_DEFAULTS,
     make_config,
     reference_single_layer_spec,
     reference_tp_sp_block_spec,
     rel_err,
     setup_megatron_tp,
-)
-
-# Megatron-LM's defaults (--no-*-fusion flags absent) that can run on CPU: the bias+activation
-# fusion (tanh bias-GeLU / bias-SwiGLU), the bias-dropout-add fusion and the masked-softmax
-# fusion. Rope fusion needs Transformer Engine and gradient-accumulation fusion a CUDA kernel.
-MEGATRON_DEFAULT_FUSIONS = dict(
-    bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True
 )
 
 # the bf16 runs: the hybrid and the package's TP+SP baseline (same norm class as the hybrid)
@@ -56,7 +50,7 @@ def _hybrid_config(d, dtype, style, fusion, layers=2, hidden=32, heads=8, ffn=64
     # make_config now defaults to Megatron-LM's fusions: ``fusion=False`` must switch them off
     # explicitly, or the unfused and fused variants of these tests would be the same test.
     config = _config(d, dtype, style, layers, hidden, heads, ffn)
-    for key, value in (MEGATRON_DEFAULT_FUSIONS if fusion else FUSIONS_OFF).items():
+    for key, value in (MEGATRON_LM_FUSION_DEFAULTS if fusion else FUSIONS_OFF).items():
         setattr(config, key, value)
     return config
 

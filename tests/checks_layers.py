@@ -59,6 +59,29 @@ def _grad_pairs(module, full_grads, group, actual, expected):
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
+@contextlib.contextmanager
+def forced_activation_kernel(enabled=True):
+    """TSP's activation kernel chosen as on CUDA (here it runs in Triton's interpreter) while
+    inside; yields the list of its calls' ``(kind, rows of the fc1 output)``. ``enabled`` False:
+    nothing changes, the list stays empty."""
+    from megatron_tsp.core.layers import activation_kernel
+
+    calls = []
+    saved = activation_kernel.available, activation_kernel.act_backward_into
+
+    def counted(kind, pre, *rest):
+        calls.append((kind, pre.shape[0]))
+        return saved[1](kind, pre, *rest)
+
+    if enabled:
+        activation_kernel.available = lambda device, dtype: dtype in activation_kernel.DTYPES
+        activation_kernel.act_backward_into = counted
+    try:
+        yield calls
+    finally:
+        activation_kernel.available, activation_kernel.act_backward_into = saved
+
+
 def check_mlp(
     d,
     seed,
@@ -150,20 +173,9 @@ def check_mlp(
         )
         assert not alive, f"packed activations still alive after the forward: {alive}"
     y = out + out_bias if out_bias is not None else out
-    from megatron_tsp.core.layers import activation_kernel
-
-    saved_kernel = activation_kernel.available, activation_kernel.act_backward_into
-    launches = []
-    if triton_kernel:
-        activation_kernel.available = lambda device, dtype: dtype in activation_kernel.DTYPES
-        activation_kernel.act_backward_into = lambda *a: (
-            launches.append(a[0]),
-            saved_kernel[1](*a),
-        )[1]
-    try:
+    with forced_activation_kernel(triton_kernel) as calls:
         y.backward(zigzag_rows(dy_full, size, rank))
-    finally:
-        activation_kernel.available, activation_kernel.act_backward_into = saved_kernel
+    launches = [kind for kind, _ in calls]
     if triton_kernel:
         kind = "swiglu" if gated else ("gelu_tanh" if fusions == "megatron-lm" else "gelu")
         assert launches == [kind] * size, f"activation kernel launches {launches}"

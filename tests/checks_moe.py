@@ -567,9 +567,9 @@ def check_expert_ring_zero_tokens(d, seed, with_bias, triton_kernel=False):
     ``triton_kernel``: fp32, the activation backward in TSP's Triton kernel (``activation_kernel``,
     chosen on CUDA; here in Triton's interpreter), called for every expert at every step, those
     without tokens included (no launch), against the same experts in fp32 torch ops."""
-    from megatron_tsp.core.layers import activation_kernel
     from megatron_tsp.core.layers.mlp import MLPActivation
     from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
+    from tests.checks_layers import forced_activation_kernel
 
     _ensure_groups(d, 1, d)
     group = tsp_state.get_tensor_sequence_parallel_group()
@@ -587,7 +587,7 @@ def check_expert_ring_zero_tokens(d, seed, with_bias, triton_kernel=False):
     local = torch.Generator().manual_seed(seed + 1 + rank)
     x = torch.randn(sum(counts), h, generator=local, dtype=dtype)
     dy = torch.randn(sum(counts), h, generator=local, dtype=dtype)
-    act = MLPActivation(_swiglu, "swiglu") if triton_kernel else _swiglu
+    act = MLPActivation(_swiglu, "swiglu" if triton_kernel else None)
 
     shards = []
     for w1, b1, w2 in full:
@@ -597,20 +597,11 @@ def check_expert_ring_zero_tokens(d, seed, with_bias, triton_kernel=False):
         shards.append(sharding.shard(w2, 1, 1, d, rank))
     shards = [s.clone().requires_grad_(True) for s in shards]
     x_ring = x.clone().requires_grad_(True)
-    calls, saved = [], (activation_kernel.available, activation_kernel.act_backward_into)
-    if triton_kernel:
-        activation_kernel.available = lambda device, dtype: dtype in activation_kernel.DTYPES
-        activation_kernel.act_backward_into = lambda *a: (
-            calls.append(a[1].shape[0]),
-            saved[1](*a),
-        )[1]
-    try:
+    with forced_activation_kernel(triton_kernel) as calls:
         out = tsp_expert_ring(x_ring, counts, shards, with_bias, group, act)
         out.backward(dy)
-    finally:
-        activation_kernel.available, activation_kernel.act_backward_into = saved
     if triton_kernel:  # every expert at every step, by its token count on this rank
-        assert calls == list(counts) * d, calls
+        assert calls == [("swiglu", c) for c in counts] * d, calls
 
     x_ref = x.clone().requires_grad_(True)
     ref_params = [
@@ -864,6 +855,7 @@ def _moe_shape(config):
 def trace_expert_ring(d, experts=3, h=8, ffn=12, tokens_per_expert=2):
     """Event order (P2P posts and matmuls) of ``tsp_expert_ring``'s forward and backward on fp32
     SwiGLU experts, every expert with tokens on every rank."""
+    from megatron_tsp.core.layers.mlp import MLPActivation
     from megatron_tsp.core.layers.moe_ring import tsp_expert_ring
     from tests.checks_comm import trace_forward_backward
 
@@ -875,4 +867,5 @@ def trace_expert_ring(d, experts=3, h=8, ffn=12, tokens_per_expert=2):
         shards.append(torch.randn(h, ffn // d, requires_grad=True))
     counts = [tokens_per_expert] * experts
     x = torch.randn(sum(counts), h, requires_grad=True)
-    return trace_forward_backward(lambda: tsp_expert_ring(x, counts, shards, False, group, _swiglu))
+    act = MLPActivation(_swiglu)
+    return trace_forward_backward(lambda: tsp_expert_ring(x, counts, shards, False, group, act))

@@ -96,6 +96,7 @@ def test_ring_buffers_equal_the_measured_peak(d):
     forward alone and forward + backward."""
     import torch.nn.functional as F
 
+    from megatron_tsp.core.layers.mlp import MLPActivation
     from megatron_tsp.megatron_lm.fake_world import destroy_fake_world, init_fake_world
 
     experts, h, ffn = 4, 256, 512
@@ -105,6 +106,8 @@ def test_ring_buffers_equal_the_measured_peak(d):
     def swiglu(pre):
         gate, up = pre.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    swiglu = MLPActivation(swiglu)
 
     peaks = {}
     try:

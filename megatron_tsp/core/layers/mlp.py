@@ -347,7 +347,7 @@ def tsp_mlp(
     fc1_bias: Optional[torch.Tensor],
     fc2_weight: torch.Tensor,
     group,
-    activation: Callable,
+    activation: MLPActivation,
     accumulate_into_main_grad: bool = False,
     recompute_activation: bool = False,
     activation_sums_in_fp32: bool = False,
@@ -359,7 +359,9 @@ def tsp_mlp(
     (True, an explicit opt-in: saves only x). Without grad mode (inference, prefill) no backward
     will read them, so none are kept whatever ``recompute_activation`` says.
     ``activation_sums_in_fp32``: the ``grad_x`` sum over the shards in fp32 instead of the
-    compute dtype (``precision.activation_sum_dtype``; the output is one GEMM either way)."""
+    compute dtype (``precision.activation_sum_dtype``; the output is one GEMM either way).
+    ``activation``: ``make_activation(config)``, or ``MLPActivation(fn)`` for any function of the
+    fc1 output (its backward then runs under autograd)."""
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,

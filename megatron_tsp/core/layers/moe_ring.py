@@ -45,7 +45,7 @@ fp32 for bf16), O(expert weights / D), independent of the sequence length.
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -183,7 +183,7 @@ def tsp_expert_ring(
     params: Sequence[torch.Tensor],
     has_bias: bool,
     group,
-    activation: Callable,
+    activation: MLPActivation,
     accumulate_into_main_grad: bool = False,
     recompute_activation: bool = False,
     activation_sums_in_fp32: bool = False,
@@ -191,11 +191,9 @@ def tsp_expert_ring(
     """``expert_e(x_e)`` (without fc2 bias) for every expert e on rows ``counts[e]`` of ``x``,
     each expert's D shards applied on one ring shared by all experts (module docstring).
     ``params``: per expert ``fc1.weight, [fc1.bias], fc2.weight`` (this rank's shards).
-    ``activation``: an ``mlp.MLPActivation`` (``make_activation``: its backward is TSP's
-    activation kernel where that has the formula) or any function of the fc1 output (its
-    backward under autograd). ``activation_sums_in_fp32``: as ``mlp.tsp_mlp``'s."""
-    if not isinstance(activation, MLPActivation):
-        activation = MLPActivation(activation)
+    ``activation``: as ``mlp.tsp_mlp``'s (an ``MLPActivation``: its backward is TSP's
+    activation kernel where that has the formula, autograd otherwise).
+    ``activation_sums_in_fp32``: as ``mlp.tsp_mlp``'s."""
     return _ExpertRingFunction.apply(
         x,
         tuple(int(c) for c in counts),
