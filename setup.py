@@ -38,6 +38,13 @@ setup(
             "safetensors==0.8.0",
             "huggingface_hub==2.4.0",
             "tokenizers==0.23.3",
+            # Megatron-LM's pretrain_gpt.py (megatron.training) imports these; triton has no
+            # torch requirement (constraints-cpu.txt pins it)
+            "six",
+            "regex",
+            "pyyaml",
+            "pydantic",
+            "triton",
         ],
     },
     entry_points={
