@@ -101,8 +101,11 @@ WEIGHT_GRAD_TOLERANCE = {".mlp.linear_": 1.03, ".self_attention.linear_": 1.08}
 # the ring, 1.040 / 1.010 (<= 1.057) with the all-to-all, which is held to the C = 1 bounds. The
 # median gradient error (printed only) read 1.045 / 0.974 per seed, 5-seed means up to 1.086.
 # Hidden states: TSP's error above TP+SP's in 5 of 16 single Llama seeds (<= 1.01), 5-seed means
-# <= 0.995.
-CP_SEEDS = 5
+# <= 0.995. Measured again on main, 40 seeds per style: the final norm's per-seed ratio 0.987 /
+# 0.979 (sd 0.010; layers 0.984-0.986 / 0.978-0.979), so a 5-seed mean sat only ~2.8 sd under the
+# strict bound (largest of eight 5-seed blocks 0.996); 8 seeds put it ~3.5 sd under (and every
+# gradient criterion further under its bound).
+CP_SEEDS = 8
 CP_RING_TOLERANCE = 1.10
 
 
