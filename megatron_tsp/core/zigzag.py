@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_tsp.core.batch_contract import check_single_causal_document
 from megatron_tsp.core.layout import TSPLayout, check_sequence_length
 
 
@@ -66,6 +67,7 @@ def get_batch_on_this_tsp_rank(
     permute_attention_mask: bool = True,
     context_parallel_size: int = 1,
     cp_rank: int = 0,
+    check_single_document: bool = True,
 ) -> Dict[str, Optional[torch.Tensor]]:
     """Zigzag-permute a Megatron ``get_batch`` dict along the sequence.
 
@@ -93,10 +95,19 @@ def get_batch_on_this_tsp_rank(
     absolute positions read ``position_ids``, as under TP+SP. The two agree because Megatron's
     GPT datasets give ``position_ids = arange(s)`` unless ``--reset-position-ids``, which TSP
     refuses (``rejections``); ``tests/test_layout.py`` asserts that the permuted ids equal
-    ``TSPLayout.permutation()``. Checking every batch here would cost a device sync per
-    micro-batch, so it is not repeated at run time.
+    ``TSPLayout.permutation()``.
+
+    Packed documents are refused until TSP has a packed path: the batch must be one causal
+    document per sequence (``batch_contract.check_single_causal_document``: no ``cu_seqlens``,
+    ``position_ids`` the natural positions, ``attention_mask`` the plain causal mask), else
+    ``PackedBatchError`` names the key and the flag that builds it (one host sync per
+    micro-batch). ``check_single_document=False`` is for a caller that checked the batch itself
+    (the Megatron-LM hook checks its CP rank's slice before the zigzag).
     """
     from megatron_tsp.core.batch_guard import mark_zigzagged
+
+    if check_single_document:
+        check_single_causal_document(batch)
 
     if group_size is None:
         from megatron_tsp.core import parallel_state

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from megatron_tsp.core.batch_contract import check_single_causal_document
 from megatron_tsp.core.validation import TSP_FLAG
 from megatron_tsp.core.zigzag import get_batch_on_this_tsp_rank
 from megatron_tsp.megatron_lm import patches
@@ -87,12 +88,13 @@ def tsp_permute_batch(batch):
         raise TypeError(
             f"TSP batch hook expects the dict Megatron's get_batch builds, got {type(batch)!r}"
         )
-    if batch.get("cu_seqlens") is not None:
-        raise ValueError(
-            f"packed (THD) sequences with cu_seqlens cannot run with {TSP_FLAG}={size}; "
-            "drop --sft / --dataloader-inter-document-masking"
-        )
-    return get_batch_on_this_tsp_rank(batch, group_size=size, permute_attention_mask=False)
+    # Megatron's CP split ran first: this rank's slice holds CP chunks c and 2C-1-c
+    check_single_causal_document(
+        batch, mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    )
+    return get_batch_on_this_tsp_rank(
+        batch, group_size=size, permute_attention_mask=False, check_single_document=False
+    )
 
 
 def _wrap(original):

@@ -171,16 +171,24 @@ def check_batch_hook(seed: int) -> dict:
             wrapped(dict(batch, cu_seqlens=torch.tensor([0, SEQ])))
         except ValueError as exc:
             errors["packed"] = str(exc)
+        # --reset-position-ids: positions restart after an EOD; refused before the zigzag
+        restarted = batch["position_ids"].clone()
+        restarted[:, SEQ // 2 :] -= SEQ // 2
+        try:
+            wrapped(dict(batch, position_ids=restarted))
+        except ValueError as exc:
+            errors["positions"] = str(exc)
         hook.activate(2 * d)
         try:
             wrapped(dict(batch))
         except RuntimeError as exc:
             errors["size"] = str(exc)
         assert errors.get("packed") == (
-            f"packed (THD) sequences with cu_seqlens cannot run with "
-            f"--tensor-sequence-parallel-size={d}; drop --sft / "
-            f"--dataloader-inter-document-masking"
+            "TSP got a packed (THD) batch with cu_seqlens (2 boundaries): packed sequences are "
+            "not supported under TSP yet; drop --sft / --dataloader-inter-document-masking"
         ), errors
+        assert "--reset-position-ids" in errors.get("positions", ""), errors
+        assert f"sequence 0 holds 0 at index {SEQ // 2}" in errors["positions"], errors
         assert errors.get("size") == (
             f"--tensor-sequence-parallel-size={2 * d} but the tensor-parallel group has {d} ranks"
         ), errors

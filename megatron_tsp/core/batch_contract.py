@@ -1,0 +1,140 @@
+"""What TSP attention assumes of a micro-batch: each sequence is one causal document.
+
+TSP attention takes causality from the zigzag layout's positions and never reads
+``attention_mask`` or ``position_ids`` (RoPE is applied at ``TSPLayout.positions()``). A batch
+built for packed documents, i.e. a block-diagonal causal mask and position ids that restart at
+each document (Megatron-LM's ``--reset-attention-mask`` / ``--reset-position-ids``), or a THD
+batch with ``cu_seqlens`` (``--sft``, ``--dataloader-inter-document-masking``), would therefore
+be computed as one causal document over the whole sequence: wrong loss and gradients, no error.
+
+``check_single_causal_document`` refuses such a batch, naming the key, the first offending
+sequence and row, and the Megatron-LM flag that builds it. It reads the full (pre-zigzag)
+batch, or a CP rank's slice of it, and costs one comparison per element plus one host sync;
+an ``[s, s]`` mask is compared in row blocks, so no second ``[s, s]`` tensor is built.
+
+Mask convention (Megatron's): ``True`` (or non-zero) means *masked out*; the plain causal mask
+masks key ``j`` for the query at position ``p`` exactly when ``j > p``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from megatron_tsp.core.layout import TSPLayout
+
+# rows of an [s, s] mask compared at a time: bounds the temporary to ~16M elements
+_MASK_BLOCK_ELEMENTS = 1 << 24
+
+
+class PackedBatchError(ValueError):
+    """A batch carries documents (a document mask, restarted positions or ``cu_seqlens``) that
+    TSP attention would silently merge into one causal document."""
+
+
+def natural_positions(
+    seq_length: int,
+    context_parallel_size: int = 1,
+    cp_rank: int = 0,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """The positions a single-document batch holds: ``arange(seq_length)``, or under context
+    parallelism (``seq_length`` is then the CP rank's slice) Megatron's CP split of the whole
+    sequence: CP chunks ``cp_rank`` and ``2C-1-cp_rank`` of ``2C``."""
+    if context_parallel_size == 1:
+        return torch.arange(seq_length, device=device)
+    layout = TSPLayout(context_parallel_size, seq_length * context_parallel_size, cp_rank)
+    return layout.positions(device)
+
+
+def check_single_causal_document(
+    batch: Mapping[str, Optional[torch.Tensor]],
+    context_parallel_size: int = 1,
+    cp_rank: int = 0,
+) -> None:
+    """Raise ``PackedBatchError`` unless every sequence of ``batch`` is one causal document:
+    no ``cu_seqlens``; ``position_ids`` (if given) equal to the natural positions; an
+    ``attention_mask`` (if given) equal to the plain causal mask at those positions."""
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is not None:
+        raise PackedBatchError(
+            "TSP got a packed (THD) batch with cu_seqlens "
+            f"({_count(cu_seqlens)} boundaries): packed sequences are not supported under TSP "
+            "yet; drop --sft / --dataloader-inter-document-masking"
+        )
+    position_ids = batch.get("position_ids")
+    mask = batch.get("attention_mask")
+    tokens = batch.get("tokens")
+    seq = None
+    for value, dim in ((position_ids, -1), (tokens, -1), (mask, -2)):
+        if torch.is_tensor(value) and value.dim() >= 2:
+            seq = value.shape[dim]
+            break
+    if seq is None:
+        return
+    ref = position_ids if torch.is_tensor(position_ids) else mask
+    device = ref.device if torch.is_tensor(ref) else None
+    positions = natural_positions(seq, context_parallel_size, cp_rank, device)
+    findings = []  # (name, first bad flat index or -1) evaluated with one host sync
+    if torch.is_tensor(position_ids) and position_ids.dim() >= 2:
+        bad = position_ids.reshape(-1, seq) != positions
+        findings.append(("position_ids", _first_true(bad)))
+    if torch.is_tensor(mask) and mask.dim() >= 2:
+        if mask.shape[-2] != seq:
+            raise PackedBatchError(
+                f"TSP got an attention_mask of shape {tuple(mask.shape)} for sequences of {seq} "
+                "tokens: expected [b, 1, s, s] (rows are the queries)"
+            )
+        findings.append(("attention_mask", _first_bad_mask_row(mask, positions)))
+    if not findings:
+        return
+    firsts = torch.stack([f for _, f in findings]).tolist()
+    for (name, _), first in zip(findings, firsts):
+        if first < 0:
+            continue
+        row, col = divmod(first, seq)
+        if name == "position_ids":
+            raise PackedBatchError(
+                f"TSP got position_ids that are not the sequence's positions: sequence {row} "
+                f"holds {int(position_ids.reshape(-1, seq)[row, col])} at index {col}, expected "
+                f"{int(positions[col])} (position ids that restart per document come from "
+                "--reset-position-ids); packed documents are not supported under TSP yet, "
+                "and TSP would compute one causal document over the whole sequence"
+            )
+        raise PackedBatchError(
+            "TSP got an attention_mask that is not the plain causal mask: in mask "
+            f"{row} the query at position {int(positions[col])} differs from causal "
+            "(a document mask comes from --reset-attention-mask); packed documents are not "
+            "supported under TSP yet, and TSP would compute one causal document over the whole "
+            "sequence"
+        )
+
+
+def _count(cu_seqlens) -> int:
+    return int(cu_seqlens.numel()) if torch.is_tensor(cu_seqlens) else len(cu_seqlens)
+
+
+def _first_true(flags: torch.Tensor) -> torch.Tensor:
+    """Flat index of the first True of ``flags`` as a 0-d tensor (-1 if none), no host sync."""
+    flat = flags.reshape(-1)
+    index = torch.arange(flat.numel(), device=flat.device)
+    big = torch.full_like(index, flat.numel())
+    first = torch.where(flat, index, big).min() if flat.numel() else big.new_tensor(0)
+    return torch.where(first >= flat.numel(), first.new_tensor(-1), first)
+
+
+def _first_bad_mask_row(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Flat index ``mask_index * s + row`` of the first mask row that is not causal at
+    ``positions`` (rows are queries at ``positions``, columns keys ``0..mask.shape[-1]-1``),
+    -1 if every row is causal. Row blocks keep the temporaries small."""
+    rows, cols = mask.shape[-2], mask.shape[-1]
+    masks = mask.reshape(-1, rows, cols)
+    keys = torch.arange(cols, device=mask.device)
+    block = max(1, _MASK_BLOCK_ELEMENTS // max(1, cols * masks.shape[0]))
+    bad_rows = torch.zeros(masks.shape[0], rows, dtype=torch.bool, device=mask.device)
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        causal = keys.unsqueeze(0) > positions[start:stop].unsqueeze(1)
+        bad_rows[:, start:stop] = (masks[:, start:stop, :] != 0).ne(causal).any(dim=-1)
+    return _first_true(bad_rows)
