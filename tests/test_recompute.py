@@ -24,9 +24,11 @@ def test_attention_recompute_equals_saved_bitwise(pool4, seed, dtype):
         assert r["kernel"] == "cpu_flash"
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective", "selective_mlp"])
-def test_gpt_with_megatron_recompute_fp64(pool4, seed, recompute):
-    results = pool4.run(checks_recompute.gpt_recompute_vs_single, 2, seed, "llama", recompute)
+@pytest.mark.parametrize(
+    "d,recompute", [(2, "full"), (4, "full"), (4, "selective"), (2, "selective_mlp")]
+)
+def test_gpt_with_megatron_recompute_fp64(pool4, seed, d, recompute):
+    results = pool4.run(checks_recompute.gpt_recompute_vs_single, d, seed, "llama", recompute)
     for r in results:
         assert max(r["errors"].values()) <= 1e-10, (seed, r)
         assert r["modes"] == (["recompute"] if recompute.startswith("selective") else ["saved"])
