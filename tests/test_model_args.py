@@ -24,11 +24,12 @@ def test_decode_mismatch_is_an_error_naming_the_field(pool4, seed):
     assert set(results[0]) >= {"rotary_base", "rope_scaling_factor", "layernorm_epsilon"}
 
 
-def test_load_full_state_without_initialization(pool4, seed):
+@pytest.mark.parametrize("d", [2, 4])
+def test_load_full_state_without_initialization(pool4, seed, d):
     import megatron.core
     from packaging.version import Version
 
-    results = pool4.run(checks_model_args.check_load_full_state_without_initialization, 2, seed)
+    results = pool4.run(checks_model_args.check_load_full_state_without_initialization, d, seed)
     message, unmarked = results[0]
     assert "not marked" in message
     if Version(megatron.core.__version__) < Version("0.19"):  # the case first met on 0.16
