@@ -197,6 +197,18 @@ def test_tsp2_cp2_matches_tp2(seed, style):
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
+def test_tsp4_cp2_matches_tp4(seed):
+    """TSP=4 x CP=2 on 8 ranks vs TP=4 on 4: the layout with D >= 4 and D != C, where chunk
+    arithmetic that confuses the TSP and CP ranks (invisible at D = C = 2) changes the curve."""
+    args = STYLES["llama"]
+    tsp = _run(
+        8, seed, *args, "--tensor-sequence-parallel-size", "4", "--context-parallel-size", "2"
+    )
+    ref = _run(4, seed, *args, "--tensor-model-parallel-size", "4")
+    assert "data-parallel size: 1, context-parallel size: 2" in tsp.log, tsp.log[-3000:]
+    _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
+
+
 def test_bf16_distributed_optimizer_overlap_recompute(seed):
     """bf16 + distributed optimizer + overlap-grad-reduce + gradient-accumulation fusion (the
     runner's fp32-accumulating stand-in) + full recompute."""
