@@ -55,10 +55,11 @@ MODELS = {
 NEW_TOKENS = 4
 
 
-def _save_hf(kind, seed, root):
-    config_cls, model_cls, extra = MODELS[kind]
+def _save_hf(kind, seed, root, spec=None):
+    """``spec``: (config class, model class, changes to SIZES); ``MODELS[kind]`` by default."""
+    config_cls, model_cls, extra = spec or MODELS[kind]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**SIZES, **extra)
+    config = getattr(transformers, config_cls)(**dict(SIZES, **extra))
     model = getattr(transformers, model_cls)(config).double().eval()
     with torch.no_grad():  # HF initialises biases to zero: random ones make Qwen2's visible
         for name, p in model.named_parameters():
@@ -100,6 +101,136 @@ def test_hf_model_generates_like_hf(pool4, seed, tmp_path, kind, d):
         # Only its own slices: the shard's bytes (replicated norms once), well below the whole.
         assert r["read"] == r["expected"], r
         assert r["read"] < r["whole"] * 0.75, r
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """Eight gloo ranks for D=8, started once for this module (only D=8 cases use it)."""
+    from tests.harness import RankPool
+
+    pool = RankPool(8)
+    yield pool
+    pool.close()
+
+
+# Layouts the D-way split of the fused QKV weight must follow (megatron-core's TP=D layout):
+# fewer K/V heads than D (a group's [q..., k, v] rows span D/ng row shards, its K/V rows in the
+# last; at D=8 with 2 groups a shard is 1.5 heads, not head-aligned), and HF's head_dim != hidden /
+# heads (Megatron's kv_channels: 8 instead of 32/8 = 4), with 2 K/V heads (= D at D=2).
+FEWER_KV = {2: 1, 4: 2, 8: 2}
+LAYOUTS = {
+    # Qwen2: QKV biases, so the bias rows are split like the weight's.
+    "qwen2_fewer_kv": lambda d: (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=FEWER_KV[d]),
+    ),
+    "llama_head_dim": lambda d: (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(head_dim=8, num_key_value_heads=2),
+    ),
+}
+
+
+def _check_against_hf(pool, seed, tmp_path, kind, d, spec, lengths=None):
+    """Save a random fp64 HF model of ``spec`` (config class, model class, changes to SIZES), load
+    it under TSP-D in ``pool``: greedy tokens equal HF's, last-token logits within 1e-6, each rank
+    reads exactly its shard's bytes. Returns the per-rank results."""
+    model, path = _save_hf(kind, seed, str(tmp_path), spec)
+    cases = _hf_cases(model, seed, lengths or [6 * d + 1, 2 * d - 1])
+    results = pool.run(checks_hf_import.check_hf_generation, d, seed, path, cases)
+    print(kind, f"D={d}", "errors", [r["errors"] for r in results])
+    print(kind, f"D={d}", "bytes read per rank", [r["read"] for r in results], results[0])
+    for r in results:
+        assert max(r["errors"].values()) <= 1e-6, r["errors"]
+        assert r["read"] == r["expected"], r
+    return results
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_hf_qkv_layouts_generate_like_hf(request, seed, tmp_path, layout, d):
+    """Fewer K/V heads than D and a decoupled head_dim: HF's greedy tokens and last-token logits
+    (TSP prefill and the TP fallback), each rank reading exactly its rows of the fused QKV."""
+    config_cls, model_cls, changes = LAYOUTS[layout](d)
+    sizes = dict(SIZES, **changes)
+    if layout == "qwen2_fewer_kv":
+        assert sizes["num_key_value_heads"] < d
+    else:
+        assert sizes["head_dim"] != sizes["hidden_size"] // sizes["num_attention_heads"]
+    pool = request.getfixturevalue("pool8" if d == 8 else "pool4")
+    _check_against_hf(pool, seed, tmp_path, layout, d, (config_cls, model_cls, changes))
+
+
+def _llama3(factor, **fields):
+    return dict(
+        rope_parameters=dict(
+            dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=factor,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            **fields,
+        ),
+        rms_norm_eps=1e-5,
+    )
+
+
+# Llama-3 RoPE scaling megatron-core represents (RotaryEmbedding(rope_scaling=True,
+# rope_scaling_factor=f): any factor, the other three fixed at 1 / 4 / 8192, which enter only as
+# the wavelength bounds 8192/1 and 8192/4): factor 4 and 2 (not the default 8), and the same
+# bounds from other values (16384 / 2 / 8).
+LLAMA3_REPRESENTABLE = {
+    "factor_4": _llama3(4.0),
+    "factor_2_bounds_16384_2_8": _llama3(
+        2.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=16384
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA3_REPRESENTABLE))
+def test_hf_llama3_rope_scaling_values_generate_like_hf(pool4, seed, tmp_path, case):
+    """Non-default Llama-3 scaling that megatron-core can represent imports and equals HF (RoPE
+    base 5e5, head_dim 4: the lower frequency lies in the smoothed band, so the factor changes
+    the logits)."""
+    spec = ("LlamaConfig", "LlamaForCausalLM", LLAMA3_REPRESENTABLE[case])
+    results = _check_against_hf(pool4, seed, tmp_path, f"llama3_{case}", 2, spec, [57, 3])
+    desc = hf_import.describe(hf_import.read_config(str(tmp_path / f"llama3_{case}")), 2)
+    factor = LLAMA3_REPRESENTABLE[case]["rope_parameters"]["factor"]
+    assert desc.gpt["rope_scaling_factor"] == factor
+    assert desc.megatron_args["rope_scaling_factor"] == factor and results
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("low_freq_factor", 2.0),
+        ("high_freq_factor", 8.0),
+        ("original_max_position_embeddings", 4096),
+        ("original_max_position_embeddings", 16384),
+    ],
+)
+@pytest.mark.parametrize("style", ["rope_parameters", "rope_scaling"])
+def test_hf_llama3_rope_scaling_megatron_cannot_represent_is_refused(field, value, style):
+    """Other low / high frequency factors or original length (other wavelength bounds than
+    megatron-core's fixed 8192 / 2048): one-line ValueError naming the HF field and its value,
+    under transformers >= 5's ``rope_parameters`` and the older top-level ``rope_scaling``."""
+    rope = _llama3(4.0, **{field: value})["rope_parameters"]
+    config = _llama_dict()
+    config.pop("rope_parameters", None)
+    if style == "rope_scaling":
+        config["rope_theta"] = rope.pop("rope_theta")
+    config[style] = rope
+    with pytest.raises(ValueError) as err:
+        hf_import.describe(config, 2)
+    message = str(err.value)
+    assert "\n" not in message and f"{style}.{field}={value}" in message, message
+    config[style][field] = _llama3(4.0)["rope_parameters"][field]
+    assert hf_import.describe(config, 2).gpt["rope_scaling_factor"] == 4.0
 
 
 def test_cli_generate_hf_and_save_for_megatron(tmp_path, seed):

@@ -11,8 +11,11 @@ to CUDA, and mcore-bridge pulls modelscope and peft. This module needs only ``sa
 The mapping (Megatron's TP=D layout, which TSP-D shares):
 
 - ``linear_qkv``: Megatron fuses Q, K, V per KV group: for group g the rows are
-  ``[q heads of g; k_g; v_g]``; rank r holds groups ``[r G/D, (r+1) G/D)``. Each group's rows are
-  read from ``q_proj`` / ``k_proj`` / ``v_proj`` (and their biases, Qwen2).
+  ``[q heads of g; k_g; v_g]``, and rank r holds the r-th of D contiguous row shards of the whole
+  fused weight: groups ``[r G/D, (r+1) G/D)`` when G >= D; with fewer K/V heads than D a group
+  spans D/G shards and only the last of them holds its K and V rows (``qkv_rows``). The rows are
+  read from ``q_proj`` / ``k_proj`` / ``v_proj`` (and their biases, Qwen2). HF's ``head_dim``
+  (which may differ from hidden/heads) is Megatron's ``kv_channels``.
 - ``linear_fc1``: gated, stride 2: rank r holds ``[gate_r; up_r]`` (its ``intermediate/D`` rows
   of ``gate_proj`` then of ``up_proj``). ``linear_fc2`` / ``linear_proj``: column slices of
   ``down_proj`` / ``o_proj``.
@@ -23,10 +26,11 @@ The mapping (Megatron's TP=D layout, which TSP-D shares):
 
 HF's RoPE rotates halves (``rotate_half``), which is Megatron's non-interleaved RoPE, so the
 Q/K rows need no permutation. RoPE options: default, ``linear`` (Megatron's
-``seq_len_interpolation_factor``) and ``llama3`` with Megatron's fixed constants (low/high
-frequency factors 1 / 4, original length 8192). Anything else that changes the math (YaRN,
-dynamic NTK, sliding windows, MLP / output-projection biases, a vocabulary not divisible by D,
-other activations) is refused naming the option.
+``seq_len_interpolation_factor``) and ``llama3`` with any ``factor`` and Megatron's fixed
+constants (low/high frequency factors 1 / 4, original length 8192, or values with the same
+wavelength bounds: ``_check_llama3``). Anything else that changes the math (YaRN, dynamic NTK,
+sliding windows, MLP / output-projection biases, a vocabulary not divisible by D, other
+activations) is refused naming the option.
 """
 
 from __future__ import annotations
@@ -78,6 +82,37 @@ def _rope_parameters(hf: dict) -> dict:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     return params
+
+
+def _check_llama3(rope: dict, where: str) -> None:
+    """Megatron's Llama-3 scaling takes only the factor: its low / high frequency factors and
+    original length are fixed (``MEGATRON_LLAMA3``). The scaled frequencies depend on those three
+    only through the two wavelength bounds ``original_max_position_embeddings / low_freq_factor``
+    (8192) and ``/ high_freq_factor`` (2048) (the smoothing weight is
+    ``(1/wavelength - 1/low_bound) / (1/high_bound - 1/low_bound)``), so any values with Megatron's
+    bounds are the same scaling (e.g. 16384, 2, 8); others are refused naming each field that
+    differs from Megatron's value."""
+    values = {key: float(rope.get(key, want)) for key, want in MEGATRON_LLAMA3.items()}
+    original = values["original_max_position_embeddings"]
+    bounds = (original / values["low_freq_factor"], original / values["high_freq_factor"])
+    want = tuple(
+        MEGATRON_LLAMA3["original_max_position_embeddings"] / MEGATRON_LLAMA3[k]
+        for k in ("low_freq_factor", "high_freq_factor")
+    )
+    if bounds == want:
+        return
+    named = ", ".join(
+        f"{where}.{key}={rope[key]}"
+        for key, default in MEGATRON_LLAMA3.items()
+        if key in rope and float(rope[key]) != default
+    )
+    raise UnsupportedHFOption(
+        f"{named}: Megatron's Llama-3 RoPE scaling (--use-rope-scaling, only "
+        f"--rope-scaling-factor is free) has low/high_freq_factor 1/4 and "
+        f"original_max_position_embeddings 8192 (or the same wavelength bounds "
+        f"original_max_position_embeddings/low_freq_factor = {want[0]:g}, "
+        f"/high_freq_factor = {want[1]:g}; here {bounds[0]:g}, {bounds[1]:g})"
+    )
 
 
 def describe(hf: dict, d: int) -> HFModelDescription:
@@ -134,12 +169,7 @@ def describe(hf: dict, d: int) -> HFModelDescription:
         gpt["seq_len_interpolation_factor"] = float(rope["factor"])
         args["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
     elif rope_type == "llama3":
-        for key, want in MEGATRON_LLAMA3.items():
-            if float(rope.get(key, want)) != want:
-                raise UnsupportedHFOption(
-                    f"rope_parameters.{key}={rope[key]}: Megatron's Llama-3 RoPE scaling uses "
-                    f"{key}={want}"
-                )
+        _check_llama3(rope, "rope_parameters" if hf.get("rope_parameters") else "rope_scaling")
         gpt.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
         args.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
     elif rope_type != "default":
@@ -232,31 +262,56 @@ class SafetensorsReader:
         return self._slice(name)[:, start:stop]
 
 
+def qkv_rows(
+    heads: int, groups: int, head_dim: int, size: int, rank: int, names=("q", "k", "v")
+) -> List[Tuple[Any, int, int]]:
+    """Rank ``rank``'s rows of Megatron's fused QKV weight (TP=``size`` layout) as
+    ``(names[i], start, stop)`` row ranges of HF's ``q_proj`` / ``k_proj`` / ``v_proj``, in the
+    fused order. The fused weight is, per K/V group g, ``[q heads of g; k_g; v_g]``; rank r holds
+    its rows ``[r R/size, (r+1) R/size)`` of the ``R = (heads + 2 groups) head_dim`` rows."""
+    per_group = heads // groups
+    block = (per_group + 2) * head_dim
+    total = groups * block
+    if total % size:
+        raise ValueError(f"fused QKV rows {total} are not divisible by {size} ranks")
+    lo, hi = rank * total // size, (rank + 1) * total // size
+    out = []
+    for g in range(lo // block, (hi - 1) // block + 1):
+        base = g * block
+        # (name, first fused row of the segment, its first HF row, its length)
+        segments = (
+            (names[0], base, g * per_group * head_dim, per_group * head_dim),
+            (names[1], base + per_group * head_dim, g * head_dim, head_dim),
+            (names[2], base + (per_group + 1) * head_dim, g * head_dim, head_dim),
+        )
+        for name, first, hf_first, length in segments:
+            a, b = max(lo, first), min(hi, first + length)
+            if a < b:
+                out.append((name, hf_first + a - first, hf_first + b - first))
+    return out
+
+
 def _layer_tensors(
     reader: SafetensorsReader, desc: HFModelDescription, layer: int, size: int, rank: int
 ):
     """This rank's Megatron tensors of decoder layer ``layer`` (names relative to the layer)."""
     c = desc.config
     heads, groups, head_dim = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
-    per_group = heads // groups
     hf = f"model.layers.{layer}."
     out = {}
-    # Fused QKV, Megatron's per-group [q..., k, v] rows, this rank's groups only.
-    mine = range(rank * groups // size, (rank + 1) * groups // size)
+    # Fused QKV: Megatron's per-group [q..., k, v] rows, cut into ``size`` contiguous row shards
+    # (megatron-core's ColumnParallelLinear). With at least as many K/V heads as ranks a shard is
+    # whole groups; with fewer, a group spans size/groups shards and its K/V rows sit in the last
+    # of them. Either way this rank reads exactly its rows, piece by piece.
     for suffix in ("weight", "bias") if c["add_qkv_bias"] else ("weight",):
-        parts = []
-        for g in mine:
-            q0 = g * per_group * head_dim
-            parts.append(
-                reader.rows(hf + f"self_attn.q_proj.{suffix}", q0, q0 + per_group * head_dim)
-            )
-            parts.append(
-                reader.rows(hf + f"self_attn.k_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
-            )
-            parts.append(
-                reader.rows(hf + f"self_attn.v_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
-            )
-        out[f"self_attention.linear_qkv.{suffix}"] = torch.cat(parts, dim=0)
+        names = [hf + f"self_attn.{p}_proj.{suffix}" for p in "qkv"]
+        out[f"self_attention.linear_qkv.{suffix}"] = torch.cat(
+            [
+                reader.rows(name, start, stop)
+                for name, start, stop in qkv_rows(heads, groups, head_dim, size, rank, names)
+            ],
+            dim=0,
+        )
     q_local = heads * head_dim // size
     out["self_attention.linear_proj.weight"] = reader.cols(
         hf + "self_attn.o_proj.weight", rank * q_local, (rank + 1) * q_local
