@@ -14,7 +14,14 @@ import pathlib
 import pytest
 import torch.distributed as dist
 
-from tests import checks_hybrid, checks_inference, checks_late_completion, checks_layers
+from tests import (
+    checks_gpt,
+    checks_hybrid,
+    checks_inference,
+    checks_late_completion,
+    checks_layers,
+    checks_moe,
+)
 from tests.late_completion import WRAPPED
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "megatron_tsp" / "core"
@@ -252,9 +259,31 @@ def test_hybrid_late_completion(pool4, seed, d, style):
     assert _posted(pool4) == 2 * 3 * (d - 1)  # two layers' MLP rings (the attention is TP+SP)
 
 
-def test_inference_late_completion(pool4, seed):
-    """TSP prefill (async weight broadcasts) then TP decode, D=4."""
-    results = pool4.run(checks_inference.check_generation, 4, seed, "llama", late_completion=True)
+@pytest.mark.parametrize("d", [2, 4])
+def test_inference_late_completion(pool4, seed, d):
+    """TSP prefill (async weight broadcasts) then TP decode."""
+    results = pool4.run(checks_inference.check_generation, d, seed, "llama", late_completion=True)
     worst = max(max(r.values()) for r in results)
     assert worst <= 1e-12, results[0]  # NaN fails the comparison
     assert _posted(pool4) > 0  # the prefill's weight broadcasts (their number: prompt lengths)
+
+
+@pytest.mark.parametrize("d,style", [(2, "llama"), (4, "gpt2")])
+def test_gpt_vocab_ring_late_completion(pool4, seed, d, style):
+    """A whole GPT (two layers) with its loss on the vocabulary ring (``output_head``): the
+    output weight's shards and, in backward, their fp32 gradient accumulator on the ring."""
+    pool4.run(
+        checks_gpt.check_gpt_vs_single, d, seed, style, rtol=1e-10, vocab_ring=True,
+        late_completion=True,
+    )  # fmt: skip
+    # two layers' attention (9D each) and MLP rings (3(D-1) each), then the vocabulary ring
+    assert _posted(pool4) == 2 * 9 * d + 2 * 3 * (d - 1) + 3 * (d - 1)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_moe_expert_ring_late_completion(pool4, seed, d):
+    """The TSP expert ring (``tsp_moe_ring``: every expert sharded 1/D on the weight ring) in a
+    GPT with a MoE layer, against the single-process model and Megatron TP=D+SP (fp64)."""
+    pool4.run(checks_moe.check_moe_ring, d, seed, "moe", late_completion=True)
+    # two layers, each TSP attention (9D) and a MoE layer whose experts ride one ring (3(D-1))
+    assert _posted(pool4) == 2 * 9 * d + 2 * 3 * (d - 1)
