@@ -42,13 +42,16 @@ STYLES = {
 }
 
 
-def _config(d, dtype, style, layers, hidden, heads, ffn, groups=None):
+def _config(d, dtype, style, layers, hidden, heads, ffn, groups=None, kv_channels=None):
+    """``kv_channels``: the head dimension when it is not hidden / heads (``--kv-channels``)."""
     s = dict(STYLES[style])
     s.pop("position_embedding_type")
     if groups is not None:  # e.g. fewer K/V heads than D
         s["num_query_groups"] = groups
     if s["num_query_groups"] is None:
         s["num_query_groups"] = heads
+    if kv_channels is not None:
+        s["kv_channels"] = kv_channels
     return make_config(
         d,
         dtype,
@@ -144,11 +147,12 @@ def reference_run(
     loss_path,
     groups=None,
     tied=False,
+    kv_channels=None,
 ):
     """Single-device stock GPTModel (TP=1, Megatron's local spec and norms): loss, params and
     grads."""
     setup_megatron_tp(1, seed)
-    config = _config(1, dtype, style, layers, hidden, heads, ffn, groups)
+    config = _config(1, dtype, style, layers, hidden, heads, ffn, groups, kv_channels)
     model = _model(
         config,
         reference_single_layer_spec(config),
@@ -184,22 +188,37 @@ def check_gpt_vs_single(
     groups=None,
     vocab_ring=False,
     tied=False,
+    kv_channels=None,
 ):
     """TSP (or the stock Megatron TP=d+SP reference, ``baseline='tp_sp'``) GPTModel vs the TP=1
     stock model: loss and every gradient, gathered to full size. ``groups``: num_query_groups
     instead of the style's. ``vocab_ring``: the TSP model's loss on the vocabulary ring
     (``output_head``, the model called with labels) against the reference's ``loss_path``.
-    ``tied``: input and output embeddings shared."""
+    ``tied``: input and output embeddings shared. ``kv_channels``: a head dimension other than
+    hidden / heads."""
     dtype = DTYPES[dtype_name]
     ref_loss, ref_params, ref_grads, data = reference_run(
-        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, loss_path, groups, tied
+        style,
+        seed,
+        dtype,
+        layers,
+        hidden,
+        heads,
+        ffn,
+        vocab,
+        batch,
+        seq,
+        loss_path,
+        groups,
+        tied,
+        kv_channels=kv_channels,
     )
     if baseline == "tsp":
         setup_tsp(d, seed)
     else:
         setup_megatron_tp(d, seed)
     group, size, rank = group_info() if baseline == "tsp" else _tp_group_info()
-    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
+    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups, kv_channels)
     spec = (get_gpt_block_tsp_spec if baseline == "tsp" else reference_tp_sp_block_spec)(config)
     model = _model(config, spec, style, vocab, seq, loss_path == "megatron" or vocab_ring, tied)
     if vocab_ring:
@@ -217,7 +236,8 @@ def check_gpt_vs_single(
         actual,
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
-        what=f"{baseline} GPT ({style}, D={d}, groups={config.num_query_groups}, {dtype_name}, "
+        what=f"{baseline} GPT ({style}, D={d}, groups={config.num_query_groups}, "
+        f"kv_channels={config.kv_channels}, hidden={hidden}, {dtype_name}, "
         f"loss={loss_path}, vocab_ring={vocab_ring}, tied={tied}) "
         f"vs single-process stock GPTModel, seed={seed}",
     )
@@ -248,10 +268,12 @@ def check_tsp_vs_tp_sp(
     groups=None,
     vocab_ring=False,
     tied=False,
+    kv_channels=None,
 ):
     """(c)+(d): Megatron TP=d+SP and TSP-d on the same ranks and weights. ``vocab_ring``: the
     TSP model's loss on the vocabulary ring (``output_head``; Megatron's loss path for both);
-    ``tied``: input and output embeddings shared.
+    ``tied``: input and output embeddings shared; ``kv_channels``: a head dimension other than
+    hidden / heads.
 
     The TP+SP model is stock megatron-core (``reference_tp_sp_block_spec``: Megatron's local layer
     spec, norms written from their formula) initialised by Megatron; its ``state_dict`` (this rank's
@@ -265,7 +287,7 @@ def check_tsp_vs_tp_sp(
 
     setup_megatron_tp(d, seed)
     group, size, rank = _tp_group_info()
-    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups)
+    config = _config(d, dtype, style, layers, hidden, heads, ffn, groups, kv_channels)
     po = loss_path == "megatron"
     tp_model = _model(config, reference_tp_sp_block_spec(config), style, vocab, seq, po, tied)
     tp_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
@@ -293,6 +315,7 @@ def check_tsp_vs_tp_sp(
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
         what=f"TSP vs stock Megatron TP={d}+SP GPT ({style}, groups={config.num_query_groups}, "
+        f"kv_channels={config.kv_channels}, hidden={hidden}, "
         f"{dtype_name}, loss={loss_path}, vocab_ring={vocab_ring}, tied={tied}), seed={seed}",
     )
     if vocab_ring:

@@ -35,12 +35,17 @@ def _gpt(config, spec, style):
     )
 
 
-def _reference(style, seed, dtype, groups=None):
+def _reference(style, seed, dtype, groups=None, kv_channels=None):
     """Single-process stock megatron-core GPTModel (TP=1, Megatron's local spec and CPU norms,
     not the package's specs), eval mode."""
     setup_megatron_tp(1, seed)
     config = _config(
-        1, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"], groups
+        1,
+        dtype,
+        style,
+        *(SIZES[k] for k in ("layers", "hidden", "heads", "ffn")),
+        groups,
+        kv_channels,
     )
     model = _norms_to(_gpt(config, reference_single_layer_spec(config), style), dtype).eval()
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -63,11 +68,16 @@ def _greedy_reference(model, prompt, steps):
     return out, first_logits
 
 
-def _engine(d, seed, style, dtype, params, groups=None):
+def _engine(d, seed, style, dtype, params, groups=None, kv_channels=None):
     setup_tsp(d, seed)
     group, _, _ = group_info()
     config = _config(
-        d, dtype, style, SIZES["layers"], SIZES["hidden"], SIZES["heads"], SIZES["ffn"], groups
+        d,
+        dtype,
+        style,
+        *(SIZES[k] for k in ("layers", "hidden", "heads", "ffn")),
+        groups,
+        kv_channels,
     )
     model = _gpt(config, get_gpt_block_tsp_spec(config), style)
     sharding.load_full_state(model, params, group)
@@ -90,13 +100,20 @@ def _cache_err(a, b, length, batch):
     return worst
 
 
-def check_generation(d, seed, style, dtype_name="float64", new_tokens=4, groups=None):
+def check_generation(
+    d, seed, style, dtype_name="float64", new_tokens=4, groups=None, kv_channels=None
+):
     """Greedy TSP-prefill + TP-decode vs the single-process model; TSP cache / logits vs TP
     prefill's; two-chunk prefill vs one-shot; mixed-length batch; short prompt (TP fallback).
-    ``groups``: num_query_groups instead of the style's (e.g. fewer K/V heads than D)."""
+    ``groups``: num_query_groups instead of the style's (e.g. fewer K/V heads than D);
+    ``kv_channels``: a head dimension other than hidden / heads."""
     dtype = DTYPES[dtype_name]
-    ref, params = _reference(style, seed, dtype, groups)
-    engine, _ = _engine(d, seed, style, dtype, params, groups)
+    ref, params = _reference(style, seed, dtype, groups, kv_channels)
+    engine, _ = _engine(d, seed, style, dtype, params, groups, kv_channels)
+    if kv_channels is not None:  # both models' heads (and caches) have the given dimension
+        for model in (engine.tsp_model, engine.decode_model):
+            head_dim = model.decoder.layers[0].self_attention.hidden_size_per_attention_head
+            assert head_dim == kv_channels, (type(model).__name__, head_dim)
     step = 2 * d
     out = {}
 

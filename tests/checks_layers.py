@@ -197,12 +197,15 @@ def check_mlp(
     )
 
 
-def reference_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config):
-    """Full-sequence causal self-attention with Megatron's per-query-group QKV layout."""
+def reference_attention(
+    x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config, head_dim=None
+):
+    """Full-sequence causal self-attention with Megatron's per-query-group QKV layout.
+    ``head_dim``: the head dimension (``kv_channels``) when it is not hidden / heads."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     s, b, h = x.shape
-    hn = h // heads
+    hn = head_dim or h // heads
     mixed = x @ qkv_w.t()
     if qkv_b is not None:
         mixed = mixed + qkv_b
@@ -285,12 +288,14 @@ def check_attention(
     rope_fusion=False,
     kv_grad_all_to_all=False,
     triton_kernels=False,
+    kv_channels=None,
 ):
-    """``rope_fusion``: ``apply_rope_fusion`` on, with ``_FusedRopeStandIn`` as Megatron's fused
-    kernel (the reference keeps the unfused formula). ``kv_grad_all_to_all``: dK/dV summed by an
-    all-to-all (``config.tsp_kv_grad_all_to_all``). ``triton_kernels``: TSP's Triton kernels,
-    chosen on CUDA (``rope_kernel``, ``row_sum_kernel``), here on CPU tensors in Triton's
-    interpreter, their launches counted."""
+    """``kv_channels``: a head dimension other than hidden / heads (``--kv-channels``; the
+    reference is given it explicitly). ``rope_fusion``: ``apply_rope_fusion`` on, with
+    ``_FusedRopeStandIn`` as Megatron's fused kernel (the reference keeps the unfused formula).
+    ``kv_grad_all_to_all``: dK/dV summed by an all-to-all (``config.tsp_kv_grad_all_to_all``).
+    ``triton_kernels``: TSP's Triton kernels, chosen on CUDA (``rope_kernel``,
+    ``row_sum_kernel``), here on CPU tensors in Triton's interpreter, their launches counted."""
     import copy
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -308,7 +313,9 @@ def check_attention(
         num_query_groups=groups,
         add_bias_linear=bias,
         rotary_interleaved=rotary_interleaved,
+        **({} if kv_channels is None else dict(kv_channels=kv_channels)),
     )
+    head_dim = kv_channels or hidden // heads
     ref_config = copy.copy(config)
     config.tsp_kv_grad_all_to_all = kv_grad_all_to_all
     layer, full = attention_with_random_weights(config, attention_backward, seed, dtype, group)
@@ -317,7 +324,7 @@ def check_attention(
     freqs = None
     if rope:
         freqs = RotaryEmbedding(
-            kv_channels=hidden // heads,
+            kv_channels=head_dim,
             rotary_percent=rotary_percent,
             rotary_interleaved=rotary_interleaved,
             use_cpu_initialization=True,
@@ -335,6 +342,7 @@ def check_attention(
         groups,
         freqs,
         ref_config,
+        head_dim=head_dim,
     )
     yr.backward(dy_full)
 
@@ -377,7 +385,8 @@ def check_attention(
         actual,
         expected,
         rtol=TOL[dtype],
-        what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} "
+        what=f"TSP attention D={d} {dtype_name} heads={heads}/{groups} hidden={hidden} "
+        f"kv_channels={head_dim} "
         f"rope={rope} interleaved={rotary_interleaved} rotary_percent={rotary_percent} "
         f"fused={rope_fusion} triton={triton_kernels} backward={attention_backward} "
         f"a2a={kv_grad_all_to_all} "

@@ -82,6 +82,26 @@ def test_fewer_kv_heads_than_d(pool4, seed, d, groups):
     pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, "llama", rtol=1e-10, groups=groups)
 
 
+@pytest.mark.parametrize(
+    "d,style,groups,hidden,kv_channels",
+    [
+        (2, "llama", 4, 32, 8),  # GQA, head dim 8 > hidden / heads = 4
+        (4, "llama", 2, 32, 2),  # 2 K/V heads < D, head dim 2 < 4
+        (4, "gpt2", None, 32, 6),  # MHA, biases, learned positions, head dim 6 > 4
+        (4, "llama", 1, 36, 8),  # one K/V head, hidden 36 not a multiple of the 8 heads
+    ],
+)
+def test_kv_channels_not_hidden_over_heads(pool4, seed, d, style, groups, hidden, kv_channels):
+    """A head dimension other than hidden / heads (``kv_channels``, --kv-channels: Qwen3,
+    Mistral-Nemo), 8 heads: stock TP=D+SP equals the TP=1 model (the baseline is sound), TSP
+    equals both in fp64 (loss and every gradient), state dicts load both ways with
+    ``strict=True``."""
+    kw = dict(rtol=1e-10, groups=groups, hidden=hidden, kv_channels=kv_channels)
+    for baseline in ("tp_sp", "tsp"):
+        pool4.run(checks_gpt.check_gpt_vs_single, d, seed, style, baseline=baseline, **kw)
+    pool4.run(checks_gpt.check_tsp_vs_tp_sp, d, seed, style, **kw)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 @pytest.mark.parametrize("d", [1, 2, 4])

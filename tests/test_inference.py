@@ -27,6 +27,18 @@ def test_generation_fewer_kv_heads_than_d(pool4, seed, d, groups):
     assert max(worst.values()) <= 1e-12, worst
 
 
+@pytest.mark.parametrize("d,groups,kv_channels", [(2, 4, 8), (4, 2, 2)])
+def test_generation_kv_channels(pool4, seed, d, groups, kv_channels):
+    """A head dimension other than hidden / heads = 4 (``kv_channels``; Llama style, GQA, the
+    second case with fewer K/V heads than D): the same checks, TSP prefill's cache equal to
+    Megatron TP=D prefill's and TP decode continuing from it."""
+    results = pool4.run(
+        checks_inference.check_generation, d, seed, "llama", groups=groups, kv_channels=kv_channels
+    )
+    worst = {k: max(r[k] for r in results) for k in results[0]}
+    assert max(worst.values()) <= 1e-12, worst
+
+
 def test_sampling_stop_tokens_and_errors(pool4, seed):
     results = pool4.run(checks_inference.check_sampling_and_errors, 2, seed)
     assert all(r["sampled"] == results[0]["sampled"] for r in results), "ranks disagree"

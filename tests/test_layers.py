@@ -223,6 +223,38 @@ def test_attention_matches_reference(
     )
 
 
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize(
+    "heads,groups,hidden,kv_channels,bias,backward",
+    [
+        (4, 4, 64, 32, True, "saved"),  # MHA, head dim 32 > hidden / heads = 16
+        (8, 4, 64, 4, False, "recompute"),  # GQA 2:1, head dim 4 < 8
+        (8, 2, 48, 12, True, "saved"),  # 2 K/V heads (< D at D=4), head dim 12 > 6
+        (8, 1, 64, 6, True, "recompute"),  # MQA, head dim 6 < 8
+        (8, 4, 36, 8, False, "saved"),  # hidden 36 not a multiple of the 8 heads
+    ],
+)
+def test_attention_kv_channels(pool4, seed, d, heads, groups, hidden, kv_channels, bias, backward):
+    """A head dimension other than hidden / heads (``kv_channels``, --kv-channels: Qwen3,
+    Mistral-Nemo), larger and smaller, RoPE, fp64: the reference is given the head dimension
+    explicitly, so a layer that uses hidden / heads fails."""
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        "float64",
+        heads=heads,
+        groups=groups,
+        bias=bias,
+        rope=True,
+        seq=16,
+        batch=2,
+        hidden=hidden,
+        attention_backward=backward,
+        kv_channels=kv_channels,
+    )
+
+
 @pytest.mark.parametrize(
     "d,groups,backward", [(2, 4, "saved"), (4, 8, "recompute"), (4, 2, "saved")]
 )

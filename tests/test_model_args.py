@@ -67,6 +67,7 @@ def test_megatron_args_mapping_reads_every_math_setting():
     )
     plain = from_megatron_args(base)
     assert plain.config["num_query_groups"] == 8
+    assert "kv_channels" not in plain.config  # TransformerConfig derives hidden / heads = 8
     assert plain.gpt["rope_scaling"] is False and plain.gpt["share_embeddings_and_output_weights"]
     m = from_megatron_args(
         dict(
@@ -87,8 +88,10 @@ def test_megatron_args_mapping_reads_every_math_setting():
             qk_layernorm=True,
             untie_embeddings_and_output_weights=True,
             padded_vocab_size=192,
+            kv_channels=24,  # a head dimension other than hidden / heads = 8 (--kv-channels)
         )
     )
+    assert m.config["kv_channels"] == 24
     assert m.config["num_query_groups"] == 2 and m.config["rotary_interleaved"]
     assert m.config["normalization"] == "RMSNorm" and m.config["layernorm_epsilon"] == 1e-6
     assert m.config["gated_linear_unit"] and m.config["activation_func"] is F.silu

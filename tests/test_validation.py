@@ -80,6 +80,15 @@ def test_model_shape_accepts_groups_multiple_or_divisor_of_d(d, groups):
     validation.check_model_shape(d, num_attention_heads=16, num_query_groups=groups, hidden_size=64)
 
 
+def test_model_shape_accepts_hidden_not_a_multiple_of_heads_with_kv_channels():
+    """With --kv-channels the head dimension is given, so hidden need not be a multiple of the
+    heads (Megatron-LM asserts it only without the flag; TSP never divides hidden by the heads:
+    tests/test_gpt.py::test_kv_channels_not_hidden_over_heads runs hidden 36, 8 heads)."""
+    validation.check_model_shape(
+        4, num_attention_heads=8, num_query_groups=8, hidden_size=68, kv_channels=16
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

@@ -72,7 +72,8 @@ def check_model_shape(
             f"--num-query-groups={num_query_groups}"
         )
     rejections.check_divisible(d, ffn_hidden_size=ffn_hidden_size, padded_vocab_size=vocab_size)
-    if hidden_size is not None and hidden_size % num_attention_heads != 0:
+    if kv_channels is None and hidden_size is not None and hidden_size % num_attention_heads != 0:
+        # only where the head dimension is derived from them (Megatron-LM asserts the same)
         raise ValueError(
             f"--hidden-size={hidden_size} is not divisible by "
             f"--num-attention-heads={num_attention_heads}"
