@@ -122,7 +122,7 @@ def test_gpt_vocab_ring_wait_order(pool4, seed, d, style):
 def test_moe_expert_ring_wait_order(pool4, seed, d):
     """The TSP expert ring (``tsp_moe_ring``) in a GPT with a MoE layer."""
     _, n = _run(pool4, "tests.checks_moe", "check_moe_ring", d, seed, "moe", unread_ok=MODEL_UNREAD)
-    assert n > 0
+    assert n == 2 * 9 * d + 2 * 3 * (d - 1)  # two layers: attention, the experts' one ring
 
 
 @pytest.mark.parametrize("d,style", [(2, "llama"), (4, "gpt2")])
