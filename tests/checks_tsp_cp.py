@@ -196,16 +196,30 @@ def check_gpt_cp(
     batch=2,
     seq=32,
     rtol=None,
+    kv_channels=None,
 ):
     """A whole GPTModel under TSP x CP vs the single-process stock GPTModel: loss and every
     gradient (summed over CP as DDP does, replicated ones over TSP as finalize_model_grads
-    does, then gathered to full size)."""
+    does, then gathered to full size). ``kv_channels``: a head dimension other than hidden /
+    heads."""
     dtype = DTYPES[dtype_name]
     ref_loss, ref_params, ref_grads, data = checks_gpt.reference_run(
-        style, seed, dtype, layers, hidden, heads, ffn, vocab, batch, seq, "exact", groups
+        style,
+        seed,
+        dtype,
+        layers,
+        hidden,
+        heads,
+        ffn,
+        vocab,
+        batch,
+        seq,
+        "exact",
+        groups,
+        kv_channels=kv_channels,
     )
     g = setup_tsp_cp(d, c, seed)
-    config = checks_gpt._config(d, dtype, style, layers, hidden, heads, ffn, groups)
+    config = checks_gpt._config(d, dtype, style, layers, hidden, heads, ffn, groups, kv_channels)
     config = dataclasses.replace(config, context_parallel_size=c)
     model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, False)
     sharding.load_full_state(model, ref_params, g["tp"])
@@ -229,5 +243,6 @@ def check_gpt_cp(
         expected,
         rtol=rtol if rtol is not None else TOL[dtype],
         what=f"TSP x CP GPT ({style}, D={d}, C={c}, groups={config.num_query_groups}, "
+        f"kv_channels={config.kv_channels}, "
         f"{dtype_name}) vs single-process stock GPTModel, seed={seed}",
     )

@@ -116,6 +116,12 @@ def test_gpt_matches_single_process_fp64(pool4, seed, style, groups):
     pool4.run(checks_tsp_cp.check_gpt_cp, 2, 2, seed, style, groups=groups, rtol=1e-10)
 
 
+def test_gpt_kv_channels_fp64(pool4, seed):
+    """(D, C) = (2, 2), Llama with one K/V head: head dimension 8, not hidden / heads = 4
+    (``kv_channels``): loss and every gradient."""
+    pool4.run(checks_tsp_cp.check_gpt_cp, 2, 2, seed, "llama", groups=1, kv_channels=8, rtol=1e-10)
+
+
 def test_layer_cp_4_ranks_as_c4(pool4, seed):
     """(D, C) = (1, 4): the sequence group is the CP group alone (one-rank TSP groups)."""
     pool4.run(checks_tsp_cp.check_attention_cp, 1, 4, seed, groups=4)
