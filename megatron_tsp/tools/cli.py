@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import warnings
 from typing import Optional, Sequence
+
+from megatron_tsp.tools import cli_args
 
 COMMANDS = {
     "demo": (
@@ -41,12 +45,20 @@ USAGE = (
     + ",".join(COMMANDS)
     + "} [options]\n\n"
     + "\n".join(f"  {k:<16}{v[1]}" for k, v in COMMANDS.items())
-    + "\n\n'megatron-tsp CMD --help' for options."
+    + "\n\n'megatron-tsp CMD --help' for options; 'megatron-tsp --debug CMD ...' shows the "
+    + "traceback of a refused input."
 )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    ours = argv.index("--") if "--" in argv else len(argv)  # cpu-run: the script's after --
+    if "--debug" in argv[:ours]:
+        argv = [a for a in argv[:ours] if a != "--debug"] + argv[ours:]
+        os.environ[cli_args.DEBUG_ENV] = "1"
+    # megatron-core announces its optional CUDA extensions (Transformer Engine, apex) when
+    # imported; on a CPU machine they are absent by design
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
@@ -68,7 +80,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not hasattr(module, "main"):
         print(f"megatron-tsp {cmd}: {module_name} has no main(argv)", file=sys.stderr)
         return 2
-    rc = module.main(rest)
+    try:
+        rc = module.main(rest)
+    except cli_args.UsageError as exc:  # input a tool could only check once it had started
+        if cli_args.debug():
+            raise
+        print(cli_args.one_line(f"megatron-tsp {cmd}", exc), file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

@@ -18,42 +18,75 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    from_value_error,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=4, help="gloo ranks to spawn")
-    p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--num-query-groups", type=int, default=4)
-    p.add_argument("--ffn-hidden-size", type=int, default=256)
+    p = ToolParser(prog="megatron-tsp demo", description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=positive_int, default=4, help="gloo ranks to spawn")
+    p.add_argument(
+        "--tensor-sequence-parallel-size", "--tsp", dest="d", type=positive_int, default=4
+    )
+    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--seq-length", type=positive_int, default=256)
+    p.add_argument("--micro-batch-size", type=positive_int, default=4)
+    p.add_argument("--num-layers", type=positive_int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=128)
+    p.add_argument("--num-attention-heads", type=positive_int, default=8)
+    p.add_argument("--num-query-groups", type=positive_int, default=4)
+    p.add_argument("--ffn-hidden-size", type=positive_int, default=256)
     p.add_argument(
         "--style",
         choices=["llama", "gpt2"],
         default="llama",
         help="llama: RMSNorm+SwiGLU+RoPE+GQA; gpt2: LayerNorm+GELU+learned positions",
     )
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=non_negative_int, default=1234)
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="max relative loss difference (default 1e-5 fp64, 1e-3 fp32: "
         "Megatron's vocab-parallel cross-entropy computes in fp32, so the two "
         "runs' losses and gradients agree to fp32 rounding, which Adam carries "
         "across steps)",
     )
+    p.add_check(check_args)
     return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """The layout and the model shape must split over D before a rank is spawned (the
+    validation module's messages name the flags and the numbers)."""
+    from megatron_tsp.core.validation import check_model_shape, check_parallel_layout
+    from megatron_tsp.tools.data import VOCAB_SIZE
+
+    try:
+        check_parallel_layout(args.world_size, args.d)
+    except ValueError as exc:
+        raise from_value_error(exc, f"--world-size {args.world_size}") from exc
+    llama = args.style == "llama"
+    check_model_shape(
+        args.d,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if llama else None,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=VOCAB_SIZE,
+        seq_length=args.seq_length,
+        hidden_size=args.hidden_size,
+    )
 
 
 def _config(args):
@@ -275,14 +308,7 @@ def _summary(args, history, comm, tokens_per_step) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from megatron_tsp.core.validation import check_parallel_layout
-
-    try:
-        check_parallel_layout(args.world_size, args.d)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)  # every input checked, before any rank is spawned
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(

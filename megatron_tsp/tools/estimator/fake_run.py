@@ -157,10 +157,6 @@ class RunConfig:
             raise ValueError(f"--cp {self.cp} needs scheme 'tp_cp' (TP x CP) or 'tsp' (TSP x CP)")
         if self.scheme == "tp_cp" and self.cp < 2:
             raise ValueError("scheme 'tp_cp' needs --cp >= 2")
-        if self.world_size % (self.tp * self.cp):
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by TP*CP={self.tp * self.cp}"
-            )
         m = self.model
         # the rejection table's shape rows (TSP, the hybrid and plain TP shard alike)
         mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme, rejections.TP)
@@ -171,6 +167,11 @@ class RunConfig:
             num_query_groups=m.groups,
             ffn_hidden_size=m.ffn_hidden,
         )
+        if self.world_size % (self.tp * self.cp):
+            raise ValueError(
+                f"--world-size {self.world_size} is not divisible by --tp {self.tp} x --cp "
+                f"{self.cp} = {self.tp * self.cp}"
+            )
         split = {
             "tsp": 2 * self.tp * self.cp,
             "tp_cp": 2 * self.cp * self.tp,
@@ -179,9 +180,7 @@ class RunConfig:
             "tp": 1,
         }[self.scheme]
         if self.seq % split:
-            raise ValueError(
-                f"sequence length {self.seq} must be divisible by {split} for {self.label}"
-            )
+            raise ValueError(f"--seq {self.seq} must be divisible by {split} for {self.label}")
         if self.tsp_attention_backward not in (None, "saved", "recompute"):
             raise ValueError("tsp_attention_backward must be 'saved' or 'recompute'")
         if self.recompute not in ("none", "full"):

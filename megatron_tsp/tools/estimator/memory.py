@@ -23,6 +23,15 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    UsageError,
+    from_value_error,
+    non_negative_float,
+    positive_int,
+    positive_int_list,
+)
+
 from .strategies import RECOMPUTE_FC1_HELP
 
 # The paper's per-GPU peaks (GB), 7B, one 8-GPU node, training. The two "TP x SP" 2-D layouts
@@ -57,7 +66,7 @@ CATEGORIES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ToolParser(
         prog="megatron-tsp memory",
         description="Measure one rank's peak memory, FLOPs and communication for a full training "
         "step with fake tensors (no GPU needed).",
@@ -69,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model name (megatron_tsp/models: 7b, llama3-8b, small, tiny, ...) or a "
         "model .json; the flags below change single fields",
     )
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--num-query-groups", type=int)
-    m.add_argument("--ffn-hidden-size", type=int)
-    m.add_argument("--vocab-size", type=int, help="before Megatron's padding (7b: 32000)")
+    m.add_argument("--hidden-size", type=positive_int)
+    m.add_argument("--num-layers", type=positive_int)
+    m.add_argument("--num-attention-heads", type=positive_int)
+    m.add_argument("--num-query-groups", type=positive_int)
+    m.add_argument("--ffn-hidden-size", type=positive_int)
+    m.add_argument("--vocab-size", type=positive_int, help="before Megatron's padding (7b: 32000)")
     m.add_argument("--swiglu", action="store_true", help="gated fc1 (SwiGLU) instead of GELU")
     m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     m.add_argument(
@@ -91,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
         "tp_cp (TP x CP with SP)",
     )
-    r.add_argument("--tp", type=int, default=8, help="TP size, or the TSP group size D")
-    r.add_argument("--cp", type=int, default=1)
-    r.add_argument("--world-size", type=int, default=8)
-    r.add_argument("--seq", type=int, default=16384, help="sequence length")
-    r.add_argument("--micro-batch", type=int, default=1)
+    r.add_argument("--tp", type=positive_int, default=8, help="TP size, or the TSP group size D")
+    r.add_argument("--cp", type=positive_int, default=1)
+    r.add_argument("--world-size", type=positive_int, default=8)
+    r.add_argument("--seq", type=positive_int, default=16384, help="sequence length")
+    r.add_argument("--micro-batch", type=positive_int, default=1)
     r.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     r.add_argument(
         "--recompute",
@@ -161,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--expert-model-parallel-size",
-        type=int,
+        type=positive_int,
         help="EP (default: the TSP / TP group size for folded, 1 for ring)",
     )
     r.add_argument(
@@ -179,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run fake and real for the same configuration and compare the peaks",
     )
-    r.add_argument("--tolerance", type=float, default=0.10, help="--validate: allowed rel. error")
+    r.add_argument(
+        "--tolerance", type=non_negative_float, default=0.10, help="--validate: allowed rel. error"
+    )
     r.add_argument(
         "--table",
         action="store_true",
@@ -187,14 +198,34 @@ def build_parser() -> argparse.ArgumentParser:
         "for an MoE model: TSP D=8 folded (EP 8, alltoall), TSP D=8 expert ring, TP=8+SP with "
         "EP 8 (alltoall)",
     )
-    r.add_argument("--seqs", default="16384,131072", help="--table: sequence lengths")
+    r.add_argument(
+        "--seqs", type=positive_int_list, default="16384,131072", help="--table: sequence lengths"
+    )
     r.add_argument("--no-flops", action="store_true")
     r.add_argument("--no-comm", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--units", choices=["GB", "GiB"], default="GB", help="GB = 1e9 bytes")
     o.add_argument("--json", help="write the results to this file")
     o.add_argument("--quiet", action="store_true")
+    p.add_check(check_args)
     return p
+
+
+def check_args(args) -> None:
+    """The model and the layout the run would measure, before any fake tensor: each
+    configuration ``main`` runs (``--table``: the table's rows) must validate."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+    from megatron_tsp.core.rejections import TSPRejection
+
+    if args.table:  # the table's layouts are fixed; its model must load
+        _model(args)
+        return
+    try:
+        _config(args, args.scheme, args.tp, args.cp, args.seq).validate()
+    except TSPRejection as exc:  # the table's rows name Megatron's flag: here it is --tp
+        raise from_value_error(exc, f"--tp {args.tp}") from exc
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
 
 
 def _model(args):
@@ -220,7 +251,7 @@ def _model(args):
     try:
         return load_model(args.model, **changes)
     except ValueError as exc:
-        raise SystemExit(f"--model: {exc}") from exc
+        raise UsageError(f"--model {args.model}", str(exc)) from exc
 
 
 def _config(args, scheme, tp, cp, seq, fake=True):
@@ -316,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     try:
         if args.table:
-            seqs = [int(s) for s in args.seqs.split(",") if s]
+            seqs = args.seqs
             moe = _model(args).is_moe
             for seq in seqs:
                 layouts = list(MOE_TABLE_LAYOUTS if moe else TABLE_LAYOUTS)
