@@ -29,16 +29,31 @@ import torch.distributed as dist
 
 from megatron_tsp.megatron_lm import patches
 from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    UsageError,
+    debug,
+    existing_dir,
+    fraction,
+    from_value_error,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, unfused_config
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megatron-tsp generate", description=__doc__.splitlines()[0])
-    p.add_argument("--tensor-sequence-parallel-size", "--tsp", dest="d", type=int, default=2)
+    p = ToolParser(prog="megatron-tsp generate", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--tensor-sequence-parallel-size", "--tsp", dest="d", type=positive_int, default=2
+    )
     p.add_argument(
         "--load",
+        type=existing_dir,
         default=None,
         help="torch_dist checkpoint directory (iteration "
         "directory or a root with latest_checkpointed_iteration.txt)",
@@ -48,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--hf",
+        type=existing_dir,
         default=None,
         help="Hugging Face Llama / Mistral / Qwen2 checkpoint directory (config.json + "
         "safetensors; a local path): each rank reads only its own slices",
@@ -66,18 +82,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--random-prompt-tokens",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="use one random prompt of this many tokens (throughput runs)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--seed", type=non_negative_int, default=1234)
     p.add_argument("--stop", default=None, help="stop token ids, comma-separated (text: '.')")
     p.add_argument("--prefill", choices=["auto", "tsp", "tp"], default="auto")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    p.add_argument("--prefill-chunk-tokens", type=positive_int, default=None)
     p.add_argument(
         "--check-tp",
         action="store_true",
@@ -85,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--train-steps",
-        type=int,
+        type=non_negative_int,
         default=150,
         help="embedded model only: TSP training steps on the embedded corpus",
     )
@@ -100,19 +116,47 @@ def parse_args(argv=None) -> argparse.Namespace:
         "embedded model only", "Megatron-LM's RoPE flags, stored in the --save checkpoint's args"
     )
     tiny.add_argument("--use-rope-scaling", action="store_true")
-    tiny.add_argument("--rope-scaling-factor", type=float, default=8.0)
-    tiny.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None)
-    tiny.add_argument("--rotary-base", type=int, default=10000)
-    args = p.parse_args(argv)
-    if args.d < 1:
-        p.error(f"--tensor-sequence-parallel-size={args.d} must be >= 1")
+    tiny.add_argument("--rope-scaling-factor", type=positive_float, default=8.0)
+    tiny.add_argument("--rotary-seq-len-interpolation-factor", type=positive_float, default=None)
+    tiny.add_argument("--rotary-base", type=positive_int, default=10000)
+    args = p.parse_args(argv)  # types only: the checks below need the combination
     if args.config and not args.load:
         p.error("--config describes a checkpoint: pass --load too")
     if args.save and args.load:
         p.error("--save writes the embedded or --hf model: it cannot be combined with --load")
     if args.hf and (args.load or args.config):
         p.error("--hf reads a Hugging Face directory: it cannot be combined with --load / --config")
+    try:
+        check_model(args)
+    except UsageError as exc:
+        if debug():
+            raise
+        p.error(str(exc))
     return args
+
+
+def check_model(args) -> None:
+    """The model must split over D before any rank is spawned: the embedded model's or the
+    ``--load`` checkpoint's shape (its arguments or ``--config``) through the validation module
+    (``--hf`` directories are checked field by field by ``models/hf_import.py``)."""
+    if args.hf:
+        return
+    from megatron_tsp.core.validation import check_model_shape
+    from megatron_tsp.megatron_lm.model_args import from_megatron_args
+
+    try:
+        c = from_megatron_args(tiny_args(args) if args.load is None else _model_fields(args)).config
+        check_model_shape(
+            args.d,
+            num_attention_heads=c["num_attention_heads"],
+            num_query_groups=c.get("num_query_groups"),
+            ffn_hidden_size=c.get("ffn_hidden_size"),
+            hidden_size=c.get("hidden_size"),
+            kv_channels=c.get("kv_channels"),
+        )
+    except ValueError as exc:
+        where = "" if args.load is None else f" (--load {args.load})"
+        raise from_value_error(exc, "--tensor-sequence-parallel-size" + where) from exc
 
 
 # ------------------------------------------------------------------ models
@@ -156,14 +200,15 @@ def _model_fields(args) -> dict:
         with _cpu_cuda_sync():
             common = dist_checkpointing.load_common_state_dict(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint gets the same advice
-        raise SystemExit(
-            f"--load {args.load}: cannot read the checkpoint's common state "
-            f"({type(exc).__name__}: {exc}); pass --config"
+        raise UsageError(
+            f"--load {args.load}",
+            f"cannot read the checkpoint's common state ({type(exc).__name__}: {exc}); "
+            "pass --config",
         ) from exc
     saved = (common or {}).get("args")
     if saved is None:
-        raise SystemExit(
-            f"--load {args.load}: the checkpoint holds no Megatron-LM 'args'; pass --config"
+        raise UsageError(
+            f"--load {args.load}", "the checkpoint holds no Megatron-LM 'args'; pass --config"
         )
     return vars(saved)
 
