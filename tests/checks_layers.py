@@ -23,7 +23,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 
 from megatron_tsp.core import sharding
 from megatron_tsp.core.layers.attention import TSPSelfAttention
-from megatron_tsp.core.layers.mlp import TSPMLP
+from megatron_tsp.core.layers.mlp import TSPMLP, make_activation
 from tests.common import (
     DTYPES,
     FUSIONS_OFF,
@@ -97,6 +97,7 @@ def check_mlp(
     fusions="megatron-lm",
     offload_hooks=False,
     triton_kernel=False,
+    config_fields=None,
 ):
     """TSP MLP on zigzag tokens vs megatron-core's stock ``MLP`` (TP=1) on the full sequence:
     output, input gradient and every weight gradient. ``fusions``: "megatron-lm" (the defaults,
@@ -109,7 +110,10 @@ def check_mlp(
     the copy back. Every tensor the backward needs must go through them: the packed tensors are
     exactly the input, the weights and (when fc1 is not recomputed) the D per-shard fc1 outputs,
     each unpacked once, and no packed activation outlives the forward elsewhere (its memory is
-    really released)."""
+    really released).
+
+    ``config_fields``: more ``TransformerConfig`` fields, the same in TSP's and the reference's
+    config (the GLU's clamp / offset, the fused SwiGLU's FP8 input store)."""
     dtype = DTYPES[dtype_name]
     setup_tsp(d)
     group, size, rank = group_info()
@@ -122,6 +126,7 @@ def check_mlp(
     )
     if fusions == "off":
         fields.update(FUSIONS_OFF)
+    fields.update(config_fields or {})
     config = make_config(d, dtype, **fields)
     layer = TSPMLP(
         config,
@@ -178,7 +183,11 @@ def check_mlp(
     launches = [kind for kind, _ in calls]
     if triton_kernel:
         kind = "swiglu" if gated else ("gelu_tanh" if fusions == "megatron-lm" else "gelu")
-        assert launches == [kind] * size, f"activation kernel launches {launches}"
+        if make_activation(config).kernel_kind is None:  # no kernel has this formula
+            kind, size_launched = None, 0
+        else:
+            size_launched = size
+        assert launches == [kind] * size_launched, f"activation kernel launches {launches}"
     if offload_hooks:
         assert sorted(unpacked) == sorted(packed), (unpacked, packed)
     actual = {"output": y, "grad:input": x.grad}
@@ -198,10 +207,11 @@ def check_mlp(
 
 
 def reference_attention(
-    x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config, head_dim=None
+    x, qkv_w, qkv_b, proj_w, proj_b, heads, groups, rope_freqs, config, head_dim=None, scale=None
 ):
     """Full-sequence causal self-attention with Megatron's per-query-group QKV layout.
-    ``head_dim``: the head dimension (``kv_channels``) when it is not hidden / heads."""
+    ``head_dim``: the head dimension (``kv_channels``) when it is not hidden / heads; ``scale``:
+    the softmax scale when it is not 1/sqrt(head dim)."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     s, b, h = x.shape
@@ -218,7 +228,7 @@ def reference_attention(
     k = k.repeat_interleave(heads // groups, dim=2)
     v = v.repeat_interleave(heads // groups, dim=2)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    scores = q @ k.transpose(-1, -2) / math.sqrt(hn)
+    scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(hn) if scale is None else scale)
     mask = torch.ones(s, s, dtype=torch.bool).tril()
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     ctx = (probs @ v).permute(2, 0, 1, 3).reshape(s, b, heads * hn)
@@ -289,13 +299,19 @@ def check_attention(
     kv_grad_all_to_all=False,
     triton_kernels=False,
     kv_channels=None,
+    softmax_scale=None,
+    no_rope_freq=None,
 ):
     """``kv_channels``: a head dimension other than hidden / heads (``--kv-channels``; the
     reference is given it explicitly). ``rope_fusion``: ``apply_rope_fusion`` on, with
     ``_FusedRopeStandIn`` as Megatron's fused kernel (the reference keeps the unfused formula).
     ``kv_grad_all_to_all``: dK/dV summed by an all-to-all (``config.tsp_kv_grad_all_to_all``).
     ``triton_kernels``: TSP's Triton kernels, chosen on CUDA (``rope_kernel``,
-    ``row_sum_kernel``), here on CPU tensors in Triton's interpreter, their launches counted."""
+    ``row_sum_kernel``), here on CPU tensors in Triton's interpreter, their launches counted.
+    ``softmax_scale``: the config's attention scale (the reference uses it instead of
+    1/sqrt(head dim)). ``no_rope_freq``: the config's NoPE pattern (the layer is layer 1: with
+    ``no_rope_freq[0]`` set the layer is given the rotary table and must not apply it; the
+    reference gets none)."""
     import copy
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -314,6 +330,8 @@ def check_attention(
         add_bias_linear=bias,
         rotary_interleaved=rotary_interleaved,
         **({} if kv_channels is None else dict(kv_channels=kv_channels)),
+        **({} if softmax_scale is None else dict(softmax_scale=softmax_scale)),
+        **({} if no_rope_freq is None else dict(no_rope_freq=no_rope_freq)),
     )
     head_dim = kv_channels or hidden // heads
     ref_config = copy.copy(config)
@@ -340,9 +358,10 @@ def check_attention(
         ref.get("linear_proj.bias"),
         heads,
         groups,
-        freqs,
+        None if no_rope_freq and no_rope_freq[0] else freqs,
         ref_config,
         head_dim=head_dim,
+        scale=softmax_scale,
     )
     yr.backward(dy_full)
 
@@ -389,7 +408,7 @@ def check_attention(
         f"kv_channels={head_dim} "
         f"rope={rope} interleaved={rotary_interleaved} rotary_percent={rotary_percent} "
         f"fused={rope_fusion} triton={triton_kernels} backward={attention_backward} "
-        f"a2a={kv_grad_all_to_all} "
+        f"a2a={kv_grad_all_to_all} softmax_scale={softmax_scale} no_rope_freq={no_rope_freq} "
         f"seed={seed}",
     )
 

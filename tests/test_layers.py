@@ -357,3 +357,85 @@ def test_attention_eval_turns_dropout_off(pool4, seed):
 @pytest.mark.parametrize("kind", ["mlp", "attention"])
 def test_main_grad_contract(pool4, seed, kind, zero_out_wgrad):
     pool4.run(checks_layers.check_main_grad_contract, 2, seed, kind, zero_out_wgrad)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize(
+    "fields,fusions,dtype,bias,triton_kernel",
+    [
+        # Megatron's unfused GLU: x_glu clamped above, x_linear to [-c, c]
+        (dict(activation_func_clamp_value=0.5), "off", "float64", True, False),
+        # Megatron's unfused GLU: act(x_glu) * (x_linear + offset)
+        (dict(glu_linear_offset=1.0), "off", "float64", True, False),
+        # the fused SwiGLU saves its input rounded to float8_e4m3fn for the backward (no biases:
+        # with an fc1 bias it is refused, test_mlp_fp8_input_store_with_bias_is_refused)
+        (dict(activation_func_fp8_input_store=True), "megatron-lm", "float64", False, False),
+        # the same where TSP would otherwise take its activation kernel (CUDA; here Triton's
+        # interpreter): the backward must still be Megatron's, at the rounded input
+        (dict(activation_func_fp8_input_store=True), "megatron-lm", "float32", False, True),
+    ],
+    ids=["clamp_0.5", "offset_1.0", "fp8_input_store", "fp8_input_store_kernel"],
+)
+def test_mlp_glu_options(pool4, seed, d, fields, fusions, dtype, bias, triton_kernel):
+    """SwiGLU options off their defaults against megatron-core's stock MLP with the same config
+    (output, input gradient, every weight gradient): the unfused GLU's clamp and linear offset,
+    the fused SwiGLU's FP8 input store."""
+    pool4.run(
+        checks_layers.check_mlp,
+        d,
+        seed,
+        dtype,
+        gated=True,
+        bias=bias,
+        seq=16,
+        batch=2,
+        hidden=16,
+        ffn=32,
+        activation="silu",
+        recompute_activation=True,
+        fusions=fusions,
+        triton_kernel=triton_kernel,
+        config_fields=fields,
+    )
+
+
+def test_mlp_fp8_input_store_with_bias_is_refused():
+    """Megatron's fused SwiGLU rounds the fc1 output to float8 before its bias is added; TSP's fc1
+    output carries the bias, so that combination is refused by name, not run differently."""
+    from megatron_tsp.core.layers.mlp import make_activation
+
+    config = make_config(
+        1, torch.float64, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True
+    )
+    config.activation_func_fp8_input_store = True
+    with pytest.raises(ValueError, match="activation_func_fp8_input_store"):
+        make_activation(config)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("backward", ["saved", "recompute"])
+@pytest.mark.parametrize(
+    "softmax_scale,no_rope_freq",
+    [(0.3, None), (None, [1])],
+    ids=["softmax_scale_0.3", "no_rope_freq_layer1"],
+)
+def test_attention_scale_and_nope(pool4, seed, d, backward, softmax_scale, no_rope_freq):
+    """``softmax_scale`` other than 1/sqrt(head dim) (0.3; the head dim is 8), and a NoPE layer
+    (``no_rope_freq=[1]``: layer 1 takes no RoPE although the model passes the table) against
+    the reference with that scale / without RoPE, fp64, GQA, forward and backward."""
+    pool4.run(
+        checks_layers.check_attention,
+        d,
+        seed,
+        "float64",
+        heads=8,
+        groups=4,
+        bias=True,
+        rope=True,
+        seq=24,
+        batch=2,
+        hidden=64,
+        attention_backward=backward,
+        softmax_scale=softmax_scale,
+        no_rope_freq=no_rope_freq,
+    )

@@ -148,9 +148,22 @@ def _fused_activation(config, act) -> MLPActivation:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
         fp8_store = bool(getattr(config, "activation_func_fp8_input_store", False))
+        if fp8_store and config.add_bias_linear:
+            raise ValueError(
+                "activation_func_fp8_input_store=True with add_bias_linear=True: Megatron's fused "
+                "SwiGLU stores the fc1 output rounded to float8 *before* adding the fc1 bias and "
+                "differentiates at that rounded value plus the bias; the TSP MLP adds the bias in "
+                "its fc1 GEMM, so the rounding would differ. Use it without linear biases "
+                "(add_bias_linear=False, --disable-bias-linear)"
+            )
         # The last argument only tags the saved input for Transformer Engine's activation
         # offloading (Megatron passes it with TE CPU offloading); it changes no value.
-        return MLPActivation(lambda x: bias_swiglu_impl(x, None, fp8_store, False), "swiglu")
+        # With the FP8 input store Megatron's backward reads the input rounded to float8_e4m3fn:
+        # no kernel kind, so the backward runs Megatron's own function (the activation kernel
+        # would differentiate at the unrounded input).
+        return MLPActivation(
+            lambda x: bias_swiglu_impl(x, None, fp8_store, False), None if fp8_store else "swiglu"
+        )
     raise ValueError(
         f"activation_func={_name(act)} with gated_linear_unit={config.gated_linear_unit} has no "
         "fused bias-activation kernel in Megatron's MLP (it fuses only GeLU, GeGLU and SwiGLU): "
