@@ -36,6 +36,13 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron_tsp.core.model_shape import ModelShape
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    UsageError,
+    fraction,
+    positive_int,
+    positive_int_list,
+)
 
 from . import formulas as fm
 from . import moe
@@ -513,7 +520,7 @@ def _to_jsonable(p: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ToolParser(
         prog="megatron-tsp plan",
         description="Analytic memory / communication / throughput plan for TSP vs TP+SP, CP, "
         "TPxCP and plain TP.",
@@ -524,17 +531,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--hardware", default="mi300x", help=f"name ({', '.join(available('hardware'))}) or .json"
     )
-    ap.add_argument("--seq-length", type=int, required=True)
-    ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--degree", type=int, default=8, help="group size D of every strategy")
-    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-length", type=positive_int, required=True)
+    ap.add_argument("--gpus", type=positive_int, required=True)
+    ap.add_argument("--degree", type=positive_int, default=8, help="group size D of every strategy")
+    ap.add_argument("--micro-batch", type=positive_int, default=1)
     ap.add_argument(
         "--num-microbatches",
-        type=int,
+        type=positive_int,
         default=None,
         help="micro-batches per step (default: from --global-batch-tokens)",
     )
-    ap.add_argument("--global-batch-tokens", type=int, default=2**24)
+    ap.add_argument("--global-batch-tokens", type=positive_int, default=2**24)
     ap.add_argument(
         "--strategies",
         default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
@@ -544,15 +551,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--cp",
-        default="",
+        type=positive_int_list,
+        default=[],
         help="comma-separated context-parallel sizes C: tsp_cp / tsp_cp_ring / tp_cp become "
         "TSP or TP+SP of --degree (inside a node) x CP of each C (across nodes); sizes whose "
         "D*C does not divide --gpus are skipped",
     )
     ap.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
-    ap.add_argument("--efficiency", type=float, help="override the profile's compute efficiency")
-    ap.add_argument("--comm-efficiency", type=float, help="override the profile's comm efficiency")
+    ap.add_argument("--efficiency", type=fraction, help="override the profile's compute efficiency")
+    ap.add_argument(
+        "--comm-efficiency", type=fraction, help="override the profile's comm efficiency"
+    )
     ap.add_argument(
         "--tsp-recompute-fc1",
         action="store_true",
@@ -596,20 +606,34 @@ def build_parser() -> argparse.ArgumentParser:
         default="alltoall",
         help="MoE models: megatron-core's token dispatcher of the folded layout",
     )
-    ap.add_argument("--plot", default="megatron_tsp_plan.png", help="PNG path ('' to skip)")
+    ap.add_argument("--plot", default="", help="also plot the sweep as a PNG at this path")
     ap.add_argument(
         "--sweep",
-        default="",
+        type=positive_int_list,
+        default=[],
         help="comma-separated sequence lengths for the plot (default 4k..max(256k, 2S))",
     )
     ap.add_argument("--json", default="", help="also write the result as JSON here")
     ap.add_argument("--verbose", action="store_true", help="per-term communication breakdown")
+    ap.add_check(check_args)
     return ap
 
 
+def check_args(args) -> None:
+    """Before any planning: the model and hardware load, D divides --gpus, D*C >= 2 per --cp."""
+    for flag, load in (("--model", load_model), ("--hardware", load_hardware)):
+        value = getattr(args, flag[2:])
+        try:
+            setattr(args, flag[2:] + "_loaded", load(value))
+        except SystemExit as exc:  # the loaders' refusal, already naming the choices
+            raise UsageError(f"{flag} {value}", str(exc)) from None
+    if args.gpus % args.degree:
+        raise UsageError("--gpus", f"{args.gpus} is not a multiple of --degree {args.degree}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    m, hw = load_model(args.model), load_hardware(args.hardware)
+    args = build_parser().parse_args(argv)  # every input checked
+    m, hw = args.model_loaded, args.hardware_loaded
     if args.efficiency is not None:
         hw.compute_efficiency = args.efficiency
     if args.comm_efficiency is not None:
@@ -640,7 +664,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
             return 2
         kinds = [k for k in kinds if k in MOE_KINDS]
-    cps = [int(c) for c in args.cp.split(",") if c.strip()]
+    cps = list(args.cp)
     bad = [c for c in cps if c < 2 or args.gpus % (args.degree * c)]
     if bad:
         print(
@@ -658,12 +682,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "(zigzag TSP/CP need it)",
             file=sys.stderr,
         )
-    if args.gpus % args.degree:
-        print(
-            f"megatron-tsp plan: --gpus {args.gpus} is not a multiple of --degree {args.degree}",
-            file=sys.stderr,
-        )
-        return 2
     p = plan(m, hw, args.seq_length, args.gpus, args.degree, strategies, o)
     print(render(p))
     if args.verbose:
@@ -677,7 +695,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 )
     if args.plot or args.json:
         seqs = (
-            [int(x) for x in args.sweep.split(",")]
+            list(args.sweep)
             if args.sweep
             else [
                 4096 * 2**i

@@ -90,7 +90,8 @@ def _resolve(kind: str, name_or_path: str) -> Path:
     if p.exists():
         return p
     avail = sorted(x.stem for x in (HERE / kind).glob("*.json"))
-    raise SystemExit(f"unknown {kind[:-1]} {name_or_path!r}: give one of {avail} or a .json path")
+    what = {"models": "model", "hardware": "hardware profile"}.get(kind, kind)
+    raise SystemExit(f"unknown {what} {name_or_path!r}: give one of {avail} or a .json path")
 
 
 def available(kind: str) -> List[str]:
