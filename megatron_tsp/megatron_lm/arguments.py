@@ -201,6 +201,9 @@ ACTED_ON_BY_PARSE_ARGS = ("yaml_cfg",)
 def check_before_megatron_parse_hooks(args) -> None:
     """Raise ``TSPArgumentError`` for the rows of ``ACTED_ON_BY_PARSE_ARGS`` that the requested
     mode refuses (no-op when neither TSP nor ``--tsp-mlp`` is requested)."""
+    d = tsp_size(args)
+    if d is not None and d < 1:  # before anything derives a world size from it
+        raise TSPArgumentError(f"{TSP_FLAG} must be a positive integer, got {d}")
     if tsp_mlp_requested(args):
         mode, d = rejections.TSP_MLP, None
     elif tsp_size(args) is not None:

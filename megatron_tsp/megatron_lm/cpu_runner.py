@@ -43,7 +43,6 @@ Ranks are forked from a process that has imported Megatron-LM and answered the C
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -915,20 +914,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _rank_main(argv[1:])
     if argv and argv[0] == rank_zygote.ZYGOTE_FLAG and len(argv) == 2:
         return rank_zygote.serve(argv[1], prepare=apply_cuda_answers, run=_rank_main)
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_tsp.megatron_lm.cpu_runner",
+    from megatron_tsp.tools.cli_args import ToolParser, positive_float, positive_int
+
+    parser = ToolParser(
+        prog="megatron-tsp cpu-run",
         description="Run Megatron-LM's pretrain_gpt.py on CPU ranks over gloo "
         "(CUDA-only calls answered; see the module docstring).",
         usage="%(prog)s --nproc N [--summary] [--stock] -- pretrain_gpt.py ARGS...",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("--nproc", type=positive_int, required=True, help="number of ranks")
     parser.add_argument(
         "--summary", action="store_true", help="print only the per-iteration loss / grad norm table"
     )
     parser.add_argument(
         "--stock", action="store_true", help="run the script without the TSP launcher hooks"
     )
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--timeout", type=positive_float, default=3600)
     if "--" in argv:
         split = argv.index("--")
         ours, rest = argv[:split], argv[split + 1 :]

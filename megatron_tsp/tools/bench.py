@@ -38,6 +38,14 @@ import torch.distributed as dist
 
 from megatron_tsp.core import rejections
 from megatron_tsp.megatron_lm.cpu_runner import free_port
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_list,
+)
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 VARIANTS = ("tsp", "tp_sp", "tp")
@@ -55,7 +63,7 @@ def _int_list(text: str) -> List[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megatron-tsp bench", description=__doc__.splitlines()[0])
+    p = ToolParser(prog="megatron-tsp bench", description=__doc__.splitlines()[0])
     p.add_argument(
         "--traffic",
         action="store_true",
@@ -64,25 +72,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--world-sizes",
-        type=_int_list,
+        type=positive_int_list,
         default=[2, 4],
         help="comma list of group sizes D; one spawned gloo group each (default 2,4)",
     )
     p.add_argument(
         "--seq-lengths",
-        type=_int_list,
+        type=positive_int_list,
         default=[256, 512, 1024, 2048, 4096],
         help="comma list of sequence lengths S (each divisible by 2*D)",
     )
-    p.add_argument("--steps", type=int, default=3, help="measured steps per (D, S, variant)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up steps (not measured)")
+    p.add_argument(
+        "--steps", type=positive_int, default=3, help="measured steps per (D, S, variant)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=1, help="warm-up steps (not measured)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list among tsp,tp_sp,tp")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--num-query-groups", type=int, default=None, help="default: heads (MHA)")
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--num-layers", type=positive_int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--num-attention-heads", type=positive_int, default=8)
+    p.add_argument(
+        "--num-query-groups", type=positive_int, default=None, help="default: heads (MHA)"
+    )
+    p.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default: 4 * hidden")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument(
         "--style",
         choices=["llama", "gpt2"],
@@ -98,11 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "fused kernel, like TSP's and like TE flash on GPUs; default) or Megatron's "
         "unfused DotProductAttention (materialises [b, np/D, S, S] scores)",
     )
-    p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads-per-rank", type=positive_int, default=1)
+    p.add_argument("--seed", type=non_negative_int, default=1234)
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="max relative loss difference between variants (default 1e-4 fp32, "
         "1e-9 fp64, 3e-2 bf16)",
@@ -112,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="S in {256, 1024}, 2 measured steps: a sanity run of ~1 minute",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="gloo timeout (s)")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="gloo timeout (s)")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the raw results here")
     args = p.parse_args(argv)

@@ -41,19 +41,23 @@ def all_patches() -> Tuple[Patch, ...]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-tsp check-patches``: does every patch target exist, with the parameters it
     relies on, in this installation (and the given Megatron-LM checkouts)? Exit 1 if not."""
-    import argparse
+    from megatron_tsp.tools.cli_args import ToolParser, existing_dir
 
-    parser = argparse.ArgumentParser(prog="megatron-tsp check-patches", description=main.__doc__)
+    parser = ToolParser(prog="megatron-tsp check-patches", description=main.__doc__)
     parser.add_argument(
         "--megatron-lm",
         action="append",
         default=[],
+        type=existing_dir,
         metavar="TREE",
         help="a Megatron-LM checkout to check by source (repeatable; default: the checkout whose "
         "megatron.training this interpreter imports, if any)",
     )
     args = parser.parse_args(argv)
     trees = [os.path.abspath(t) for t in args.megatron_lm]
+    for tree in trees:
+        if not os.path.isfile(os.path.join(tree, "megatron", "core", "package_info.py")):
+            parser.error(f"--megatron-lm {tree}: not a Megatron-LM checkout (no megatron/core)")
     if not trees and imported_megatron_lm_tree():
         trees = [imported_megatron_lm_tree()]
     rows = all_patches()

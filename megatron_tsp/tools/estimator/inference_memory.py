@@ -18,7 +18,6 @@ estimator's flash-equivalent kernel (output + log-sum-exp, no S x S scores). Bat
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_tsp.core.model_shape import load_model
+from megatron_tsp.tools.cli_args import ToolParser, positive_int, positive_int_list
 
 SCHEMES = ("tsp", "tp", "cp")
 
@@ -248,18 +248,18 @@ def format_rows(rows, units: str = "GiB") -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="megatron-tsp prefill-memory", description=__doc__.splitlines()[0]
-    )
+    p = ToolParser(prog="megatron-tsp prefill-memory", description=__doc__.splitlines()[0])
     p.add_argument(
         "--model",
         default="7b",
         help="model name (megatron_tsp/models: 7b, small, tiny, ...) or a .json",
     )
-    p.add_argument("--size", type=int, default=8, help="GPUs: D for TSP, TP size, CP size")
-    p.add_argument("--seqs", default="131072,524288,1048576", help="prompt lengths")
+    p.add_argument("--size", type=positive_int, default=8, help="GPUs: D for TSP, TP size, CP size")
+    p.add_argument(
+        "--seqs", type=positive_int_list, default="131072,524288,1048576", help="prompt lengths"
+    )
     p.add_argument("--schemes", default="tsp,tp,cp")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--units", choices=["GiB", "GB"], default="GiB")
     p.add_argument("--json", help="write the rows to this file")
@@ -270,10 +270,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         p.error(f"--model: {exc}")
     rows = []
-    for seq in [int(s) for s in args.seqs.split(",") if s]:
-        for scheme in [s for s in args.schemes.split(",") if s]:
-            if scheme not in SCHEMES:
-                p.error(f"--schemes: {scheme!r} is not one of {SCHEMES}")
+    schemes = [s for s in args.schemes.split(",") if s]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        p.error(f"--schemes: {bad[0]!r} is not one of {SCHEMES}")
+    for seq in args.seqs:
+        for scheme in schemes:
             rows.append(
                 prefill_peak_isolated(scheme, args.size, seq, model, args.batch, args.dtype)
             )

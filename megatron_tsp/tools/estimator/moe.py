@@ -33,13 +33,13 @@ the fake-tensor tool, which runs the real layers under uniform routing: ``unifor
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.model_shape import ModelShape, load_model
+from megatron_tsp.tools.cli_args import ToolParser, one_line, positive_int, positive_int_list
 from megatron_tsp.tools.estimator.formulas import (
     CommTerm,
     LayerShape,
@@ -476,24 +476,24 @@ def render(m: ModelShape, d: int, seqs: Sequence[int], micro_batch: int = 1) -> 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ToolParser(
         prog="megatron-tsp moe",
         description="MoE under TSP: bytes of the expert ring vs the folded schedule's token "
         "dispatch, the crossover, the ring's buffers (analytic; see the module docstring)",
     )
     p.add_argument("--model", default="mixtral-8x7b", help="an MoE model name or JSON path")
-    p.add_argument("--tsp", type=int, default=8, help="D, the TSP group size")
-    p.add_argument("--seq-lengths", default="32768,131072")
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--tsp", type=positive_int, default=8, help="D, the TSP group size")
+    p.add_argument("--seq-lengths", type=positive_int_list, default="32768,131072")
+    p.add_argument("--micro-batch", type=positive_int, default=1)
     args = p.parse_args(argv)
     try:
         m = load_model(args.model)
-        seqs = [int(x) for x in args.seq_lengths.split(",") if x.strip()]
+        seqs = args.seq_lengths
         if args.tsp < 2:
             raise ValueError(f"--tsp {args.tsp}: D must be >= 2")
         print(render(m, args.tsp, seqs, args.micro_batch))
     except ValueError as exc:
-        print(f"megatron-tsp moe: {exc}", file=sys.stderr)
+        print(one_line("megatron-tsp moe", exc), file=sys.stderr)
         return 2
     return 0
 
