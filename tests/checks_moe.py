@@ -49,7 +49,29 @@ CASES = {
     "shared": dict(layers=2, moe=dict(moe_shared_expert_intermediate_size=32)),
     "dense_then_moe": dict(layers=2, moe=dict(moe_layer_freq=[0, 1])),
 }
+# One option at a time, outside the CASES grid every layout runs (tests/test_moe.py):
+# * "probs_on_input": top-1 with the router probability applied to the experts' input
+#   (``moe_apply_probs_on_input``; megatron-core's expert MLPs then do not scale their output;
+#   top-1 needs ``moe_router_pre_softmax``, else the probability is 1 and has no gradient);
+# * "empty_experts": experts without tokens on a rank. 8 tokens, top-1: at D=4 a ring rank routes
+#   its 2 tokens to at most 2 of the 4 experts, and expert ``starve`` gets no token anywhere
+#   (``_starve``), so a rank of the folded schedule holds an expert without tokens too (at EP=2
+#   the first of its two: tokens_per_expert [0, n]).
+OPTION_CASES = {
+    "probs_on_input": dict(
+        layers=2,
+        moe=dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True),
+    ),
+    "empty_experts": dict(
+        layers=2,
+        moe=dict(moe_router_topk=1, moe_router_pre_softmax=True),
+        batch=1,
+        seq=8,
+        starve=2,
+    ),
+}
 NUM_EXPERTS = 4
+STARVE_FEATURE = 0  # the hidden feature ``_starve`` makes constant
 ROUTING_MARGIN = 0.01  # relative to the router logits' standard deviation
 ROUTING_MARGIN_DRAWS = 60
 
@@ -78,9 +100,52 @@ def _setup(tp: int, ep: int, seed: int, tsp: bool, etp: int = 1) -> None:
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+def _case(case: str) -> dict:
+    return CASES[case] if case in CASES else OPTION_CASES[case]
+
+
+def _shape(case: str):
+    """(vocab, sequence length, micro-batch) of a case's batch."""
+    spec = _case(case)
+    return 128, spec.get("seq", 32), spec.get("batch", 2)
+
+
+@torch.no_grad()
+def _starve(model, case: str) -> None:
+    """Route no token to expert ``starve`` of the case (if any), in any layout (the word
+    embeddings are sharded by vocabulary rows, the router is whole on every rank): every word
+    embedding's feature ``STARVE_FEATURE`` is set to 0.1 (5x the other entries' init std), so
+    every token's normalised router input carries that feature at about +4, and the routers' column
+    of it is -2 for the starved expert, 0 for the others: its logit sits ~8 below theirs."""
+    expert = _case(case).get("starve")
+    if expert is None:
+        return
+    for name, p in model.named_parameters():
+        if name.endswith("word_embeddings.weight"):
+            p[:, STARVE_FEATURE] = 0.1
+        elif name.endswith("mlp.router.weight"):
+            p[:, STARVE_FEATURE] = 0.0
+            p[expert, STARVE_FEATURE] = -2.0
+
+
+def _count_tokens(model, ep_rank: int, ep: int, out: list):
+    """Forward pre-hooks on the experts (``SequentialMLP``, the ring's ``TSPRingExperts``):
+    append, per MoE layer call, ``{global expert id: tokens it receives on this rank}``."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def record(module, args):
+        counts = args[1].tolist()
+        out.append({ep_rank * (NUM_EXPERTS // ep) + i: int(c) for i, c in enumerate(counts)})
+
+    return [
+        m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, SequentialMLP)
+    ]
+
+
 def _config(d, ep, dtype, case, dispatcher, etp=1, ring=False):
     """``ring``: the TSP expert ring (``config.tsp_moe_ring``), with ``etp`` = D and ``ep`` = 1."""
-    spec = CASES[case]
+    spec = _case(case)
+    moe = {"moe_router_topk": 2, **spec["moe"]}  # a case's MoE fields win
     config = make_config(
         d,
         dtype,
@@ -94,14 +159,13 @@ def _config(d, ep, dtype, case, dispatcher, etp=1, ring=False):
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=2,
         moe_ffn_hidden_size=32,
         moe_aux_loss_coeff=1e-2,
         moe_z_loss_coeff=1e-3,
         moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        **spec["moe"],
+        **moe,
     )
     config.tsp_moe_ring = ring
     return config
@@ -193,6 +257,7 @@ def _single_reference(seed, case, data, dispatcher):
     config = _config(1, 1, dtype, case, dispatcher)
     ref = _norms_to(_model(config, _single_spec(config), "llama", vocab, seq, False), dtype)
     _perturb_experts(ref, 0, 1)
+    _starve(ref, case)
     params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     loss, aux = _step(ref, data)
     return params, loss, aux, {n: p.grad.clone() for n, p in ref.named_parameters()}
@@ -228,11 +293,12 @@ def _run(model, batch, group, ep, sum_sp=True):
     return loss, aux
 
 
-def check_moe_vs_single(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
+def check_moe_vs_single(d, ep, seed, case, dispatcher="allgather", rtol=1e-10, tokens=None):
     """TSP-D with experts over EP=``ep`` vs the single-process (TP=1, EP=1) stock model: loss, aux
-    losses (logged values) and every gradient at full size."""
+    losses (logged values) and every gradient at full size. ``tokens``: a list that receives the
+    TSP model's tokens per expert on this rank (``_count_tokens``)."""
     dtype = DTYPES["float64"]
-    vocab, seq, batch = 128, 32, 2
+    vocab, seq, batch = _shape(case)
     data = _batch(seed, batch, seq, vocab)
 
     ref_params, ref_loss, ref_aux, ref_grads = _single_reference(seed, case, data, dispatcher)
@@ -243,6 +309,8 @@ def check_moe_vs_single(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     config = _config(d, ep, dtype, case, dispatcher)
     model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
     _load_full(model, ref_params, group, ep_rank, ep)
+    if tokens is not None:
+        _count_tokens(model, ep_rank, ep, tokens)
     local = zigzag.get_batch_on_this_tsp_rank(data, d)
     loss, aux = _run(model, local, group, ep)
     _reduce_expert_grads(model, ep_rank, ep)
@@ -302,12 +370,13 @@ def _reduce_expert_grads(model, ep_rank, ep):
             p.grad.div_(replicas)
 
 
-def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
+def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10, tokens=None):
     """Megatron TP=D+SP with EP=``ep`` and TSP-D with the same EP on the same ranks: the TP+SP
     model's state dict (this rank's shards and experts) loads into the TSP model with
-    ``strict=True``; loss, aux losses and every local gradient equal."""
+    ``strict=True``; loss, aux losses and every local gradient equal. ``tokens``: as
+    ``check_moe_vs_single``'s."""
     dtype = DTYPES["float64"]
-    vocab, seq, batch = 128, 32, 2
+    vocab, seq, batch = _shape(case)
     data = _batch(seed, batch, seq, vocab)
 
     _setup(d, ep, seed, tsp=False)
@@ -316,6 +385,7 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     config = _config(d, ep, dtype, case, dispatcher)
     tp_model = _model(config, _tp_sp_spec(config), "llama", vocab, seq, False)
     _perturb_experts(tp_model, ep_rank, ep)
+    _starve(tp_model, case)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in tp_model.state_dict().items()}
     tp_loss, tp_aux = _run(tp_model, data, group, ep)
     # EP < D: an expert's copies see the tokens of their own expert-model-parallel group, which
@@ -327,6 +397,8 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     _setup(d, ep, seed, tsp=True)
     tsp_model = _model(config, get_gpt_block_tsp_spec(config), "llama", vocab, seq, False)
     tsp_model.load_state_dict(state, strict=True)
+    if tokens is not None:
+        _count_tokens(tsp_model, ep_rank, ep, tokens)
     loss, aux = _run(tsp_model, zigzag.get_batch_on_this_tsp_rank(data, d), group, ep)
     _reduce_expert_grads(tsp_model, ep_rank, ep)
     actual = {"loss": loss}
@@ -338,15 +410,16 @@ def check_moe_vs_tp_sp(d, ep, seed, case, dispatcher="allgather", rtol=1e-10):
     return _compare(actual, expected, aux, tp_aux, rtol, what)
 
 
-def check_moe_ring(d, seed, case, rtol=1e-10):
+def check_moe_ring(d, seed, case, rtol=1e-10, tokens=None):
     """The TSP expert ring (``tsp_moe_ring``: every expert sharded 1/D per rank, ETP=D, EP=1) vs
     the single-process stock model (full-size gradients by name) and vs Megatron TP=D+SP with
     ETP=D, EP=1 and the allgather dispatcher (its state dict loads into the ring model with
     ``strict=True``; local gradients), all three on the same weights (the single model's,
     experts perturbed per global id): loss, logged aux losses, every gradient. Returns
-    ``{"single": errors, "tp_sp": errors}``."""
+    ``{"single": errors, "tp_sp": errors}``. ``tokens``: a list that receives the ring model's
+    tokens per expert on this rank (``_count_tokens``)."""
     dtype = DTYPES["float64"]
-    vocab, seq, batch = 128, 32, 2
+    vocab, seq, batch = _shape(case)
     data = _batch(seed, batch, seq, vocab)
 
     ref_params, ref_loss, ref_aux, ref_grads = _single_reference(seed, case, data, "allgather")
@@ -368,6 +441,8 @@ def check_moe_ring(d, seed, case, rtol=1e-10):
     if not any(isinstance(m, TSPRingExperts) for m in model.modules()):
         raise AssertionError("tsp_moe_ring=True built no TSPRingExperts")
     model.load_state_dict(state, strict=True)
+    if tokens is not None:
+        _count_tokens(model, 0, 1, tokens)
     loss, aux = _run(model, zigzag.get_batch_on_this_tsp_rank(data, d), group, 1)
     what = f"TSP expert ring ({case}, D={d}) vs"
     actual = {"loss": loss}
@@ -426,6 +501,24 @@ def check_moe_ring_cp(d, c, seed, case, rtol=1e-10):
     expected = {"loss": ref_loss, **{f"grad:{n}": g for n, g in ref_grads.items()}}
     what = f"TSP expert ring x CP ({case}, D={d}, C={c}) vs single-process stock GPTModel"
     return _compare(actual, expected, aux, ref_aux, rtol, f"{what}, seed={seed}")
+
+
+def check_moe_option(d, ep, seed, case, ring):
+    """An ``OPTION_CASES`` case under one schedule against both references (fp64): the folded
+    schedule (EP=``ep``) vs the single-process model and vs Megatron TP=D+SP with the same EP,
+    or the TSP expert ring (``ring``; ETP=D, EP=1) vs both. Returns ``{"single": errors,
+    "tp_sp": errors, "tokens": {run: [{global expert: tokens on this rank}, per MoE layer]}}``
+    (the folded schedule runs TSP twice, on the single model's and on TP+SP's weights)."""
+    if ring:
+        tokens = {"ring": []}
+        errors = check_moe_ring(d, seed, case, tokens=tokens["ring"])
+    else:
+        tokens = {"vs single": [], "vs tp_sp": []}
+        errors = {
+            "single": check_moe_vs_single(d, ep, seed, case, tokens=tokens["vs single"]),
+            "tp_sp": check_moe_vs_tp_sp(d, ep, seed, case, tokens=tokens["vs tp_sp"]),
+        }
+    return {**errors, "tokens": tokens}
 
 
 def worst(per_rank_errors) -> dict:

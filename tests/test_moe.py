@@ -97,6 +97,52 @@ def test_expert_ring_queue_order(pool4, d):
     assert trace["bwd"] == expected
 
 
+# One option at a time (checks_moe.OPTION_CASES), both schedules: (D, EP, ring); the ring has
+# EP=1, ETP=D.
+OPTION_RUNS = [(2, 2, False), (4, 2, False), (2, 1, True), (4, 1, True)]
+EMPTY_RUNS = [(4, 4, False), (4, 2, False), (4, 1, True)]
+
+
+def _run_ids(runs):
+    return [f"ring-D{d}" if ring else f"folded-D{d}-EP{ep}" for d, ep, ring in runs]
+
+
+def _print_option_errors(results):
+    for ref in ("single", "tp_sp"):
+        print(f"vs {ref}: worst relative errors: {checks_moe.worst([r[ref] for r in results])}")
+
+
+@pytest.mark.parametrize("d,ep,ring", OPTION_RUNS, ids=_run_ids(OPTION_RUNS))
+def test_moe_apply_probs_on_input_matches_single_and_tp_sp_fp64(pool4, seed, d, ep, ring):
+    """Top-1 with ``moe_apply_probs_on_input`` (the router probability scales the experts' input,
+    not their output): loss, logged aux losses and every gradient (the router's included) equal
+    the single-process stock model and Megatron TP=D+SP with the same expert layout, fp64."""
+    results = pool4.run(checks_moe.check_moe_option, d, ep, seed, "probs_on_input", ring)
+    _print_option_errors(results)
+
+
+@pytest.mark.parametrize("d,ep,ring", EMPTY_RUNS, ids=_run_ids(EMPTY_RUNS))
+def test_moe_empty_experts_match_single_and_tp_sp_fp64(pool4, seed, d, ep, ring):
+    """A model whose routers leave experts without tokens on a rank (8 tokens, top-1, one expert
+    starved by its router weights: ``checks_moe.OPTION_CASES``), both schedules: fp64 parity
+    with both references, and the tokens each rank's experts received (counted by hooks) show
+    that it happened: the starved expert got none on any rank, and (ring) every rank left an
+    expert empty."""
+    results = pool4.run(checks_moe.check_moe_option, d, ep, seed, "empty_experts", ring)
+    _print_option_errors(results)
+    starved = checks_moe.OPTION_CASES["empty_experts"]["starve"]
+    for run in results[0]["tokens"]:
+        per_rank = [r["tokens"][run] for r in results]  # [rank][MoE layer] {expert: tokens}
+        for layer in range(len(per_rank[0])):
+            seen = [counts[layer] for counts in per_rank]
+            print(f"{run}, MoE layer {layer}: tokens per expert per rank {seen}")
+            assert any(c.get(starved) == 0 for c in seen), (run, layer, seen, f"seed={seed}")
+            assert all(c.get(starved, 0) == 0 for c in seen), (run, layer, seen, f"seed={seed}")
+            assert sum(sum(c.values()) for c in seen) > 0, (run, layer, seen, f"seed={seed}")
+            if ring:
+                assert all(0 in c.values() for c in seen), (run, layer, seen, f"seed={seed}")
+
+
 # A near-tie in the router's top-k is decided by rounding: a run that routes one token to another
 # expert than the fp64 model does has an error set by that token (measured: 1.4x or 0.5x TP+SP's
 # in one seed), a coin both schedules toss equally. Seeds where a pair's runs route differently
