@@ -649,6 +649,23 @@ ROWS: Tuple[Rejection, ...] = (
             )
         },
     ),
+    Rejection(
+        "--apply-layernorm-1p",
+        "layernorm_zero_centered_gamma",
+        SET,
+        "TSP's sequence-parallel norms are torch LayerNorm / RMSNorm without the zero-centred "
+        "(1 + gamma) weight",
+        config_field="layernorm_zero_centered_gamma",
+    ),
+    Rejection(
+        "--use-mup",
+        "use_mup",
+        SET,
+        "not validated under TSP: TSP prefill's own embedding does not apply megatron-core's "
+        "MuP embedding multiplier (mup_embedding_mult)",
+        config_field="use_mup",
+        versions=("0.19",),
+    ),
     # --- precision -------------------------------------------------------------------------------
     Rejection(
         "--fp8-format",
@@ -671,6 +688,15 @@ ROWS: Tuple[Rejection, ...] = (
         also={
             TSP_MLP: ModeRule("FP4 needs Transformer Engine layers; the TSP MLP is not a TE module")
         },
+    ),
+    Rejection(
+        "--fp32-residual-connection",
+        "fp32_residual_connection",
+        SET,
+        "the fp32 residual stream would reach TSP's torch norms and layers as fp32 input with "
+        "bf16 / fp16 weights (torch's LayerNorm refuses that mix; Megatron relies on Transformer "
+        "Engine's norms for it); not validated under TSP",
+        config_field="fp32_residual_connection",
     ),
     # --- data ------------------------------------------------------------------------------------
     Rejection(
