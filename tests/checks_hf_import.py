@@ -74,3 +74,40 @@ def check_hf_generation(d, seed, path, cases):
             )
     mine, whole = hf_import.shard_bytes(desc, d)
     return dict(errors=worst, read=counter.bytes, expected=mine * 8, whole=whole * 8)
+
+
+def check_checkpoint_rope_factor(d, seed, ckpt, prompt, factors):
+    """Load the ``generate --save`` checkpoint ``ckpt`` under TSP-D through ``generate --load``'s
+    own path (its stored Megatron-LM args -> ``model_args`` -> the model), and the same weights
+    into models built with each Llama-3 ``rope_scaling_factor`` in ``factors``. Returns the factor
+    the load path read (stored args and GPTModel argument), its greedy tokens, and the relative
+    difference of its last-token logits (fp64) from each explicit-factor model's."""
+    from megatron_tsp.core.model import build_tsp_gpt_model
+    from megatron_tsp.tools import generate
+
+    setup_tsp(d, seed)
+    args = generate.parse_args(["--tsp", str(d), "--load", ckpt, "--dtype", "float64"])
+    cpu = torch.device("cpu")
+    model, kwargs, stored = generate._build(args, cpu)
+    result = TSPInferenceEngine(model).generate([prompt], 2)
+    config, described = generate._config_from_model_fields(stored, d, torch.float64)
+    seq = described.max_sequence_length
+    diffs = {}
+    for factor in factors:
+        other = build_tsp_gpt_model(
+            config,
+            vocab_size=described.vocab_size,
+            max_sequence_length=seq,
+            seq_length=seq // (2 * d) * (2 * d),
+            **dict(described.gpt, rope_scaling_factor=factor),
+        )
+        generate._load_torch_dist(other, generate._checkpoint_dir(ckpt))
+        logits = TSPInferenceEngine(other).generate([prompt], 1).prefill_logits[0]
+        diffs[factor] = rel_err(result.prefill_logits[0], logits)
+    return dict(
+        stored=stored.get("rope_scaling_factor"),
+        read=kwargs.get("rope_scaling_factor"),
+        scaling=kwargs.get("rope_scaling"),
+        tokens=result.tokens[0],
+        diffs=diffs,
+    )

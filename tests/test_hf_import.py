@@ -289,3 +289,39 @@ def test_unsupported_hf_options_are_refused_by_name(changes, needle):
         hf_import.describe(_llama_dict(**changes), 2)
     assert needle in str(err.value)
     hf_import.describe(_llama_dict(), 2)  # the same config without the option is accepted
+
+
+def test_cli_save_load_keeps_a_non_default_rope_scaling_factor(pool4, seed, tmp_path):
+    """`generate --save` with `--use-rope-scaling --rope-scaling-factor 4` (the embedded model, RoPE
+    base 5e5 so the factor changes the table) then `--load` at another D: the checkpoint's args
+    carry 4.0, the load path builds the model with it, its logits equal a model built with factor
+    4 on the same weights and differ from factor 8's (Megatron's default, what a dropped factor
+    gives), and `generate --load` at D=1 gives the saving run's tokens."""
+    from tests.test_inference import _run_cli
+
+    ckpt = str(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 128, (61,), generator=g).tolist()
+    flags = ("--use-rope-scaling", "--rope-scaling-factor", "4", "--rotary-base", "500000")
+    common = ("--train-steps", "0", "--max-new-tokens", "2", "--dtype", "float64")
+    common += ("--prompt-ids", ",".join(map(str, prompt)))
+    saved = _run_cli("generate", "--tsp", "2", "--save", ckpt, *flags, *common)
+    assert saved.returncode == 0, saved.stdout + saved.stderr[-3000:]
+    loaded = _run_cli("generate", "--tsp", "1", "--load", ckpt, *common)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr[-3000:]
+    for out in (saved.stdout, loaded.stdout):
+        assert "rope_scaling=True" in out and "rope_scaling_factor=4.0" in out, out
+
+    def generations(text):
+        return [line for line in text.splitlines() if line.startswith("[0]")]
+
+    assert len(generations(saved.stdout)) == 1, saved.stdout
+    assert generations(saved.stdout) == generations(loaded.stdout), (saved.stdout, loaded.stdout)
+    check = checks_hf_import.check_checkpoint_rope_factor
+    results = pool4.run(check, 4, seed, ckpt, prompt, [4, 8])
+    r = results[0]
+    print("load path read factor", r["read"], "logits vs explicit factors", r["diffs"])
+    assert r["stored"] == 4.0 and r["read"] == 4.0 and r["scaling"] is True, r
+    assert r["diffs"][4] <= 1e-12, r
+    assert r["diffs"][8] >= 1e-6, r  # the factor is visible in fp64 logits
+    assert f"-> {' '.join(map(str, r['tokens']))}" in generations(saved.stdout)[0], r
