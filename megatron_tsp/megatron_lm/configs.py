@@ -181,6 +181,7 @@ def validate_config(cfg: dict, source: str = "config") -> None:
             ffn_hidden_size=model["ffn_hidden_size"],
             seq_length=model["seq_length"],
             hidden_size=model["hidden_size"],
+            kv_channels=model.get("kv_channels"),  # --kv-channels: a head dimension of its own
         )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc

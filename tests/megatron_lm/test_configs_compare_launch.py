@@ -107,6 +107,22 @@ def test_overrides_and_validation(tmp_path):
         configs.load_config("tiny-cpu", {"num_query_groups": 3})
     with pytest.raises(ValueError, match="unknown config"):
         configs.load_config("no-such-config")
+    # model.kv_channels (--kv-channels) is the head dimension the shape checks use: hidden 66 is
+    # no multiple of the 4 heads but is accepted with it; 1 K/V head at D=4 with head dim 3 has
+    # (4 + 2) x 3 = 18 QKV rows, not divisible by 4 (hidden / heads = 16 would pass)
+    kv = {"model.kv_channels": 16, "model.hidden_size": 66}
+    assert "--kv-channels 16" in " ".join(configs.model_args(configs.load_config("tiny-cpu", kv)))
+    with pytest.raises(ValueError, match="--hidden-size=66 is not divisible"):
+        configs.load_config("tiny-cpu", {"model.hidden_size": 66})
+    with pytest.raises(ValueError, match="18 output rows"):
+        configs.load_config(
+            "tiny-cpu",
+            {
+                "model.kv_channels": 3,
+                "model.num_query_groups": 1,
+                "parallel.tensor_sequence_parallel_size": 4,
+            },
+        )
     bad = json.load(open(os.path.join(REPO, "configs", "tiny-cpu.json")))
     bad["model"] = {"name": "tiny", "ffn_hidden_size": 256}  # a Megatron name, not a model field
     path = tmp_path / "bad.json"
