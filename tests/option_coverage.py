@@ -17,8 +17,8 @@ tree the argument half is skipped). A config field and the Megatron-LM argument 
 are one option (Megatron-LM copies the argument into the field), so the table has one entry per
 name.
 
-Fields in ``KNOWN_GAPS`` (with what would cover each) are read without either yet; a strict
-xfail lists them.
+Fields in ``KNOWN_GAPS`` (with what would cover each) would be read without either; the list
+is empty and a test keeps it so.
 
 ``tools/`` is not scanned: it holds the estimators, benchmarks, demo and command-line front ends.
 Their ``args`` are their own parsers' (``--swiglu``, ``--normalization``, ``--rotary-base`` of
@@ -587,7 +587,47 @@ COVERAGE: Tuple[Any, ...] = (
         '"Ett|t|t|L"',
     ),
     Tested("seq_length", _LOOP + "test_tsp2_matches_tp2", 64, '"--seq-length"'),
+    # --- SwiGLU options, attention scale, NoPE layers (fp64 layer parity, D 2 and 4)
+    Tested(
+        "activation_func_clamp_value",
+        "tests/test_layers.py::test_mlp_glu_options[clamp_0.5]",
+        0.5,
+        "activation_func_clamp_value=0.5",
+    ),
+    Tested(
+        "glu_linear_offset",
+        "tests/test_layers.py::test_mlp_glu_options[offset_1.0]",
+        1.0,
+        "glu_linear_offset=1.0",
+    ),
+    Tested(
+        "activation_func_fp8_input_store",
+        "tests/test_layers.py::test_mlp_glu_options[fp8_input_store]",
+        True,
+        "activation_func_fp8_input_store=True",
+    ),
+    Tested(
+        "add_bias_linear",
+        "tests/test_layers.py::test_mlp_glu_options[fp8_input_store]",
+        False,
+        "False",
+    ),
+    Tested(
+        "softmax_scale",
+        "tests/test_layers.py::test_attention_scale_and_nope[softmax_scale_0.3]",
+        0.3,
+        "(0.3, None)",
+    ),
+    Tested(
+        "no_rope_freq",
+        "tests/test_layers.py::test_attention_scale_and_nope[no_rope_freq_layer1]",
+        [1],
+        "(None, [1])",
+    ),
     # --- refused at non-default values
+    Refused("layernorm_zero_centered_gamma", True),
+    Refused("fp32_residual_connection", True),
+    Refused("use_mup", True),
     Refused("moe_grouped_gemm", True, {"num_moe_experts": 4, "add_bias_linear": False}),
     Refused("multi_latent_attention", True),
     Refused("qk_layernorm", True),
@@ -632,24 +672,9 @@ COVERAGE: Tuple[Any, ...] = (
 
 
 # Read, but with neither a test off the default nor a refusal yet: field -> what would cover it.
-# ``test_no_known_gaps`` is a strict xfail listing them: it fails (XPASS) once the list is empty
-# of real gaps, so covered fields leave this list; a field read and in neither table fails
-# ``test_every_read_field_has_an_entry`` by name.
-KNOWN_GAPS: Dict[str, str] = {
-    "activation_func_clamp_value": "an unfused SwiGLU parity case with a clamp (TSP's GLU "
-    "applies it as Megatron's)",
-    "glu_linear_offset": "an unfused SwiGLU parity case with offset 1.0 (as above)",
-    "activation_func_fp8_input_store": "a fused-SwiGLU backward parity case with fp8 input store "
-    "(Megatron's bias_swiglu_impl gets the flag), or refuse it with the FP8 rows",
-    "layernorm_zero_centered_gamma": "a whole-model parity case (the TP+SP reference's "
-    "FormulaNorm honours it)",
-    "softmax_scale": "an attention parity case with softmax_scale != 1/sqrt(head dim)",
-    "no_rope_freq": "a whole-model RoPE parity case with NoPE layers (no_rope_freq=2)",
-    "fp32_residual_connection": "an inference parity case (the TSP prefill embedding casts "
-    "to fp32), or refuse it",
-    "use_mup": "megatron-core 0.19 only (the vocab ring steps aside): a 0.19 parity case or a "
-    "0.19-only rejection row",
-}
+# Empty, and ``test_no_known_gaps`` keeps it so: a new read needs an entry in COVERAGE (a field
+# read and in neither table fails ``test_every_read_field_has_an_entry`` by name).
+KNOWN_GAPS: Dict[str, str] = {}
 
 
 # ------------------------------------------------------------------------------------------------
