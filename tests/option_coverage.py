@@ -64,6 +64,10 @@ SCANNED = ("core", "inference", "models", "megatron_lm")
 
 CONFIG_NAMES = ("cfg",)  # receivers named exactly so; any name ending in "config" is one too
 ARGS_NAMES = ("args",)
+# String-keyed reads of Megatron-LM arguments: helpers called with the argument's name as a string
+# (``_get(m, "use_rope_scaling")`` in megatron_lm/model_args.py), and ``vars(args)["x"]`` /
+# ``vars(args).get("x")``.
+ARG_KEY_HELPERS = ("_get",)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,7 +133,43 @@ def reads_in_source(source: str, where: str = "<source>") -> List[Read]:
             kind = _receiver_kind(node.args[0], aliases)
             if kind:
                 out.append(Read(node.args[1].value, kind, f"{where}:{node.lineno}"))
+        if isinstance(node, ast.Call) and (
+            isinstance(node.func, ast.Name) and node.func.id in ARG_KEY_HELPERS
+        ):
+            for arg in node.args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    out.append(Read(arg.value, "args", f"{where}:{node.lineno}"))
+        key = _vars_args_key(node, aliases)
+        if key is not None:
+            out.append(Read(key, "args", f"{where}:{node.lineno}"))
     return out
+
+
+def _is_vars_of_args(node: ast.AST, aliases: Mapping[str, str]) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "vars"
+        and len(node.args) == 1
+        and _receiver_kind(node.args[0], aliases) == "args"
+    )
+
+
+def _vars_args_key(node: ast.AST, aliases: Mapping[str, str]) -> Optional[str]:
+    """``"x"`` of ``vars(args).get("x", ...)`` or ``vars(args)["x"]``, else None."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and _is_vars_of_args(node.func.value, aliases)
+        and node.args
+    ):
+        key = node.args[0]
+    elif isinstance(node, ast.Subscript) and _is_vars_of_args(node.value, aliases):
+        key = node.slice
+    else:
+        return None
+    return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
 
 
 def package_files(parts: Iterable[str] = SCANNED) -> List[str]:
@@ -475,6 +515,8 @@ class RefusedBy:
 _GPT = "tests/test_gpt.py::test_gpt_matches_single_process_fp64"
 _LOOP = "tests/megatron_lm/test_training_loop.py::"
 _MOE = "tests/test_moe.py::"
+_MOE_LOOP = "tests/megatron_lm/test_moe_loop.py::"
+_ARGS_MAP = "tests/test_model_args.py::test_megatron_args_mapping_reads_every_math_setting"
 
 COVERAGE: Tuple[Any, ...] = (
     # --- shapes: every parity test sets them (megatron-core's defaults are placeholders)
@@ -624,6 +666,35 @@ COVERAGE: Tuple[Any, ...] = (
         [1],
         "(None, [1])",
     ),
+    # --- Megatron-LM arguments read by name (megatron_lm/model_args.py, arguments.py): the
+    # mapping test gives each a non-default value and checks its config field / GPTModel
+    # argument; those fields' parity is test_model_args.py::test_each_option_generates_like_...
+    Tested("use_rope_scaling", _ARGS_MAP, True, "use_rope_scaling=True"),
+    Tested("rope_scaling_factor", _ARGS_MAP, 16.0, "rope_scaling_factor=16.0"),
+    Tested(
+        "rotary_seq_len_interpolation_factor",
+        _ARGS_MAP,
+        4.0,
+        "rotary_seq_len_interpolation_factor=4.0",
+    ),
+    Tested("rotary_percent", _ARGS_MAP, 0.5, "rotary_percent=0.5"),
+    Tested("rotary_base", _ARGS_MAP, 500000, "rotary_base=500000"),
+    Tested("swiglu", _ARGS_MAP, True, "swiglu=True"),
+    Tested(
+        "squared_relu",
+        "tests/test_model_args.py::test_megatron_args_mapping_squared_relu",
+        True,
+        "squared_relu=True",
+    ),
+    Tested("add_qkv_bias", _ARGS_MAP, True, "add_qkv_bias=True"),
+    Tested(
+        "untie_embeddings_and_output_weights",
+        _ARGS_MAP,
+        True,
+        "untie_embeddings_and_output_weights=True",
+    ),
+    Tested("position_embedding_type", _ARGS_MAP, "rope", 'position_embedding_type="rope"'),
+    Tested("num_experts", _MOE_LOOP + "test_tsp2_ep2_matches_tp2_sp_ep2", 4, '"--num-experts"'),
     # --- refused at non-default values
     Refused("layernorm_zero_centered_gamma", True),
     Refused("fp32_residual_connection", True),

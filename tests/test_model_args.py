@@ -135,3 +135,18 @@ def test_generate_load_reads_rope_scaling_from_the_checkpoint(tmp_path):
 
     assert len(generations(saved.stdout)) == 1, saved.stdout
     assert generations(saved.stdout) == generations(loaded.stdout), (saved.stdout, loaded.stdout)
+
+
+def test_megatron_args_mapping_squared_relu():
+    """--squared-relu maps to megatron-core's squared_relu activation (exclusive with --swiglu)."""
+    import pytest
+    from megatron.core.activations import squared_relu
+
+    from megatron_tsp.megatron_lm.model_args import UnsupportedModelArgument, from_megatron_args
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=128)
+    base.update(max_position_embeddings=256)
+    m = from_megatron_args(dict(base, squared_relu=True))
+    assert m.config["activation_func"] is squared_relu
+    with pytest.raises(UnsupportedModelArgument, match="--squared-relu"):
+        from_megatron_args(dict(base, squared_relu=True, swiglu=True))

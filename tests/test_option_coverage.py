@@ -42,6 +42,33 @@ def test_scan_finds_every_form_of_read_in_planted_source():
     assert "not_a_config_read" not in {field for field, _ in reads}
 
 
+# String-keyed argument reads (megatron_lm/model_args.py's helper, arguments.py's vars(args)).
+PLANTED_KEYED = """
+def mapping(m, args):
+    a = _get(m, "some_keyed_argument")
+    b = vars(args).get("another_keyed_argument")
+    c = vars(args)["third_keyed_argument"]
+    d = vars(self.other).get("not_an_args_read")
+    return m.get("not_through_the_helper")
+"""
+
+
+def test_scan_finds_string_keyed_argument_reads():
+    reads = {(r.field, r.kind) for r in oc.reads_in_source(PLANTED_KEYED, "planted.py")}
+    assert reads >= {
+        ("some_keyed_argument", "args"),
+        ("another_keyed_argument", "args"),
+        ("third_keyed_argument", "args"),
+    }, reads
+    assert not {"not_an_args_read", "not_through_the_helper"} & {f for f, _ in reads}
+    found = oc.scan(
+        {"megatron_tsp/megatron_lm/planted.py": PLANTED_KEYED},
+        set(),
+        {"some_keyed_argument", "another_keyed_argument", "third_keyed_argument"},
+    )
+    assert len(oc.uncovered(found)) == 3, found
+
+
 def test_a_new_field_read_fails_by_name():
     """Planted: TSP code reads a field the table does not know; the checker names it (and the
     place it is read), and nothing else of the planted module."""
