@@ -46,6 +46,10 @@ OPTIONS = {
     # than D: test_gpt.py::test_fewer_kv_heads_than_d.
     "gqa_groups_eq_d": (dict(num_query_groups="d"), {}),
     "tied_embeddings": ({}, dict(share_embeddings_and_output_weights=True)),
+    # the attention scale off 1/sqrt(head dim), and NoPE on every second layer (no_rope_freq=2:
+    # that layer ignores the RoPE table), read by TSP prefill as by the training layer
+    "softmax_scale_0.3": (dict(softmax_scale=0.3), {}),
+    "nope_every_2nd_layer": (dict(no_rope_freq=2), {}),
 }
 BASE_GPT = dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)
 
