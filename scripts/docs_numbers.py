@@ -1,0 +1,467 @@
+"""Regenerate the numbers and tables in README.md and docs/ that a ``megatron-tsp`` command prints.
+
+Each generated block is registered in ``BLOCKS``: the file, an id, the exact ``megatron-tsp``
+command(s) it runs, a scale ("small": analytic tools, seconds; "full": fake-tensor runs at full
+scale, minutes) and a formatter that turns the commands' stdout into the block's text. In the
+file a block is delimited by markers that name its commands::
+
+    <!-- generated (ID) by scripts/docs_numbers.py from:
+    megatron-tsp ...
+    -->
+    ...
+    <!-- end generated (ID) -->
+
+    python3 scripts/docs_numbers.py --check [--scale small|full|all]  # exit 1 on a differing block
+    python3 scripts/docs_numbers.py --write [--scale ...] [--only ID]  # rewrite the blocks
+
+Only stdout is read (warnings and progress go to stderr); no block holds a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROG = "megatron-tsp"
+IN_PROCESS = ("plan", "moe")  # analytic tools: run in this process (no import per command)
+
+
+@dataclass
+class Block:
+    file: str  # relative to the repository root
+    id: str
+    commands: List[str]  # each "megatron-tsp CMD ARGS"
+    scale: str  # "small" or "full"
+    format: Callable[["Block", List[str]], str]  # (block, stdout per command) -> text
+    labels: List[str] = field(default_factory=list)  # row labels, one per command (tables)
+
+
+# ------------------------------------------------------------------------------------------------
+# formatters: stdout of the block's commands -> the text between the markers
+
+
+def verbatim(block: Block, outs: List[str]) -> str:
+    """The commands' stdout, trailing blanks removed (the tool already prints markdown)."""
+    return "\n\n".join("\n".join(x.rstrip() for x in o.strip("\n").splitlines()) for o in outs)
+
+
+def _section(out: str, start: str) -> List[str]:
+    lines = out.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith(start))
+    end = next((i for i in range(first, len(lines)) if not lines[i].strip()), len(lines))
+    return [x.rstrip() for x in lines[first:end]]
+
+
+def layer_time(block: Block, outs: List[str]) -> str:
+    """plan's "Per-layer step time ..." lines, as a code block."""
+    return "```\n" + "\n".join(_section(outs[0], "Per-layer step time")) + "\n```"
+
+
+def layer_time_sentence(block: Block, outs: List[str]) -> str:
+    """plan's per-layer step time as one sentence (README)."""
+    lines = _section(outs[0], "Per-layer step time")
+    rows = {}
+    for x in lines[1:]:
+        m = re.match(r"\s+(\S+)\s+recompute (\S+)\s+mem\s+([\d.]+) GB\s+layer\s+([\d.]+) ms", x)
+        if m:
+            rows[m.group(1)] = m.groups()[1:]
+    ratio = re.search(r"per-layer time: ([\d.]+)x", "\n".join(lines)).group(1)
+    (ts, tp) = rows["TSP8"], rows["TP8+SP"]
+    return (
+        f"TSP {ts[2]} ms per layer (recompute {ts[0]}, {ts[1]} GB) vs TP+SP {tp[2]} ms "
+        f"(recompute {tp[0]}, {tp[1]} GB), {ratio}×"
+    )
+
+
+_CP_LINE = re.compile(r"^\s+C=(\d+)\s+DP=(\d+)\s+(.*)$")
+_CP_PART = re.compile(
+    r"^(.+?): (?:nothing fits \(([\d.]+) GB\)|(.+), ([\d.]+) GB, ([\d.]+) s, ([\d.]+)k tok/s)$"
+)
+
+
+SETTINGS = {"none (attention recompute)": "attn"}  # plan's recompute settings, short
+
+
+def tsp_cp_table(block: Block, outs: List[str]) -> str:
+    """plan's "TSP x CP vs TP+SP x CP at equal C" lines of each command (one per GPU count) as
+    one markdown table; the two ratios are the printed step times' quotients."""
+    head = (
+        "| GPUs | C | DP | TSP8×C: recompute, GB, tok/s | TSP8×C ring (what-if): recompute, "
+        "GB, tok/s | TP8+SP×C: recompute, GB, tok/s | step TSP / TP+SP | ring / all-gather |\n"
+        "|---:|---:|---:|---|---|---|---:|---:|"
+    )
+    rows = [head]
+    for cmd, out in zip(block.commands, outs):
+        gpus = shlex.split(cmd)[shlex.split(cmd).index("--gpus") + 1]
+        for line in _section(out, "TSP x CP vs TP+SP x CP")[1:]:
+            m = _CP_LINE.match(line)
+            if not m:
+                continue
+            cells, steps = [], []
+            for part in m.group(3).split(" | "):
+                p = _CP_PART.match(part.strip())
+                if p.group(2):
+                    cells.append(f"nothing fits ({p.group(2)})")
+                    steps.append(None)
+                else:
+                    setting = SETTINGS.get(p.group(3), p.group(3))
+                    cells.append(f"{setting}, {p.group(4)}, {p.group(6)}k")
+                    steps.append(float(p.group(5)))
+            tsp, ring, tp = steps
+            r1 = f"{tsp / tp:.2f}" if tsp and tp else "-"
+            r2 = f"{ring / tsp:.2f}" if tsp and ring else "-"
+            rows.append(f"| {gpus} | {m.group(1)} | {m.group(2)} | " + " | ".join(cells))
+            rows[-1] += f" | {r1} | {r2} |"
+    return "\n".join(rows)
+
+
+def _memory_row(out: str) -> Tuple[str, str, str]:
+    """(peak GB, phase of the peak, GB received per step) of memory's one-row table."""
+    lines = out.splitlines()
+    h = next(i for i, x in enumerate(lines) if x.startswith("layout"))
+    tok = lines[h + 2].split()
+    paper = "paper" in lines[h].split()
+    # from the right: time s, comm GB, attn TF, GEMM TF, [paper], at, peak
+    at = -6 if paper else -5
+    return tok[at - 1], tok[at], tok[-2]
+
+
+def memory_table(block: Block, outs: List[str]) -> str:
+    """One row per ``memory`` command: the label, peak GB per rank, where it is reached, the bytes
+    the rank receives per step."""
+    rows = ["| layout | peak GB per rank | peak in | received GB / step |", "|---|---:|---|---:|"]
+    for label, out in zip(block.labels, outs):
+        peak, at, comm = _memory_row(out)
+        rows.append(f"| {label} | {peak} | {at} | {comm} |")
+    return "\n".join(rows)
+
+
+_VALIDATE = re.compile(r"MemTracker peak (\d+) B, real-tensor run's CPU-allocator peak (\d+) B")
+
+
+def validate_table(block: Block, outs: List[str]) -> str:
+    """``memory --validate``: the fake-tensor and the real allocator's peaks (MB = 1e6 B) and the
+    signed error of the fake one."""
+    rows = ["| scheme | fake MemTracker | real allocator | error |", "|---|---:|---:|---:|"]
+    for label, out in zip(block.labels, outs):
+        fake, real = (int(x) for x in _VALIDATE.search(out).groups())
+        err = (fake - real) / real * 100
+        sign = "−" if err < 0 else "+"
+        rows.append(
+            f"| {label} | {fake / 1e6:.2f} MB | {real / 1e6:.2f} MB | {sign}{abs(err):.2f}% |"
+        )
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# the registry
+
+_PLAN_CP = (
+    f"{PROG} plan --model {{m}} --hardware h100 --seq-length 1048576 --gpus {{n}} "
+    "--strategies tsp_cp,tsp_cp_ring,tp_cp --cp 2,4,8,16,32,64,128 --compute-model flops"
+)
+_GPUS = (64, 128, 256, 512, 1024)
+_M7 = f"{PROG} memory --model 7b"
+_1M = "--seq 1048576"
+_ONE_M_ROWS = [
+    ("TSP8×CP8", f"{_M7} --scheme tsp --tp 8 --cp 8 --world-size 64 {_1M}"),
+    ("TP8+SP×CP8", f"{_M7} --scheme tp_cp --tp 8 --cp 8 --world-size 64 {_1M}"),
+    ("TP8+SP×CP16", f"{_M7} --scheme tp_cp --tp 8 --cp 16 --world-size 128 {_1M}"),
+    (
+        "TSP8×CP2, full recompute",
+        f"{_M7} --scheme tsp --tp 8 --cp 2 --world-size 16 {_1M} --recompute full",
+    ),
+    (
+        "TP8+SP×CP2, full recompute",
+        f"{_M7} --scheme tp_cp --tp 8 --cp 2 --world-size 16 {_1M} --recompute full",
+    ),
+]
+_A2A = " --tsp-kv-grad-all-to-all"
+_A2A_ROWS = [
+    ("128k, TSP8", f"{_M7} --scheme tsp --tp 8 --seq 131072"),
+    ("128k, TSP8, all-to-all", f"{_M7} --scheme tsp --tp 8 --seq 131072" + _A2A),
+    ("1M, TSP8×CP8", _ONE_M_ROWS[0][1]),
+    ("1M, TSP8×CP8, all-to-all", _ONE_M_ROWS[0][1] + _A2A),
+    ("1M, TSP8×CP2, full recompute", _ONE_M_ROWS[3][1]),
+    ("1M, TSP8×CP2, full recompute, all-to-all", _ONE_M_ROWS[3][1] + _A2A),
+]
+_VAL = f"{PROG} memory --validate --model small --tp 4 --world-size 4 --seq 2048"
+_VALIDATE_ROWS = [
+    ("TSP D=4", f"{_VAL} --scheme tsp"),
+    ("TP=4+SP", f"{_VAL} --scheme tp_sp"),
+    ("TP=4", f"{_VAL} --scheme tp"),
+    (
+        "TP2×CP2",
+        f"{PROG} memory --validate --model small --tp 2 --cp 2 --world-size 4 --seq 2048 "
+        "--scheme tp_cp",
+    ),
+    ("TSP D=4, full recompute", f"{_VAL} --scheme tsp --recompute full"),
+]
+_LAYER_TIME = (
+    f"{PROG} plan --model 7b --hardware h100 --seq-length 131072 --gpus 8 "
+    "--no-distributed-optimizer"
+)
+
+
+def _rows(block_rows):
+    return dict(labels=[r[0] for r in block_rows], commands=[r[1] for r in block_rows])
+
+
+BLOCKS: List[Block] = [
+    Block("README.md", "readme-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
+    Block("README.md", "readme-1m-plan", [_PLAN_CP.format(m="7b", n=64)], "small", tsp_cp_table),
+    Block("README.md", "readme-layer-time", [_LAYER_TIME], "small", layer_time_sentence),
+    Block(
+        "docs/megatron-lm.md", "kv-grad-a2a", scale="full", format=memory_table, **_rows(_A2A_ROWS)
+    ),
+    Block("docs/megatron-lm.md", "cp-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
+    Block("docs/planner.md", "layer-time", [_LAYER_TIME], "small", layer_time),
+    Block(
+        "docs/planner.md",
+        "tsp-cp-7b",
+        [_PLAN_CP.format(m="7b", n=n) for n in _GPUS],
+        "small",
+        tsp_cp_table,
+    ),
+    Block(
+        "docs/planner.md",
+        "tsp-cp-llama",
+        [_PLAN_CP.format(m="llama3-8b", n=n) for n in _GPUS],
+        "small",
+        tsp_cp_table,
+    ),
+    Block(
+        "docs/moe.md",
+        "moe-mixtral",
+        [f"{PROG} moe --model mixtral-8x7b --seq-lengths 32768,131072,1048576"],
+        "small",
+        verbatim,
+    ),
+    Block(
+        "docs/moe.md",
+        "moe-deepseek",
+        [f"{PROG} moe --model deepseek-v2-lite --seq-lengths 32768,131072,1048576"],
+        "small",
+        verbatim,
+    ),
+    Block(
+        "docs/memory.md", "validate", scale="full", format=validate_table, **_rows(_VALIDATE_ROWS)
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# markers
+
+
+def opening(block: Block) -> str:
+    return (
+        f"<!-- generated ({block.id}) by scripts/docs_numbers.py from:\n"
+        + "\n".join(block.commands)
+        + "\n-->"
+    )
+
+
+def closing(block: Block) -> str:
+    return f"<!-- end generated ({block.id}) -->"
+
+
+def find(text: str, block: Block) -> Tuple[int, int]:
+    """(start, end) of the block in ``text``, markers included."""
+    start = text.find(f"<!-- generated ({block.id}) ")
+    end_marker = closing(block)
+    end = text.find(end_marker, start)
+    if start < 0 or end < 0:
+        raise KeyError(f"{block.file}: no block {block.id!r} (markers missing)")
+    return start, end + len(end_marker)
+
+
+def render(block: Block, outs: List[str]) -> str:
+    return f"{opening(block)}\n{block.format(block, outs)}\n{closing(block)}"
+
+
+# ------------------------------------------------------------------------------------------------
+# running the commands
+
+
+def _argv(command: str) -> List[str]:
+    argv = shlex.split(command)
+    if argv[0] != PROG:
+        raise ValueError(f"not a {PROG} command: {command}")
+    return argv[1:]
+
+
+def run_command(command: str) -> str:
+    """The command's stdout; plan / moe in this process, the rest in a fresh one."""
+    argv = _argv(command)
+    if argv[0] in IN_PROCESS:
+        from megatron_tsp.tools import cli
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), open(os.devnull, "w") as null:
+            with contextlib.redirect_stderr(null):
+                rc = cli.main(argv)
+        if rc:
+            raise RuntimeError(f"{command}: exit {rc}")
+        return buf.getvalue()
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_tsp.tools.cli", *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"{command}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+class _Parsed(Exception):
+    pass
+
+
+def parse_only(command: str) -> None:
+    """Run ``command`` through the CLI up to its argument parsing and checks, then stop: raises
+    ``SystemExit`` (argparse's status 2) where the CLI rejects it."""
+    from megatron_tsp.tools import cli, cli_args
+
+    base_parse = argparse.ArgumentParser.parse_args
+    tool_parse = cli_args.ToolParser.parse_args
+
+    def plain(self, args=None, namespace=None):
+        ns = base_parse(self, args, namespace)
+        if isinstance(self, cli_args.ToolParser):  # called by ToolParser.parse_args: checks next
+            return ns
+        raise _Parsed
+
+    def tool(self, args=None, namespace=None):
+        tool_parse(self, args, namespace)
+        raise _Parsed
+
+    argparse.ArgumentParser.parse_args = plain
+    cli_args.ToolParser.parse_args = tool
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = cli.main(_argv(command))
+        raise SystemExit(rc or "the command ran without parsing its arguments")
+    except _Parsed:
+        return
+    finally:
+        argparse.ArgumentParser.parse_args = base_parse
+        cli_args.ToolParser.parse_args = tool_parse
+
+
+def selected(scale: str, only: Sequence[str] = ()) -> List[Block]:
+    return [
+        b for b in BLOCKS if (scale == "all" or b.scale == scale) and (not only or b.id in only)
+    ]
+
+
+def generate(blocks: Sequence[Block], log=None, cache_file: str = "") -> Dict[str, str]:
+    """{block id: rendered block}; a command shared by blocks runs once. ``cache_file``: a JSON
+    {command: stdout} read first and written after each command (to --write what --show ran)."""
+    cache: Dict[str, str] = {}
+    if cache_file and os.path.exists(cache_file):
+        with open(cache_file) as f:
+            cache = json.load(f)
+    texts = {}
+    for b in blocks:
+        outs = []
+        for c in b.commands:
+            if c not in cache:
+                if log:
+                    log(f"running: {c}")
+                cache[c] = run_command(c)
+                if cache_file:
+                    with open(cache_file, "w") as f:
+                        json.dump(cache, f, indent=1)
+            outs.append(cache[c])
+        texts[b.id] = render(b, outs)
+    return texts
+
+
+def compare(blocks: Sequence[Block], texts: Dict[str, str], root: str = ROOT) -> List[str]:
+    """A unified diff per block whose text in its file differs from ``texts``."""
+    problems = []
+    for b in blocks:
+        with open(os.path.join(root, b.file)) as f:
+            doc = f.read()
+        try:
+            start, end = find(doc, b)
+        except KeyError as exc:
+            problems.append(str(exc))
+            continue
+        have = doc[start:end]
+        if have != texts[b.id]:
+            diff = difflib.unified_diff(
+                have.splitlines(),
+                texts[b.id].splitlines(),
+                f"{b.file} ({b.id})",
+                "generated",
+                lineterm="",
+            )
+            problems.append("\n".join(diff))
+    return problems
+
+
+def write(blocks: Sequence[Block], texts: Dict[str, str], root: str = ROOT) -> List[str]:
+    changed = []
+    for b in blocks:
+        path = os.path.join(root, b.file)
+        with open(path) as f:
+            doc = f.read()
+        start, end = find(doc, b)
+        if doc[start:end] != texts[b.id]:
+            with open(path, "w") as f:
+                f.write(doc[:start] + texts[b.id] + doc[end:])
+            changed.append(f"{b.file} ({b.id})")
+    return changed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="exit 1 if a block differs")
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks")
+    mode.add_argument("--parse", action="store_true", help="only parse every block's commands")
+    mode.add_argument("--show", action="store_true", help="print the generated blocks")
+    p.add_argument("--scale", choices=("small", "full", "all"), default="small")
+    p.add_argument("--only", action="append", default=[], help="block id (repeatable)")
+    p.add_argument("--cache", default="", help="JSON file of the commands' stdout, reused")
+    args = p.parse_args(argv)
+    blocks = selected(args.scale, args.only)
+    if args.parse:
+        for b in blocks:
+            for c in b.commands:
+                parse_only(c)
+        print(f"{sum(len(b.commands) for b in blocks)} commands parse")
+        return 0
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    texts = generate(blocks, log=log, cache_file=args.cache)
+    if args.show:
+        print("\n\n".join(texts.values()))
+        return 0
+    if args.write:
+        changed = write(blocks, texts)
+        print("rewritten: " + (", ".join(changed) or "nothing"))
+        return 0
+    problems = compare(blocks, texts)
+    for x in problems:
+        print(x)
+    print(f"{len(problems)} of {len(blocks)} generated blocks differ")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
