@@ -14,6 +14,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -56,7 +57,7 @@ def _grad_pairs(module, full_grads, group, actual, expected):
         expected[f"grad:{name}"] = want
 
 
-ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "squared_relu": squared_relu}
 
 
 @contextlib.contextmanager

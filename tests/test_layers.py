@@ -109,6 +109,7 @@ def test_mlp_saved_tensors_go_through_hooks(pool4, seed, d, recompute):
         (False, True, "gelu"),  # exact erf-GeLU (--no-bias-gelu-fusion)
         (False, False, "silu"),  # plain SiLU: Megatron has no fused kernel for it
         (True, True, "gelu"),  # GeGLU unfused
+        (False, False, "squared_relu"),  # --squared-relu (megatron-core's activation)
     ],
 )
 def test_mlp_unfused_activations(pool4, seed, gated, bias, activation):
