@@ -147,6 +147,18 @@ def memory_table(block: Block, outs: List[str]) -> str:
     return "\n".join(rows)
 
 
+def planned_vs_measured(block: Block, outs: List[str]) -> str:
+    """plan's analytic peak without recompute (first row of its table) against ``memory``'s."""
+    lines = outs[0].splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("strategy"))
+    planned = float(re.search(r"([\d.]+)/[\d.]+", lines[head + 2]).group(1))
+    measured = float(_memory_row(outs[1])[0])
+    return (
+        f"{planned:.1f} GB planned vs {measured:.2f} GB measured "
+        f"({(planned - measured) / measured * 100:+.1f}%)"
+    )
+
+
 _VALIDATE = re.compile(r"MemTracker peak (\d+) B, real-tensor run's CPU-allocator peak (\d+) B")
 
 
@@ -227,6 +239,17 @@ BLOCKS: List[Block] = [
     ),
     Block("docs/megatron-lm.md", "cp-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("docs/planner.md", "layer-time", [_LAYER_TIME], "small", layer_time),
+    Block(
+        "docs/planner.md",
+        "tsp-cp-planned",
+        [
+            f"{PROG} plan --model 7b --hardware h100 --seq-length 1048576 --gpus 64 "
+            "--strategies tsp_cp --cp 8 --no-distributed-optimizer",
+            _ONE_M_ROWS[0][1],
+        ],
+        "full",
+        planned_vs_measured,
+    ),
     Block(
         "docs/planner.md",
         "tsp-cp-7b",
