@@ -10,6 +10,12 @@ start fast.
 from __future__ import annotations
 
 import importlib
+import os as _os
+
+if _os.environ.get("MEGATRON_TSP_WARNINGS"):  # a rank spawned by a megatron-tsp tool
+    from megatron_tsp.tools import quiet as _quiet  # hides what the tool hides (tools/quiet.py)
+
+    _quiet.install_from_env()
 
 __version__ = "0.1.0"
 

@@ -32,6 +32,9 @@
 #   EXTRA_ARGS         appended to every variant (same for all)
 #   LOG_DIR            where <variant>.log go                       (default ./ab_logs)
 #   PYTHON             python executable                            (default python)
+#   HAVE_TE, HAVE_APEX 1 / 0: whether the training Python has Transformer Engine / apex (default:
+#                      probed). Without TE the tp variant runs Megatron's local layers (and,
+#                      without apex, the project's TP+SP spec through the launcher); cp is refused
 #   TORCHRUN_ARGS      extra torchrun options (run_ab_local.sh, LAUNCH_MODE=torchrun)
 #   SRUN_ARGS          extra srun options for the training step (scripts/slurm): containers,
 #                      GPU binding, e.g. "--container-image=img.sqsh --container-mounts=/data:/data
@@ -132,9 +135,61 @@ output_args() {
     fi
 }
 
-# entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py.
+# What the box's ${PYTHON} offers the stock baselines, probed once (HAVE_TE / HAVE_APEX = 1 or 0
+# override the probe). Megatron's default layers are Transformer Engine's; without TE the
+# baselines need Megatron's local layers, whose norm supports --sequence-parallel only from apex.
+_have() {
+    "${PYTHON}" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$1') is None)" \
+        2>/dev/null && echo 1 || echo 0
+}
+box_support() {
+    if [[ -z "${HAVE_TE:-}" ]]; then HAVE_TE="$(_have transformer_engine)"; fi
+    if [[ -z "${HAVE_APEX:-}" ]]; then HAVE_APEX="$(_have apex)"; fi
+}
+
+# box_args VARIANT -> BOX_ARGS (appended to the variant's parallel arguments) and BOX_LAUNCHER
+# (1: the variant needs the launcher's spec hook); refuses (exit 2) a variant the box cannot run.
+# tp without TE: Megatron's local layers (--transformer-impl local), and without apex also the
+# project's TP+SP spec (local layers with sequence-parallel torch norms, no TSP code), which the
+# launcher resolves; cp without TE is refused (Megatron's context parallelism runs in
+# TEDotProductAttention only). tsp / tsp_mlp select their own specs.
+TP_SP_SPEC_ARGS=(--spec megatron_tsp.megatron_lm.spec tp_sp_block_spec)
+box_args() {
+    box_support
+    BOX_ARGS=()
+    BOX_LAUNCHER=0
+    [[ "${HAVE_TE}" == "1" ]] && return 0
+    case "$1" in
+        tp)
+            BOX_ARGS=(--transformer-impl local)
+            if [[ "${HAVE_APEX}" != "1" ]]; then
+                BOX_ARGS+=("${TP_SP_SPEC_ARGS[@]}")
+                BOX_LAUNCHER=1
+            fi
+            ;;
+        cp)
+            echo "error: VARIANTS has cp, which needs Transformer Engine (Megatron's context" \
+                 "parallelism runs in TEDotProductAttention only) and ${PYTHON} has none;" \
+                 "drop cp from VARIANTS or install Transformer Engine" >&2
+            exit 2
+            ;;
+    esac
+}
+
+# box_notice VARIANT: one line when the box changes the variant's layers (after box_args).
+box_notice() {
+    if [[ "${#BOX_ARGS[@]}" -gt 0 ]]; then
+        local what="Megatron's local layers (apex norm)"
+        [[ "${BOX_LAUNCHER}" == "1" ]] && what="the project's TP+SP spec (Megatron's local layers with sequence-parallel torch norms, through the launcher)"
+        echo "[ab] $1: no Transformer Engine for ${PYTHON}: using ${what}: ${BOX_ARGS[*]}" >&2
+    fi
+}
+
+# entry VARIANT -> ENTRY: TSP goes through the launcher, the baselines run stock pretrain_gpt.py
+# (a baseline whose spec is the project's TP+SP spec through the launcher too, with no TSP flag).
 entry() {
-    if [[ "$1" == "tsp" || "$1" == "tsp_mlp" ]]; then
+    box_args "$1"
+    if [[ "$1" == "tsp" || "$1" == "tsp_mlp" || "${BOX_LAUNCHER}" == "1" ]]; then
         ENTRY=(-m megatron_tsp.megatron_lm.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py")
     else
         ENTRY=("${MEGATRON_LM_PATH}/pretrain_gpt.py")
@@ -151,5 +206,7 @@ variant_args() {
     common_args
     parallel_args "$1"
     output_args "$1"
-    VARIANT_ARGS=("${COMMON_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}")
+    box_args "$1"
+    VARIANT_ARGS=("${COMMON_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
+                  "${BOX_ARGS[@]}")
 }

@@ -17,10 +17,15 @@ NPROC="${NPROC:-$(_cfg --get parallel.gpus_per_node)}"
 VARIANTS="${VARIANTS:-tsp tp}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 mkdir -p "${LOG_DIR}"
+# every variant checked against what this box offers before the first one runs
+for variant in ${VARIANTS}; do
+    box_args "${variant}"
+done
 
 logs=()
 for variant in ${VARIANTS}; do
     variant_args "${variant}"
+    box_notice "${variant}"
     log="${LOG_DIR}/${variant}.log"
     if [[ "${DRY_RUN:-0}" == "1" ]]; then
         cmd=("${PYTHON}" -m megatron_tsp.megatron_lm.launch "${MEGATRON_LM_PATH}/pretrain_gpt.py"

@@ -74,6 +74,8 @@ PER_RUN_ENV = (
     "MASTER_PORT",
     RECORD_ENV,
     FAILED_AT_ENV,
+    # the tools' hidden-warning tally (tools/quiet.py): per run, so a zygote serves every run
+    "MEGATRON_TSP_WARNINGS",
 )
 WORKER_FLAG = "--cpu-runner-worker"
 
@@ -657,6 +659,9 @@ def _recording_training_log(original, path: str):
 def _rank_main(argv: List[str]) -> int:
     """One rank's entry point (fresh process or zygote fork): ``_worker``, noting when it fails
     in the file ``FAILED_AT_ENV`` names before the exit handlers run."""
+    from megatron_tsp.tools import quiet
+
+    quiet.install_from_env()  # a forked rank: its environment arrived after the zygote's imports
     code: object = 1
     try:
         code = _worker(argv)
@@ -901,11 +906,62 @@ def parse_log_losses(log: str) -> List[float]:
     return [float(m) for m in re.findall(r"lm loss: ([0-9.eE+-]+)", log)]
 
 
+SUMMARY_NOTE = (
+    "lm loss (this iteration): that iteration's global-batch loss at full precision "
+    "(training_log's loss_dict); Megatron's own log line prints lm loss averaged over the "
+    "iterations since its previous log line (--log-interval), to 7 significant digits"
+)
+
+
 def summary(run: TrainingRun) -> str:
-    lines = [f"{'iteration':>9}  {'lm loss':>22}  {'grad norm':>22}"]
+    """The per-iteration table ``cpu-run --summary`` prints, with what its loss is."""
+    lines = [f"{'iteration':>9}  {'lm loss (this iteration)':>24}  {'grad norm':>22}"]
     for it, loss, norm in zip(run.iterations, run.losses, run.grad_norms):
-        lines.append(f"{it:>9}  {loss!r:>22}  {norm!r:>22}")
+        lines.append(f"{it:>9}  {loss!r:>24}  {norm!r:>22}")
+    lines.append(SUMMARY_NOTE)
     return "\n".join(lines)
+
+
+TP_SP_SPEC = ["--spec", "megatron_tsp.megatron_lm.spec", "tp_sp_block_spec"]
+TP_SP_NOTICE = (
+    "megatron-tsp cpu-run: --sequence-parallel without Transformer Engine: using the project's "
+    "TP+SP spec (no Transformer Engine), {spec} (Megatron's local layers with "
+    "sequence-parallel torch norms; Megatron's own norms refuse SP here)"
+)
+_TSP_FLAGS = ("--tensor-sequence-parallel-size", "--tsp-mlp")
+
+
+def _flag_value(args: Sequence[str], flag: str) -> Optional[str]:
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tp_sp_spec_needed(args: Sequence[str]) -> bool:
+    """A stock TP+SP command line (``--sequence-parallel``, no ``--spec``, no TSP flag) that
+    Megatron cannot build on this machine: its layer spec's norm supports sequence parallelism
+    only from Transformer Engine (``--transformer-impl transformer_engine``, the default) or apex
+    (``local``: without apex it is torch's norm, which asserts ``not sequence_parallel``)."""
+    names = {a.split("=", 1)[0] for a in args}
+    if "--sequence-parallel" not in names or "--spec" in names or names & set(_TSP_FLAGS):
+        return False
+    impl = _flag_value(args, "--transformer-impl") or "transformer_engine"
+    if impl == "local":
+        return not _has("apex")
+    return not _has("transformer_engine")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -938,9 +994,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = parser.parse_args(ours)
     if not rest:
         parser.error("give the script and its arguments after --")
-    run = run_training(
-        rest[0], rest[1:], opts.nproc, stock=opts.stock, timeout=opts.timeout, check=False
-    )
+    script, args, stock = rest[0], rest[1:], opts.stock
+    if tp_sp_spec_needed(args):
+        # the spec is a function of (config, vp_stage, pp_rank): the launcher's GPTModel hook
+        # resolves it, so the run goes through the launcher, with no TSP flag (stock Megatron)
+        args, stock = args + TP_SP_SPEC, False
+        print(TP_SP_NOTICE.format(spec=" ".join(TP_SP_SPEC)), file=sys.stderr, flush=True)
+    run = run_training(script, args, opts.nproc, stock=stock, timeout=opts.timeout, check=False)
     if not opts.summary or run.returncode != 0:
         sys.stdout.write(run.log)
     print(summary(run))

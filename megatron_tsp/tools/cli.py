@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
-from megatron_tsp.tools import cli_args
+from megatron_tsp.tools import cli_args, quiet
 
 COMMANDS = {
     "demo": (
@@ -46,7 +45,8 @@ USAGE = (
     + "} [options]\n\n"
     + "\n".join(f"  {k:<16}{v[1]}" for k, v in COMMANDS.items())
     + "\n\n'megatron-tsp CMD --help' for options; 'megatron-tsp --debug CMD ...' shows the "
-    + "traceback of a refused input."
+    + "traceback of a refused input; 'megatron-tsp --verbose CMD ...' shows the "
+    + "library warnings hidden by default."
 )
 
 
@@ -56,9 +56,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--debug" in argv[:ours]:
         argv = [a for a in argv[:ours] if a != "--debug"] + argv[ours:]
         os.environ[cli_args.DEBUG_ENV] = "1"
-    # megatron-core announces its optional CUDA extensions (Transformer Engine, apex) when
-    # imported; on a CPU machine they are absent by design
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+    # global options before the command: --verbose shows the library warnings that are hidden
+    # by default (tools/quiet.py; ``plan --verbose`` after the command is plan's own option)
+    verbose = False
+    while argv and argv[0] == "--verbose":
+        verbose, argv = True, argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
@@ -66,6 +68,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if cmd not in COMMANDS:
         print(f"megatron-tsp: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    # megatron-core's notices of absent CUDA extensions and torch deprecations met by Megatron's
+    # code: one line at exit instead, here and in the ranks a tool spawns
+    with quiet.Session(verbose):
+        return _run(cmd, rest)
+
+
+def _run(cmd: str, rest: List[str]) -> int:
     module_name = COMMANDS[cmd][0]
     try:
         module = importlib.import_module(module_name)

@@ -75,6 +75,8 @@ def stubs(tmp_path):
         "NPROC",
         "CONFIG",
         "TSP_SIZE",
+        "HAVE_TE",
+        "HAVE_APEX",
     ):
         env.pop(knob, None)
     env.update(
@@ -84,6 +86,7 @@ def stubs(tmp_path):
         PYTHON=sys.executable,
         CONFIG="tiny-cpu",
         LOG_DIR=str(tmp_path / "logs"),
+        HAVE_TE="1",  # the exact lines below are a GPU cluster's (test_box_without_te: none)
     )
 
     def calls():
@@ -224,6 +227,40 @@ def test_local_ab_defaults_and_load_dir(stubs):
         "--use-distributed-optimizer",
     ]
     assert "lm loss" in proc.stdout  # the log comparison ran
+
+
+def test_box_without_transformer_engine(stubs):
+    """Without Transformer Engine the stock tp variant (Megatron's default TE layers: NameError
+    TESpecProvider) runs Megatron's local layers: with apex as they are, without apex with the
+    project's TP+SP spec through the launcher; each says so in one line. cp is refused before
+    any variant runs (Megatron's context parallelism needs TEDotProductAttention)."""
+    env, checkout, calls, tmp = stubs
+    local = ["--transformer-impl", "local"]
+    spec = ["--spec", "megatron_tsp.megatron_lm.spec", "tp_sp_block_spec"]
+    launcher = ["-m", "megatron_tsp.megatron_lm.launch", f"{checkout}/pretrain_gpt.py"]
+    proc = _run(
+        "scripts/run_ab_local.sh", env, NPROC="2", VARIANTS="tsp tp", HAVE_TE="0", HAVE_APEX="0"
+    )
+    tsp, tp = (c["argv"] for c in calls())
+    assert tsp[4:7] == launcher and tsp[-2:] == PARALLEL["tsp"]  # TSP: unchanged
+    assert tp[4:7] == launcher and tp[-8:] == PARALLEL["tp"] + local + spec
+    notices = [x for x in proc.stderr.splitlines() if x.startswith("[ab] tp: no Transformer")]
+    assert len(notices) == 1 and "the project's TP+SP spec" in notices[0], proc.stderr
+    (tmp / "record" / "calls.jsonl").unlink()
+    _run("scripts/run_ab_local.sh", env, NPROC="2", VARIANTS="tp", HAVE_TE="0", HAVE_APEX="1")
+    (tp,) = (c["argv"] for c in calls())
+    assert tp[4] == f"{checkout}/pretrain_gpt.py" and tp[-5:] == PARALLEL["tp"] + local
+    (tmp / "record" / "calls.jsonl").unlink()
+    refused = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts/run_ab_local.sh")],
+        env=dict(env, NPROC="2", VARIANTS="tsp cp", HAVE_TE="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(env["LOG_DIR"]),
+    )
+    assert refused.returncode == 2 and not calls(), refused.stderr
+    assert "cp, which needs Transformer Engine" in refused.stderr
 
 
 def test_gpt2_bpe_tokenizer_files(stubs):

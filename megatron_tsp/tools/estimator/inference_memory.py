@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -264,7 +263,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--units", choices=["GiB", "GB"], default="GiB")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
-    warnings.filterwarnings("ignore")
     try:
         model = load_model(args.model)
     except ValueError as exc:
@@ -274,13 +272,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
         p.error(f"--schemes: {bad[0]!r} is not one of {SCHEMES}")
-    for seq in args.seqs:
-        for scheme in schemes:
-            rows.append(
-                prefill_peak_isolated(scheme, args.size, seq, model, args.batch, args.dtype)
-            )
-            print(format_rows(rows[-1:], args.units).splitlines()[-1], flush=True)
-    print(format_rows(rows, args.units))
+    print(format_rows([], args.units), flush=True)  # the header once, then a row per run
+    todo = [(seq, scheme) for seq in args.seqs for scheme in schemes]
+    for i, (seq, scheme) in enumerate(todo, 1):
+        print(
+            f"megatron-tsp prefill-memory: [{i}/{len(todo)}] {scheme} S={seq} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(prefill_peak_isolated(scheme, args.size, seq, model, args.batch, args.dtype))
+        print(format_rows(rows[-1:], args.units).splitlines()[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from megatron_tsp.tools.cli_args import (
@@ -214,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """The model and the layout the run would measure, before any fake tensor: each
     configuration ``main`` runs (``--table``: the table's rows) must validate."""
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
     from megatron_tsp.core.rejections import TSPRejection
 
     if args.table:  # the table's layouts are fixed; its model must load
@@ -287,9 +285,11 @@ def _config(args, scheme, tp, cp, seq, fake=True):
     )
 
 
-def format_table(results, units: str = "GB", paper: bool = True) -> str:
+def format_table(results, units: str = "GB", paper: bool = True, labels: Sequence[str] = ()) -> str:
+    """The table of ``results``; ``labels``: more layout labels the column must fit (a table
+    printed row by row under one header)."""
     div = 1e9 if units == "GB" else 2**30
-    width = max([16] + [len(r.label) + 1 for r in results])
+    width = max([16] + [len(x) + 1 for x in [r.label for r in results] + list(labels)])
     head = (
         f"{'layout':<{width}}{'S':>8}{'rec':>5}"
         + "".join(f"{c:>8}" for _, c in CATEGORIES)
@@ -322,6 +322,28 @@ def format_table(results, units: str = "GB", paper: bool = True) -> str:
     return "\n".join(lines)
 
 
+def _table_configs(args) -> list:
+    """The ``--table`` rows' configurations, in the order they are measured."""
+    moe = _model(args).is_moe
+    out = []
+    for seq in args.seqs:
+        layouts = list(MOE_TABLE_LAYOUTS if moe else TABLE_LAYOUTS)
+        variants = [None] * len(layouts)
+        if moe:  # the ring is the second TSP row
+            variants = [None, "ring", None]
+        if args.table_tsp_variants and not moe:
+            layouts.insert(1, ("tsp", 8, 1))
+            variants.insert(1, "recompute")
+        for (scheme, tp, cp), variant in zip(layouts, variants):
+            cfg = _config(args, scheme, tp, cp, seq)
+            if variant == "ring":
+                cfg.moe_schedule, cfg.ep = "ring", None
+            elif variant is not None:
+                cfg.tsp_attention_backward = variant
+            out.append(cfg)
+    return out
+
+
 def _teardown() -> None:
     """Destroy the fake groups explicitly: interpreter shutdown with them alive can be slow."""
     import torch.distributed as dist
@@ -338,38 +360,37 @@ def _teardown() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    warnings.filterwarnings("ignore", message=".*Apex.*")
-    from megatron_tsp.tools.estimator.fake_run import run_step, run_step_isolated
+    from megatron_tsp.tools.estimator import fake_run
 
     results = []
     status = 0
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    # progress on stderr, one line per configuration and stage (a 7B step takes ~30 s)
+    progress = (
+        (lambda *a: None)
+        if args.quiet
+        else (lambda *a: print("megatron-tsp memory:", *a, file=sys.stderr, flush=True))
+    )
+    paper = args.model == "7b"
     try:
         if args.table:
-            seqs = args.seqs
-            moe = _model(args).is_moe
-            for seq in seqs:
-                layouts = list(MOE_TABLE_LAYOUTS if moe else TABLE_LAYOUTS)
-                variants = [None] * len(layouts)
-                if moe:  # the ring is the second TSP row
-                    variants = [None, "ring", None]
-                if args.table_tsp_variants and not moe:
-                    layouts.insert(1, ("tsp", 8, 1))
-                    variants.insert(1, "recompute")
-                for (scheme, tp, cp), variant in zip(layouts, variants):
-                    cfg = _config(args, scheme, tp, cp, seq)
-                    if variant == "ring":
-                        cfg.moe_schedule, cfg.ep = "ring", None
-                    elif variant is not None:
-                        cfg.tsp_attention_backward = variant
-                    say(f"running {cfg.label} S={seq} recompute={cfg.recompute} ...")
-                    # one fresh process per configuration: no cache shared between runs
-                    results.append(run_step_isolated(cfg))
-                    say(format_table(results[-1:], args.units, paper=args.model == "7b"))
+            configs = _table_configs(args)
+            labels = [cfg.label for cfg in configs]
+            say(format_table([], args.units, paper=paper, labels=labels))  # the header, once
+            for i, cfg in enumerate(configs, 1):
+                progress(
+                    f"[{i}/{len(configs)}] {cfg.label} S={cfg.seq} recompute={cfg.recompute} ..."
+                )
+                # one fresh process per configuration: no cache shared between runs
+                results.append(fake_run.run_step_isolated(cfg))
+                row = format_table(results[-1:], args.units, paper=paper, labels=labels)
+                say(row.splitlines()[-1])
         elif args.validate:
-            fake = run_step(_config(args, args.scheme, args.tp, args.cp, args.seq, fake=True))
-            real = run_step_isolated(
+            cfg = _config(args, args.scheme, args.tp, args.cp, args.seq, fake=True)
+            progress(f"{cfg.label} S={args.seq}: fake-tensor step ...")
+            fake = fake_run.run_step(cfg)
+            progress(f"{cfg.label} S={args.seq}: real-tensor step (fresh process) ...")
+            real = fake_run.run_step_isolated(
                 _config(args, args.scheme, args.tp, args.cp, args.seq, fake=False)
             )
             results = [fake, real]
@@ -383,16 +404,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"(tolerance {args.tolerance:.0%})"
             )
         elif args.real:
-            results.append(
-                run_step_isolated(
-                    _config(args, args.scheme, args.tp, args.cp, args.seq, fake=False)
-                )
-            )
+            cfg = _config(args, args.scheme, args.tp, args.cp, args.seq, fake=False)
+            progress(f"{cfg.label} S={args.seq}: real-tensor step (fresh process) ...")
+            results.append(fake_run.run_step_isolated(cfg))
         else:
-            results.append(run_step(_config(args, args.scheme, args.tp, args.cp, args.seq)))
+            cfg = _config(args, args.scheme, args.tp, args.cp, args.seq)
+            progress(f"{cfg.label} S={args.seq}: one training step under fake tensors ...")
+            results.append(fake_run.run_step(cfg))
     finally:
         _teardown()
-    say(format_table(results, args.units, paper=args.model == "7b"))
+    if not args.table:  # the table's header and rows are out already
+        say(format_table(results, args.units, paper=paper))
     model = _model(args)
     if model.is_moe:
         from megatron_tsp.tools.estimator.moe import ring_crossover_seq
