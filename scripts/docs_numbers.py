@@ -208,6 +208,17 @@ _A2A_ROWS = [
     ("1M, TSP8×CP2, full recompute", _ONE_M_ROWS[3][1]),
     ("1M, TSP8×CP2, full recompute, all-to-all", _ONE_M_ROWS[3][1] + _A2A),
 ]
+_128K = f"{_M7} --tp 8 --seq 131072"
+_TSP_MLP_ROWS = [
+    ("TP8+SP", f"{_128K} --scheme tp_sp"),
+    ("TP8+SP + TSP MLP (`--tsp-mlp`)", f"{_128K} --scheme hybrid"),
+    ("TP8+SP + TSP MLP, fc1 recompute", f"{_128K} --scheme hybrid --tsp-recompute-fc1"),
+]
+_KV_FP32_ROWS = [
+    ("TSP8", _A2A_ROWS[0][1]),
+    ("TSP8, `--tsp-kv-grad-reduce-in-fp32`", _A2A_ROWS[0][1] + " --tsp-kv-grad-reduce-in-fp32"),
+    ("TP8+SP", _TSP_MLP_ROWS[0][1]),
+]
 _VAL = f"{PROG} memory --validate --model small --tp 4 --world-size 4 --seq 2048"
 _VALIDATE_ROWS = [
     ("TSP D=4", f"{_VAL} --scheme tsp"),
@@ -232,10 +243,18 @@ def _rows(block_rows):
 
 BLOCKS: List[Block] = [
     Block("README.md", "readme-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
+    Block("README.md", "readme-tsp-mlp", scale="full", format=memory_table, **_rows(_TSP_MLP_ROWS)),
     Block("README.md", "readme-1m-plan", [_PLAN_CP.format(m="7b", n=64)], "small", tsp_cp_table),
     Block("README.md", "readme-layer-time", [_LAYER_TIME], "small", layer_time_sentence),
     Block(
         "docs/megatron-lm.md", "kv-grad-a2a", scale="full", format=memory_table, **_rows(_A2A_ROWS)
+    ),
+    Block(
+        "docs/megatron-lm.md",
+        "kv-grad-fp32",
+        scale="full",
+        format=memory_table,
+        **_rows(_KV_FP32_ROWS),
     ),
     Block("docs/megatron-lm.md", "cp-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("docs/planner.md", "layer-time", [_LAYER_TIME], "small", layer_time),
