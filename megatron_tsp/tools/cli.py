@@ -70,8 +70,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     # megatron-core's notices of absent CUDA extensions and torch deprecations met by Megatron's
     # code: one line at exit instead, here and in the ranks a tool spawns
-    with quiet.Session(verbose):
-        return _run(cmd, rest)
+    with quiet.Session(verbose) as session:
+        try:
+            rc = _run(cmd, rest)
+        except SystemExit as exc:
+            session.report = exc.code != 2  # a refused input stays one line
+            raise
+        session.report = rc != 2
+        return rc
 
 
 def _run(cmd: str, rest: List[str]) -> int:

@@ -198,6 +198,7 @@ class Session:
 
     def __init__(self, verbose: bool, prog: str = "megatron-tsp"):
         self.verbose, self.prog = verbose, prog
+        self.report = True  # False: no summary line (cli.main: a refused input is one line)
         self.tally_dir: Optional[str] = None
         self._saved_env: Optional[str] = None
         self._hider: Optional[_Hider] = None
@@ -236,7 +237,7 @@ class Session:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = self._saved_env
-        if n:
+        if n and self.report:
             print(summary_line(n, self.prog), file=sys.stderr, flush=True)
 
 
