@@ -126,6 +126,35 @@ def tsp_cp_table(block: Block, outs: List[str]) -> str:
     return "\n".join(rows)
 
 
+def moe_plan_table(block: Block, outs: List[str]) -> str:
+    """plan for MoE models: each strategy's memory, recompute, step and tokens/s (its table) and
+    the expert schedule it picked (its "Mixture of experts" lines); one command per (model, S)."""
+    rows = [
+        "| model | S | strategy | experts | mem GB none / full | rc | step s | tokens/s |",
+        "|---|---:|---|---|---:|---|---:|---:|",
+    ]
+    last_model = None
+    for cmd, out in zip(block.commands, outs):
+        argv = shlex.split(cmd)
+        model, seq = argv[argv.index("--model") + 1], int(argv[argv.index("--seq-length") + 1])
+        experts = dict(re.findall(r"^\s+(\S+): experts (\w+)", out, re.M))
+        lines = out.splitlines()
+        head = next(i for i, x in enumerate(lines) if x.startswith("strategy"))
+        for k, line in enumerate(lines[head + 2 :]):
+            if not line.strip() or line.startswith(" "):
+                break
+            tok = line.split()
+            mem = tok[2].replace("/", " / ")
+            first = k == 0
+            rows.append(
+                f"| {model if first and model != last_model else ''} | "
+                f"{f'{seq // 1024}k' if first else ''} | {tok[0]} | {experts[tok[0]]} | {mem} | "
+                f"{tok[3]} | {tok[-4]} | {tok[-3]} |"
+            )
+        last_model = model
+    return "\n".join(rows)
+
+
 def _memory_row(out: str) -> Tuple[str, str, str]:
     """(peak GB, phase of the peak, GB received per step) of memory's one-row table."""
     lines = out.splitlines()
@@ -219,6 +248,11 @@ _KV_FP32_ROWS = [
     ("TSP8, `--tsp-kv-grad-reduce-in-fp32`", _A2A_ROWS[0][1] + " --tsp-kv-grad-reduce-in-fp32"),
     ("TP8+SP", _TSP_MLP_ROWS[0][1]),
 ]
+_MOE_PLAN = [
+    f"{PROG} plan --model {m} --hardware h100 --gpus 64 --seq-length {n}"
+    for m in ("mixtral-8x7b", "deepseek-v2-lite")
+    for n in (32768, 131072)
+]
 _VAL = f"{PROG} memory --validate --model small --tp 4 --world-size 4 --seq 2048"
 _VALIDATE_ROWS = [
     ("TSP D=4", f"{_VAL} --scheme tsp"),
@@ -297,6 +331,7 @@ BLOCKS: List[Block] = [
         "small",
         verbatim,
     ),
+    Block("docs/moe.md", "moe-plan", _MOE_PLAN, "small", moe_plan_table),
     Block(
         "docs/memory.md", "validate", scale="full", format=validate_table, **_rows(_VALIDATE_ROWS)
     ),
