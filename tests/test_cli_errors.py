@@ -114,6 +114,15 @@ CASES = [
     ("bench --seed -1", "--seed"),
     ("bench --tolerance -1", "--tolerance"),
     ("bench --timeout 0", "--timeout"),
+    # bench --traffic (its own parser): checked before a recording interpreter starts
+    ("bench --traffic --world-size 1", "--world-size 1"),
+    ("bench --traffic --world-size 3 --seq-lengths 96", "--world-size 3"),
+    ("bench --traffic --seq-lengths 100", "--seq-lengths 100"),
+    ("bench --traffic --seq-lengths -4", "--seq-lengths"),
+    ("bench --traffic --micro-batch-size 0", "--micro-batch-size"),
+    ("bench --traffic --top -1", "--top"),
+    ("bench --traffic --model nope", "--model nope"),
+    ("bench --traffic --schemes tsp,foo", "--schemes"),
     # check-patches
     ("check-patches --megatron-lm /nonexistent", "--megatron-lm"),
     ("check-patches --megatron-lm /tmp", "--megatron-lm"),
@@ -150,7 +159,8 @@ def test_bad_input_is_one_line_naming_the_flag(line, flag, nothing_starts):
         except SystemExit as exc:
             rc = exc.code
     lines = [x for x in err.getvalue().splitlines() if x.strip()]
-    cmd = line.split()[0]
+    words = line.split()
+    cmd = " ".join(words[:2]) if words[1:2] == ["--traffic"] else words[0]  # its own parser
     assert rc == 2, (rc, lines)
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"megatron-tsp {cmd}: error: "), lines

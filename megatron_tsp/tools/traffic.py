@@ -51,6 +51,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
+from megatron_tsp.tools.cli_args import (
+    ToolParser,
+    UsageError,
+    from_value_error,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+)
+
 SCHEMES = ("tsp", "tp_sp")
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP"}
 GB = 1e9
@@ -849,23 +858,19 @@ def _seq_label(seq: int) -> str:
     return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
 
 
-def _int_list(text: str) -> List[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ToolParser(
         prog="megatron-tsp bench --traffic",
         description="one rank's transformer layer, fwd + bwd, op by op on shape-only CUDA "
         "tensors: kernel launches, bytes read + written, FLOPs, TSP vs Megatron TP+SP",
     )
     p.add_argument("--model", default="7b", help="megatron_tsp/models name or JSON path")
-    p.add_argument("--seq-lengths", type=_int_list, default=[32768, 131072])
-    p.add_argument("--world-size", type=int, default=8, help="D (TSP group = TP group)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-lengths", type=positive_int_list, default=[32768, 131072])
+    p.add_argument("--world-size", type=positive_int, default=8, help="D (TSP group = TP group)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list among tsp,tp_sp")
-    p.add_argument("--top", type=int, default=8, help="top ops by bytes to list")
+    p.add_argument("--top", type=non_negative_int, default=8, help="top ops by bytes to list")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the summaries here")
     p.add_argument(
@@ -874,17 +879,44 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="TSP's MLP output and input gradients summed over the shards in fp32 (Megatron-LM's "
         "--tsp-activation-sums-in-fp32; default: in place in the compute dtype)",
     )
+    p.add_check(_check_args)
     args = p.parse_args(argv)
     args.schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in args.schemes if s not in SCHEMES]
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Before any recording: schemes known, D >= 2, every length splits into 2D chunks, the
+    model exists and splits over D (heads, query groups, FFN: ``core.validation``)."""
+    # imported here: they import torch, which this interpreter keeps unloaded (the recording
+    # runs in a fresh one whose CUDA stand-in must load before torch)
+    from megatron_tsp.core import model_shape
+    from megatron_tsp.core.validation import check_model_shape
+
+    bad = [s for s in args.schemes.split(",") if s and s not in SCHEMES]
     if bad:
-        p.error(f"--schemes: unknown {bad}; choose among {','.join(SCHEMES)}")
+        raise UsageError(f"--schemes {args.schemes}", f"unknown {bad}; choose among {SCHEMES}")
     if args.world_size < 2:
-        p.error(f"--world-size {args.world_size}: D must be >= 2")
+        raise UsageError(f"--world-size {args.world_size}", "D must be >= 2")
     for s in args.seq_lengths:
         if s % (2 * args.world_size):
-            p.error(f"--seq-lengths: S={s} is not divisible by 2*D={2 * args.world_size}")
-    return args
+            raise UsageError(
+                f"--seq-lengths {s}", f"not divisible by 2 x --world-size = {2 * args.world_size}"
+            )
+    try:
+        shape = model_shape.load_model(args.model)
+    except ValueError as exc:
+        raise UsageError(f"--model {args.model}", str(exc)) from None
+    try:
+        check_model_shape(
+            args.world_size,
+            shape.heads,
+            num_query_groups=shape.query_groups,
+            ffn_hidden_size=shape.ffn or 4 * shape.hidden,
+            hidden_size=shape.hidden,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc, f"--world-size {args.world_size}") from None
 
 
 def main(argv=None) -> int:
