@@ -126,6 +126,18 @@ def tsp_cp_table(block: Block, outs: List[str]) -> str:
     return "\n".join(rows)
 
 
+def plan_excerpt(block: Block, outs: List[str]) -> str:
+    """plan's table, the rows of the strategies in ``block.labels``, and its crossover lines for
+    TSP and the hybrid against TP+SP, as a code block."""
+    lines = [x.rstrip() for x in outs[0].splitlines()]
+    head = next(i for i, x in enumerate(lines) if x.startswith("strategy"))
+    table = lines[head + 2 : lines.index("", head)]
+    rows = [x for x in table if not x.startswith(" ") and x.split()[0] in block.labels]
+    keep = ("TSP vs TP+SP", "hybrid", "predicted tokens/s")
+    cross = [x.strip() for x in _section(outs[0], "Crossover") if any(k in x for k in keep)]
+    return "```\n" + "\n".join(lines[head : head + 2] + rows + [""] + cross) + "\n```"
+
+
 def moe_plan_table(block: Block, outs: List[str]) -> str:
     """plan for MoE models: each strategy's memory, recompute, step and tokens/s (its table) and
     the expert schedule it picked (its "Mixture of experts" lines); one command per (model, S)."""
@@ -292,6 +304,14 @@ BLOCKS: List[Block] = [
     ),
     Block("docs/megatron-lm.md", "cp-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("docs/planner.md", "layer-time", [_LAYER_TIME], "small", layer_time),
+    Block(
+        "docs/planner.md",
+        "hybrid-h200",
+        [f"{PROG} plan --model 7b --hardware h200 --gpus 8 --seq-length 131072"],
+        "small",
+        plan_excerpt,
+        labels=["TSP8", "TP8+SP", "TP8+SP+TSP-MLP"],
+    ),
     Block(
         "docs/planner.md",
         "tsp-cp-planned",
