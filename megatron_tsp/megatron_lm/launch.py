@@ -62,6 +62,26 @@ def map_slurm_env(environ=os.environ) -> List[str]:
     return set_names
 
 
+def check_tsp_flags_early(script_args: List[str]) -> None:
+    """The TSP flag group parsed alone from the script's arguments (exact spellings only, all
+    else ignored) and checked as the parser hook will check it (``TSPArgumentError``)."""
+    import argparse
+
+    from megatron_tsp.megatron_lm.arguments import (
+        TSPArgumentError,
+        add_tsp_arguments,
+        check_before_megatron_parse_hooks,
+    )
+
+    parser = add_tsp_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser.exit_on_error = False
+    try:
+        known, _ = parser.parse_known_args(script_args)
+    except argparse.ArgumentError as exc:
+        raise TSPArgumentError(str(exc)) from None
+    check_before_megatron_parse_hooks(known)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
@@ -89,7 +109,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     sys.argv = [script] + argv[1:]
 
-    from megatron_tsp.megatron_lm import TSPArgumentError, install
+    from megatron_tsp.megatron_lm.arguments import TSPArgumentError
+
+    # TSP's own flags are checked before the script imports Megatron (its import-time notices
+    # would otherwise precede the one-line refusal); Megatron's flags are checked by its parser
+    try:
+        check_tsp_flags_early(argv[1:])
+    except TSPArgumentError as exc:
+        print(f"megatron_tsp: error: {exc}", file=sys.stderr)
+        return 2
+    from megatron_tsp.megatron_lm import install  # imports megatron.core
 
     install()
     try:
