@@ -13,7 +13,7 @@ import importlib
 import os as _os
 
 if _os.environ.get("MEGATRON_TSP_WARNINGS"):  # a rank spawned by a megatron-tsp tool
-    from megatron_tsp.tools import quiet as _quiet  # hides what the tool hides (tools/quiet.py)
+    from megatron_tsp.console import quiet as _quiet  # hides what the tool hides (console/quiet.py)
 
     _quiet.install_from_env()
 

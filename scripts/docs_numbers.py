@@ -431,7 +431,8 @@ class _Parsed(Exception):
 def parse_only(command: str) -> None:
     """Run ``command`` through the CLI up to its argument parsing and checks, then stop: raises
     ``SystemExit`` (argparse's status 2) where the CLI rejects it."""
-    from megatron_tsp.tools import cli, cli_args
+    from megatron_tsp.console import args as cli_args
+    from megatron_tsp.tools import cli
 
     base_parse = argparse.ArgumentParser.parse_args
     tool_parse = cli_args.ToolParser.parse_args

@@ -1,4 +1,4 @@
-"""Quiet by default (``megatron_tsp/tools/quiet.py``): the tools fold the warnings known to be
+"""Quiet by default (``megatron_tsp/console/quiet.py``): the tools fold the warnings known to be
 harmless (megatron-core's notices of absent Transformer Engine / apex, torch deprecations met by
 Megatron's own code) into one line, ``--verbose`` shows them, and every other warning, the same
 message from another module included, is printed as Python prints it."""
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import warnings
 
-from megatron_tsp.tools import quiet
+from megatron_tsp.console import quiet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -74,7 +74,7 @@ PER_RUN_ENV = (
     "MASTER_PORT",
     RECORD_ENV,
     FAILED_AT_ENV,
-    # the tools' hidden-warning tally (tools/quiet.py): per run, so a zygote serves every run
+    # the tools' hidden-warning tally (console/quiet.py): per run, so a zygote serves every run
     "MEGATRON_TSP_WARNINGS",
 )
 WORKER_FLAG = "--cpu-runner-worker"
@@ -659,7 +659,7 @@ def _recording_training_log(original, path: str):
 def _rank_main(argv: List[str]) -> int:
     """One rank's entry point (fresh process or zygote fork): ``_worker``, noting when it fails
     in the file ``FAILED_AT_ENV`` names before the exit handlers run."""
-    from megatron_tsp.tools import quiet
+    from megatron_tsp.console import quiet
 
     quiet.install_from_env()  # a forked rank: its environment arrived after the zygote's imports
     code: object = 1
@@ -970,7 +970,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _rank_main(argv[1:])
     if argv and argv[0] == rank_zygote.ZYGOTE_FLAG and len(argv) == 2:
         return rank_zygote.serve(argv[1], prepare=apply_cuda_answers, run=_rank_main)
-    from megatron_tsp.tools.cli_args import ToolParser, positive_float, positive_int
+    from megatron_tsp.console.args import ToolParser, positive_float, positive_int
 
     parser = ToolParser(
         prog="megatron-tsp cpu-run",

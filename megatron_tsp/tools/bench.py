@@ -36,9 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.core import rejections
-from megatron_tsp.megatron_lm.cpu_runner import free_port
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     non_negative_float,
     non_negative_int,
@@ -46,6 +44,8 @@ from megatron_tsp.tools.cli_args import (
     positive_int,
     positive_int_list,
 )
+from megatron_tsp.core import rejections
+from megatron_tsp.megatron_lm.cpu_runner import free_port
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 VARIANTS = ("tsp", "tp_sp", "tp")

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from megatron_tsp.tools import cli_args, quiet
+from megatron_tsp.console import args as cli_args
+from megatron_tsp.console import quiet
 
 COMMANDS = {
     "demo": (
@@ -57,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv = [a for a in argv[:ours] if a != "--debug"] + argv[ours:]
         os.environ[cli_args.DEBUG_ENV] = "1"
     # global options before the command: --verbose shows the library warnings that are hidden
-    # by default (tools/quiet.py; ``plan --verbose`` after the command is plan's own option)
+    # by default (console/quiet.py; ``plan --verbose`` after the command is plan's own option)
     verbose = False
     while argv and argv[0] == "--verbose":
         verbose, argv = True, argv[1:]

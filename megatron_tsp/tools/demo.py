@@ -17,8 +17,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.megatron_lm.cpu_runner import free_port
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     from_value_error,
     non_negative_float,
@@ -26,6 +25,7 @@ from megatron_tsp.tools.cli_args import (
     positive_float,
     positive_int,
 )
+from megatron_tsp.megatron_lm.cpu_runner import free_port
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, style_fields, unfused_config
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

@@ -27,9 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_tsp.megatron_lm import patches
-from megatron_tsp.megatron_lm.cpu_runner import free_port
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     UsageError,
     debug,
@@ -41,6 +39,8 @@ from megatron_tsp.tools.cli_args import (
     positive_float,
     positive_int,
 )
+from megatron_tsp.megatron_lm import patches
+from megatron_tsp.megatron_lm.cpu_runner import free_port
 from megatron_tsp.tools.cpu_ranks import init_gloo_rank, unfused_config
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

@@ -41,7 +41,7 @@ def all_patches() -> Tuple[Patch, ...]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-tsp check-patches``: does every patch target exist, with the parameters it
     relies on, in this installation (and the given Megatron-LM checkouts)? Exit 1 if not."""
-    from megatron_tsp.tools.cli_args import ToolParser, existing_dir
+    from megatron_tsp.console.args import ToolParser, existing_dir
 
     parser = ToolParser(prog="megatron-tsp check-patches", description=main.__doc__)
     parser.add_argument(

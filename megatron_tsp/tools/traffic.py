@@ -51,7 +51,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     UsageError,
     from_value_error,

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from megatron_tsp.console import quiet
 from megatron_tsp.megatron_lm import cpu_runner
-from megatron_tsp.tools import quiet
 from tests.megatron_lm.common import REPO, megatron_lm_path, relative_difference
 
 CHECKOUT = megatron_lm_path()

@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_tsp.console.args import ToolParser, positive_int, positive_int_list
 from megatron_tsp.core.model_shape import load_model
-from megatron_tsp.tools.cli_args import ToolParser, positive_int, positive_int_list
 
 SCHEMES = ("tsp", "tp", "cp")
 

@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     UsageError,
     from_value_error,

@@ -37,9 +37,9 @@ import dataclasses
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_tsp.console.args import ToolParser, one_line, positive_int, positive_int_list
 from megatron_tsp.core.layers import weight_ring
 from megatron_tsp.core.model_shape import ModelShape, load_model
-from megatron_tsp.tools.cli_args import ToolParser, one_line, positive_int, positive_int_list
 from megatron_tsp.tools.estimator.formulas import (
     CommTerm,
     LayerShape,

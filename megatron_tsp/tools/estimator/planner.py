@@ -35,14 +35,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_tsp.core.model_shape import ModelShape
-from megatron_tsp.tools.cli_args import (
+from megatron_tsp.console.args import (
     ToolParser,
     UsageError,
     fraction,
     positive_int,
     positive_int_list,
 )
+from megatron_tsp.core.model_shape import ModelShape
 
 from . import formulas as fm
 from . import moe
