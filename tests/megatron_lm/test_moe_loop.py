@@ -67,6 +67,32 @@ def test_tsp2_ep2_matches_tp2_sp_ep2(seed):
     assert _logged(tsp.log, "z_loss") and _logged(ref.log, "z_loss")
 
 
+def test_tsp4_ep2_top1_probs_on_input_matches_tp4_sp_ep2(seed):
+    """D = 4 (experts folded, EP = 2) with top-1 routing whose probability scales the expert's
+    input (``--moe-apply-probs-on-input``; pre-softmax so top-1's probability is not 1) against
+    TP=4+SP with EP = 2: Megatron-LM's own loop, same curve and load-balancing loss."""
+    top1 = ["--moe-router-topk", "1", "--moe-apply-probs-on-input", "--moe-router-pre-softmax"]
+    args = loop.STYLES["llama"] + MOE + top1  # the later --moe-router-topk wins
+    tsp = loop._run(4, seed, *args, "--tensor-sequence-parallel-size", "4")
+    ref = loop._run(
+        4,
+        seed,
+        *args,
+        "--tensor-model-parallel-size",
+        "4",
+        "--expert-tensor-parallel-size",
+        "1",
+        *loop.TP_SP_CPU,
+    )
+    loop.assert_logged_args(tsp.log, moe_router_topk="1", moe_apply_probs_on_input="True")
+    loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
+    balance = _logged(tsp.log, "load_balancing_loss")
+    ref_balance = _logged(ref.log, "load_balancing_loss")
+    assert len(balance) == len(ref_balance) >= loop.ITERATIONS, (balance, ref_balance)
+    for a, b in zip(balance, ref_balance):
+        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+
+
 def test_dp2_tsp2_ep4_spanning_dp_alltoall_matches_tp2_sp(seed):
     """DP2 x TSP2 on 4 ranks with EP=4: every rank holds one expert, the expert-model-parallel
     group spans both data-parallel replicas; distributed optimizer; the alltoall dispatcher (its

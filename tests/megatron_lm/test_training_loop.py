@@ -16,6 +16,7 @@ test ~40-80 s).
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -172,12 +173,35 @@ def test_tsp4_matches_tp4(seed):
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
 
+# Megatron-LM flags TSP reads, off their defaults (issue 38): a head dimension decoupled from
+# hidden / heads (32, not 64 / 4 = 16) and Llama-3 RoPE scaling with factor 4 (base 5e5, so the
+# scaling reaches the head dimension's lower frequencies)
+OPTIONS_OFF_DEFAULT = [
+    "--kv-channels",
+    "32",
+    "--use-rope-scaling",
+    "--rope-scaling-factor",
+    "4",
+    "--rotary-base",
+    "500000",
+]
+
+
+def assert_logged_args(log: str, **values: str) -> None:
+    """Megatron's argument dump (``name ..... value``) shows each option at its value."""
+    for name, value in values.items():
+        found = re.search(rf"\b{name} \.+ (\S+)", log)
+        assert found and found.group(1) == value, (name, value, found and found.group(1))
+
+
 def test_tsp4_matches_tp4_fewer_kv_heads_than_d(seed):
-    """Two K/V heads at D=4 (megatron-core's TP layout, each K/V head shared by two ranks):
-    Megatron-LM's own loop, same curve as TP=4."""
-    args = STYLES["llama"] + ["--num-query-groups", "2"]
+    """Two K/V heads at D=4 (megatron-core's TP layout, each K/V head shared by two ranks), with
+    ``--kv-channels`` and Llama-3 RoPE scaling off their defaults: Megatron-LM's own loop, same
+    curve as TP=4."""
+    args = STYLES["llama"] + ["--num-query-groups", "2"] + OPTIONS_OFF_DEFAULT
     tsp = _run(4, seed, *args, "--tensor-sequence-parallel-size", "4")
     ref = _run(4, seed, *args, "--tensor-model-parallel-size", "4")
+    assert_logged_args(tsp.log, kv_channels="32", rope_scaling_factor="4.0", rotary_base="500000")
     assert "in 2 TSP attention layers" in tsp.rank_log(0), tsp.rank_log(0)[-3000:]
     _assert_same_curve(tsp, ref, FP32_LOSS_RTOL, FP32_NORM_RTOL)
 
