@@ -701,6 +701,153 @@ def tsp_cp_layer_terms(
     return out
 
 
+def fsdp_cp_layer_terms(
+    shape: LayerShape,
+    N: int,
+    *,
+    kv_flavour: str = "all_gather",
+    grad_reduce_bytes: Optional[int] = None,
+    regather_kv_bwd: bool = True,
+) -> List[CommTerm]:
+    """ZeRO-3 x CP over one sequence group of N ranks (Megatron-FSDP ``optim_grads_params`` with
+    ``--context-parallel-size N``, or FSDP2 + CP), DP = 1 inside it. Every rank holds 1/N of
+    every parameter (norms included) and works on B*S/N tokens with whole weights.
+
+    weights  the whole layer (``layer_params``) all-gathered before its forward and again before
+             its backward, in the model dtype: f_N * W_layer each (group ``fsdp``), prefetched one
+             layer ahead (Megatron-FSDP's and FSDP2's default), so hidden behind the previous
+             layer's compute (``prefetch``; the first layer's gather per micro-batch, 1 of L, is
+             not charged)
+    grads    the layer's weight gradient reduce-scattered after its backward, f_N * W_layer in
+             ``grad_reduce_bytes`` (None: the model dtype, Megatron-LM's default), hidden behind
+             the next layer's backward
+    K/V      CP over N (``cp_layer_terms``): ``all_gather`` (``--cp-comm-type all_gather``) K/V
+             f_N * 2BSh_kv forward, re-gather + dK/dV reduce-scatter backward; ``ring``
+             (``p2p``, TE's default): N-1 P2P steps of one K/V block forward, K/V + dK/dV blocks
+             backward (the same bytes per rank, one peer per step); both hidden only behind
+             attention compute."""
+    if kv_flavour not in ("all_gather", "ring"):
+        raise ValueError(f"kv_flavour must be 'all_gather' or 'ring', got {kv_flavour!r}")
+    f = ring_factor(N)
+    b = shape.dtype_bytes
+    w = shape.layer_params
+    g = grad_reduce_bytes or b
+    out = [
+        _term(
+            "attn_fwd",
+            "all_gather",
+            "weight",
+            f * w,
+            b,
+            "fsdp",
+            "prefetch",
+            what="all-gather the layer's weights (one layer ahead)",
+        ),
+        _term(
+            "attn_bwd",
+            "all_gather",
+            "weight",
+            f * w,
+            b,
+            "fsdp",
+            "prefetch",
+            what="all-gather the layer's weights again (one layer ahead)",
+        ),
+        _term(
+            "attn_bwd",
+            "reduce_scatter",
+            "grad",
+            f * w,
+            g,
+            "fsdp",
+            "prefetch",
+            what="reduce-scatter the layer's weight gradient",
+        ),
+    ]
+    kv = cp_layer_terms(shape, N, regather_kv_bwd=regather_kv_bwd)
+    if kv_flavour == "ring":
+        kv = [
+            dataclasses.replace(
+                t,
+                op="p2p",
+                link="p2p",
+                chunks=max(N - 1, 1),
+                what=t.what + " (P2P ring, N-1 steps)",
+            )
+            for t in kv
+        ]
+    return out + kv
+
+
+def gtp_linear_weights(shape: LayerShape) -> float:
+    """The weights GTP shards and gathers per layer: the four linear weights (biases and norms
+    stay whole)."""
+    return shape.w_qkv + shape.w_proj + shape.w_fc1 + shape.w_fc2
+
+
+def gtp_layer_terms(
+    shape: LayerShape,
+    T: int,
+    C: int,
+    R: int,
+    *,
+    wire_bytes: float = 2.0,
+    grad_reduce_bytes: float = 2.0,
+    regather_kv_bwd: bool = True,
+) -> List[CommTerm]:
+    """Megatron-LM's Generalized Tensor Parallelism (GTP = TP(T) x GTP_remat(R)) on TP+SP over T
+    (x CP over C): TP+SP's and CP's terms (``tp_cp_layer_terms``, ``tp_sp_layer_terms`` at C = 1)
+    and, over the R GTP_remat ranks (group ``gtp``, drawn from the data-parallel axis: each runs
+    its own micro-batch), each linear weight's TP slice all-gathered before its forward GEMM and
+    again before its backward GEMMs, f_R * W_lin / T each at ``wire_bytes`` per element (bf16 2,
+    MXFP8 1.03125, NVFP4 0.5625), and its weight gradient reduce-scattered, f_R * W_lin / T at
+    ``grad_reduce_bytes`` (bf16). One weight at a time, prefetched one weight ahead, the
+    reduce-scatter finalised one weight later: all behind the neighbouring GEMMs (``prefetch``)."""
+    f = ring_factor(R)
+    w = gtp_linear_weights(shape) / T
+    base = (
+        tp_cp_layer_terms(shape, T, C, regather_kv_bwd=regather_kv_bwd)
+        if C > 1
+        else tp_sp_layer_terms(shape, T)
+    )
+    out = []
+    for blk, share in (("attn", shape.w_qkv + shape.w_proj), ("mlp", shape.w_fc1 + shape.w_fc2)):
+        frac = share / gtp_linear_weights(shape)
+        out += [
+            CommTerm(
+                f"{blk}_fwd",
+                "all_gather",
+                "weight",
+                f * w * frac,
+                f * w * frac * wire_bytes,
+                "gtp",
+                "prefetch",
+                what="GTP_remat all-gather of each weight (one weight ahead)",
+            ),
+            CommTerm(
+                f"{blk}_bwd",
+                "all_gather",
+                "weight",
+                f * w * frac,
+                f * w * frac * wire_bytes,
+                "gtp",
+                "prefetch",
+                what="GTP_remat all-gather again for the backward GEMMs",
+            ),
+            CommTerm(
+                f"{blk}_bwd",
+                "reduce_scatter",
+                "grad",
+                f * w * frac,
+                f * w * frac * grad_reduce_bytes,
+                "gtp",
+                "prefetch",
+                what="GTP_remat wgrad reduce-scatter (finalised one weight later)",
+            ),
+        ]
+    return base + out
+
+
 def ring_split(D: int, C: int) -> tuple:
     """The what-if CP ring of ``tsp_cp_layer_terms``: (inside the node, across nodes) fractions
     of 2BSh_kv one rank receives per K/V term."""

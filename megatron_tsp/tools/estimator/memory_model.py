@@ -59,7 +59,7 @@ def _layer_activation_bytes(
             out["mlp_fc1_out"] = t * rows * b
         return out
     t = bs / s.cp
-    sp = s.kind in ("tp_sp", "hybrid", "tp_cp", "cp")
+    sp = s.layout in ("tp_sp", "hybrid", "tp_cp", "cp")
     rep = t / s.tp if sp else t  # tensors in the residual-stream layout
     T = s.tp
     mid = rows + F_ + (F_ if shape.gated else 0)
@@ -326,12 +326,16 @@ def _layer_transient_bytes(shape: LayerShape, s: Strategy, o: Options) -> Dict[s
         return moe_work if sum(moe_work.values()) >= sum(attn_work.values()) else attn_work
     # the MLP backward holds the gradients of its saved intermediates next to them
     out = {"mlp_mid_grads": t * (shape.fc1_rows + shape.ffn_hidden) / s.tp * b}
-    if s.kind in ("tp_sp", "tp_cp"):
+    if s.layout in ("tp_sp", "tp_cp"):
         out["gathered_input_and_dgrad"] = 2 * t * h * b
-    elif s.kind == "tp":
+    elif s.layout == "tp":
         out["row_output_before_allreduce"] = t * h * b
-    if s.kind in ("cp", "tp_cp"):
+    if s.layout in ("cp", "tp_cp"):
         out["gathered_kv_and_dkv"] = 2 * (2 * bs * hkv / s.tp) * b
+        if s.kind == "fsdp_cp" and s.kv_flavour == "ring":
+            # TE's P2P ring: the K/V block attended and the one in flight, and as many dK/dV
+            # blocks, each [S/N, b, 2 h_kv], instead of the whole sequence's K/V and dK/dV
+            out["gathered_kv_and_dkv"] = 4 * (2 * bs * hkv / s.cp) * b
     return out
 
 
@@ -414,8 +418,24 @@ def analytic_memory(
     if n_moe:
         layer_params += n_moe * moe.layer_params(m, T)
     emb = vpad * m.hidden * (1 if m.tied_embeddings else 2)
+    held = 0.0  # gathered (unsharded) weight and gradient buffers of fsdp_cp / gtp, bytes
+    if s.kind == "gtp":
+        # GTP_remat keeps 1/R of every linear weight's TP slice (and its gradient)
+        lin = fm.gtp_linear_weights(dense) / T
+        layer_params -= m.num_layers * lin * (1 - 1 / s.remat)
+        # one weight gathered and the next in flight (model dtype after the gather), and the
+        # two wgrad ring slots (graph_wgrad_ring_size = 2) of the largest weight, bf16
+        big = max(dense.w_qkv, dense.w_proj, dense.w_fc1, dense.w_fc2) / T
+        held = 2 * big * b + 2 * big * 2
     local_params = layer_params + emb / T + m.final_norm_params()
-    dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp", "tsp_cp") else 1)
+    if s.kind == "fsdp_cp":
+        # ZeRO-3 over N = D*C: 1/N of every parameter; the layer being computed and the next,
+        # prefetched, whole in the model dtype (forward and backward), plus one layer's
+        # unsharded weight gradient before its reduce-scatter (fsdp_grad_reduce_bytes)
+        local_params /= s.cp
+        g = o.fsdp_grad_reduce_bytes or b
+        held = 2 * dense.layer_params * b + dense.layer_params * g
+    dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp", "tsp_cp", "gtp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
     # an MoE model's layers are dense first (``moe_dense_layers``), MoE after: the layer whose
@@ -475,7 +495,7 @@ def analytic_memory(
             + (0.0 if vocab_ring else head_tokens * m.hidden * b)
         )
     forward_peak = logits >= backward_extra
-    return {
+    out = {
         "params": local_params * b,
         "grads": local_params * 4,
         "optimizer": local_params * 12 / opt_div,
@@ -483,3 +503,6 @@ def analytic_memory(
         "transient": 0.0 if forward_peak else backward_extra,
         "logits": logits if forward_peak else 0.0,
     }
+    if s.kind in ("fsdp_cp", "gtp"):
+        out["gathered_weights"] = held  # resident through forward and backward
+    return out

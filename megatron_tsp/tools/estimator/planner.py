@@ -14,6 +14,12 @@ Strategies over one group of size D (the rest of the GPUs are data parallel):
             the TSP group, each head group's K/V is all-gathered over the D*C sequence group
     tsp_cp_ring  WHAT-IF, not implemented in the layers: as tsp_cp, with the K/V passed around a
             P2P ring over the C nodes (one TSP all-gather per node block inside the node)
+    fsdp_cp, fsdp_cp_ring  ZeRO-3 (Megatron-FSDP / FSDP2) x CP over the N = D (x C with
+            ``--cp``) ranks, DP = 1 inside: whole layers gathered one layer ahead, gradients
+            reduce-scattered per layer; CP K/V all-gathered (``all_gather``) or on TE's P2P ring
+    gtp, gtp_mxfp8, gtp_nvfp4  Megatron-LM's Generalized Tensor Parallelism: D weight shards =
+            TP(T)+SP x GTP_remat(R = D/T, ranks of the data-parallel axis), every T < D (x CP of
+            each ``--cp`` C); each linear weight gathered one weight ahead in bf16 / MXFP8 / NVFP4
 
 Models are the package's model files (``megatron_tsp/models/``, ``core.model_shape``), hardware
 profiles JSON files in ``megatron_tsp/tools/estimator/hardware/``; ``--model`` and ``--hardware``
@@ -52,6 +58,7 @@ from .planner_inputs import GB, HardwareSpec, available, load_hardware, load_mod
 from .strategies import (
     MOE_KINDS,
     RECOMPUTE_FC1_HELP,
+    STRATEGY_NAMES,
     Options,
     Strategy,
     default_strategies,
@@ -108,6 +115,18 @@ def assumptions(
         "= f*6BSh",
         "CP modelled as all-gather K/V (TE's default P2P ring moves the same bytes per rank); "
         f"bwd re-gather K/V={o.cp_regather_kv}; K/V traffic hides only behind attention compute",
+        "fsdp_cp (ZeRO-3 x CP over N ranks, DP = 1 inside): whole layer weights all-gathered "
+        "fwd and bwd one layer ahead (hidden behind the previous layer's compute; 2 layers "
+        "resident), gradients reduce-scattered per layer per micro-batch in "
+        f"{o.fsdp_grad_reduce_bytes or m.dtype_bytes}-byte elements (Megatron-LM's default: "
+        "the model dtype), whole-weight GEMMs on B*S/N tokens, CP K/V all-gathered "
+        "(fsdp_cp) or on TE's P2P ring (fsdp_cp_ring), hidden behind attention compute; "
+        "gtp (GTP = TP(T) x GTP_remat(R), R from the data-parallel ranks): TP+SP (x CP) terms "
+        "+ each linear weight's TP slice all-gathered fwd and bwd over R (bf16 2 B, MXFP8 "
+        "8.25 bits, NVFP4 4.5 bits per element) + wgrad reduce-scatter in "
+        f"{o.gtp_grad_reduce_bytes}-byte elements, every micro-batch, prefetched one weight "
+        "ahead (hidden behind the neighbouring GEMMs); the FP8/FP4 GEMM speed-up is not "
+        "modelled (bf16 compute for every strategy); both use the FLOP compute model",
         "TSP x CP (tsp_cp, --cp C): TSP's weight traffic inside the node (TSP group of D), each "
         "head group's K/V all-gather / dK/dV reduce-scatter over the D*C sequence group across C "
         "nodes (the node's NICs), pipelined one head group ahead as without CP; tsp_cp_ring is a "
@@ -547,7 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="tsp,tp_sp,hybrid,cp,tp_cp,tp",
         help="comma-separated: tsp, tp_sp, hybrid (TP+SP attention + TSP MLP, "
         "--tsp-mlp), cp, tp_cp, tp, tsp_cp (TSP x CP, needs --cp), tsp_cp_ring (what-if: "
-        "TSP x CP with a CP P2P ring across nodes, not implemented in the layers)",
+        "TSP x CP with a CP P2P ring across nodes, not implemented in the layers), fsdp_cp / "
+        "fsdp_cp_ring (ZeRO-3 x CP over D, or D*C with --cp; K/V all-gather / P2P ring), gtp / "
+        "gtp_mxfp8 / gtp_nvfp4 (Megatron-LM GTP: TP(T)+SP x GTP_remat(D/T), every T < D, "
+        "weights gathered in bf16 / MXFP8 / NVFP4)",
     )
     ap.add_argument(
         "--cp",
@@ -629,6 +651,13 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} {value}", str(exc)) from None
     if args.gpus % args.degree:
         raise UsageError("--gpus", f"{args.gpus} is not a multiple of --degree {args.degree}")
+    kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in STRATEGY_NAMES]
+    if unknown:
+        raise UsageError(
+            "--strategies",
+            f"unknown strategy {', '.join(unknown)} (choose from {', '.join(STRATEGY_NAMES)})",
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -676,6 +705,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("megatron-tsp plan: tsp_cp needs --cp C", file=sys.stderr)
         return 2
     strategies = default_strategies(args.degree, kinds, cps)
+    # fsdp_cp over D*C ranks and gtp's T*C replicas with R of them per GTP_remat group need
+    # their sizes to divide the GPUs
+    fitting = [
+        s
+        for s in strategies
+        if s.kind not in ("fsdp_cp", "gtp")
+        or (args.gpus % s.degree == 0 and (args.gpus // s.degree) % s.remat == 0)
+    ]
+    if len(fitting) < len(strategies):
+        skipped = [s.label for s in strategies if s not in fitting]
+        print(
+            f"megatron-tsp plan: skipping {', '.join(skipped)} (sizes do not divide --gpus)",
+            file=sys.stderr,
+        )
+    strategies = fitting
+    if not strategies:
+        print("megatron-tsp plan: no strategy left to plan", file=sys.stderr)
+        return 2
     if args.seq_length % (2 * args.degree):
         print(
             f"warning: S={args.seq_length} not divisible by 2D={2 * args.degree} "

@@ -15,7 +15,14 @@ from . import measured_traffic, moe
 from .formulas import LayerShape
 from .memory_model import analytic_memory, head_shape
 from .planner_inputs import GB, HardwareSpec, load_hardware, load_model
-from .strategies import Options, Strategy, as_strategy, make_strategy, moe_schedule
+from .strategies import (
+    Options,
+    Strategy,
+    as_strategy,
+    make_strategy,
+    moe_schedule,
+    wire_bytes,
+)
 
 
 def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
@@ -54,6 +61,24 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             recompute_attn=o.tsp_recompute_attn,
             kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
         )
+    if s.kind == "fsdp_cp":
+        return fm.fsdp_cp_layer_terms(
+            shape,
+            s.cp,
+            kv_flavour=s.kv_flavour,
+            grad_reduce_bytes=o.fsdp_grad_reduce_bytes,
+            regather_kv_bwd=o.cp_regather_kv,
+        )
+    if s.kind == "gtp":
+        return fm.gtp_layer_terms(
+            shape,
+            s.tp,
+            s.cp,
+            s.remat,
+            wire_bytes=wire_bytes(s.wire),
+            grad_reduce_bytes=o.gtp_grad_reduce_bytes,
+            regather_kv_bwd=o.cp_regather_kv,
+        )
     raise ValueError(s.kind)
 
 
@@ -70,11 +95,19 @@ def _term_time(t: fm.CommTerm, s: Strategy, hw: HardwareSpec) -> float:
             intra * share / hw.bandwidth(s.tp, 1),
             inter * share / hw.bandwidth(s.cp, s.tp, "p2p"),
         )
+    if s.kind == "fsdp_cp" and t.link == "p2p" and s.cp > hw.gpus_per_node:
+        # TE's CP ring over several nodes: each step waits for the hop that crosses a node
+        # boundary, one GPU's NIC share
+        return t.nbytes / hw.bandwidth(s.cp, hw.gpus_per_node, "p2p")
     size, stride = {
         "tsp": (s.tp, 1),
         "tp": (s.tp, 1),
         "cp": (s.cp, s.tp),
         "seq": (s.tp * s.cp, 1),
+        # fsdp_cp: ZeRO-3 over the whole sequence group; gtp: the GTP_remat ranks, one per
+        # TP x CP replica (T*C apart: across nodes once T*C fills a node)
+        "fsdp": (s.cp, 1),
+        "gtp": (s.remat, s.tp * s.cp),
     }[t.group]
     return t.nbytes / hw.bandwidth(size, stride, t.link) if t.nbytes else 0.0
 
@@ -191,6 +224,8 @@ def _head_time(
         "cp": "cp",
         "tp_cp": "tp_sp",
         "tsp_cp": "tsp",
+        "fsdp_cp": "cp",
+        "gtp": "tp_sp",
     }[s.kind]
     hc = fm.head_comm(head_shape(shape, s, seq), s.tp, head_kind, vocab_ring=o.tsp_vocab_ring)
     head_bw = hw.bandwidth(s.tp, 1)
@@ -215,13 +250,19 @@ def _step_comm(
     """Once per step: the replicated-grad all-reduce (SP-tagged params) and the data-parallel
     gradient reduce / parameter gather, with what the layers' compute does not hide."""
     repl = 0.0
-    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp", "tsp_cp"):
+    if s.kind in ("tsp", "tp_sp", "hybrid", "tp_cp", "tsp_cp", "gtp"):
         repl = fm.replicated_grad_allreduce(
             shape, s.tp, m.num_layers, m.final_norm_params(), o.grad_reduce_bytes
         ) / hw.bandwidth(s.tp, 1)
     with_cp = s.kind in ("cp", "tp_cp", "tsp_cp")
     dp_group = dp * (s.cp if with_cp else 1)
     dp_stride = s.tp if with_cp else s.degree
+    if s.kind == "fsdp_cp":  # ZeRO-3 reduces per layer (layer terms); DP replicas of the group
+        with_cp, dp_group, dp_stride = False, dp, s.degree
+    elif s.kind == "gtp":
+        # GTP_remat reduce-scatters its linear weights per micro-batch (layer terms); the rest of
+        # DP x CP (the distributed optimizer's replicate group) reduces per step as usual
+        dp_group, dp_stride = dp * s.cp, s.tp
     dpc = fm.dp_step_comm(
         local_params,
         dp_group,
@@ -278,6 +319,8 @@ def _evaluate(
     if gpus % D:
         raise ValueError(f"{gpus} GPUs not divisible by group size {D}")
     dp = gpus // D
+    if dp % s.remat:
+        raise ValueError(f"{s.label}: GTP_remat {s.remat} does not divide DP = {dp}")
     nmb = num_microbatches(o, dp, seq)
     shape = LayerShape.of(m, o.micro_batch, seq)
     mem = {
