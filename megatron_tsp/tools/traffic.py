@@ -65,6 +65,9 @@ LABELS = {"tsp": "TSP", "tp_sp": "TP+SP"}
 GB = 1e9
 # the bytes budget the report measures against: TSP's layer within 1.15x TP+SP's
 BYTES_BUDGET = 1.15
+# the flash-tiles view's query and key tile rows (Br, Bc): 128 x 128, a usual flash tile for head
+# dim 128 (``--flash-tiles BR,BC`` picks others)
+FLASH_TILES = (128, 128)
 
 # ops that are not kernels: metadata-only, allocation without initialisation
 NOT_KERNELS = frozenset(
@@ -139,6 +142,8 @@ class OpRecord:
     flops: int = 0
     flop_kind: str = ""  # "gemm" | "attention" | ""
     source: str = ""  # the innermost Megatron / megatron_tsp function that issued it
+    # attention kernels: their geometry, for the flash-tiles view (``attention_geometry``)
+    attention: Dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -242,6 +247,64 @@ def _attention_flops(name: str, args, kwargs) -> int:
     return 2 * b * h * pairs * per_pair
 
 
+def attention_geometry(name: str, args, kwargs) -> Dict[str, int]:
+    """What the flash-tiles view needs of an attention kernel ([b, h, s, d] layouts): batch,
+    query / key-value heads, lengths, head dims, element size, causal alignment, and the bytes
+    the per-call rule charged for the operands a tiled kernel re-reads (K and V forward; Q and
+    the output gradient backward)."""
+    forward = name in FLASH | CUDNN | OTHER_SDPA
+    q, k, v = (args[0], args[1], args[2]) if forward else (args[1], args[2], args[3])
+    once = tensor_bytes(k) + tensor_bytes(v) if forward else tensor_bytes(q) + tensor_bytes(args[0])
+    return {
+        "forward": int(forward),
+        "batch": int(q.shape[0]),
+        "heads": int(q.shape[1]),
+        "lq": int(q.shape[2]),
+        "lk": int(k.shape[2]),
+        "d_qk": int(q.shape[3]),
+        "d_v": int(v.shape[3]),
+        "itemsize": q.element_size(),
+        "causal": int(bool(_argument(name, args, kwargs, "is_causal"))),
+        "bottom_right": int(name in FLASH | FLASH_BWD),
+        "charged_once": once,
+    }
+
+
+def _ceil_to(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def flash_tile_rereads(geom: Dict[str, int], br: int, bc: int) -> int:
+    """Bytes a tiled flash-attention kernel reads beyond the per-call rule (which reads every
+    operand once), FlashAttention-2's loop order, whole tiles loaded, no cache reuse:
+
+    * forward: each query tile of ``br`` rows reads the K and V rows of every key tile (``bc``
+      keys) it attends to: ``b h (d_qk + d_v) e sum_i keys_i``, keys_i = the keys the tile's last
+      row sees, rounded up to a multiple of ``bc`` (at most Lk);
+    * backward: each key tile of ``bc`` keys reads the Q and dO rows of every query tile that
+      attends to it: ``b h (d_qk + d_v) e sum_j queries_j``, queries_j = Lq minus the start of
+      the first query tile with a row that sees the tile's first key;
+
+    less what the per-call rule charged for those operands (K + V, or Q + dO, once). h = query
+    heads (each query head re-reads its K/V head under GQA), e = element size. Not charged: the
+    backward's fp32 dQ accumulation and per-row statistics."""
+    b, h, lq, lk = geom["batch"], geom["heads"], geom["lq"], geom["lk"]
+    causal, br_align = geom["causal"], geom["bottom_right"]
+    shift = lk - lq if br_align else 0  # row r sees keys [0, r + shift] when causal
+    rows = 0
+    if geom["forward"]:
+        for start in range(0, lq, br):
+            last = min(start + br, lq) - 1
+            seen = min(lk, max(0, last + shift + 1)) if causal else lk
+            rows += min(lk, _ceil_to(seen, bc))
+    else:
+        for k0 in range(0, lk, bc):
+            first = max(0, k0 - shift) if causal else 0
+            if first < lq:
+                rows += lq - (first // br) * br
+    return b * h * (geom["d_qk"] + geom["d_v"]) * geom["itemsize"] * rows - geom["charged_once"]
+
+
 _SCHEMAS: Dict[str, object] = {}
 
 
@@ -292,6 +355,7 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     elif name in FLASH | FLASH_BWD | CUDNN | CUDNN_BWD | OTHER_SDPA | OTHER_SDPA_BWD:
         _SCHEMAS.setdefault(name, func._schema)
         rec.flops, rec.flop_kind = _attention_flops(name, args, kwargs), "attention"
+        rec.attention = attention_geometry(name, args, kwargs)
     elif "attention" in name:
         raise NotImplementedError(f"no FLOP formula for attention op {func}; add one")
     return rec
@@ -356,8 +420,11 @@ CACHED_UPLOAD_SOURCES = ("layout._table",)
 PER_STEP_SOURCES = ("rope._build",)
 
 
-def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
-    """Totals, by phase, and the top ops (by name) by bytes."""
+def summarize(
+    records: Sequence[OpRecord], top: int = 8, flash_tiles: Sequence[int] = FLASH_TILES
+) -> Dict[str, object]:
+    """Totals, by phase, the top ops (by name) by bytes, and the flash-tiles view (the
+    attention kernels' re-reads with query / key tiles of ``flash_tiles`` = (Br, Bc) rows)."""
     kernels = [r for r in records if r.kind == "kernel"]
     by_op: Dict[str, Dict[str, int]] = {}
     for r in kernels:
@@ -393,6 +460,12 @@ def summarize(records: Sequence[OpRecord], top: int = 8) -> Dict[str, object]:
     out["bytes_by_source"] = {k: v["bytes"] for k, v in by_source.items()}
     out["bytes"] = out["bytes_read"] + out["bytes_written"]
     out["flops"] = out["gemm_flops"] + out["attention_flops"]
+    br, bc = flash_tiles
+    rereads = {p: 0 for p in ("forward", "backward")}
+    for r in kernels:
+        if r.attention:
+            rereads[r.phase] += flash_tile_rereads(r.attention, br, bc)
+    out["flash_tiles"] = {"br": br, "bc": bc, "rereads": sum(rereads.values()), **rereads}
     for phase in ("forward", "backward"):
         rs = [r for r in kernels if r.phase == phase]
         out["by_phase"][phase] = {
@@ -419,6 +492,12 @@ class TrafficConfig:
     top: int = 8
     # TSP: the activation sums over shards in fp32 (--tsp-activation-sums-in-fp32)
     activation_sums_fp32: bool = False
+    # the baselines' RoPE: Megatron's fused path (``apply_rope_fusion``, Transformer Engine's
+    # kernel stood in by one recorded op per tensor and direction: ``fused_rope_standin``);
+    # False: Megatron's unfused RoPE (``--unfused-rope``)
+    rope_fusion: bool = True
+    # the flash-tiles view's (Br, Bc)
+    flash_tiles: List[int] = field(default_factory=lambda: list(FLASH_TILES))
 
 
 def linear_params_per_rank(shape, d: int) -> Dict[str, int]:
@@ -446,6 +525,91 @@ def _to_cuda(module) -> None:
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type != "cuda":
                 m._buffers[name] = b.to("cuda")
+
+
+# The baselines' fused RoPE: Megatron's ``apply_rope_fusion`` path calls
+# ``rope_utils.fused_apply_rotary_pos_emb`` (Transformer Engine's kernel, which this machine cannot
+# install) once per tensor. The recording stands one custom op in for it, with TE's contract:
+# forward reads t [s, b, h, d] and the fp32 angles freqs [s, 1, 1, d] (cos and sin computed in
+# the kernel), writes the rotated tensor, one launch; backward reads the output gradient and
+# freqs, writes the input gradient (the inverse rotation), one launch.
+FUSED_ROPE_OPS = ("fused_rope", "fused_rope_backward")
+_FUSED_ROPE: List[object] = []
+
+
+def fused_rope_standin():
+    """``fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=False, interleaved=False)``
+    (megatron-core's signature) on one ``megatron_tsp_traffic::fused_rope`` op, whose autograd
+    backward is one ``megatron_tsp_traffic::fused_rope_backward`` op. Both compute the rotation
+    in fp32 with one rounding where the tensors are real; on fake tensors they only allocate."""
+    if _FUSED_ROPE:
+        return _FUSED_ROPE[0]
+    import torch
+
+    def rotate(t, freqs, interleaved: bool, sign: float):
+        x, f = t.float(), freqs[: t.shape[0]].float()
+        cos, sin = f.cos(), sign * f.sin()
+        if interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+            rot = torch.cat((-x2, x1), dim=-1)
+        return (x * cos + rot * sin).to(t.dtype)
+
+    # explicit schemas: this module's annotations are strings (``from __future__``)
+    schema = "(Tensor t, Tensor freqs, bool interleaved) -> Tensor"
+
+    @torch.library.custom_op("megatron_tsp_traffic::fused_rope", mutates_args=(), schema=schema)
+    def fused_rope(t, freqs, interleaved):
+        return rotate(t, freqs, interleaved, 1.0)
+
+    @fused_rope.register_fake
+    def _(t, freqs, interleaved):
+        return t.new_empty(t.shape)
+
+    @torch.library.custom_op(
+        "megatron_tsp_traffic::fused_rope_backward", mutates_args=(), schema=schema
+    )
+    def fused_rope_backward(t, freqs, interleaved):
+        return rotate(t, freqs, interleaved, -1.0)  # the transpose: rotation by -angle
+
+    @fused_rope_backward.register_fake
+    def _(grad, freqs, interleaved):
+        return grad.new_empty(grad.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.freqs, ctx.interleaved = inputs[1], inputs[2]
+
+    def backward(ctx, grad):
+        ops = torch.ops.megatron_tsp_traffic
+        return ops.fused_rope_backward(grad, ctx.freqs, ctx.interleaved), None, None
+
+    fused_rope.register_autograd(backward, setup_context=setup_context)
+
+    def fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=False, interleaved=False):
+        # the rows of the table the sequence uses (a view), as TE's kernel reads them
+        freqs = freqs.narrow(0, 0, t.shape[0])
+        return torch.ops.megatron_tsp_traffic.fused_rope(t, freqs, interleaved)
+
+    _FUSED_ROPE.append(fused_apply_rotary_pos_emb)
+    return fused_apply_rotary_pos_emb
+
+
+@contextlib.contextmanager
+def _megatron_rope(cfg: "TrafficConfig", scheme: str):
+    """A baseline's RoPE as configured: ``rope_fusion`` puts the stand-in where megatron-core
+    looks up TE's fused kernel (``apply_rope_fusion`` is set on the layer's config by
+    :func:`_layer_and_inputs`); TSP applies its own kernel either way."""
+    from unittest import mock
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if scheme == "tsp" or not cfg.rope_fusion:
+        yield
+        return
+    with mock.patch.object(rope_utils, "fused_apply_rotary_pos_emb", fused_rope_standin()):
+        yield
 
 
 def _whole_sequence_attention():
@@ -536,6 +700,8 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     if scheme == "tp_sp":
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _whole_sequence_attention()
+    if scheme != "tsp":  # Megatron's RoPE: fused (TE's kernel, stood in) or unfused
+        config.apply_rope_fusion = cfg.rope_fusion
     block = TransformerBlock(config=config, spec=spec, pre_process=True, post_process=False)
     _to_cuda(block)
     dtype = config.params_dtype
@@ -584,7 +750,12 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
     enable_cpu_support()
     init_fake_world(cfg.world_size)
     WORKSPACE.clear()
-    with cuda_standin.active(), _cuda_queries(), FakeTensorMode(allow_non_fake_inputs=True):
+    with (
+        cuda_standin.active(),
+        _cuda_queries(),
+        _megatron_rope(cfg, scheme),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
         torch.manual_seed(0)
         block, x, rope = _layer_and_inputs(cfg, scheme, shape)
         grad = torch.empty_like(x)  # the output gradient (the layer keeps the input's shape)
@@ -593,7 +764,7 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
             out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
             out.backward(grad)
     WORKSPACE.clear()
-    summary = summarize(recorder.records, cfg.top)
+    summary = summarize(recorder.records, cfg.top, cfg.flash_tiles)
     params = linear_params_per_rank(shape, cfg.world_size)
     tokens = cfg.seq * cfg.micro_batch
     summary["linear_params_per_rank"] = params
@@ -689,46 +860,158 @@ def tsp_weight_floor(summary: Dict[str, object], world_size: int, dtype: str) ->
     return world_size * sum(summary["linear_params_per_rank"].values()) * per_weight
 
 
-def _fixed_part_lines(results, cfg: TrafficConfig) -> List[str]:
-    """The report's section on the length-independent part and what the budget leaves per
-    token once that part is at TSP's floor."""
+def affine_check(
+    results: Dict[int, Dict[str, object]],
+    scheme: str,
+    micro_batch: int = 1,
+    checks: Dict[int, Dict[str, object]] | None = None,
+) -> Dict[int, float]:
+    """Measured minus fitted bytes (:func:`length_split`, from the shortest and the longest of
+    ``results``) at every other length of ``results`` and of ``checks`` (recordings kept for the
+    check only): 0 where the bytes are affine in the length."""
+    split = length_split(results, scheme, micro_batch)
+    lo, hi = min(results), max(results)
+    at = {q: r for q, r in results.items() if q not in (lo, hi)}
+    at.update(checks or {})
+    return {
+        q: r[scheme]["bytes"] - (split["fixed"] + split["per_token"] * q * micro_batch)
+        for q, r in sorted(at.items())
+    }
+
+
+def check_length(seqs: Sequence[int], world_size: int) -> int:
+    """A length between the shortest and the longest of ``seqs`` that D ranks split (a multiple
+    of 2D): where the report checks the affine fit when it has only two lengths."""
+    step = 2 * world_size
+    return (min(seqs) + max(seqs)) // 2 // step * step
+
+
+def _fixed_part_lines(results, cfg: TrafficConfig, checks=None) -> List[str]:
+    """The report's section on the length-independent part of every scheme, checked affine,
+    TSP's floor, and what the budget leaves per token once that part is at the floor."""
     seqs = sorted(results)
-    tsp, tp_sp = (length_split(results, s, cfg.micro_batch) for s in ("tsp", "tp_sp"))
-    floor = tsp_weight_floor(results[seqs[0]]["tsp"], cfg.world_size, cfg.dtype)
+    schemes = [s for s in SCHEMES if s in cfg.schemes]
+    split = {s: length_split(results, s, cfg.micro_batch) for s in schemes}
+    off = {s: affine_check(results, s, cfg.micro_batch, checks) for s in schemes}
 
     def gb(n: float) -> str:
         return f"{n / GB:.2f} GB"
 
-    left = []
-    for q in seqs:
-        per_token = (BYTES_BUDGET * results[q]["tp_sp"]["bytes"] - floor) / (q * cfg.micro_batch)
-        left.append(
-            f"{per_token:,.0f} B at {_seq_label(q)} ({per_token / tp_sp['per_token']:.3f}× "
-            f"TP+SP's, {per_token / tsp['per_token']:.3f}× TSP's now)"
+    def per_token(s: str) -> str:
+        cell = f"{split[s]['per_token']:,.0f} B"
+        if s != "tp_sp" and "tp_sp" in split:
+            cell += f" ({split[s]['per_token'] / split['tp_sp']['per_token']:.3f}×)"
+        return cell
+
+    checked = sorted({q for s in schemes for q in off[s]})
+    if checked:
+        fit = (
+            "checked at "
+            + ", ".join(_seq_label(q) for q in checked)
+            + ": "
+            + (
+                "measured = fitted"
+                if all(abs(d) < 1 for s in schemes for d in off[s].values())
+                else "DEVIATES, "
+                + "; ".join(
+                    f"{LABELS[s]} {_seq_label(q)} {d:+,.0f} B"
+                    for s in schemes
+                    for q, d in off[s].items()
+                    if abs(d) >= 1
+                )
+            )
+        )
+    else:
+        fit = "not checked (a third --seq-lengths value checks it)"
+    lines = [
+        "Bytes split into a part independent of the length and a part per token (fitted from "
+        f"{_seq_label(seqs[0])} and {_seq_label(seqs[-1])}; {fit}):",
+        "",
+        "| per layer | " + " | ".join(LABELS[s] for s in schemes) + " |",
+        "|---|" + "---:|" * len(schemes),
+        "| independent of the length | "
+        + " | ".join(gb(split[s]["fixed"]) for s in schemes)
+        + " |",
+        "| per token (× TP+SP's) | " + " | ".join(per_token(s) for s in schemes) + " |",
+    ]
+    if "tsp" not in schemes:
+        return lines + [""]
+    floor = tsp_weight_floor(results[seqs[0]]["tsp"], cfg.world_size, cfg.dtype)
+    lines.append(
+        "| TSP's floor for the length-independent part | "
+        + " | ".join(gb(floor) if s == "tsp" else "" for s in schemes)
+        + " |"
+    )
+    lines += [
+        "",
+        f"TSP's floor ({gb(floor)}): every weight shard read forward and for dX, one partial "
+        "gradient of each written in the accumulation dtype.",
+    ]
+    if "tp_sp" in schemes:
+        tsp, tp_sp = split["tsp"], split["tp_sp"]
+        left = []
+        for q in seqs:
+            room = (BYTES_BUDGET * results[q]["tp_sp"]["bytes"] - floor) / (q * cfg.micro_batch)
+            left.append(
+                f"{room:,.0f} B at {_seq_label(q)} ({room / tp_sp['per_token']:.3f}× "
+                f"TP+SP's, {room / tsp['per_token']:.3f}× TSP's now)"
+            )
+        lines[-1] += (
+            f" Within {BYTES_BUDGET}× TP+SP's bytes, a TSP layer whose length-independent part "
+            "were at that floor would have per token " + " and ".join(left) + "."
         )
     above_1mb = sorted(
-        ((src, b) for src, b in tsp["by_source"].items() if b > 1e6), key=lambda e: -e[1]
+        ((src, b) for src, b in split["tsp"]["by_source"].items() if b > 1e6), key=lambda e: -e[1]
     )
-    return [
-        "Bytes split into a part independent of the length and a part per token (fitted from "
-        f"{_seq_label(seqs[0])} and {_seq_label(seqs[-1])}; the counts are affine in the length):",
-        "",
-        "| per layer | TSP | TP+SP |",
-        "|---|---:|---:|",
-        f"| independent of the length | {gb(tsp['fixed'])} | {gb(tp_sp['fixed'])} |",
-        f"| per token | {tsp['per_token']:,.0f} B ({tsp['per_token'] / tp_sp['per_token']:.3f}×)"
-        f" | {tp_sp['per_token']:,.0f} B |",
-        "",
-        f"TSP's floor for the length-independent part ({gb(floor)}): every weight shard read "
-        "forward and for dX, one partial gradient of each written in the accumulation dtype. "
-        f"Within {BYTES_BUDGET}× TP+SP's bytes, a TSP layer whose length-independent part were "
-        "at that floor would have per token " + " and ".join(left) + ".",
+    return lines + [
         "",
         "TSP's length-independent bytes by source (above 1 MB):",
         "",
         "| source | bytes |",
         "|---|---:|",
         *[f"| `{src}` | {gb(b)} |" for src, b in above_1mb],
+        "",
+    ]
+
+
+def _flash_tile_lines(results, cfg: TrafficConfig) -> List[str]:
+    """The flash-tiles view beside the per-call rule: each scheme's bytes plus its attention
+    kernels' tile re-reads (:func:`flash_tile_rereads`)."""
+    seqs = sorted(results)
+    schemes = [s for s in SCHEMES if s in cfg.schemes]
+    both = "tsp" in schemes and "tp_sp" in schemes
+    br, bc = cfg.flash_tiles
+    head = ["per layer"] + [f"{LABELS[s]} {_seq_label(q)}" for q in seqs for s in schemes]
+
+    def row(label, value, with_ratio):
+        cells = [label]
+        for q in seqs:
+            for s in schemes:
+                cell = _gb(value(results[q][s]))
+                if with_ratio and s == "tsp" and both:
+                    cell += f" ({value(results[q]['tsp']) / value(results[q]['tp_sp']):.2f}×)"
+                cells.append(cell)
+        return "| " + " | ".join(cells) + " |"
+
+    def tiled(r):
+        return r["bytes"] + r["flash_tiles"]["rereads"]
+
+    return [
+        f"Flash-tiles view (Br = {br} query rows, Bc = {bc} keys per tile; the budget stays on "
+        "the per-call rule): a tiled flash kernel re-reads operands the per-call rule reads once. "
+        "Forward, each query tile reads the K and V rows of every key tile it attends to: "
+        "b·h·(d_qk + d_v)·e·Σ_i keys_i, keys_i = the keys its last row sees rounded up to Bc; "
+        "backward, each key tile reads the Q and dO rows of every query tile attending to it: "
+        "b·h·(d_qk + d_v)·e·Σ_j queries_j, from the query tile holding the first row that sees "
+        "the tile's first key; each less the once-read the rule charged (h: query heads, e: "
+        "element size; the backward's fp32 dQ accumulation is not charged).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+        row("bytes, per-call rule", lambda r: r["bytes"], True),
+        row("+ tile re-reads, forward", lambda r: r["flash_tiles"]["forward"], False),
+        row("+ tile re-reads, backward", lambda r: r["flash_tiles"]["backward"], False),
+        row("bytes with flash tiles", tiled, True),
         "",
     ]
 
@@ -743,8 +1026,31 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
-def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: str) -> str:
-    """Markdown: the per-layer table (kernels, bytes, FLOPs, TSP / TP+SP) and the top ops."""
+def rope_line(cfg: TrafficConfig) -> str:
+    """The report's header line: how the baselines' RoPE is recorded."""
+    if cfg.rope_fusion:
+        return (
+            "RoPE of TP+SP: Megatron's fused path (`apply_rope_fusion`), Transformer Engine's "
+            "kernel stood in by one recorded op per tensor and direction (reads the tensor and "
+            "the fp32 angles, writes the result; `--unfused-rope`: Megatron's unfused RoPE). "
+            "TSP: its own RoPE kernel."
+        )
+    return (
+        "RoPE of TP+SP: Megatron's unfused RoPE (`--unfused-rope`; by default its fused path, as "
+        "with Transformer Engine). TSP: its own RoPE kernel."
+    )
+
+
+def render(
+    results: Dict[int, Dict[str, object]],
+    cfg: TrafficConfig,
+    command: str,
+    checks: Dict[int, Dict[str, object]] | None = None,
+    flash_tiles: bool = False,
+) -> str:
+    """Markdown: the per-layer table (kernels, bytes, FLOPs, TSP / TP+SP), the length-independent
+    and per-token parts (``checks``: recordings at more lengths, for the affine check only), the
+    flash-tiles view where asked, and the top ops."""
     seqs = sorted(results)
     schemes = [s for s in SCHEMES if s in cfg.schemes]
     both = "tsp" in schemes and "tp_sp" in schemes
@@ -800,6 +1106,8 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         return ", ".join(f"{LABELS[s]} {results[seqs[0]][s].get(key, 0)}" for s in schemes)
 
     lines = [
+        rope_line(cfg),
+        "",
         "| " + " | ".join(head) + " |",
         "|---|" + "---:|" * (len(head) - 1),
         *["| " + " | ".join(r) + " |" for r in rows],
@@ -818,8 +1126,10 @@ def render(results: Dict[int, Dict[str, object]], cfg: TrafficConfig, command: s
         f"Command: `{command}`",
         "",
     ]
-    if both and len(seqs) > 1:
-        lines += _fixed_part_lines(results, cfg)
+    if len(seqs) > 1:
+        lines += _fixed_part_lines(results, cfg, checks)
+    if flash_tiles:
+        lines += _flash_tile_lines(results, cfg)
     q = seqs[0]
     for s in schemes:
         r = results[q][s]
@@ -879,6 +1189,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="TSP's MLP output and input gradients summed over the shards in fp32 (Megatron-LM's "
         "--tsp-activation-sums-in-fp32; default: in place in the compute dtype)",
     )
+    p.add_argument(
+        "--unfused-rope",
+        action="store_true",
+        help="record TP+SP with Megatron's unfused RoPE (default: its fused path, "
+        "apply_rope_fusion, as with Transformer Engine: one kernel per tensor and direction)",
+    )
+    p.add_argument(
+        "--flash-tiles",
+        nargs="?",
+        const=list(FLASH_TILES),
+        default=None,
+        metavar="BR,BC",
+        type=positive_int_list,
+        help="also show the bytes with a tiled flash kernel's re-reads (query tiles of BR rows, "
+        f"key tiles of BC; default {FLASH_TILES[0]},{FLASH_TILES[1]}) beside the per-call rule",
+    )
     p.add_check(_check_args)
     args = p.parse_args(argv)
     args.schemes = [s for s in args.schemes.split(",") if s]
@@ -893,6 +1219,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from megatron_tsp.core import model_shape
     from megatron_tsp.core.validation import check_model_shape
 
+    if args.flash_tiles is not None and len(args.flash_tiles) != 2:
+        raise UsageError(f"--flash-tiles {args.flash_tiles}", "give two tile sizes: BR,BC")
     bad = [s for s in args.schemes.split(",") if s and s not in SCHEMES]
     if bad:
         raise UsageError(f"--schemes {args.schemes}", f"unknown {bad}; choose among {SCHEMES}")
@@ -922,8 +1250,12 @@ def _check_args(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    results = {}
-    for seq in args.seq_lengths:
+    results, checks = {}, {}
+    seqs = sorted(set(args.seq_lengths))
+    extra = []  # two lengths: a third, recorded only to check the affine fit
+    if len(seqs) == 2 and check_length(seqs, args.world_size) not in seqs:
+        extra = [check_length(seqs, args.world_size)]
+    for seq in seqs + extra:
         cfg = TrafficConfig(
             model=args.model,
             seq=seq,
@@ -933,14 +1265,17 @@ def main(argv=None) -> int:
             schemes=args.schemes,
             top=args.top,
             activation_sums_fp32=args.tsp_activation_sums_in_fp32,
+            rope_fusion=not args.unfused_rope,
+            flash_tiles=list(args.flash_tiles or FLASH_TILES),
         )
-        print(f"[traffic] S={seq}: recording ...", file=sys.stderr, flush=True)
+        what = "recording" if seq in seqs else "recording (affine check only)"
+        print(f"[traffic] S={seq}: {what} ...", file=sys.stderr, flush=True)
         res = measure_isolated(cfg)
         for r in res.values():
             r.pop("records", None)
-        results[seq] = res
+        (results if seq in seqs else checks)[seq] = res
     command = "megatron-tsp bench --traffic " + " ".join(argv)
-    text = render(results, cfg, command.strip())
+    text = render(results, cfg, command.strip(), checks, args.flash_tiles is not None)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
@@ -950,7 +1285,7 @@ def main(argv=None) -> int:
             json.dump({str(k): v for k, v in results.items()}, f, indent=1)
     bad = [
         (q, s)
-        for q, res in results.items()
+        for q, res in {**results, **checks}.items()
         for s, r in res.items()
         if not gemm_check(r)["forward_exact"] or gemm_check(r)["backward_recompute"] is None
     ]
@@ -961,14 +1296,24 @@ def main(argv=None) -> int:
 
 
 def layer_traffic(
-    model: str, seq: int, world_size: int, micro_batch: int = 1, dtype: str = "bf16"
+    model: str,
+    seq: int,
+    world_size: int,
+    micro_batch: int = 1,
+    dtype: str = "bf16",
+    rope_fusion: bool = True,
 ) -> Dict[str, Dict[str, float]]:
     """Measured kernel launches and bytes read + written of one layer (fwd + bwd) of one rank,
     per scheme ("tsp", "tp_sp"), for the planner: ``{"tsp": {"kernels": ..., "bytes": ...,
     "flops": ...}, ...}``. Runs :func:`measure_isolated` (a fresh interpreter, ~seconds)."""
     res = measure_isolated(
         TrafficConfig(
-            model=model, seq=seq, world_size=world_size, micro_batch=micro_batch, dtype=dtype
+            model=model,
+            seq=seq,
+            world_size=world_size,
+            micro_batch=micro_batch,
+            dtype=dtype,
+            rope_fusion=rope_fusion,
         )
     )
     return {
