@@ -287,6 +287,17 @@ def _rows(block_rows):
     return dict(labels=[r[0] for r in block_rows], commands=[r[1] for r in block_rows])
 
 
+def plan_tables(block: Block, outs: List[str]) -> str:
+    """plan's strategy table (header and rows, without the crossover lines) of each command, as
+    one code block."""
+    tables = []
+    for out in outs:
+        lines = [x.rstrip() for x in out.splitlines()]
+        head = next(i for i, x in enumerate(lines) if x.startswith("strategy"))
+        tables.append("\n".join(lines[head : lines.index("", head)]))
+    return "```\n" + "\n\n".join(tables) + "\n```"
+
+
 BLOCKS: List[Block] = [
     Block("README.md", "readme-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("README.md", "readme-tsp-mlp", scale="full", format=memory_table, **_rows(_TSP_MLP_ROWS)),
@@ -354,6 +365,19 @@ BLOCKS: List[Block] = [
     Block("docs/moe.md", "moe-plan", _MOE_PLAN, "small", moe_plan_table),
     Block(
         "docs/memory.md", "validate", scale="full", format=validate_table, **_rows(_VALIDATE_ROWS)
+    ),
+    Block(
+        "docs/planner.md",
+        "fsdp-gtp",
+        [
+            f"{PROG} plan --model 7b --hardware h100 --gpus 8 --seq-length 131072 --strategies "
+            "tsp,tp_sp,fsdp_cp,fsdp_cp_ring,gtp,gtp_mxfp8,gtp_nvfp4 --compute-model flops",
+            f"{PROG} plan --model llama2-70b --hardware h100 --gpus 64 --seq-length 131072 "
+            "--strategies tsp,tp_sp,tsp_cp,tp_cp,fsdp_cp,fsdp_cp_ring,gtp,gtp_mxfp8,gtp_nvfp4 "
+            "--cp 8 --compute-model flops",
+        ],
+        "small",
+        plan_tables,
     ),
 ]
 
