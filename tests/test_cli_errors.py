@@ -123,6 +123,8 @@ CASES = [
     ("bench --traffic --top -1", "--top"),
     ("bench --traffic --model nope", "--model nope"),
     ("bench --traffic --schemes tsp,foo", "--schemes"),
+    ("bench --traffic --flash-tiles 128", "--flash-tiles 128"),
+    ("bench --traffic --flash-tiles 0,64", "--flash-tiles"),
     # check-patches
     ("check-patches --megatron-lm /nonexistent", "--megatron-lm"),
     ("check-patches --megatron-lm /tmp", "--megatron-lm"),

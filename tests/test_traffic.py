@@ -12,6 +12,7 @@ Counts are deterministic; nothing here is timed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -106,13 +107,13 @@ def test_standin_refuses_after_torch_import():
 H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
 
 
-def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ):
+def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ, **options):
     """One tiny layer of both schemes recorded in a fresh interpreter (a GELU MLP without
-    biases, LayerNorm, RoPE)."""
+    biases, LayerNorm, RoPE); ``options``: more ``TrafficConfig`` fields."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp(f"traffic{world_size}_{seq}") / "tiny.json"
+    path = tmp_path_factory.mktemp(f"traffic{world_size}_{seq}_") / "tiny.json"
     model = dict(
         name="tiny",
         hidden=H,
@@ -126,7 +127,7 @@ def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ):
         rope=True,
     )
     path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(model=str(path), seq=seq, world_size=world_size, top=100)
+    cfg = traffic.TrafficConfig(model=str(path), seq=seq, world_size=world_size, top=100, **options)
     return traffic.measure_isolated(cfg, timeout=600)
 
 
@@ -308,6 +309,13 @@ def test_bytes_are_affine_in_the_length_and_tsp_stays_above_its_floor(tmp_path_f
     results = {SEQ: layer_d4}
     for seq in (2 * SEQ, 3 * SEQ):
         results[seq] = _record_tiny_layer(tmp_path_factory, d, seq)
+    # a fourth length, outside the three: the fit of the shortest and the longest is exact there
+    fourth = {5 * SEQ: _record_tiny_layer(tmp_path_factory, d, 5 * SEQ)}
+    for scheme in ("tsp", "tp_sp"):
+        off = traffic.affine_check(results, scheme, checks=fourth)
+        assert off == {2 * SEQ: 0, 5 * SEQ: 0}, (scheme, off)
+        split = traffic.length_split(results, scheme)
+        assert split["fixed"] + split["per_token"] * 5 * SEQ == fourth[5 * SEQ][scheme]["bytes"]
     for scheme in ("tsp", "tp_sp"):
         at = [results[q][scheme] for q in (SEQ, 2 * SEQ, 3 * SEQ)]
         assert at[2]["bytes"] - at[1]["bytes"] == at[1]["bytes"] - at[0]["bytes"] > 0
@@ -323,5 +331,151 @@ def test_bytes_are_affine_in_the_length_and_tsp_stays_above_its_floor(tmp_path_f
     tsp, tp_sp = traffic.length_split(results, "tsp"), traffic.length_split(results, "tp_sp")
     assert tsp["fixed"] >= floor > tp_sp["fixed"] > 0
     cfg = traffic.TrafficConfig(model="tiny", seq=SEQ, world_size=d)
-    text = traffic.render(results, cfg, "bench --traffic")
+    text = traffic.render(results, cfg, "bench --traffic", checks=fourth)
     assert f"({floor / traffic.GB:.2f} GB)" in text and "independent of the length" in text
+    assert "checked at 128, 320: measured = fitted" in text
+    ratio = tsp["per_token"] / tp_sp["per_token"]
+    assert f"{tsp['per_token']:,.0f} B ({ratio:.3f}×) | {tp_sp['per_token']:,.0f} B |" in text
+    # one scheme alone: its own split, no floor
+    one = traffic.render(results, dataclasses.replace(cfg, schemes=["tp_sp"]), "bench --traffic")
+    assert f"| {tp_sp['per_token']:,.0f} B |" in one and "floor" not in one
+
+
+# --------------------------------------------------------------------------------------------
+# TP+SP's RoPE: Megatron's fused path (TE's kernel stood in), or its unfused RoPE
+
+
+@pytest.fixture(scope="module")
+def layer_unfused_rope(tmp_path_factory):
+    """The tiny TP+SP layer recorded with Megatron's unfused RoPE (``--unfused-rope``)."""
+    return _record_tiny_layer(tmp_path_factory, D, schemes=["tp_sp"], rope_fusion=False)
+
+
+def _kernels(summary, phase=None):
+    return [
+        r
+        for r in summary["records"]
+        if r["kind"] == "kernel" and (phase is None or r["phase"] == phase)
+    ]
+
+
+def test_tpsp_fused_rope_one_launch_per_tensor_and_direction(layer):
+    """By default TP+SP's RoPE is Megatron's fused path: one stand-in launch for q and one for k
+    forward, and one each for the inverse rotation backward, none of Megatron's unfused RoPE
+    ops. Each reads its tensor (q or k of the rank's heads over the whole sequence, bf16) and the
+    fp32 angles of the sequence ([S, 1, 1, head dim]) once and writes its result once."""
+    s = layer["tp_sp"]
+    fused = [r for r in _kernels(s) if r["name"] in traffic.FUSED_ROPE_OPS]
+    assert [(r["name"], r["phase"]) for r in fused] == [
+        ("fused_rope", "forward"),
+        ("fused_rope", "forward"),
+        ("fused_rope_backward", "backward"),
+        ("fused_rope_backward", "backward"),
+    ], fused
+    assert {r["source"] for r in fused if r["phase"] == "forward"} == {
+        "rope_utils.apply_rotary_pos_emb"
+    }
+    # Megatron's RoPE issues the two forward launches and nothing else
+    rope = [r for r in _kernels(s) if r["source"].startswith("rope_utils.")]
+    assert rope == [r for r in fused if r["phase"] == "forward"], rope
+    head_dim = H // HEADS
+    tensor = SEQ * (HEADS // D) * head_dim * BF16  # q (or k: no fewer K/V heads here)
+    angles = SEQ * head_dim * 4
+    for r in fused:
+        assert (r["read"], r["written"]) == (tensor + angles, tensor), r
+    assert s["top_ops"] and sum(e["launches"] for e in s["top_ops"]) == s["kernels"]
+
+
+def test_tpsp_unfused_rope_under_the_flag(layer, layer_unfused_rope):
+    """``--unfused-rope``: Megatron's unfused RoPE ops (``rope_utils``: cos, sin, casts,
+    rotate-half, products, and their autograd backward) instead of the four fused launches; the
+    rest of the layer issues the same kernels. Counts from the two recordings."""
+    fused, unfused = layer["tp_sp"], layer_unfused_rope["tp_sp"]
+    assert not [r for r in _kernels(unfused) if r["name"] in traffic.FUSED_ROPE_OPS]
+    rope_fwd = [r for r in _kernels(unfused, "forward") if r["source"].startswith("rope_utils.")]
+    assert len(rope_fwd) > 2  # more than one launch per tensor
+
+    def names(summary, phase, drop):
+        return [r["name"] for r in _kernels(summary, phase) if not drop(r)]
+
+    # forward: the same kernels once RoPE's are left out of either
+    assert names(fused, "forward", lambda r: r["name"] == "fused_rope") == names(
+        unfused, "forward", lambda r: r["source"].startswith("rope_utils.")
+    )
+    # backward: the unfused one issues the fused one's kernels plus RoPE's autograd ops
+    rest = names(fused, "backward", lambda r: r["name"] == "fused_rope_backward")
+    it = iter(names(unfused, "backward", lambda r: False))
+    assert all(name in it for name in rest)  # a subsequence
+    extra_bwd = len(_kernels(unfused, "backward")) - len(rest)
+    assert extra_bwd > 2
+    assert unfused["kernels"] == fused["kernels"] - 4 + len(rope_fwd) + extra_bwd
+    assert unfused["bytes"] > fused["bytes"]
+
+
+def test_fused_rope_standin_is_the_rotation():
+    """The stand-in computes what Megatron's unfused RoPE computes (fp32 here, where both round
+    alike), and its backward is the transpose: one op each way under the recorder."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    fn = traffic.fused_rope_standin()
+    s, b, h, d = 6, 1, 2, 8
+    t = torch.randn(s, b, h, d, requires_grad=True)
+    freqs = torch.randn(s + 2, 1, 1, d // 2).repeat(1, 1, 1, 2)  # the table may be longer
+    want = _apply_rotary_pos_emb_bshd(t, freqs[:s], rotary_interleaved=False)
+    grad = torch.randn_like(want)
+    (want_grad,) = torch.autograd.grad(want, t, grad)
+    records = []
+
+    def run():
+        out = fn(t, freqs)
+        (g,) = torch.autograd.grad(out, t, grad)
+        records.append((out, g))
+
+    recs = [r for r in _record(run) if r.kind == "kernel"]
+    out, g = records[0]
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(g, want_grad)
+    assert [r.name for r in recs] == list(traffic.FUSED_ROPE_OPS), [r.name for r in recs]
+    one, table = s * b * h * d * 4, s * d * 4
+    assert all((r.read, r.written) == (one + table, one) for r in recs)
+
+
+# --------------------------------------------------------------------------------------------
+# the flash-tiles view
+
+
+def test_flash_tile_rereads_by_hand():
+    """A causal attention (CPU flash kernel: top-left alignment) of L = 8 queries and keys,
+    head dims 2, bf16, recorded forward and backward; tiles Br = 3 query rows, Bc = 2 keys.
+    Forward: the query tiles [0, 2], [3, 5], [6, 7] see 3, 6 and 8 keys, read in whole key
+    tiles 4, 6 and 8: 18 K + V rows of (2 + 2) x 2 bytes = 144, less K + V read once (64): 80.
+    Backward: the key tiles starting at 0, 2, 4, 6 are first seen by rows 0, 2, 4, 6, in the
+    query tiles starting at 0, 0, 3, 6: 8 + 8 + 5 + 2 = 23 Q + dO rows = 184, less 64: 120.
+    Without the causal mask: 3 query tiles x 8 keys = 192 - 64 = 128 forward."""
+    q, k, v = (torch.randn(1, 1, 8, 2, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+
+    def run(causal):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.backward(torch.ones_like(out))
+
+    recs = _record(lambda: run(True))
+    att = [r for r in recs if r.attention]
+    assert [r.phase for r in att] == ["forward", "backward"], [r.name for r in recs]
+    view = traffic.summarize(recs, flash_tiles=(3, 2))["flash_tiles"]
+    assert (view["forward"], view["backward"], view["rereads"]) == (80, 120, 200)
+    assert traffic.flash_tile_rereads(att[0].attention, 8, 8) == 0  # one tile: read once
+    recs = _record(lambda: run(False))
+    fwd = next(r for r in recs if r.attention and r.phase == "forward")
+    assert traffic.flash_tile_rereads(fwd.attention, 3, 2) == 128
+
+
+def test_flash_tiles_report(layer):
+    """``--flash-tiles``: the report shows each scheme's bytes under the per-call rule, its tile
+    re-reads and their sum; the per-call rule's table is unchanged."""
+    results = {SEQ: layer}
+    cfg = traffic.TrafficConfig(model="tiny", seq=SEQ, world_size=D, flash_tiles=[16, 16])
+    plain = traffic.render(results, cfg, "bench --traffic")
+    text = traffic.render(results, cfg, "bench --traffic --flash-tiles 16,16", flash_tiles=True)
+    assert "Flash-tiles view (Br = 16 query rows, Bc = 16 keys" in text
+    assert "Flash-tiles" not in plain
+    assert text.startswith(traffic.rope_line(cfg)) and "fused path" in text.splitlines()[0]

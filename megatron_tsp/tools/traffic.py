@@ -33,6 +33,18 @@ layer issues with a ``TorchDispatchMode``. Per op it counts:
   exactly against 2 x tokens x parameters of the layer's linear layers (forward, and twice that
   backward, plus the recomputed fc1 where the layer recomputes it).
 
+Megatron's RoPE (the TP+SP baseline's) is recorded as on a Transformer Engine box by default:
+megatron-core's fused path (``apply_rope_fusion``) runs, with TE's kernel stood in by one custom
+op per tensor (q, k) and direction (``fused_rope_standin``: forward reads the tensor and the fp32
+angles and writes the result, one launch; backward the inverse rotation, likewise);
+``--unfused-rope`` records Megatron's unfused RoPE instead. TSP applies its own RoPE kernel.
+
+The report splits every scheme's bytes into a length-independent part and a part per token
+(fitted from the shortest and the longest length, checked at the others or at one more recorded
+for the check), beside TSP's floor for the former (``tsp_weight_floor``). ``--flash-tiles BR,BC``
+adds a view that charges a tiled flash kernel's re-reads (``flash_tile_rereads``) beside the
+per-call rule, which stays the rule the bytes budget is measured by.
+
 The measurement needs the stand-in CUDA device of :mod:`megatron_tsp.tools.cuda_standin`, which
 must be loaded before torch: it runs in a fresh interpreter (:func:`measure_isolated`).
 What is recorded is the layer only: the RoPE table is computed once before (as ``GPTModel``
@@ -1220,7 +1232,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from megatron_tsp.core.validation import check_model_shape
 
     if args.flash_tiles is not None and len(args.flash_tiles) != 2:
-        raise UsageError(f"--flash-tiles {args.flash_tiles}", "give two tile sizes: BR,BC")
+        given = ",".join(map(str, args.flash_tiles))
+        raise UsageError(f"--flash-tiles {given}", "give two tile sizes: BR,BC")
     bad = [s for s in args.schemes.split(",") if s and s not in SCHEMES]
     if bad:
         raise UsageError(f"--schemes {args.schemes}", f"unknown {bad}; choose among {SCHEMES}")
