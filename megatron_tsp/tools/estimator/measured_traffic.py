@@ -3,7 +3,10 @@
 ``megatron-tsp bench --traffic`` (``tools/traffic.py``) records every kernel one rank's layer
 issues, forward and backward, with the bytes it reads and writes and its FLOPs. The planner prices
 those kernels instead of an idealised FLOP count, so what the implementation really launches and
-moves (element-wise passes, copies, RoPE, accumulations) is in its step time.
+moves (element-wise passes, copies, RoPE, accumulations) is in its step time. TP+SP is recorded
+as ``bench --traffic`` records it by default: Megatron's fused RoPE (``apply_rope_fusion``, one
+kernel per tensor and direction, as with Transformer Engine), so the planner compares TSP with the
+TP+SP users run on GPUs.
 
 Why three recordings are enough: the kernels a layer issues, and their order, do not depend on the
 sequence length S (checked: the op sequences must match; each length is recorded after a
