@@ -61,6 +61,7 @@ CASES = [
     ("generate --tsp 3", "--tensor-sequence-parallel-size=3"),
     ("generate --tsp 0", "--tensor-sequence-parallel-size"),
     ("generate --max-new-tokens -3", "--max-new-tokens"),
+    ("generate --max-new-tokens 0", "--max-new-tokens 0"),  # 0 only with --save
     ("generate --load /nonexistent", "--load"),
     ("generate --hf /nonexistent", "--hf"),
     ("generate --random-prompt-tokens -1", "--random-prompt-tokens"),

@@ -86,7 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="use one random prompt of this many tokens (throughput runs)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument(
+        "--max-new-tokens",
+        type=non_negative_int,
+        default=48,
+        help="0 only with --save: a conversion run that generates nothing",
+    )
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--top-p", type=fraction, default=1.0)
@@ -126,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--save writes the embedded or --hf model: it cannot be combined with --load")
     if args.hf and (args.load or args.config):
         p.error("--hf reads a Hugging Face directory: it cannot be combined with --load / --config")
+    if args.max_new_tokens == 0 and not args.save:
+        p.error("--max-new-tokens 0 generates nothing: give a positive number, or 0 with --save")
     try:
         check_model(args)
     except UsageError as exc:
