@@ -178,6 +178,71 @@ def _memory_row(out: str) -> Tuple[str, str, str]:
     return tok[at - 1], tok[at], tok[-2]
 
 
+_FIELDS = ("S", "rec", "params", "grads", "optim", "activ", "temp", "peak", "at")
+
+
+def _memory_rows(out: str) -> List[Dict[str, str]]:
+    """Every row of ``memory``'s table (one run, or ``--table``'s rows) as {column: text}, the
+    label under "layout"; read from the right, so labels may hold spaces."""
+    lines = out.splitlines()
+    h = next(i for i, x in enumerate(lines) if x.startswith("layout"))
+    paper = "paper" in lines[h].split()
+    rows = []
+    for line in lines[h + 2 :]:
+        tok = line.split()
+        if len(tok) < 14 or not re.fullmatch(r"\d+", tok[-1]):
+            continue
+        tail = ["GEMM", "attn", "comm", "time"]
+        n = len(_FIELDS) + int(paper) + len(tail)
+        names = list(_FIELDS) + (["paper"] if paper else []) + tail
+        row = dict(zip(names, tok[-n:]))
+        row["layout"] = " ".join(tok[:-n])
+        rows.append(row)
+    return rows
+
+
+def memory_flops_table(block: Block, outs: List[str]) -> str:
+    """One row per ``memory`` command: the label, S, recompute, GB per rank at the peak (model
+    state = params + grads + optimizer, activations, temporaries, the peak) and where it is
+    reached, the paper's number (7B), GEMM and attention TFLOP, GB received per rank per step."""
+    rows = [
+        "| layout | S | recompute | state | activ. | temp | **peak** | peak in | paper | GEMM TF "
+        "| attention TF | received GB |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for label, out in zip(block.labels, outs):
+        r = _memory_rows(out)[0]
+        s = f"{int(r['S']) // 1024}k"
+        state = sum(float(r[k]) for k in ("params", "grads", "optim"))
+        rows.append(
+            f"| {label} | {s} | {r['rec']} | {state:.2f} | {r['activ']} | {r['temp']} | "
+            f"**{r['peak']}** | {r['at']} | {r.get('paper', '-')} | {r['GEMM']} | {r['attn']} | "
+            f"{r['comm']} |"
+        )
+    return "\n".join(rows)
+
+
+def moe_memory_table(block: Block, outs: List[str]) -> str:
+    """``memory --model M --table`` of MoE models: every row, GB per rank."""
+    rows = [
+        "| model | S | layout | params | grads | optim | activations | temp | peak | "
+        "comm GB / step |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for cmd, out in zip(block.commands, outs):
+        argv = shlex.split(cmd)
+        model, first_s = argv[argv.index("--model") + 1], None
+        for k, r in enumerate(_memory_rows(out)):
+            s = f"{int(r['S']) // 1024}k"
+            rows.append(
+                f"| {model if k == 0 else ''} | {s if s != first_s else ''} | {r['layout']} | "
+                + " | ".join(r[c] for c in ("params", "grads", "optim", "activ", "temp", "peak"))
+                + f" | {r['comm']} |"
+            )
+            first_s = s
+    return "\n".join(rows)
+
+
 def memory_table(block: Block, outs: List[str]) -> str:
     """One row per ``memory`` command: the label, peak GB per rank, where it is reached, the bytes
     the rank receives per step."""
@@ -185,6 +250,86 @@ def memory_table(block: Block, outs: List[str]) -> str:
     for label, out in zip(block.labels, outs):
         peak, at, comm = _memory_row(out)
         rows.append(f"| {label} | {peak} | {at} | {comm} |")
+    return "\n".join(rows)
+
+
+def cp_pivot(block: Block, outs: List[str]) -> str:
+    """``memory`` runs as a table with one row per (S, C) and one column per layout; each label is
+    "S|C|layout". Cells are peak GB per rank ("-" where not run); the last column is the bytes
+    received per step by ``TSP8×C`` and ``TP8+SP×C`` (no recompute)."""
+    cols: List[str] = []
+    rows: Dict[Tuple[str, str], Dict[str, Tuple[str, str]]] = {}
+    for label, out in zip(block.labels, outs):
+        seq, c, col = label.split("|")
+        if col not in cols:
+            cols.append(col)
+        peak, _, comm = _memory_row(out)
+        rows.setdefault((seq, c), {})[col] = (peak, comm)
+    cols = [name for name, _ in _CP_COLS if name in cols]  # the registry's column order
+    wire = ("TSP8×C", "TP8+SP×C")
+    head = ["S", "C", "GPUs", *cols, f"received GB / step {wire[0]} / {wire[1]}"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for (seq, c), cells in rows.items():
+        peaks = [f"{float(cells[k][0]):.1f}" if k in cells else "-" for k in cols]
+        comm = [f"{float(cells[k][1]):.0f}" if k in cells else "-" for k in wire]
+        received = " / ".join(comm) if any(x != "-" for x in comm) else "-"
+        lines.append(f"| {seq} | {c} | {8 * int(c)} | " + " | ".join(peaks) + f" | {received} |")
+    return "\n".join(lines)
+
+
+def vocab_ring_sentence(block: Block, outs: List[str]) -> str:
+    """``memory`` at 7B/128k: TSP with the vocabulary ring (auto), TSP with Megatron's output
+    layer (never), TP+SP; the bytes received per step, and TSP's as a multiple of TP+SP's."""
+    ring, never, tpsp = (float(_memory_row(o)[2]) for o in outs)
+    peak_ring, peak_never = (float(_memory_row(o)[0]) for o in outs[:2])
+    return (
+        f"the step receives {ring:.1f} GB ({ring / tpsp:.3f}× TP+SP's {tpsp:.1f}) instead of "
+        f"{never:.1f} ({never / tpsp:.3f}×) with Megatron's output layer, and peaks at "
+        f"{peak_ring:.1f} instead of {peak_never:.1f} GB"
+    )
+
+
+def _plan_rows(out: str) -> Dict[str, List[str]]:
+    """plan's table: {strategy: its whitespace-split row}."""
+    lines = out.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("strategy"))
+    rows = {}
+    for line in lines[head + 2 :]:
+        if not line.strip() or line.startswith(" "):
+            break
+        rows[line.split()[0]] = line.split()
+    return rows
+
+
+def _layer_ms(row: List[str]) -> float:
+    """Per-layer time of a plan row: compute + exposed communication, forward + backward."""
+    compute, exposed = (sum(float(x) for x in row[k].split("/")) for k in (6, 8))
+    return compute + exposed
+
+
+def tsp_settings(block: Block, outs: List[str]) -> str:
+    """plan without recompute under TSP's fc1 recompute, attention recompute and both; TSP's
+    full-recompute peak and TP+SP's without recompute (from the first command)."""
+    fc1, attn, both = (_plan_rows(o) for o in outs)
+    mem = lambda row, k: row[2].split("/")[k]  # noqa: E731
+    tsp, tp = fc1["TSP8"], fc1["TP8+SP"]
+    return (
+        f"the opt-in fc1 recompute (`--tsp-recompute-fc1`, the default before issue 19) "
+        f"{mem(tsp, 0)} GB / {_layer_ms(tsp):.1f} ms; attention recompute {mem(attn['TSP8'], 0)} "
+        f"GB / {_layer_ms(attn['TSP8']):.1f} ms ({mem(both['TSP8'], 0)} GB with both), full "
+        f"recompute {mem(tsp, 1)} GB. TP+SP without recompute ({_layer_ms(tp):.1f} ms) needs "
+        f"{mem(tp, 0)} GB"
+    )
+
+
+def received_ratio_table(block: Block, outs: List[str]) -> str:
+    """One row per ``memory`` command: GB received per rank per step and its ratio to the last
+    command's (the reference row)."""
+    comms = [float(_memory_row(o)[2]) for o in outs]
+    rows = ["| | GB received | / TP+SP |", "|---|---:|---:|"]
+    for k, (label, comm) in enumerate(zip(block.labels, comms)):
+        ratio = f"{comm / comms[-1]:.3f}" if k < len(comms) - 1 else "1"
+        rows.append(f"| {label} | {comm:.1f} | {ratio} |")
     return "\n".join(rows)
 
 
@@ -277,6 +422,90 @@ _VALIDATE_ROWS = [
     ),
     ("TSP D=4, full recompute", f"{_VAL} --scheme tsp --recompute full"),
 ]
+_CP_COLS = [
+    ("TSP8×C", "--scheme tsp"),
+    ("TSP8×C attn. recompute", "--scheme tsp --tsp-attention-backward recompute"),
+    ("TP8+SP×C", "--scheme tp_cp"),
+    ("TSP8×C full recompute", "--scheme tsp --recompute full"),
+    ("TP8+SP×C full recompute", "--scheme tp_cp --recompute full"),
+]
+_SEQ = {"1M": 1048576, "512k": 524288}
+
+
+def _cp_rows(model, cells):
+    """[(label "S|C|layout", memory command)] for each (S, C, layout indices)."""
+    rows = []
+    for seq, c, cols in cells:
+        for name, flags in (_CP_COLS[i] for i in cols):
+            scheme = flags.split()[1]
+            if c == 1 and scheme == "tp_cp":
+                scheme = "tp_sp"  # no CP: Megatron's TP+SP
+            extra = flags.split(maxsplit=2)[2] if len(flags.split()) > 2 else ""
+            cmd = f"{PROG} memory --model {model} --scheme {scheme} --tp 8"
+            cmd += f" --cp {c} --world-size {8 * c}" if c > 1 else " --world-size 8"
+            cmd += f" --seq {_SEQ[seq]}" + (f" {extra}" if extra else "")
+            rows.append((f"{seq}|{c}|{name}", cmd))
+    return rows
+
+
+_FULL, _ALL, _NO_RC = (3, 4), (0, 1, 2, 3, 4), (0, 2)
+_CP_7B = _cp_rows(
+    "7b",
+    [("1M", 1, _FULL), ("1M", 2, _FULL), ("1M", 8, _ALL), ("1M", 16, _NO_RC), ("512k", 8, _NO_RC)],
+)
+_CP_LLAMA = _cp_rows("llama3-8b", [("1M", 8, _NO_RC), ("1M", 16, _NO_RC)])
+_NEVER = " --tsp-vocab-ring never"
+_VOCAB_RING = [
+    _A2A_ROWS[0][1],
+    _A2A_ROWS[0][1] + _NEVER,
+    _TSP_MLP_ROWS[0][1],
+]
+# Prepared, not registered yet (each needs its doc's markers and the full-scale runs; see
+# issue 35 item 4): docs/memory.md's 7B table (_MEMORY_7B, memory_flops_table, 19 runs), the 128k
+# bytes of docs/precision.md (_WIRE_ROWS, received_ratio_table) and the vocabulary ring's bytes
+# in docs/design.md / docs/megatron-lm.md (_VOCAB_RING, vocab_ring_sentence).
+_16K = f"{_M7} --tp 8 --seq 16384"
+_FR = " --recompute full"
+_ATT = " --tsp-attention-backward recompute"
+_CP8 = f"{_M7} --world-size 8 --seq 131072 --scheme tp_cp"
+_MEMORY_7B = [
+    ("TSP D=8", f"{_16K} --scheme tsp"),
+    ("TSP D=8", f"{_16K} --scheme tsp{_FR}"),
+    ("TP=8", f"{_16K} --scheme tp"),
+    ("TP=8", f"{_16K} --scheme tp{_FR}"),
+    ("TP=8 + SP", f"{_16K} --scheme tp_sp"),
+    ("TP=8 + SP", f"{_16K} --scheme tp_sp{_FR}"),
+    ("TP=8 + SP + TSP MLP", f"{_16K} --scheme hybrid"),
+    ("TP=8", f"{_128K} --scheme tp"),
+    ("TP=8", f"{_128K} --scheme tp{_FR}"),
+    ("TP=8 + SP", _TSP_MLP_ROWS[0][1]),
+    ("TP=8 + SP", _TSP_MLP_ROWS[0][1] + _FR),
+    ("TP=8 + SP + TSP MLP (`--tsp-mlp`)", _TSP_MLP_ROWS[1][1]),
+    ("TP=8 + SP + TSP MLP, fc1 recompute ⁴", _TSP_MLP_ROWS[2][1]),
+    ("TP4 × CP2 (+SP) ²", f"{_CP8} --tp 4 --cp 2"),
+    ("TP4 × CP2 (+SP) ²", f"{_CP8} --tp 4 --cp 2{_FR}"),
+    ("TP2 × CP4 (+SP) ²", f"{_CP8} --tp 2 --cp 4"),
+    ("TSP D=8", _A2A_ROWS[0][1]),
+    ("TSP D=8, attention recompute ¹", _A2A_ROWS[0][1] + _ATT),
+    ("TSP D=8, attention + fc1 recompute ¹ ⁴", _A2A_ROWS[0][1] + _ATT + " --tsp-recompute-fc1"),
+]
+# deepseek-v2-lite's rows (the same command) stay hand-copied until a refresh has the time
+_MOE_MEMORY = [f"{PROG} memory --model mixtral-8x7b --table --seqs 131072"]
+_TSP_RECOMPUTE = (
+    "--tsp-recompute-fc1",
+    "--tsp-recompute-attn",
+    "--tsp-recompute-fc1 --tsp-recompute-attn",
+)
+_WIRE_ROWS = [
+    (
+        "TSP, bf16 dK/dV wire, vocabulary ring (default: `--tsp-vocab-ring auto` takes it at 128k)",
+        _A2A_ROWS[0][1],
+    ),
+    ("TSP, bf16 dK/dV wire, Megatron's output layer (`--tsp-vocab-ring never`)", _VOCAB_RING[1]),
+    ("TSP, fp32 dK/dV wire, vocabulary ring", _KV_FP32_ROWS[1][1]),
+    ("TSP, fp32 dK/dV wire, Megatron's output layer", _KV_FP32_ROWS[1][1] + _NEVER),
+    ("TP=8 + SP", _TSP_MLP_ROWS[0][1]),
+]
 _LAYER_TIME = (
     f"{PROG} plan --model 7b --hardware h100 --seq-length 131072 --gpus 8 "
     "--no-distributed-optimizer"
@@ -313,7 +542,8 @@ BLOCKS: List[Block] = [
         format=memory_table,
         **_rows(_KV_FP32_ROWS),
     ),
-    Block("docs/megatron-lm.md", "cp-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
+    Block("docs/megatron-lm.md", "cp-7b", scale="full", format=cp_pivot, **_rows(_CP_7B)),
+    Block("docs/megatron-lm.md", "cp-llama", scale="full", format=cp_pivot, **_rows(_CP_LLAMA)),
     Block("docs/planner.md", "layer-time", [_LAYER_TIME], "small", layer_time),
     Block(
         "docs/planner.md",
@@ -322,6 +552,13 @@ BLOCKS: List[Block] = [
         "small",
         plan_excerpt,
         labels=["TSP8", "TP8+SP", "TP8+SP+TSP-MLP"],
+    ),
+    Block(
+        "docs/planner.md",
+        "tsp-settings",
+        [f"{_LAYER_TIME} --strategies tsp,tp_sp --recompute none {x}" for x in _TSP_RECOMPUTE],
+        "small",
+        tsp_settings,
     ),
     Block(
         "docs/planner.md",
@@ -363,6 +600,7 @@ BLOCKS: List[Block] = [
         verbatim,
     ),
     Block("docs/moe.md", "moe-plan", _MOE_PLAN, "small", moe_plan_table),
+    Block("docs/moe.md", "moe-memory", _MOE_MEMORY, "full", moe_memory_table),
     Block(
         "docs/memory.md", "validate", scale="full", format=validate_table, **_rows(_VALIDATE_ROWS)
     ),
