@@ -2,7 +2,8 @@
 
 Megatron's torch_dist checkpoint writer starts a multiprocessing Manager, which daemon processes
 (the shared test pool's ranks) may not do. Usage: ``python ckpt_roundtrip.py OUT_DIR SEED``;
-writes ``OUT_DIR/results.json`` ({style: [rank0 result, rank1 result]}).
+``python ckpt_roundtrip.py OUT_DIR SEED WORLD`` runs WORLD ranks (D = WORLD); writes
+``OUT_DIR/results.json`` ({style: [one result per rank]}).
 """
 
 import json
@@ -10,7 +11,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STYLES = ("gpt2", "llama", "llama-mqa")  # llama-mqa: one K/V head, fewer than D=2
+STYLES = ("gpt2", "llama", "llama-mqa")  # llama-mqa: one K/V head, fewer than D
 
 
 def _worker(rank, world, port, out_dir, seed):
@@ -49,4 +50,4 @@ def main(out_dir, seed, world=2):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *(int(a) for a in sys.argv[3:4]))

@@ -38,9 +38,10 @@ def test_spec_hook_builds_tsp_model_with_megatron_loss(pool2, seed, style):
     assert results[0]["tokens"] == results[1]["tokens"] > 0
 
 
-def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
-    """Megatron dist_checkpointing (torch_dist) save under TP=2+SP, load under TSP-2 and back
-    (also with one K/V head: fewer than D).
+@pytest.mark.parametrize("d", [2, 4])
+def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path, d):
+    """Megatron dist_checkpointing (torch_dist) save under TP=D+SP, load under TSP-D and back
+    (also with one K/V head: fewer than D), D = 2 and 4.
 
     Runs in its own 2 non-daemon ranks (ckpt_roundtrip.py): Megatron's writer starts a
     multiprocessing Manager and forks writer processes.
@@ -50,7 +51,7 @@ def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
     )
     script = os.path.join(os.path.dirname(__file__), "ckpt_roundtrip.py")
     proc = subprocess.run(
-        [sys.executable, script, str(tmp_path), str(seed)],
+        [sys.executable, script, str(tmp_path), str(seed), str(d)],
         capture_output=True,
         text=True,
         timeout=400,
@@ -58,6 +59,7 @@ def test_dist_checkpoint_tp_sp_and_tsp_both_ways(seed, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.load(open(tmp_path / "results.json"))
     for style in ("gpt2", "llama", "llama-mqa"):  # llama-mqa: fewer K/V heads than D
+        assert len(results[style]) == d
         for rank_result in results[style]:
             assert rank_result["keys"] > 10
             for direction in ("tp_sp->tsp", "tsp->tp_sp"):
