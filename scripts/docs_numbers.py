@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # in-process tools from this checkout, not an installed copy
+    sys.path.insert(0, ROOT)
 PROG = "megatron-tsp"
 IN_PROCESS = ("plan", "moe")  # analytic tools: run in this process (no import per command)
 
