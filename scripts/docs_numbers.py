@@ -491,8 +491,9 @@ _MEMORY_7B = [
     ("TSP D=8, attention recompute ¹", _A2A_ROWS[0][1] + _ATT),
     ("TSP D=8, attention + fc1 recompute ¹ ⁴", _A2A_ROWS[0][1] + _ATT + " --tsp-recompute-fc1"),
 ]
-# deepseek-v2-lite's rows (the same command) stay hand-copied until a refresh has the time
-_MOE_MEMORY = [f"{PROG} memory --model mixtral-8x7b --table --seqs 131072"]
+_MOE_MEMORY = [
+    f"{PROG} memory --model {m} --table --seqs 131072" for m in ("mixtral-8x7b", "deepseek-v2-lite")
+]
 _TSP_RECOMPUTE = (
     "--tsp-recompute-fc1",
     "--tsp-recompute-attn",
