@@ -455,7 +455,7 @@ _CP_7B = _cp_rows(
     "7b",
     [("1M", 1, _FULL), ("1M", 2, _FULL), ("1M", 8, _ALL), ("1M", 16, _NO_RC), ("512k", 8, _NO_RC)],
 )
-_CP_LLAMA = _cp_rows("llama3-8b", [("1M", 8, _NO_RC), ("1M", 16, _NO_RC)])
+_CP_LLAMA = _cp_rows("llama3-8b", [("1M", 4, _FULL), ("1M", 8, _NO_RC), ("1M", 16, _NO_RC)])
 _NEVER = " --tsp-vocab-ring never"
 _VOCAB_RING = [
     _A2A_ROWS[0][1],
