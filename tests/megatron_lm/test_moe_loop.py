@@ -42,6 +42,15 @@ def _logged(log: str, name: str):
     return [float(v) for v in re.findall(rf"\| {name}: ([-+.\dE]+) \|", log)]
 
 
+def _assert_same_balance(tsp, ref) -> None:
+    """The logged load-balancing loss of every iteration equal (fp32 tracker)."""
+    balance = _logged(tsp.log, "load_balancing_loss")
+    ref_balance = _logged(ref.log, "load_balancing_loss")
+    assert len(balance) == len(ref_balance) >= loop.ITERATIONS, (balance, ref_balance)
+    for a, b in zip(balance, ref_balance):
+        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+
+
 def test_tsp2_ep2_matches_tp2_sp_ep2(seed):
     args = loop.STYLES["llama"] + MOE
     tsp = loop._run(2, seed, *args, "--tensor-sequence-parallel-size", "2")
@@ -57,11 +66,7 @@ def test_tsp2_ep2_matches_tp2_sp_ep2(seed):
     )
     loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
     # the load-balancing loss is reduced over the tensor-parallel (= TSP) group: the same tokens
-    balance = _logged(tsp.log, "load_balancing_loss")
-    ref_balance = _logged(ref.log, "load_balancing_loss")
-    assert len(balance) == len(ref_balance) >= loop.ITERATIONS, (balance, ref_balance)
-    for a, b in zip(balance, ref_balance):
-        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+    _assert_same_balance(tsp, ref)
     # Megatron logs the z-loss of the logging rank's own tokens (no reduction over the group):
     # present in both logs; TSP rank 0 holds other tokens than TP rank 0 (docs/moe.md)
     assert _logged(tsp.log, "z_loss") and _logged(ref.log, "z_loss")
@@ -86,11 +91,7 @@ def test_tsp4_ep2_top1_probs_on_input_matches_tp4_sp_ep2(seed):
     )
     loop.assert_logged_args(tsp.log, moe_router_topk="1", moe_apply_probs_on_input="True")
     loop._assert_same_curve(tsp, ref, loop.FP32_LOSS_RTOL, loop.FP32_NORM_RTOL)
-    balance = _logged(tsp.log, "load_balancing_loss")
-    ref_balance = _logged(ref.log, "load_balancing_loss")
-    assert len(balance) == len(ref_balance) >= loop.ITERATIONS, (balance, ref_balance)
-    for a, b in zip(balance, ref_balance):
-        assert a == pytest.approx(b, rel=1e-5), (balance, ref_balance)
+    _assert_same_balance(tsp, ref)
 
 
 def test_dp2_tsp2_ep4_spanning_dp_alltoall_matches_tp2_sp(seed):
