@@ -928,7 +928,6 @@ TP_SP_NOTICE = (
     "TP+SP spec (no Transformer Engine), {spec} (Megatron's local layers with "
     "sequence-parallel torch norms; Megatron's own norms refuse SP here)"
 )
-_TSP_FLAGS = ("--tensor-sequence-parallel-size", "--tsp-mlp")
 
 
 def _flag_value(args: Sequence[str], flag: str) -> Optional[str]:
@@ -955,8 +954,11 @@ def tp_sp_spec_needed(args: Sequence[str]) -> bool:
     Megatron cannot build on this machine: its layer spec's norm supports sequence parallelism
     only from Transformer Engine (``--transformer-impl transformer_engine``, the default) or apex
     (``local``: without apex it is torch's norm, which asserts ``not sequence_parallel``)."""
-    names = {a.split("=", 1)[0] for a in args}
-    if "--sequence-parallel" not in names or "--spec" in names or names & set(_TSP_FLAGS):
+    # imported here: the runner's module stays torch-free until a run needs it
+    from megatron_tsp.megatron_lm.arguments import TSP_FLAG, TSP_MLP_FLAG, flags_in
+
+    names = flags_in(args)
+    if "--sequence-parallel" not in names or "--spec" in names or names & {TSP_FLAG, TSP_MLP_FLAG}:
         return False
     impl = _flag_value(args, "--transformer-impl") or "transformer_engine"
     if impl == "local":
