@@ -22,15 +22,13 @@ from typing import Mapping, Optional
 
 import torch
 
+from megatron_tsp.core.documents import PackedBatchError
 from megatron_tsp.core.layout import TSPLayout
+
+__all__ = ["PackedBatchError", "check_single_causal_document", "natural_positions"]
 
 # rows of an [s, s] mask compared at a time: bounds the temporary to ~16M elements
 _MASK_BLOCK_ELEMENTS = 1 << 24
-
-
-class PackedBatchError(ValueError):
-    """A batch carries documents (a document mask, restarted positions or ``cu_seqlens``) that
-    TSP attention would silently merge into one causal document."""
 
 
 def natural_positions(

@@ -281,6 +281,14 @@ class TSPLayout:
         )
 
     @property
+    def natural_runs(self) -> Tuple[Tuple[int, int, int], ...]:
+        """This rank's local rows as contiguous runs of natural positions, in local order:
+        ``(local row, natural start, length)`` per chunk (``DocumentMask.segments`` cuts them
+        at document starts)."""
+        c = self.chunk_len
+        return tuple((i * c, self.chunk_span(k)[0], c) for i, k in enumerate(self.chunk_ids))
+
+    @property
     def gathered_len(self) -> int:
         """Rows of the gathered K/V buffer (``gathered_blocks``): the S gathered rows and a copy
         of this rank's own late chunk after them (a group of one rank: S, natural order)."""
