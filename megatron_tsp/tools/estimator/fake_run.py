@@ -4,11 +4,13 @@
 TP x CP job, wraps it in Megatron's ``DistributedDataParallel`` (fp32 ``main_grad`` buffer),
 builds a mixed-precision Adam (fp32 master weights + m + v, optionally sharded over data
 parallelism like Megatron's distributed optimizer) and runs forward, backward, gradient
-finalisation and the optimizer step once. With ``fake=True`` every tensor is a ``FakeTensor``
-(shapes only, no storage) and the process group is torch's ``fake`` backend (collectives return at
-once), so one 2-core machine can run one rank of a 7B / 128k / D=8 job. torch's ``MemTracker``
-categorises every live storage (parameters, gradients, optimizer state, activations, temporaries)
-and records the peak; ``FlopCounterMode`` counts GEMM and attention FLOPs on the same run, and
+finalisation and the optimizer step once. FSDP x CP (``fsdp_cp``) shards the TP = 1, CP = N
+model with torch FSDP2 instead of the DDP wrapper and steps Adam on the shards (``fsdp_run``).
+With ``fake=True`` every tensor is a ``FakeTensor`` (shapes only, no storage) and the process
+group is torch's ``fake`` backend (collectives return at once), so one 2-core machine can run one
+rank of a 7B / 128k / D=8 job. torch's ``MemTracker`` categorises every live storage
+(parameters, gradients, optimizer state, activations, temporaries) and records the peak;
+``FlopCounterMode`` counts GEMM and attention FLOPs on the same run, and
 ``CommCounter`` records the collectives.
 
 With ``fake=False`` the same code runs with real tensors (small shapes) and the peak is read from
@@ -23,10 +25,11 @@ which saves only the output and the fp32 log-sum-exp and recomputes the probabil
 
 * TSP: the layers themselves, unmodified (no stand-in).
 * TP / TP+SP: ``BaselineCoreAttention``, one causal call over the local heads and the sequence.
-* TP x CP: Megatron's zigzag layout (CP rank r holds chunks r and 2CP-1-r); K/V all-gathered over
-  the CP group with the TSP layers' packed K/V gather (TE's ``cp_comm_type="all_gather"``), each
-  local chunk attends to keys [0, (c+1)C) bottom-right aligned, only the local q/k/v/out/lse are
-  saved, backward re-gathers K/V and reduce-scatters dK/dV with the layers' code.
+* TP x CP (and FSDP x CP, TP = 1): Megatron's zigzag layout (CP rank r holds chunks r and
+  2CP-1-r); K/V all-gathered over the CP group with the TSP layers' packed K/V gather (TE's
+  ``cp_comm_type="all_gather"``), each local chunk attends to keys [0, (c+1)C) bottom-right
+  aligned, only the local q/k/v/out/lse are saved, backward re-gathers K/V and reduce-scatters
+  dK/dV with the layers' code. TE's P2P ring (``cp_comm_type="p2p"``) has no stand-in here.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from megatron_tsp.core.model_shape import ModelShape, load_model
 from megatron_tsp.megatron_lm import patches
 from megatron_tsp.tools.estimator import flops_count
 
-SCHEMES = ("tsp", "tp", "tp_sp", "hybrid", "tp_cp")
+SCHEMES = ("tsp", "tp", "tp_sp", "hybrid", "tp_cp", "fsdp_cp")
 GB = 1e9
 GIB = 2**30
 
@@ -61,7 +64,9 @@ GIB = 2**30
 
 @dataclass
 class RunConfig:
-    scheme: str = "tsp"  # tsp | tp | tp_sp | hybrid (TP+SP attention + TSP MLP) | tp_cp (TP x CP)
+    # tsp | tp | tp_sp | hybrid (TP+SP attention + TSP MLP) | tp_cp (TP x CP) | fsdp_cp (FSDP2
+    # ZeRO-3 x CP over the whole group: TP = 1, CP = --cp = --world-size)
+    scheme: str = "tsp"
     model: ModelShape = field(default_factory=lambda: load_model("7b"))
     world_size: int = 8
     tp: int = 8  # the TSP group size D for scheme "tsp"
@@ -146,6 +151,8 @@ class RunConfig:
             return f"TP={self.tp}+SP+TSP-MLP{rec}"
         if self.scheme == "tp_cp":
             return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
+        if self.scheme == "fsdp_cp":
+            return f"FSDPxCP{self.cp}"
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
     def validate(self) -> None:
@@ -153,8 +160,12 @@ class RunConfig:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.model.is_moe:
             self._validate_moe()
-        if self.scheme not in ("tp_cp", "tsp") and self.cp != 1:
-            raise ValueError(f"--cp {self.cp} needs scheme 'tp_cp' (TP x CP) or 'tsp' (TSP x CP)")
+        if self.scheme not in ("tp_cp", "tsp", "fsdp_cp") and self.cp != 1:
+            raise ValueError(
+                f"--cp {self.cp} needs scheme 'tp_cp' (TP x CP), 'tsp' (TSP x CP) or 'fsdp_cp'"
+            )
+        if self.scheme == "fsdp_cp":
+            self._validate_fsdp_cp()
         if self.scheme == "tp_cp" and self.cp < 2:
             raise ValueError("scheme 'tp_cp' needs --cp >= 2")
         m = self.model
@@ -175,6 +186,7 @@ class RunConfig:
         split = {
             "tsp": 2 * self.tp * self.cp,
             "tp_cp": 2 * self.cp * self.tp,
+            "fsdp_cp": 2 * self.cp,
             "tp_sp": self.tp,
             "hybrid": self.tp,
             "tp": 1,
@@ -187,6 +199,24 @@ class RunConfig:
             raise ValueError("recompute must be 'none' or 'full'")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError("dtype must be bf16 or fp32")
+
+    def _validate_fsdp_cp(self) -> None:
+        """FSDP x CP shards every weight over the whole sequence group (ZeRO-3, DP = 1 inside
+        it, the planner's ``fsdp_cp``): TP 1, CP = the world."""
+        if self.tp != 1:
+            raise ValueError(
+                f"--scheme fsdp_cp has no tensor parallelism: --tp must be 1, got {self.tp}"
+            )
+        if self.cp < 2 or self.cp != self.world_size:
+            raise ValueError(
+                f"--scheme fsdp_cp shards over the whole CP group: --cp must equal --world-size "
+                f"and be >= 2, got --cp {self.cp}, --world-size {self.world_size}"
+            )
+        if self.distributed_optimizer:
+            raise ValueError(
+                "--scheme fsdp_cp shards the optimizer state with the weights already: drop "
+                "--distributed-optimizer"
+            )
 
     def _validate_moe(self) -> None:
         from megatron_tsp.tools.estimator.uniform_routing import DISPATCHERS
@@ -426,7 +456,9 @@ def transformer_config(cfg: RunConfig):
         tensor_model_parallel_size=cfg.tp,
         context_parallel_size=cfg.cp,
         sequence_parallel=cfg.sequence_parallel,
-        params_dtype=dtype,
+        # fsdp_cp: FSDP2 keeps the sharded parameters in their own dtype (fp32, the master
+        # weights) and casts them to the model dtype for its all-gather
+        params_dtype=torch.float32 if cfg.scheme == "fsdp_cp" else dtype,
         bf16=cfg.dtype == "bf16",
         pipeline_dtype=dtype,
         hidden_dropout=0.0,
@@ -860,10 +892,16 @@ def _prepare(cfg: RunConfig):
 
 def _build_training_state(cfg: RunConfig, config):
     """The model of this rank, Megatron's DDP wrapper (fp32 ``main_grad`` buffers) and the
-    mixed-precision Adam."""
+    mixed-precision Adam; for ``fsdp_cp`` the FSDP2-sharded model (``fsdp_cp.shard_model``) with
+    no DDP wrapper (None) and Adam over the shards."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if cfg.scheme == "fsdp_cp":
+        from megatron_tsp.tools.estimator import fsdp_run
+
+        model = fsdp_run.shard_model(build_model(cfg, config), cfg)
+        return model, None, fsdp_run.ShardAdam(model)
     model = build_model(cfg, config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -896,6 +934,11 @@ def _local_batch(cfg: RunConfig):
     return tokens, labels, pos
 
 
+def _local_numel(module) -> int:
+    """This rank's parameter elements (an FSDP2 parameter's: its local shard's)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters())
+
+
 def _categories(snapshot) -> Dict[str, int]:
     return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snapshot.items()}
 
@@ -907,8 +950,10 @@ def _track_static(model, ddp, optimizer):
 
     tracker = lean_mem_tracker()
     tracker.track_external(model, optimizer.optimizer)
-    # the dense parameters' buffers and, for MoE models, the experts' (expert-data-parallel)
-    for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+    # the dense parameters' buffers and, for MoE models, the experts' (expert-data-parallel);
+    # fsdp_cp has none (FSDP2: the sharded parameters, no gradient until its backward)
+    buffers = [] if ddp is None else ddp.buffers
+    for buffer in list(buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
         _tag(tracker, buffer.grad_data, _MemRefType.GRAD)
         if buffer.param_data is not None:
             _tag(tracker, buffer.param_data, _MemRefType.PARAM)
@@ -925,7 +970,10 @@ def _training_step(model, ddp, optimizer, tracker, batch, comm) -> List[int]:
 
     tokens, labels, pos = batch
     with torch.autograd.profiler.record_function("tsp_measured_step"):
-        ddp.zero_grad_buffer()
+        if ddp is None:  # fsdp_cp: FSDP2 reduce-scatters each unit's gradient in its backward
+            optimizer.zero_grad()
+        else:
+            ddp.zero_grad_buffer()
         # DDP's forward only forwards to the module (and DDP's ``buffers`` attribute, a list,
         # shadows nn.Module.buffers()); its grad hooks stay.
         loss_per_token = model(tokens, pos, None, labels=labels)
@@ -935,7 +983,8 @@ def _training_step(model, ddp, optimizer, tracker, batch, comm) -> List[int]:
         marks.append(len(comm.records) if comm is not None else 0)
         del loss, loss_per_token
         tracker._phase = "grad_sync"
-        finalize_model_grads([ddp])
+        if ddp is not None:
+            finalize_model_grads([ddp])
         tracker._phase = "optimizer"
         optimizer.step()
     return marks
@@ -987,7 +1036,7 @@ def run_step(cfg: RunConfig) -> RunResult:
         with routing, fake_mode:
             model, ddp, optimizer = _build_training_state(cfg, config)
             batch = _local_batch(cfg)
-            params_local = sum(p.numel() for p in ddp.parameters())
+            params_local = _local_numel(model if ddp is None else ddp)
             tracker, static = _track_static(model, ddp, optimizer)
             flop_counter = (
                 flops_count.make_flop_counter() if cfg.count_flops else contextlib.nullcontext()

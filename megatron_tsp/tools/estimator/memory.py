@@ -10,6 +10,7 @@ Examples::
     megatron-tsp memory --scheme tsp --tp 8 --seq 131072              # one rank of 7B, D=8
     megatron-tsp memory --scheme tp_cp --tp 4 --cp 2 --seq 131072 --recompute full
     megatron-tsp memory --scheme hybrid --tp 8 --seq 131072         # TP+SP attention + TSP MLP
+    megatron-tsp memory --scheme fsdp_cp --tp 1 --cp 8 --seq 131072   # FSDP2 ZeRO-3 x CP8
     megatron-tsp memory --table                                        # the paper's 7B table
     megatron-tsp memory --validate --model small --scheme tp_sp --tp 4 --world-size 4 --seq 2048
 """
@@ -93,11 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("run")
     r.add_argument(
         "--scheme",
-        choices=["tsp", "tp", "tp_sp", "hybrid", "tp_cp"],
+        choices=["tsp", "tp", "tp_sp", "hybrid", "tp_cp", "fsdp_cp"],
         default="tsp",
         help="tsp (TSP, D=--tp), tp (Megatron TP), tp_sp (TP + sequence parallel), "
         "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
-        "tp_cp (TP x CP with SP)",
+        "tp_cp (TP x CP with SP), fsdp_cp (torch FSDP2 ZeRO-3 x CP over the whole group, "
+        "K/V all-gathered: --tp 1 --cp N --world-size N)",
     )
     r.add_argument("--tp", type=positive_int, default=8, help="TP size, or the TSP group size D")
     r.add_argument("--cp", type=positive_int, default=1)
