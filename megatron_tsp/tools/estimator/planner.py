@@ -50,8 +50,8 @@ from megatron_tsp.console.args import (
 )
 from megatron_tsp.core.model_shape import ModelShape
 
+from . import documents, moe
 from . import formulas as fm
-from . import moe
 from .formulas import LayerShape
 from .memory_model import analytic_memory
 from .planner_inputs import GB, HardwareSpec, available, load_hardware, load_model
@@ -150,7 +150,14 @@ def assumptions(
             else "compute: FLOPs only (--compute-model flops)"
         ),
         "FLOPs: 2*B*S*W per GEMM, causal attention 2*2*B*S^2*h*0.5, backward = "
-        f"{o.bwd_factor}x forward; zigzag balance assumed",
+        f"{o.bwd_factor}x forward; zigzag balance assumed"
+        + (
+            f"; packed documents {o.documents}: attention x sum L^2 / S^2 (mean of "
+            f"{documents.DRAWS} seeded draws), its time x the layout's max / mean rank work "
+            "(TSP: global zigzag, CP: TE THD, TP / TP+SP: 1; megatron-tsp documents)"
+            if o.documents
+            else ""
+        ),
         "memory: bf16 params + fp32 grads + fp32 master/Adam (18 B/param), optimizer part "
         f"sharded over DP(xCP) = {o.distributed_optimizer}; activations bf16 (LN in/out, QKV, "
         "attention out, MLP intermediates; flash attention, no dropout); recompute "
@@ -628,6 +635,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="alltoall",
         help="MoE models: megatron-core's token dispatcher of the folded layout",
     )
+    ap.add_argument(
+        documents.MIX_FLAG,
+        default="",
+        metavar="MIX",
+        help="packed documents, a length mix (single, uniform:LO-HI, heavy:ALPHA,LO-HI, "
+        "long+short:L,LO-HI, fixed:L1,L2,...; k = 1024; see megatron-tsp documents): the "
+        "attention FLOPs follow the in-document pairs (sum L^2 / S^2 of the one-document "
+        "term, mean of 8 seeded draws per S) and its time the slowest rank of each strategy's "
+        "layout (TSP: today's zigzag; CP layouts: TE's THD; TP / TP+SP: balanced). Memory is "
+        "unchanged: flash attention saves per-token tensors whatever the mask, so "
+        "megatron-tsp memory has no --documents (THD's padding, < 2 x CP tokens per document, "
+        "is not priced)",
+    )
     ap.add_argument("--plot", default="", help="also plot the sweep as a PNG at this path")
     ap.add_argument(
         "--sweep",
@@ -651,6 +671,8 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} {value}", str(exc)) from None
     if args.gpus % args.degree:
         raise UsageError("--gpus", f"{args.gpus} is not a multiple of --degree {args.degree}")
+    if args.documents:
+        documents.parse_mix(args.documents)  # a ValueError naming --documents
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in STRATEGY_NAMES]
     if unknown:
@@ -680,6 +702,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tsp_activation_sums_fp32=args.tsp_activation_sums_in_fp32,
         moe_schedule=args.moe_schedule,
         moe_dispatcher=args.moe_token_dispatcher_type,
+        documents=args.documents,
     )
     kinds = [k.strip() for k in args.strategies.split(",") if k.strip()]
     if m.is_moe:

@@ -222,6 +222,9 @@ class Options:
     moe_dispatcher: str = "alltoall"
     bwd_factor: float = 2.0
     causal_fraction: float = 0.5
+    # packed documents (``documents.parse_mix`` spec, --documents): the attention term follows
+    # the in-document pairs and the slowest rank of the strategy's layout (documents.py)
+    documents: str = ""
     overlap_dp: bool = True  # overlap_grad_reduce / overlap_param_gather
     # fsdp_cp's per-layer gradient reduce-scatter, bytes per element: None = the model dtype,
     # Megatron-LM's default (--use-megatron-fsdp builds megatron_fsdp from the DDP config,

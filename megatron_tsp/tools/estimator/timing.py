@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from megatron_tsp.core.model_shape import ModelShape
 
+from . import documents, measured_traffic, moe
 from . import formulas as fm
-from . import measured_traffic, moe
 from .formulas import LayerShape
 from .memory_model import analytic_memory, head_shape
 from .planner_inputs import GB, HardwareSpec, load_hardware, load_model
@@ -134,14 +134,26 @@ def exposed_comm(times: List[tuple], compute: float, attn_compute: float) -> flo
     return crit + attn - hid_a + rest - hid_r
 
 
-def _flop_kw(s: Strategy, o: Options, full: bool) -> dict:
+def _flop_kw(s: Strategy, o: Options, full: bool, seq: int = 0, balance: bool = True) -> dict:
     return dict(
         recompute_fc1=(s.kind in ("tsp", "tsp_cp", "hybrid") and o.tsp_recompute_fc1),
         recompute_attn_core=(s.is_tsp and o.tsp_recompute_attn),
         full_recompute=full,
-        causal_fraction=o.causal_fraction,
+        causal_fraction=causal_fraction(s, o, seq, balance),
         bwd_factor=o.bwd_factor,
     )
+
+
+def causal_fraction(s: Strategy, o: Options, seq: int, balance: bool = True) -> float:
+    """The attention core's share of 2*2*B*S^2*h: ``o.causal_fraction`` for one causal document;
+    with packed documents (``o.documents``) times sum L^2 / S^2 (the in-document pairs) and,
+    for the time (``balance``), the max / mean work of the strategy's layout over its ranks
+    (``documents.strategy_layout``)."""
+    if not o.documents or not seq:
+        return o.causal_fraction
+    layout, ranks = documents.strategy_layout(s)
+    pairs, time = documents.attention_factors(o.documents, seq, ranks, layout)
+    return o.causal_fraction * (time if balance else pairs)
 
 
 def measured_layer(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq: int):
@@ -169,7 +181,7 @@ def _layer_time(
     ranks; with ``measured`` kernels, the sum of their rooflines, full recompute repeating the
     forward's), communication, and what of it the compute cannot hide."""
     D = s.degree
-    fl = fm.layer_flops(shape, **_flop_kw(s, o, full))
+    fl = fm.layer_flops(shape, **_flop_kw(s, o, full, shape.seq))
     if measured is None:
         compute = {
             "fwd": fl["fwd"] / D / hw.flops,
@@ -179,8 +191,13 @@ def _layer_time(
         # the recorded layer runs the layers' defaults (attention core saved); the options the
         # recording did not run add their FLOPs
         fwd, bwd = measured["fwd"]["seconds"], measured["bwd"]["seconds"]
-        extra = fl["recompute_attn_core"] / D / hw.flops if not full else 0.0
-        compute = {"fwd": fwd, "bwd": bwd + extra + (fwd if full else 0.0)}
+        fl0 = fm.layer_flops(shape, **_flop_kw(s, o, full))  # one causal document, as recorded
+        extra = fl0["recompute_attn_core"] / D / hw.flops if not full else 0.0
+        # packed documents (--documents): the attention FLOPs the documents and the layout's
+        # balance add (or save) against the recorded one-document layer
+        doc_fwd = (fl["fwd"] - fl0["fwd"]) / D / hw.flops
+        doc_bwd = (fl["bwd"] + fl["recompute"] - fl0["bwd"] - fl0["recompute"]) / D / hw.flops
+        compute = {"fwd": fwd + doc_fwd, "bwd": bwd + extra + (fwd if full else 0.0) + doc_bwd}
     attn_core = {
         "fwd": fl["fwd_attn_core"] / D / hw.flops,
         "bwd": (fl["bwd_attn_core"] + fl["recompute_attn_core"]) / D / hw.flops,
@@ -355,8 +372,8 @@ def _evaluate(
     step = nmb * micro + per_step["replicated_allreduce_s"] + per_step["dp_exposed_s"]
     tokens = dp * nmb * o.micro_batch * seq
 
-    def flops(layer_shape):
-        kw = dict(causal_fraction=o.causal_fraction, bwd_factor=o.bwd_factor)
+    def flops(layer_shape):  # model FLOPs: the documents' pairs, no imbalance
+        kw = dict(causal_fraction=causal_fraction(s, o, seq, False), bwd_factor=o.bwd_factor)
         return fm.layer_flops(layer_shape, **kw)["total"]
 
     layer_flops = m.num_layers * flops(shape)
