@@ -22,10 +22,15 @@ from typing import Mapping, Optional
 
 import torch
 
-from megatron_tsp.core.documents import PackedBatchError
+from megatron_tsp.core.documents import DocumentMask, PackedBatchError
 from megatron_tsp.core.layout import TSPLayout
 
-__all__ = ["PackedBatchError", "check_single_causal_document", "natural_positions"]
+__all__ = [
+    "PackedBatchError",
+    "check_documents",
+    "check_single_causal_document",
+    "natural_positions",
+]
 
 # rows of an [s, s] mask compared at a time: bounds the temporary to ~16M elements
 _MASK_BLOCK_ELEMENTS = 1 << 24
@@ -44,6 +49,88 @@ def natural_positions(
         return torch.arange(seq_length, device=device)
     layout = TSPLayout(context_parallel_size, seq_length * context_parallel_size, cp_rank)
     return layout.positions(device)
+
+
+def check_documents(batch: Mapping[str, Optional[torch.Tensor]]) -> Optional[DocumentMask]:
+    """The documents of a full (pre-zigzag, not CP-sliced) batch, validated: a ``DocumentMask``
+    (possibly one document per sample), or None when the batch says nothing about them.
+
+    * ``attention_mask`` [b, 1, s, s] (or [1, 1, s, s] for every sample): must be
+      block-diagonal causal (the plain causal mask is one document);
+      ``DocumentMask.from_attention_mask`` names the first bad row otherwise;
+    * ``cu_seqlens`` (THD, one packed sample): documents ``DocumentMask.from_cu_seqlens``; a
+      mask given beside it must agree;
+    * ``position_ids`` [b, s]: each sample's must be the natural positions ``0..s-1`` or restart
+      at 0 at each of its document starts (``--reset-position-ids`` with
+      ``--reset-attention-mask``); ids that restart where no document starts are refused
+      (naming the sample, the index and the expected id): TSP's attention would not match
+      them.
+
+    One host sync for the mask and one for the position ids."""
+    cu_seqlens = batch.get("cu_seqlens")
+    position_ids = batch.get("position_ids")
+    mask = batch.get("attention_mask")
+    tokens = batch.get("tokens")
+    seq = None
+    for value in (position_ids, tokens):
+        if torch.is_tensor(value) and value.dim() >= 2:
+            seq = value.shape[-1]
+            break
+    if seq is None and torch.is_tensor(mask) and mask.dim() >= 2:
+        seq = mask.shape[-1]
+    documents = None
+    if cu_seqlens is not None:
+        if seq is None:
+            raise PackedBatchError("TSP got cu_seqlens without tokens or position_ids")
+        batch_size = next(
+            (v.shape[0] for v in (tokens, position_ids) if torch.is_tensor(v) and v.dim() >= 2),
+            1,
+        )
+        if batch_size != 1:
+            raise PackedBatchError(
+                f"TSP got cu_seqlens ({_count(cu_seqlens)} boundaries) with {batch_size} "
+                "samples: a packed (THD) batch is one sample ([1, total tokens])"
+            )
+        documents = DocumentMask.from_cu_seqlens(cu_seqlens, seq)
+    if torch.is_tensor(mask) and mask.dim() >= 2:
+        if seq is not None and tuple(mask.shape[-2:]) != (seq, seq):
+            raise PackedBatchError(
+                f"TSP got an attention_mask of shape {tuple(mask.shape)} for sequences of {seq} "
+                "tokens: expected [b, 1, s, s] (rows are the queries)"
+            )
+        from_mask = DocumentMask.from_attention_mask(mask)
+        if documents is not None and from_mask != documents:
+            raise PackedBatchError(
+                f"TSP got cu_seqlens documents {documents.starts} and an attention_mask with "
+                f"documents {from_mask.starts}"
+            )
+        documents = from_mask
+    if torch.is_tensor(position_ids) and position_ids.dim() >= 2:
+        ids = position_ids.reshape(-1, seq)
+        if documents is not None:
+            documents.check_batch_size(ids.shape[0], "position_ids batch")
+        natural = torch.arange(seq, device=ids.device)
+        bad = ids != natural
+        if documents is not None and not documents.is_single_document:
+            restart = documents.position_ids(ids.device).expand(ids.shape[0], seq)
+            bad &= (ids != restart).any(dim=-1, keepdim=True)  # a sample may be either
+        first = int(_first_true(bad))
+        if first >= 0:
+            row, col = divmod(first, seq)
+            starts = documents.starts_of(row) if documents is not None else (0,)
+            raise PackedBatchError(
+                f"TSP got position_ids that match neither the natural positions nor the "
+                f"documents: sample {row} holds {int(ids[row, col])} at index {col} (documents "
+                f"start at {_short(starts)}; expected {col} or the index within its document). "
+                "Position ids that restart per document (--reset-position-ids) need the "
+                "document attention mask (--reset-attention-mask) under TSP"
+            )
+    return documents
+
+
+def _short(values, limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 def check_single_causal_document(

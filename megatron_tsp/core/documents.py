@@ -16,6 +16,15 @@ query rows against the natural-order keys from its document's start to its own e
 exactly one segment, so the segments' outputs need no merging, and the segments visit exactly
 the in-document causal (query, key) pairs.
 
+How it travels through ``GPTModel``: as the ``attention_mask`` argument, in the form of a
+``DocumentMaskTensor`` (``DocumentMask.to_tensor``): a small CPU int64 tensor whose *values*
+encode the starts, marked by its class. Megatron passes ``attention_mask`` unchanged down to
+every ``SelfAttention.forward``, but full activation recomputation
+(``tensor_parallel.checkpoint``) puts it through ``save_for_backward`` and ``detach`` (a
+non-tensor is refused there, and ``detach`` drops Python attributes, keeping the subclass), so
+the structure has to be the tensor's data. ``as_documents`` turns either form back into a
+``DocumentMask`` (decoding is a ``tolist`` of a few CPU ints: no device sync).
+
 Nothing here communicates or reads device memory after construction; the constructors that read
 a tensor (``from_attention_mask``, ``from_cu_seqlens``) do one host sync.
 """
@@ -220,11 +229,46 @@ class DocumentMask:
         self.check_batch_size(batch_size)
         return _segments(self, tuple(tuple(r) for r in runs), batch_size)
 
+    def to_tensor(self) -> "DocumentMaskTensor":
+        """This mask as a ``DocumentMaskTensor`` (CPU int64 ``[samples, 1 + most documents]``:
+        row i is ``[seq_length, starts of sample i..., -1 padding]``), the form that passes
+        through Megatron's ``attention_mask`` argument, recomputation included."""
+        width = 1 + max(len(row) for row in self.starts)
+        data = torch.full((len(self.starts), width), -1, dtype=torch.long)
+        for i, row in enumerate(self.starts):
+            data[i, 0] = self.seq_length
+            data[i, 1 : 1 + len(row)] = torch.tensor(row, dtype=torch.long)
+        return data.as_subclass(DocumentMaskTensor)
+
     def pairs(self) -> int:
         """In-document causal (query, key) pairs of the whole batch (every sample)."""
         return sum(
             n * (n + 1) // 2 for i in range(len(self.starts)) for n in self.document_lengths(i)
         )
+
+
+class DocumentMaskTensor(torch.Tensor):
+    """A ``DocumentMask`` encoded in a CPU int64 tensor (``DocumentMask.to_tensor``); the
+    class marks it as documents (not a dense mask) and survives ``detach`` and
+    ``save_for_backward``. Decode with ``as_documents``."""
+
+
+def as_documents(mask) -> Optional[DocumentMask]:
+    """The ``DocumentMask`` of an ``attention_mask`` argument: a ``DocumentMask``, or a
+    ``DocumentMaskTensor``; None for anything else (None, a dense mask tensor)."""
+    if isinstance(mask, DocumentMask):
+        return mask
+    if isinstance(mask, DocumentMaskTensor):
+        rows = torch.Tensor.tolist(mask.as_subclass(torch.Tensor).cpu())
+        return _decode(tuple(tuple(row) for row in rows))
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _decode(rows) -> DocumentMask:
+    if not rows or len({row[0] for row in rows}) != 1:
+        raise PackedBatchError(f"malformed DocumentMaskTensor (rows {list(rows)[:2]}...)")
+    return DocumentMask(tuple(tuple(v for v in row[1:] if v >= 0) for row in rows), rows[0][0])
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_tsp.core.batch_contract import check_single_causal_document
+from megatron_tsp.core.batch_contract import check_documents
 from megatron_tsp.core.layout import TSPLayout, check_sequence_length
 
 
@@ -97,24 +97,33 @@ def get_batch_on_this_tsp_rank(
     refuses (``rejections``); ``tests/test_layout.py`` asserts that the permuted ids equal
     ``TSPLayout.permutation()``.
 
-    Packed documents are refused until TSP has a packed path: the batch must be one causal
-    document per sequence (``batch_contract.check_single_causal_document``: no ``cu_seqlens``,
-    ``position_ids`` the natural positions, ``attention_mask`` the plain causal mask), else
-    ``PackedBatchError`` names the key and the flag that builds it (one host sync per
-    micro-batch). ``check_single_document=False`` is for a caller that checked the batch itself
-    (the Megatron-LM hook checks its CP rank's slice before the zigzag).
+    Packed documents (``batch_contract.check_documents``): a block-diagonal causal
+    ``attention_mask`` (or a THD batch's ``cu_seqlens``) with several documents in a sample is
+    returned as ``attention_mask`` = ``DocumentMask.to_tensor()`` (natural positions, never
+    permuted; ``GPTModel`` hands it to every TSP attention layer, which runs one causal call
+    per (chunk, document) segment); ``position_ids`` may restart at the document starts (the
+    embedding reads them, permuted like the tokens). A mask that is neither, or position ids
+    that match neither the natural positions nor the documents, raise ``PackedBatchError``
+    naming the sample and row (one host sync per key and micro-batch). A single document per
+    sample keeps today's output exactly. ``check_single_document=False`` is for a caller that
+    checked the batch itself (the Megatron-LM hook checks its CP rank's slice before the
+    zigzag): the mask then passes through as before.
     """
     from megatron_tsp.core.batch_guard import mark_zigzagged
 
-    if check_single_document:
-        check_single_causal_document(batch)
+    documents = check_documents(batch) if check_single_document else None
+    if documents is not None and documents.is_single_document:
+        documents = None  # the plain causal mask: today's path
 
     if group_size is None:
         from megatron_tsp.core import parallel_state
 
         group_size = parallel_state.get_tensor_sequence_parallel_world_size()
+    if documents is not None:  # replaced by the documents: no S x S permute
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
     if context_parallel_size > 1:
-        return _cp_batch(batch, group_size, context_parallel_size, cp_rank, permute_attention_mask)
+        out = _cp_batch(batch, group_size, context_parallel_size, cp_rank, permute_attention_mask)
+        return _with_documents(out, documents)
     out: Dict[str, Optional[torch.Tensor]] = {}
     for key, value in batch.items():
         if value is None or group_size == 1:
@@ -132,6 +141,13 @@ def get_batch_on_this_tsp_rank(
             out[key] = value
     for key in ("tokens", "position_ids", "labels"):
         mark_zigzagged(out.get(key), group_size)
+    return _with_documents(out, documents)
+
+
+def _with_documents(out, documents):
+    """``out`` with the packed documents (if any) as its ``attention_mask``."""
+    if documents is not None:
+        out["attention_mask"] = documents.to_tensor()
     return out
 
 

@@ -89,6 +89,7 @@ from megatron_tsp.core.comm import (
     reduce_to,
     weight_bias_views,
 )
+from megatron_tsp.core.documents import DocumentMask, PackedBatchError, as_documents
 from megatron_tsp.core.layers import kernels, row_sum_kernel
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.head_groups import (
@@ -274,20 +275,31 @@ class _KVGradScatter:
         layout: TSPLayout,
         slot: int,
         sum_dtype: Optional[torch.dtype] = None,
+        natural: Optional[torch.Tensor] = None,
     ):
         self.dtype, self.group, self.slot, self.pending = dtype, group, slot, None
         self.sum_dtype = sum_dtype
-        rows = dks[0][1]  # (first row, layout.KeyRows)
-        first = rows if isinstance(rows, torch.Tensor) else rows[0]
-        _, b, groups, dim = first.shape
+        if natural is not None:  # packed documents: dK/dV already summed, natural key order
+            first = natural
+            _, b, two_groups, dim = natural.shape
+            groups = two_groups // 2
+        else:
+            rows = dks[0][1]  # (first row, layout.KeyRows)
+            first = rows if isinstance(rows, torch.Tensor) else rows[0]
+            _, b, groups, dim = first.shape
         shape, device = (layout.seq_length, b, 2 * groups, dim), first.device
         if layout.group_size == 1:
             self.send = torch.empty(shape, dtype=wire_dtype, device=device)
         else:
             self.send = WORKSPACE.get("kv_grad_send", slot, shape, wire_dtype, device)
-        k_half, v_half = self.send.narrow(2, 0, groups), self.send.narrow(2, groups, groups)
-        for dest, sources in ((k_half, dks), (v_half, dvs)):  # one launch each on CUDA
-            row_sum_kernel.sum_pieces(dest, layout.key_pieces(dest.shape[0], sources))
+        if natural is not None:
+            # natural position p -> gathered row gathered_index[p]: one rounding to the wire
+            index = layout.gathered_index(device)
+            self.send.index_copy_(0, index, natural.to(wire_dtype))
+        else:
+            k_half, v_half = self.send.narrow(2, 0, groups), self.send.narrow(2, groups, groups)
+            for dest, sources in ((k_half, dks), (v_half, dvs)):  # one launch each on CUDA
+                row_sum_kernel.sum_pieces(dest, layout.key_pieces(dest.shape[0], sources))
         if layout.group_size == 1:
             self.pending = done(self.send)
 
@@ -356,6 +368,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         accumulate_into_main_grad,
         kernel,
         seq_group,
+        documents=None,
     ):
         size = layout.weight_group_size
         has_bias = qkv_b is not None
@@ -393,7 +406,11 @@ class _TSPAttentionFunction(torch.autograd.Function):
                 for i, pw in enumerate(pws):  # shard r*m+i's columns of the projection
                     proj_full.narrow(1, (r * m + i) * cols, cols).copy_(pw)
                 k_all, v_all = gather.wait()
-                if kernel.has_lse:
+                if documents is not None:
+                    outs, lses = _document_forward(
+                        kernel, q, k_all, v_all, layout, documents, head_layout
+                    )
+                elif kernel.has_lse:
                     outs, lses = kernels.zigzag_forward(
                         kernel, q, k_all, v_all, blocks, head_layout.softmax_scale
                     )
@@ -418,7 +435,7 @@ class _TSPAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(x, qkv_w, qkv_b, proj_w, *ctx.rope_saved, *saved)
         ctx.head_layout, ctx.group, ctx.rng, ctx.kernel = head_layout, group, rng, kernel
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
-        ctx.layout, ctx.seq_group = layout, seq_group
+        ctx.layout, ctx.seq_group, ctx.documents = layout, seq_group, documents
         # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
         return torch.matmul(context, proj_full.t())
 
@@ -441,7 +458,25 @@ class _TSPAttentionFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _document_forward(kernel, q, k_all, v_all, layout: TSPLayout, documents, head_layout):
+    """Packed documents' attention of one head group (``documents``: the micro-batch's
+    ``SampleSegments`` plans): the gathered K/V copied once into natural order, then one
+    bottom-right causal call per (chunk, document) segment. Returns per-chunk ``(outs, lses)``
+    as ``zigzag_forward`` does (empty ``lses`` for a kernel without a log-sum-exp)."""
+    k_nat, v_nat = _natural_kv(k_all, v_all, layout)
+    blocks = layout.gathered_blocks
+    if kernel.has_lse:
+        return kernels.document_forward(
+            kernel, q, k_nat, v_nat, documents, head_layout.softmax_scale, blocks
+        )
+    rows = kernels.document_attend(
+        kernel, q, k_nat, v_nat, documents, head_layout.softmax_scale, head_layout.dropout_p
+    )
+    return _block_rows(rows, blocks), []
 
 
 def _save_rope(ctx, rope_q: Optional[RopeTables], rope_k: Optional[RopeTables]):
@@ -531,6 +566,7 @@ class _AttentionBackward:
         self.grad_out, self.rng = grad_out, ctx.rng
         self.head_layout, self.layout = ctx.head_layout, ctx.layout
         self.group, self.seq_group, self.kernel = ctx.group, ctx.seq_group, ctx.kernel
+        self.documents = ctx.documents  # SampleSegments plans of packed documents, or None
         self.blocks = self.layout.gathered_blocks
         self.hidden = x.shape[-1]
         self.has_bias, self.dtype = qkv_b is not None, x.dtype
@@ -644,7 +680,11 @@ class _AttentionBackward:
         k_all, v_all = group.gather.wait()
         q = group.q
         post = post_previous if post_previous is not None else (lambda: None)
-        if self.kernel.has_lse:
+        natural = None
+        if self.kernel.has_lse and self.documents is not None:
+            dq, natural = self._document_backward(group, q, k_all, v_all, d_ctx, g_pw, post)
+            dks = dvs = None
+        elif self.kernel.has_lse:
             dq, dks, dvs = self._kernel_backward(group, q, k_all, v_all, d_ctx, g_pw, post)
         else:
             dq, dks, dvs = self._autograd_backward(group, q, k_all, v_all, d_ctx, g_pw, post)
@@ -657,6 +697,7 @@ class _AttentionBackward:
             self.layout,
             slot=group.r % 2,
             sum_dtype=self.acc_dtype if self.head_layout.kv_grad_all_to_all else None,
+            natural=natural,
         )
         group.dq, group.partial, group.scatter = dq, partial, scatter
         group.outs = group.lses = None  # the outputs are no longer needed
@@ -683,6 +724,34 @@ class _AttentionBackward:
             after_first_block=post,
         )
 
+    def _document_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
+        """Packed documents, a kernel with a log-sum-exp: ``(dq, dK/dV in natural order)``.
+        The gathered K/V are copied once into natural order (as in the forward); in recompute
+        mode the segments' forward runs first (and the output-projection wgrad from it); then
+        one backward call per segment, dK/dV summed over the segments in the accumulation dtype
+        (``kernels.document_backward``), which ``_KVGradScatter`` maps onto the gathered
+        layout."""
+        k_nat, v_nat = _natural_kv(k_all, v_all, self.layout)
+        scale = self.head_layout.softmax_scale
+        if not self.saved_mode:
+            group.outs, group.lses = kernels.document_forward(
+                self.kernel, q, k_nat, v_nat, self.documents, scale, self.blocks
+            )
+            self.output_projection_wgrad(group, g_pw)
+        return kernels.document_backward(
+            self.kernel,
+            d_ctx,
+            q,
+            k_nat,
+            v_nat,
+            self.documents,
+            scale,
+            group.outs,
+            group.lses,
+            self.blocks,
+            after_first_block=post,
+        )
+
     def _autograd_backward(self, group: _HeadGroup, q, k_all, v_all, d_ctx, g_pw, post):
         """(dq, dK sources, dV sources) from a kernel without a log-sum-exp (``sdpa_recompute``,
         never in saved mode): its forward recomputed under autograd on natural-order copies of
@@ -695,14 +764,24 @@ class _AttentionBackward:
                 k_all.detach().requires_grad_(True),
                 v_all.detach().requires_grad_(True),
             ]
-            rows = kernels.zigzag_attend(
-                self.kernel,
-                q,
-                *_natural_kv(inputs[1], inputs[2], self.layout),
-                self.layout.causal_blocks,
-                self.head_layout.softmax_scale,
-                self.head_layout.dropout_p,
-            )
+            if self.documents is not None:
+                rows = kernels.document_attend(
+                    self.kernel,
+                    q,
+                    *_natural_kv(inputs[1], inputs[2], self.layout),
+                    self.documents,
+                    self.head_layout.softmax_scale,
+                    self.head_layout.dropout_p,
+                )
+            else:
+                rows = kernels.zigzag_attend(
+                    self.kernel,
+                    q,
+                    *_natural_kv(inputs[1], inputs[2], self.layout),
+                    self.layout.causal_blocks,
+                    self.head_layout.softmax_scale,
+                    self.head_layout.dropout_p,
+                )
             post()
             dq, dk, dv = torch.autograd.grad(rows, inputs, d_ctx)
         group.outs = _block_rows(rows.detach(), self.blocks)
@@ -769,14 +848,17 @@ def tsp_self_attention(
     kernel: Optional[kernels.AttentionKernel] = None,
     layout: Optional[TSPLayout] = None,
     seq_group=None,
+    documents: Optional[DocumentMask] = None,
 ):
     """Causal self-attention of this rank's zigzag tokens under TSP (output projection included,
-    its bias excluded). ``rope_*``: this rank's RoPE tables for q and k (``rope.local_tables``),
-    or None. ``kernel``: the attention backend (``kernels.select_kernel`` for
-    ``x`` when None). ``group``: the TSP (weight) group. ``seq_group``: the sequence group (TSP x
-    CP: the D*C tensor-and-context-parallel group; ``group`` when None). ``layout``: this
-    rank's zigzag layout over ``seq_group`` (built from the groups and the local token count
-    when None)."""
+    its bias excluded). ``documents``: the micro-batch's packed documents (``DocumentMask``
+    over the whole sequence, natural positions); None or a single document per sample is
+    plain causal attention, today's path unchanged. ``rope_*``: this rank's RoPE tables for q
+    and k (``rope.local_tables``), or None. ``kernel``: the attention backend
+    (``kernels.select_kernel`` for ``x`` when None). ``group``: the TSP (weight) group.
+    ``seq_group``: the sequence group (TSP x CP: the D*C tensor-and-context-parallel group;
+    ``group`` when None). ``layout``: this rank's zigzag layout over ``seq_group`` (built from
+    the groups and the local token count when None)."""
     if kernel is None:
         kernel = kernels.select_kernel(
             x.device,
@@ -795,6 +877,12 @@ def tsp_self_attention(
             f"TSP attention got {x.shape[0]} local tokens but its layout holds "
             f"{layout.local_len} per rank ({layout})"
         )
+    plans = document_plans(documents, layout, x.shape[1])
+    if plans is not None and head_layout.dropout_p > 0:
+        raise ValueError(
+            "TSP attention with packed documents does not support attention dropout "
+            f"(--attention-dropout={head_layout.dropout_p}); set it to 0"
+        )
     return _TSPAttentionFunction.apply(
         x,
         qkv_weight,
@@ -808,7 +896,21 @@ def tsp_self_attention(
         accumulate_into_main_grad,
         kernel,
         seq_group,
+        plans,
     )
+
+
+def document_plans(documents: Optional[DocumentMask], layout: TSPLayout, batch_size: int):
+    """This rank's ``SampleSegments`` plans for ``documents`` (None: plain causal attention,
+    also for a single document per sample, which takes the causal path bit for bit)."""
+    if documents is None or documents.is_single_document:
+        return None
+    if documents.seq_length != layout.seq_length:
+        raise PackedBatchError(
+            f"TSP attention got documents over {documents.seq_length} positions for a sequence "
+            f"of {layout.seq_length} tokens ({layout})"
+        )
+    return documents.segments(layout.natural_runs, batch_size)
 
 
 def attention_backward_from_config(config, requested: Optional[str] = None) -> str:
@@ -988,14 +1090,18 @@ class TSPSelfAttention(SelfAttention):
         check_attention_input()  # refuses micro-batches that bypassed the zigzag batch hook
         if key_value_states is not None:
             raise ValueError("TSP attention is self-attention only")
+        documents = _documents_of(attention_mask, packed_seq_params, hidden_states)
         if inference_context is not None or inference_params is not None:
+            if documents is not None and not documents.is_single_document:
+                raise ValueError(
+                    "TSP inference prefill does not support packed documents (a document "
+                    "attention_mask or packed_seq_params): prefill one document per sequence"
+                )
             # Inference hook: TSP prefill into megatron-core's KV cache (decode runs Megatron's
             # own TP=D attention on the same parameters, see megatron_tsp/inference).
             return prefill_attention(
                 self, hidden_states, inference_context or inference_params, rotary_pos_emb
             )
-        if packed_seq_params is not None:
-            raise ValueError("TSP attention does not support packed (THD) sequences")
         if attention_bias is not None:
             raise ValueError("TSP attention does not support an attention bias")
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
@@ -1044,5 +1150,46 @@ class TSPSelfAttention(SelfAttention):
             self.attention_kernel,
             layout,
             self.seq_group,
+            documents,
         )
         return out, self.linear_proj.bias
+
+
+def _documents_of(attention_mask, packed_seq_params, hidden_states) -> Optional[DocumentMask]:
+    """The micro-batch's documents: a ``DocumentMask`` or ``DocumentMaskTensor`` passed as
+    ``attention_mask`` (what ``get_batch_on_this_tsp_rank`` returns for a document mask), or
+    megatron-core's THD
+    ``PackedSeqParams`` (b = 1, the same ``cu_seqlens`` for queries and keys), converted with
+    ``DocumentMask.from_cu_seqlens``. A dense ``attention_mask`` tensor is not read: causality
+    comes from the zigzag layout (``batch_contract`` checked it is the causal mask)."""
+    documents = as_documents(attention_mask)
+    if packed_seq_params is None:
+        return documents
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    cu_q = getattr(packed_seq_params, "cu_seqlens_q", None)
+    cu_kv = getattr(packed_seq_params, "cu_seqlens_kv", None)
+    if fmt != "thd":
+        raise ValueError(
+            f"TSP attention supports packed_seq_params with qkv_format='thd' only, got {fmt!r}"
+        )
+    if cu_q is None or (cu_kv is not None and not torch.equal(cu_q, cu_kv)):
+        raise ValueError(
+            "TSP attention needs packed_seq_params with cu_seqlens_q equal to cu_seqlens_kv "
+            "(self-attention over the same documents)"
+        )
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = getattr(packed_seq_params, name, None)
+        if padded is not None and not torch.equal(padded, cu_q):
+            raise ValueError(f"TSP attention does not support padded THD documents ({name})")
+    if hidden_states.shape[1] != 1:
+        raise ValueError(
+            f"TSP attention with packed_seq_params (THD) needs micro-batch size 1, got "
+            f"{hidden_states.shape[1]}"
+        )
+    packed = DocumentMask.from_cu_seqlens(cu_q, int(cu_q[-1]))
+    if documents is not None and documents != packed:
+        raise PackedBatchError(
+            f"TSP attention got an attention_mask with documents {documents.starts} and "
+            f"packed_seq_params with others {packed.starts}"
+        )
+    return packed

@@ -751,3 +751,125 @@ def zigzag_attend(
         o = kernel.attend(*_block_qkv(q, k_nat, v_nat, block), BOTTOM_RIGHT, scale, dropout_p)
         outs.append(chunk_rows(o))
     return torch.cat(outs, dim=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Packed documents (``documents.DocumentMask.segments``): per group of samples with the same
+# documents, one bottom-right causal call per (chunk, document) segment over natural-order keys.
+# Every local query row is in exactly one segment, so nothing is merged across segments.
+
+
+def _sample_views(t: torch.Tensor, plan, dim: int = 1) -> torch.Tensor:
+    """The samples of one ``SampleSegments`` (a view along the batch dimension ``dim``)."""
+    if plan.sample_start == 0 and plan.sample_count == t.shape[dim]:
+        return t
+    return t.narrow(dim, plan.sample_start, plan.sample_count)
+
+
+def document_forward(
+    kernel: AttentionKernel, q, k_nat, v_nat, plans, scale: float, blocks: Sequence[CausalBlock]
+):
+    """``zigzag_forward`` for packed documents: q [sq, b, np, d] the local queries, k_nat /
+    v_nat [S, b, ng, d] natural-order K/V, ``plans`` the ``SampleSegments`` of the batch. One
+    bottom-right causal kernel call per segment (and group of samples); the outputs are written
+    into one [sq, b, np * d] buffer and the log-sum-exps into one [b, np, sq] buffer.
+
+    Returns ``(outs, lses)`` cut along ``blocks`` (the layer's per-chunk blocks), the shapes
+    ``zigzag_forward`` returns for them, so the layer saves and reads them as it does for one
+    document."""
+    sq, b, heads, dim = q.shape
+    out = q.new_empty((sq, b, heads * dim))
+    lse = None
+    for plan in plans:
+        q_s, k_s, v_s = (_sample_views(t, plan) for t in (q, k_nat, v_nat))
+        for seg in plan.blocks:
+            o, l_seg = kernel.forward(*_block_qkv(q_s, k_s, v_s, seg), BOTTOM_RIGHT, scale)
+            if lse is None:
+                lse = torch.empty((b, heads, sq), dtype=l_seg.dtype, device=q.device)
+            rows = _sample_views(out.narrow(0, seg.query_start, seg.query_len), plan)
+            rows.copy_(chunk_rows(o))
+            _sample_views(lse, plan, dim=0).narrow(2, seg.query_start, seg.query_len).copy_(l_seg)
+    outs = [out.narrow(0, blk.query_start, blk.query_len) for blk in blocks]
+    lses = [lse.narrow(2, blk.query_start, blk.query_len) for blk in blocks]
+    return outs, lses
+
+
+def document_backward(
+    kernel: AttentionKernel,
+    d_ctx,
+    q,
+    k_nat,
+    v_nat,
+    plans,
+    scale: float,
+    outs,
+    lses,
+    blocks: Sequence[CausalBlock],
+    after_first_block: Optional[Callable[[], None]] = None,
+):
+    """Gradients from ``document_forward``'s saved ``(outs, lses)`` (cut along ``blocks``).
+    Returns ``(dq, dkv)``: dq [sq, b, np, d] (each row written by its one segment) and dkv
+    [S, b, 2 * ng, d] in natural key order (dK in the first ng heads, dV in the rest), the
+    segments' dK / dV summed in ``accumulation_dtype`` (fp32 for bf16/fp16), for the layer to
+    map onto the gathered layout and reduce-scatter. ``after_first_block`` as in
+    ``zigzag_backward_sources``."""
+    sq, b, heads, dim = q.shape
+    s, _, groups, _ = k_nat.shape
+    out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    out = out.view(sq, b, heads, dim)
+    lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros((s, b, 2 * groups, dim), dtype=accumulation_dtype(q.dtype), device=q.device)
+    first = True
+    for plan in plans:
+        q_s, k_s, v_s, o_s, g_s, dq_s, dkv_s = (
+            _sample_views(t, plan) for t in (q, k_nat, v_nat, out, d_ctx, dq, dkv)
+        )
+        lse_s = _sample_views(lse, plan, dim=0)
+        for seg in plan.blocks:
+            n, start = seg.query_len, seg.query_start
+            rows = _heads_view(g_s.narrow(0, start, n).reshape(n, -1, heads, dim))
+            dq_b, dk_b, dv_b = kernel.backward_parts(
+                rows,
+                *_block_qkv(q_s, k_s, v_s, seg),
+                _heads_view(o_s.narrow(0, start, n)),
+                lse_s.narrow(2, start, n),
+                BOTTOM_RIGHT,
+                scale,
+            )
+            dq_s.narrow(0, start, n).copy_(dq_b.permute(2, 0, 1, 3))
+            key = seg.key_start
+            for dk_c, dv_c in zip(dk_b, dv_b):
+                window = dkv_s.narrow(0, key, dk_c.shape[2])
+                window.narrow(2, 0, groups).add_(dk_c.permute(2, 0, 1, 3))
+                window.narrow(2, groups, groups).add_(dv_c.permute(2, 0, 1, 3))
+                key += dk_c.shape[2]
+            if first and after_first_block is not None:
+                after_first_block()
+            first = False
+    return dq, dkv
+
+
+def document_attend(
+    kernel: SdpaRecomputeKernel,
+    q,
+    k_nat,
+    v_nat,
+    plans,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """``zigzag_attend`` for packed documents (differentiable): [sq, b, np * d], the segments'
+    outputs concatenated along the rows (they tile them in order) and the sample groups along
+    the batch."""
+    parts = []
+    for plan in plans:
+        q_s, k_s, v_s = (_sample_views(t, plan) for t in (q, k_nat, v_nat))
+        rows = [
+            chunk_rows(
+                kernel.attend(*_block_qkv(q_s, k_s, v_s, seg), BOTTOM_RIGHT, scale, dropout_p)
+            )
+            for seg in plan.blocks
+        ]
+        parts.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -1,0 +1,428 @@
+"""Packed documents under TSP (issue 34): a block-diagonal causal ``attention_mask`` (Megatron's
+``--reset-attention-mask``, True = masked) with position ids that restart per document, or a
+THD batch's ``packed_seq_params``, computed exactly.
+
+References are stock megatron-core: the single-process ``GPTModel`` (TP=1, local spec) and
+Megatron TP=D+SP, both given the same dense document mask, which their local
+``DotProductAttention`` applies. TSP gets the batch through ``get_batch_on_this_tsp_rank``
+(the mask becomes a ``DocumentMaskTensor``). fp64: loss and every gradient, ``rtol=1e-10``.
+
+Single process: the segment plan (every (query, key) pair the kernel calls cover is an
+in-document causal pair, each once), the kernels' document forward/backward against dense
+masked attention, the mask parser and its errors. The check functions below also run inside the
+rank pool (``pool.run`` imports this module in every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_tsp.core import sharding, zigzag
+from megatron_tsp.core.documents import (
+    DocumentMask,
+    DocumentMaskTensor,
+    PackedBatchError,
+    as_documents,
+)
+from megatron_tsp.core.layers import kernels
+from megatron_tsp.core.layout import TSPLayout
+from tests.common import DTYPES, TOL, assert_close
+
+# ---------------------------------------------------------------------------------------------
+# documents used by the tests
+
+
+def random_starts(seed: int, batch: int, seq: int, most: int = 6):
+    """Per sample 2..``most`` documents cut at random positions (lengths from 1 token up)."""
+    g = torch.Generator().manual_seed(seed + 11)
+    rows = []
+    for _ in range(batch):
+        n = int(torch.randint(1, most, (1,), generator=g))
+        cuts = sorted((torch.randperm(seq - 1, generator=g)[:n] + 1).tolist())
+        rows.append([0] + cuts)
+    return rows
+
+
+CASES = {
+    # many documents shorter than a chunk (D=4, S=32: chunks of 4), single-token ones included
+    "short": lambda seed, b, s: [
+        [0, 1, 3, 4, 6, 7, 13, 14, 20, 27, 30][: max(2, s // 3)],
+        [0, 2, 5, 9, 10, 11, 16, 24, 31],
+    ][:b],
+    # documents spanning many chunks, boundaries off the chunk grid
+    "long": lambda seed, b, s: [[0, 23], [0, 5]][:b],
+    "random": lambda seed, b, s: random_starts(seed, b, s),
+}
+
+
+def document_mask(case: str, seed: int, batch: int, seq: int) -> DocumentMask:
+    starts = CASES[case](seed, batch, seq)
+    starts = [[p for p in row if p < seq] for row in starts]
+    return DocumentMask.from_document_starts(starts, seq)
+
+
+def _dense_reference(q, k, v, mask, scale):
+    """Masked softmax attention, [b, h, s, d] / [b, g, s, d], mask [b, 1, s, s] True = masked."""
+    groups = k.shape[1]
+    k = k.repeat_interleave(q.shape[1] // groups, dim=1)
+    v = v.repeat_interleave(q.shape[1] // groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+# ---------------------------------------------------------------------------------------------
+# single process
+
+
+def test_mask_round_trip_and_errors(seed):
+    for case in CASES:
+        dm = document_mask(case, seed, 2, 32)
+        assert DocumentMask.from_attention_mask(dm.dense_mask()) == dm, (case, seed)
+        assert as_documents(dm.to_tensor()) == dm
+        assert as_documents(dm.to_tensor().detach()) == dm  # what recomputation hands back
+        assert as_documents(torch.zeros(2, 1, 4, 4, dtype=torch.bool)) is None
+    # float mask, Megatron's convention (non-zero = masked)
+    dm = document_mask("random", seed, 2, 32)
+    assert DocumentMask.from_attention_mask(dm.dense_mask().float()) == dm
+    # a mask that lets a query see the previous document, or a future key: the row is named
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        mask = dm.dense_mask().clone()
+        b, i = (
+            int(torch.randint(2, (1,), generator=g)),
+            int(torch.randint(1, 32, (1,), generator=g)),
+        )
+        j = int(torch.randint(32, (1,), generator=g))
+        if j == i:
+            continue
+        mask[b, 0, i, j] = ~mask[b, 0, i, j]
+        with pytest.raises(PackedBatchError, match=f"sample {b} the query at row {i} "):
+            DocumentMask.from_attention_mask(mask)
+    with pytest.raises(PackedBatchError, match="cu_seqlens ends at 30"):
+        DocumentMask.from_cu_seqlens(torch.tensor([0, 10, 30]), 32)
+    with pytest.raises(PackedBatchError, match="entry 2"):
+        DocumentMask.from_cu_seqlens([0, 10, 10, 32], 32)
+    with pytest.raises(PackedBatchError, match="per-head"):
+        DocumentMask.from_attention_mask(torch.zeros(1, 2, 4, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+@pytest.mark.parametrize("c", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_segments_visit_exactly_the_document_pairs(seed, d, c, case):
+    """The (query, key) pairs the kernel calls cover, over every rank of the sequence group,
+    are each in-document causal pair exactly once (counted through a recording kernel that runs
+    ``kernels.document_forward``); and the pair count equals the sum over documents of their
+    causal pairs."""
+    seq, batch = 48 * c, 2
+    seq = seq - seq % (2 * d * c)
+    dm = document_mask(case, seed, batch, seq)
+    visited = torch.zeros(batch, seq, seq, dtype=torch.long)
+    calls = []
+
+    class Recording(kernels.CpuFlashKernel):
+        def forward(self, q, k, v, alignment, scale):
+            calls.append((q.shape, k.shape, alignment))
+            return super().forward(q, k, v, alignment, scale)
+
+    for rank in range(d * c):
+        layout = TSPLayout(d * c, seq, rank, context_parallel_size=c)
+        positions = layout.positions().tolist()
+        plans = dm.segments(layout.natural_runs, batch)
+        for plan in plans:
+            for seg in plan.blocks:
+                for i in range(seg.query_len):
+                    p = positions[seg.query_start + i]
+                    first = seg.key_start
+                    last = seg.key_start + seg.key_len - seg.query_len + i  # bottom-right
+                    assert last == p, (rank, seg, i, p)
+                    rows = slice(plan.sample_start, plan.sample_start + plan.sample_count)
+                    visited[rows, p, first : last + 1] += 1
+        q = torch.randn(layout.local_len, batch, 2, 4, dtype=torch.float64)
+        kv = torch.randn(seq, batch, 1, 4, dtype=torch.float64)
+        calls.clear()
+        kernels.document_forward(Recording(), q, kv, kv, plans, 0.5, layout.gathered_blocks)
+        n_segments = sum(len(plan.blocks) for plan in plans)
+        assert len(calls) == n_segments and all(a == kernels.BOTTOM_RIGHT for *_, a in calls)
+    want = ~dm.dense_mask().squeeze(1)
+    assert torch.equal(visited, want.long()), (case, seed)
+    assert int(visited.sum()) == dm.pairs() * (batch // len(dm.starts))
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_document_kernels_match_dense_masked_attention(seed, d, case):
+    """``document_forward`` / ``document_backward`` on each rank's rows and the natural K/V
+    equal dense masked attention (output, dq, and dK/dV summed over the ranks), fp64,
+    GQA (4 query heads, 2 K/V heads), cpu_flash (top-left: prefix + diagonal merged)."""
+    seq, batch, scale = 32, 2, 0.3
+    dm = document_mask(case, seed, batch, seq)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 4, seq, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(batch, 2, seq, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(batch, 2, seq, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    d_out = torch.randn(batch, 4, seq, 8, dtype=torch.float64, generator=g)
+    ref = _dense_reference(q, k, v, dm.dense_mask(), scale)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q, k, v), d_out)
+    kernel = kernels.CpuFlashKernel()
+    # [s, b, n, d] layouts, as the layer holds them
+    q_s, k_s, v_s, g_s = (t.detach().permute(2, 0, 1, 3) for t in (q, k, v, d_out))
+    dkv = torch.zeros(seq, batch, 4, 8, dtype=torch.float64)
+    for rank in range(d):
+        layout = TSPLayout(d, seq, rank)
+        pos = layout.positions()
+        plans = dm.segments(layout.natural_runs, batch)
+        blocks = layout.gathered_blocks
+        q_r = q_s.index_select(0, pos)
+        outs, lses = kernels.document_forward(kernel, q_r, k_s, v_s, plans, scale, blocks)
+        out = torch.cat(outs, 0).view(-1, batch, 4, 8)
+        torch.testing.assert_close(
+            out, ref.detach().permute(2, 0, 1, 3)[pos], rtol=1e-11, atol=1e-13
+        )
+        d_ctx = g_s.index_select(0, pos).reshape(-1, batch, 32)
+        dq, dkv_r = kernels.document_backward(
+            kernel, d_ctx, q_r, k_s, v_s, plans, scale, outs, lses, blocks
+        )
+        torch.testing.assert_close(dq, ref_dq.permute(2, 0, 1, 3)[pos], rtol=1e-11, atol=1e-13)
+        dkv += dkv_r
+    torch.testing.assert_close(dkv[:, :, :2], ref_dk.permute(2, 0, 1, 3), rtol=1e-11, atol=1e-13)
+    torch.testing.assert_close(dkv[:, :, 2:], ref_dv.permute(2, 0, 1, 3), rtol=1e-11, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks run inside every rank of the pool
+
+
+def _doc_batch(seed, batch, seq, vocab, dm: DocumentMask, reset_positions: bool):
+    from tests import checks_gpt
+
+    data = checks_gpt._batch(seed, batch, seq, vocab)
+    data["attention_mask"] = dm.dense_mask().expand(batch, 1, seq, seq).contiguous()
+    if reset_positions:
+        data["position_ids"] = dm.position_ids().expand(batch, seq).contiguous()
+    return data
+
+
+def _config(d, dtype, style, groups, recompute=None, cp=1):
+    from tests import checks_gpt
+
+    config = checks_gpt._config(d, dtype, style, 2, 32, 8, 64, groups)
+    if recompute == "selective":
+        config = dataclasses.replace(config, recompute_granularity="selective")
+    elif recompute == "full":
+        config = dataclasses.replace(
+            config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if cp > 1:
+        config = dataclasses.replace(config, context_parallel_size=cp)
+    return config
+
+
+def _forward_loss(model, local, data, packed_seq_params=None):
+    """Exact loss path (vocab-gathered logits, fp64 cross-entropy); the loss normalised by the
+    whole batch's mask count (a CP rank's part, summed over CP by the caller)."""
+    kwargs = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
+    logits = model(local["tokens"], local["position_ids"], local["attention_mask"], **kwargs)
+    losses = -torch.log_softmax(logits, -1).gather(-1, local["labels"].unsqueeze(-1)).squeeze(-1)
+    part = (losses * local["loss_mask"].to(losses.dtype)).sum() / data["loss_mask"].sum()
+    part.backward()
+    return part.detach().clone()
+
+
+def check_gpt_documents(
+    d,
+    seed,
+    style,
+    case="random",
+    baseline="single",
+    groups=None,
+    cp=1,
+    recompute=None,
+    reset_positions=True,
+    thd=False,
+    batch=2,
+    seq=32,
+    vocab=128,
+    dtype_name="float64",
+    rtol=1e-10,
+):
+    """A TSP GPTModel (D=``d``, ``cp`` CP ranks) on a packed batch vs stock megatron-core given
+    the dense document mask: ``baseline`` "single" (TP=1) or "tp_sp" (TP=D+SP on the same
+    ranks, its state dict loaded into TSP): loss and every gradient. ``thd``: the TSP model is
+    called with megatron-core's ``PackedSeqParams`` (qkv_format 'thd', b=1) and no mask.
+    ``recompute``: "selective" (TSP's attention_backward "recompute") or "full" (Megatron's
+    checkpointed layers: the ``DocumentMaskTensor`` goes through ``save_for_backward``)."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
+    from tests import checks_gpt
+    from tests.common import (
+        group_info,
+        reference_single_layer_spec,
+        reference_tp_sp_block_spec,
+        setup_megatron_tp,
+        setup_tsp,
+    )
+
+    dtype = DTYPES[dtype_name]
+    dm = document_mask(case, seed, 1 if thd else batch, seq)
+    if thd:
+        batch = 1
+    data = _doc_batch(seed, batch, seq, vocab, dm, reset_positions)
+    ref_d = 1 if baseline == "single" else d
+    setup_megatron_tp(ref_d, seed)
+    ref_config = _config(ref_d, dtype, style, groups)
+    spec = reference_single_layer_spec if baseline == "single" else reference_tp_sp_block_spec
+    ref = checks_gpt._model(ref_config, spec(ref_config), style, vocab, seq, False)
+    if baseline == "single":
+        checks_gpt._norms_to(ref, dtype)
+    ref_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss = _forward_loss(ref, data, data)
+    if baseline == "tp_sp":
+        tp_group = checks_gpt._tp_group_info()[0]
+        sharding.allreduce_sequence_parallel_grads(ref, tp_group)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    if cp > 1:
+        from tests.checks_tsp_cp import _sum_over_cp, setup_tsp_cp
+
+        groups_cp = setup_tsp_cp(d, cp, seed)
+        group, cp_rank = groups_cp["tp"], groups_cp["cp_rank"]
+    else:
+        setup_tsp(d, seed)
+        group, cp_rank = group_info()[0], 0
+    config = _config(d, dtype, style, groups, recompute, cp)
+    model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, False)
+    if baseline == "single":
+        sharding.load_full_state(model, ref_params, group)
+    else:
+        model.load_state_dict(ref_state, strict=True)
+    local = zigzag.get_batch_on_this_tsp_rank(data, d, context_parallel_size=cp, cp_rank=cp_rank)
+    packed = None
+    if dm.is_single_document:
+        assert not isinstance(local["attention_mask"], DocumentMaskTensor)
+    else:
+        assert isinstance(local["attention_mask"], DocumentMaskTensor), type(
+            local["attention_mask"]
+        )
+        assert as_documents(local["attention_mask"]) == dm
+    if thd:
+        cu = torch.tensor(list(dm.starts[0]) + [seq], dtype=torch.int32)
+        longest = max(dm.document_lengths(0))
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+        local = dict(local, attention_mask=None)
+    loss = _forward_loss(model, local, data, packed)
+    if cp > 1:
+        dist.all_reduce(loss, group=groups_cp["cp"])
+        _sum_over_cp(model, groups_cp["cp"])
+    sharding.allreduce_sequence_parallel_grads(model, group)
+    if baseline == "single":
+        grads = sharding.gather_full_state(model, group, grads=True)
+    else:
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    actual = {"loss": loss, **{f"grad:{n}": t for n, t in grads.items()}}
+    expected = {"loss": ref_loss, **{f"grad:{n}": t for n, t in ref_grads.items()}}
+    return assert_close(
+        actual,
+        expected,
+        rtol=rtol if rtol is not None else TOL[dtype],
+        what=f"TSP documents ({case}: {dm.starts}) GPT ({style}, D={d}, C={cp}, groups="
+        f"{config.num_query_groups}, recompute={recompute}, thd={thd}) vs {baseline}, "
+        f"seed={seed}",
+    )
+
+
+def check_single_document_is_the_causal_path(d, seed, style, backward="saved"):
+    """A one-document ``DocumentMask`` per sample, given as ``attention_mask``, leaves TSP's
+    output and every gradient bit for bit equal to no mask at all (today's causal path)."""
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
+    from tests import checks_gpt
+    from tests.common import group_info, setup_tsp
+
+    seq, vocab = 32, 128
+    data = checks_gpt._batch(seed, 2, seq, vocab)
+    setup_tsp(d, seed)
+    group, size, _ = group_info()
+    config = _config(
+        d, torch.float64, style, None, "selective" if backward == "recompute" else None
+    )
+    results = []
+    for mask in (None, DocumentMask.from_document_starts([[0], [0]], seq).to_tensor()):
+        setup_tsp(d, seed)
+        model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, False)
+        local = zigzag.get_batch_on_this_tsp_rank(data, size)
+        local["attention_mask"] = mask
+        logits = model(local["tokens"], local["position_ids"], local["attention_mask"])
+        logits.pow(2).mean().backward()
+        results.append(
+            (logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        )
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    assert len(ga) == len(gb) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# pool tests
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("case", ["short", "long", "random"])
+def test_gpt_documents_vs_single_fp64(pool4, seed, d, style, case):
+    pool4.run(check_gpt_documents, d, seed, style, case)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("d", [2, 4])
+def test_gpt_documents_vs_tp_sp_fp64(pool4, seed, d, style):
+    pool4.run(check_gpt_documents, d, seed, style, "random", baseline="tp_sp")
+
+
+@pytest.mark.parametrize("d,groups", [(4, 2), (4, 1), (2, 1)])
+def test_gpt_documents_gqa_fewer_kv_heads_fp64(pool4, seed, d, groups):
+    """GQA, including fewer K/V heads than D (head groups of several shards)."""
+    pool4.run(check_gpt_documents, d, seed, "llama", "short", groups=groups)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_gpt_documents_recompute_fp64(pool4, seed, recompute):
+    """TSP's attention_backward "recompute" (selective core_attn) and Megatron's full layer
+    recomputation (the mask goes through ``tensor_parallel.checkpoint``)."""
+    pool4.run(check_gpt_documents, 4, seed, "llama", "random", recompute=recompute)
+
+
+def test_gpt_documents_gpt2_positions_not_reset_fp64(pool4, seed):
+    """--reset-attention-mask without --reset-position-ids: natural positions, documents."""
+    pool4.run(check_gpt_documents, 2, seed, "gpt2", "random", reset_positions=False)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_gpt_documents_tsp_x_cp_fp64(pool4, seed, style):
+    """TSP x CP (D, C) = (2, 2): K/V of the 4 sequence ranks, documents over the whole
+    sequence."""
+    pool4.run(check_gpt_documents, 2, seed, style, "random", cp=2, seq=48)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_gpt_packed_seq_params_thd_fp64(pool4, seed, d):
+    """megatron-core's API: ``packed_seq_params`` (qkv_format 'thd', b=1) instead of a mask."""
+    pool4.run(check_gpt_documents, d, seed, "llama", "random", thd=True)
+
+
+@pytest.mark.parametrize("backward", ["saved", "recompute"])
+def test_single_document_bit_for_bit(pool4, seed, backward):
+    pool4.run(check_single_document_is_the_causal_path, 4, seed, "llama", backward)
