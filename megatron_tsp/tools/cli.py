@@ -24,6 +24,14 @@ COMMANDS = {
         "megatron_tsp.tools.estimator.moe",
         "MoE schedules: expert ring vs token dispatch bytes, crossover, ring buffers",
     ),
+    "compare": (
+        "megatron_tsp.tools.estimator.compare_table",
+        "TSP beside TSP x CP, TP+SP (x CP), FSDP x CP and GTP: one planned table",
+    ),
+    "documents": (
+        "megatron_tsp.tools.estimator.documents",
+        "packed documents: attention balance across a TSP group per layout",
+    ),
     "bench": ("megatron_tsp.tools.bench", "benchmark TSP vs TP+SP layers"),
     "generate": ("megatron_tsp.tools.generate", "TSP prefill + Megatron TP decode (generation)"),
     "prefill-memory": (
