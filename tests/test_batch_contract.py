@@ -1,9 +1,12 @@
-"""Packed documents are refused, not silently merged: batches built the way Megatron-LM's
-``--reset-attention-mask`` / ``--reset-position-ids`` build them (megatron-core's own
-``_get_ltor_masks_and_position_ids`` on EOD-separated tokens) and THD batches with
-``cu_seqlens`` raise ``PackedBatchError`` in ``get_batch_on_this_tsp_rank`` naming the key and
-the flag; a single document (no EOD, or the flags off) passes and permutes as before. Single
-process."""
+"""The batch contract of ``get_batch_on_this_tsp_rank`` with packed documents, on batches built
+the way Megatron-LM's ``--reset-attention-mask`` / ``--reset-position-ids`` build them
+(megatron-core's own ``_get_ltor_masks_and_position_ids`` on EOD-separated tokens): a document
+mask (with or without restarting position ids) becomes a ``DocumentMaskTensor`` holding the
+documents the EODs define; position ids that restart without a document mask, malformed masks
+and multi-sample ``cu_seqlens`` raise ``PackedBatchError`` naming the key, the sample and the
+row; a single document (no EOD, or the flags off) passes and permutes as before.
+``check_single_causal_document`` (what the Megatron-LM hook runs on a CP rank's slice) still
+refuses documents. Single process."""
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron_tsp.core import batch_contract, zigzag
 from megatron_tsp.core.batch_contract import PackedBatchError, natural_positions
+from megatron_tsp.core.documents import DocumentMaskTensor, as_documents
 
 EOD = 0
 
@@ -50,6 +54,69 @@ def test_single_document_batches_pass(seed, d):
         assert torch.equal(out["tokens"], zigzag.permute(batch["tokens"], d, dim=1)), seed
 
 
+def _eod_starts(tokens):
+    """Document starts Megatron's reset flags derive: 0 and every position after an EOD."""
+    return tuple(
+        tuple([0] + [i + 1 for i in (row == EOD).nonzero().flatten().tolist() if i + 1 < len(row)])
+        for row in tokens
+    )
+
+
+@pytest.mark.parametrize("reset_position_ids", [True, False])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_document_mask_becomes_documents(seed, d, reset_position_ids):
+    batch = _megatron_batch(seed, reset_position_ids, True)
+    out = zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)
+    assert isinstance(out["attention_mask"], DocumentMaskTensor)
+    documents = as_documents(out["attention_mask"])
+    assert documents.starts == _eod_starts(batch["tokens"]), seed
+    # the other keys permute as before, the position ids as they came (restarting or not)
+    assert torch.equal(out["position_ids"], zigzag.permute(batch["position_ids"], d, dim=1))
+    assert torch.equal(out["tokens"], zigzag.permute(batch["tokens"], d, dim=1))
+    # under TSP x CP, the same documents (whole sequence) on every CP rank
+    if d == 2:
+        for cp_rank in range(2):
+            cp_out = zigzag.get_batch_on_this_tsp_rank(
+                batch, 1, context_parallel_size=2, cp_rank=cp_rank
+            )
+            assert as_documents(cp_out["attention_mask"]) == documents
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_restarting_positions_without_document_mask_are_refused(seed, d):
+    batch = _megatron_batch(seed, True, False)
+    with pytest.raises(PackedBatchError) as info:
+        zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)
+    message = str(info.value)
+    assert "position_ids" in message and "--reset-attention-mask" in message, message
+    assert "sample 0" in message, message  # sample 0 has documents: the first one named
+
+
+def test_position_message_names_the_numbers():
+    batch = {"position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])}
+    with pytest.raises(PackedBatchError) as info:
+        zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
+    assert "sample 1 holds 0 at index 2" in str(info.value)
+    # restarting where a document starts is accepted; one id off is not
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    for i, j in ((0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3)):
+        mask[:, 0, i, j] = False
+    batch["attention_mask"] = mask
+    batch["position_ids"] = torch.tensor([[0, 1, 0, 1], [0, 1, 0, 1]])
+    zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
+    batch["position_ids"] = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 1]])
+    with pytest.raises(PackedBatchError, match="sample 1 holds 1 at index 3"):
+        zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
+
+
+def test_malformed_mask_is_refused_naming_the_row():
+    s = 8
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).expand(2, 1, s, s).clone()
+    mask[1, 0, 5, 6] = False  # a future key
+    with pytest.raises(PackedBatchError, match="sample 1 the query at row 5 "):
+        zigzag.get_batch_on_this_tsp_rank({"attention_mask": mask}, group_size=2)
+
+
 @pytest.mark.parametrize(
     "reset_position_ids, reset_attention_mask, key, flag",
     [
@@ -58,25 +125,15 @@ def test_single_document_batches_pass(seed, d):
         (False, True, "attention_mask", "--reset-attention-mask"),
     ],
 )
-@pytest.mark.parametrize("d", [1, 2, 4])
-def test_document_batches_are_refused_by_name(
-    seed, d, reset_position_ids, reset_attention_mask, key, flag
+def test_single_document_check_still_refuses_documents(
+    seed, reset_position_ids, reset_attention_mask, key, flag
 ):
+    """``check_single_causal_document`` (the Megatron-LM hook's check of a CP rank's slice)."""
     batch = _megatron_batch(seed, reset_position_ids, reset_attention_mask)
     with pytest.raises(PackedBatchError) as info:
-        zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)
+        batch_contract.check_single_causal_document(batch)
     message = str(info.value)
     assert key in message and flag in message, (seed, message)
-    assert "one causal document" in message
-    # the first offending sequence is named: sequence 0 has documents, so it is the one
-    assert "sequence 0" in message or "mask 0" in message, message
-
-
-def test_position_message_names_the_numbers():
-    batch = {"position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])}
-    with pytest.raises(PackedBatchError) as info:
-        zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
-    assert "sequence 1 holds 0 at index 2, expected 2" in str(info.value)
 
 
 def test_mask_with_one_wrong_entry_is_refused_in_any_row_block(seed, monkeypatch):
@@ -99,12 +156,20 @@ def test_mask_with_one_wrong_entry_is_refused_in_any_row_block(seed, monkeypatch
         batch_contract.check_single_causal_document({"attention_mask": 1.0 - causal})
 
 
-def test_cu_seqlens_refused():
-    batch = _megatron_batch(1, False, False)
+def test_cu_seqlens_become_documents():
+    batch = _megatron_batch(1, False, False, b=1)
+    batch["attention_mask"] = None  # a THD batch carries no dense mask
     batch["cu_seqlens"] = torch.tensor([0, 10, 32], dtype=torch.int32)
-    with pytest.raises(PackedBatchError) as info:
+    out = zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
+    assert as_documents(out["attention_mask"]).starts == ((0, 10),)
+    batch = _megatron_batch(1, False, False, b=2)
+    batch["cu_seqlens"] = torch.tensor([0, 10, 32], dtype=torch.int32)
+    with pytest.raises(PackedBatchError, match="cu_seqlens .* with 2 samples"):
         zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
-    assert "cu_seqlens" in str(info.value) and "--sft" in str(info.value)
+    batch = _megatron_batch(1, False, True, b=1)  # a mask with other documents than cu_seqlens
+    batch["cu_seqlens"] = torch.tensor([0, 10, 32], dtype=torch.int32)
+    with pytest.raises(PackedBatchError, match="cu_seqlens documents"):
+        zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
 
 
 @pytest.mark.parametrize("c", [1, 2, 4])
