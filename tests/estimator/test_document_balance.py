@@ -187,12 +187,20 @@ def test_heavy_mix_is_the_truncated_pareto():
         ("zipf:3", ["--documents", "zipf"]),
         ("fixed:3k,0", ["--documents", "'0'"]),
         ("single:5", ["--documents", "single"]),
+        ("long+short:96k", ["--documents", "LO-HI", "long+short:96k"]),
     ],
 )
 def test_bad_mixes_name_the_flag_and_numbers(spec, words):
     with pytest.raises(ValueError) as exc:
         docs.parse_mix(spec)
     assert all(w in str(exc.value) for w in words), str(exc.value)
+
+
+def test_chunk_count_must_divide_the_sequence():
+    with pytest.raises(
+        ValueError, match=r"--layouts chunks-3: --seq-length 64 .* 3 x --degree 2 = 6"
+    ):
+        docs.layout_work("chunks-3", [64], 2)
 
 
 def test_plan_refuses_a_bad_mix_in_one_line(capsys):

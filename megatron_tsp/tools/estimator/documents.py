@@ -157,7 +157,9 @@ def parse_mix(text: str, flag: str = MIX_FLAG) -> DocumentMix:
         lo, hi = _range(rng, flag)
         return DocumentMix(text, "heavy", lo=lo, hi=hi, alpha=a)
     if kind == "long+short":
-        long, _, rng = rest.partition(",")
+        long, comma, rng = rest.partition(",")
+        if not comma:
+            raise ValueError(f"{flag}: long+short:L,LO-HI needs the short range, got {text!r}")
         lo, hi = _range(rng, flag)
         return DocumentMix(text, "long+short", lo=lo, hi=hi, long=parse_size(long, flag))
     if kind == "fixed":
@@ -305,7 +307,10 @@ def chunks(lengths: Sequence[int], D: int, per_rank: int, tile: int = TILE) -> R
     """Document-aware chunks: K*D equal chunks assigned by ``assign_chunks`` (no padding)."""
     S, n = sum(lengths), D * per_rank
     if S % n:
-        raise ValueError(f"--seq-length {S} is not a multiple of {n} chunks ({per_rank} per rank)")
+        raise ValueError(
+            f"--layouts chunks-{per_rank}: --seq-length {S} is not a multiple of {per_rank} x "
+            f"--degree {D} = {n} chunks"
+        )
     c, starts = S // n, _starts(lengths)
     per_chunk = [0] * n
     for i in range(n):
