@@ -222,6 +222,18 @@ def _config(d, dtype, style, groups, recompute=None, cp=1):
     return config
 
 
+def _positions_to(model, dtype):
+    """Learned absolute position embeddings in ``dtype``: megatron-core keeps them in fp32
+    whatever ``params_dtype`` is, and with position ids restarting per document their gradient
+    sums many tokens per row in fp32, in an order that differs between any two layouts (1e-7
+    apart). In fp64 the parity is exact (both sides get the same cast)."""
+    embedding = getattr(model, "embedding", None)
+    table = getattr(embedding, "position_embeddings", None)
+    if table is not None:
+        table.to(dtype)
+    return model
+
+
 def _forward_loss(model, local, data, packed_seq_params=None):
     """Exact loss path (vocab-gathered logits, fp64 cross-entropy); the loss normalised by the
     whole batch's mask count (a CP rank's part, summed over CP by the caller)."""
@@ -278,7 +290,9 @@ def check_gpt_documents(
     setup_megatron_tp(ref_d, seed)
     ref_config = _config(ref_d, dtype, style, groups)
     spec = reference_single_layer_spec if baseline == "single" else reference_tp_sp_block_spec
-    ref = checks_gpt._model(ref_config, spec(ref_config), style, vocab, seq, False)
+    ref = _positions_to(
+        checks_gpt._model(ref_config, spec(ref_config), style, vocab, seq, False), dtype
+    )
     if baseline == "single":
         checks_gpt._norms_to(ref, dtype)
     ref_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
@@ -299,6 +313,7 @@ def check_gpt_documents(
         group, cp_rank = group_info()[0], 0
     config = _config(d, dtype, style, groups, recompute, cp)
     model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, False)
+    _positions_to(model, dtype)
     if baseline == "single":
         sharding.load_full_state(model, ref_params, group)
     else:
