@@ -35,7 +35,8 @@ fi
   tests/test_validation.py tests/test_hybrid.py tests/test_inference.py tests/test_kernels.py \
   tests/test_overlap.py tests/test_recompute.py tests/test_rejections.py tests/test_spec_modules.py \
   tests/test_moe.py tests/megatron_lm/test_patches.py tests/test_model_args.py tests/test_hf_import.py \
-  tests/test_tsp_cp.py tests/estimator/test_memory_moe.py tests/test_batch_contract.py "$@" || exit 1
+  tests/test_tsp_cp.py tests/estimator/test_memory_moe.py tests/test_batch_contract.py \
+  tests/test_packed_documents.py "$@" || exit 1
 
 # The real training loop on Megatron-LM core_v0.19.0 (needs the tree: scripts/megatron_lm_sources.sh).
 SOURCES=$(bash scripts/megatron_lm_sources.sh python3 "$VENV/bin/python") \
