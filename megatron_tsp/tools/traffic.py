@@ -72,8 +72,11 @@ from megatron_tsp.console.args import (
     positive_int_list,
 )
 
-SCHEMES = ("tsp", "tp_sp")
-LABELS = {"tsp": "TSP", "tp_sp": "TP+SP"}
+# fsdp_cp / fsdp_cp_ring: ZeRO-3 x CP over the N ranks (``traffic_fsdp_cp``), K/V all-gathered or
+# on TE's P2P ring
+SCHEMES = ("tsp", "tp_sp", "fsdp_cp", "fsdp_cp_ring")
+DEFAULT_SCHEMES = ("tsp", "tp_sp")  # what the report compares unless --schemes says otherwise
+LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "fsdp_cp": "FSDPxCP", "fsdp_cp_ring": "FSDPxCP ring"}
 GB = 1e9
 # the bytes budget the report measures against: TSP's layer within 1.15x TP+SP's
 BYTES_BUDGET = 1.15
@@ -156,6 +159,9 @@ class OpRecord:
     source: str = ""  # the innermost Megatron / megatron_tsp function that issued it
     # attention kernels: their geometry, for the flash-tiles view (``attention_geometry``)
     attention: Dict[str, int] = field(default_factory=dict)
+    # collectives: the bytes of their larger buffer (an all-gather's output, a reduce-scatter's
+    # input, a P2P message); not HBM bytes of the counting rule
+    comm_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -336,7 +342,10 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
     name = func.overloadpacket.__name__
     namespace = func.namespace
     if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-        return OpRecord(name, phase, "collective")
+        buffers = _unique(_tensors(list(args)) + _tensors(list(kwargs.values())))
+        return OpRecord(
+            name, phase, "collective", comm_bytes=max(map(tensor_bytes, buffers), default=0)
+        )
     if namespace == "prim" or func.is_view or name in NOT_KERNELS:  # prim.device: metadata
         return OpRecord(name, phase, "view")
     outs = _out_arguments(func, args, kwargs)
@@ -424,7 +433,7 @@ def make_recorder(device_type: str = "cuda"):
 # and device and cached (``layout._table``); a copy made under FakeTensorMode is not cached, so
 # every recorded step would pay the first step's uploads. They are counted apart, not as the
 # step's kernels.
-CACHED_UPLOAD_SOURCES = ("layout._table",)
+CACHED_UPLOAD_SOURCES = ("layout._table", "traffic_fsdp_cp.reorder_indices")
 # Work the first layer of a step does for every layer: TSP's local RoPE tables (cos and signed
 # sines at the rank's positions, ``rope._build``), cached on the step's rotary embedding. The
 # recording is one layer, so they are counted apart, as TP+SP's rotary table (``GPTModel``'s,
@@ -500,7 +509,7 @@ class TrafficConfig:
     world_size: int = 8  # D
     micro_batch: int = 1
     dtype: str = "bf16"
-    schemes: List[str] = field(default_factory=lambda: list(SCHEMES))
+    schemes: List[str] = field(default_factory=lambda: list(DEFAULT_SCHEMES))
     top: int = 8
     # TSP: the activation sums over shards in fp32 (--tsp-activation-sums-in-fp32)
     activation_sums_fp32: bool = False
@@ -691,13 +700,16 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from megatron_tsp.tools import traffic_fsdp_cp
     from megatron_tsp.tools.estimator import fake_run
 
+    fsdp = scheme in traffic_fsdp_cp.FSDP_SCHEMES  # Megatron's layer at TP = 1, CP = N
     run_cfg = fake_run.RunConfig(
-        scheme=scheme,
+        scheme="tp_cp" if fsdp else scheme,
         model=dataclasses.replace(shape, num_layers=1),
         world_size=cfg.world_size,
-        tp=cfg.world_size,
+        tp=1 if fsdp else cfg.world_size,
+        cp=cfg.world_size if fsdp else 1,
         seq=cfg.seq,
         micro_batch=cfg.micro_batch,
         dtype=cfg.dtype,
@@ -712,6 +724,11 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     if scheme == "tp_sp":
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _whole_sequence_attention()
+    if fsdp:
+        ring = scheme == "fsdp_cp_ring"
+        for layer in spec.layer_specs:
+            attention = traffic_fsdp_cp.core_attention_class(ring)
+            layer.submodules.self_attention.submodules.core_attention = attention
     if scheme != "tsp":  # Megatron's RoPE: fused (TE's kernel, stood in) or unfused
         config.apply_rope_fusion = cfg.rope_fusion
     block = TransformerBlock(config=config, spec=spec, pre_process=True, post_process=False)
@@ -725,8 +742,8 @@ def _layer_and_inputs(cfg, scheme: str, shape):
         rotary_percent=1.0,
         rotary_base=shape.rotary_base or 10000,
         use_cpu_initialization=True,
-    )(cfg.seq).to("cuda")
-    return block, x, rope
+    )(cfg.seq)  # under CP (fsdp_cp): the rank's zigzag rows, sliced by Megatron's CP group
+    return block, x, rope.to("cuda")
 
 
 @contextlib.contextmanager
@@ -746,6 +763,12 @@ def _cuda_queries():
         yield
 
 
+def _cp_group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_context_parallel_group()
+
+
 def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
     """One layer's forward + backward of one rank, recorded (needs the stand-in, see module)."""
     import torch
@@ -755,7 +778,7 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
     from megatron_tsp.core.model_shape import load_model
     from megatron_tsp.megatron_lm.cpu_support import enable_cpu_support
     from megatron_tsp.megatron_lm.fake_world import init_fake_world
-    from megatron_tsp.tools import cuda_standin
+    from megatron_tsp.tools import cuda_standin, traffic_fsdp_cp
     from megatron_tsp.tools.estimator import fake_run
 
     shape = load_model(cfg.model)
@@ -772,9 +795,14 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
         block, x, rope = _layer_and_inputs(cfg, scheme, shape)
         grad = torch.empty_like(x)  # the output gradient (the layer keeps the input's shape)
         recorder = make_recorder()
+        if scheme in traffic_fsdp_cp.FSDP_SCHEMES:  # ZeRO-3: the unshard / reduce-scatter too
+            shards = traffic_fsdp_cp.LayerShards(block.parameters(), _cp_group())
         with fake_run.no_rng_fork(True), recorder:
-            out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
-            out.backward(grad)
+            if scheme in traffic_fsdp_cp.FSDP_SCHEMES:
+                shards.run(block, x, rope, grad)
+            else:
+                out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+                out.backward(grad)
     WORKSPACE.clear()
     summary = summarize(recorder.records, cfg.top, cfg.flash_tiles)
     params = linear_params_per_rank(shape, cfg.world_size)
@@ -1095,12 +1123,13 @@ def render(
                     cell += ratio(q, key)
                 row.append(cell)
         rows.append(row)
-    row = ["FLOPs TSP / TP+SP"]
-    for q in seqs:
-        for s in schemes:
-            r = results[q]
-            row.append(f"{r['tsp']['flops'] / r['tp_sp']['flops']:.3f}×" if s == "tsp" else "1")
-    rows.append(row)
+    if both:
+        row = ["FLOPs TSP / TP+SP"]
+        for q in seqs:
+            for s in schemes:
+                r = results[q]
+                row.append(f"{r['tsp']['flops'] / r['tp_sp']['flops']:.3f}×" if s == "tsp" else "1")
+        rows.append(row)
     row = ["GEMM FLOPs = 2·T·P fwd / bwd"]
     for q in seqs:
         for s in schemes:
@@ -1191,7 +1220,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=positive_int, default=8, help="D (TSP group = TP group)")
     p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list among tsp,tp_sp")
+    p.add_argument(
+        "--schemes",
+        default=",".join(DEFAULT_SCHEMES),
+        help=f"comma list among {','.join(SCHEMES)} (fsdp_cp: ZeRO-3 x CP over the D ranks, "
+        "K/V all-gathered; fsdp_cp_ring: on TE's P2P ring)",
+    )
     p.add_argument("--top", type=non_negative_int, default=8, help="top ops by bytes to list")
     p.add_argument("--out", default=None, help="write the markdown report here too")
     p.add_argument("--json", dest="json_path", default=None, help="write the summaries here")

@@ -137,7 +137,7 @@ def test_cli_uses_the_measured_model(recorded, capsys):
     argv += ["--strategies", "tsp,tp_sp", "--plot", "", "--hardware", "h100", "--model", "tiny"]
     assert pl.main(argv) == 0
     out = capsys.readouterr().out
-    assert "compute (TSP, TP+SP): every kernel the layer issues" in out
+    assert "compute (TSP, TP+SP, FSDP x CP): every kernel the layer issues" in out
     assert pl.main(argv + ["--compute-model", "flops"]) == 0
     assert "compute: FLOPs only (--compute-model flops)" in capsys.readouterr().out
 

@@ -6,7 +6,10 @@ those kernels instead of an idealised FLOP count, so what the implementation rea
 moves (element-wise passes, copies, RoPE, accumulations) is in its step time. TP+SP is recorded
 as ``bench --traffic`` records it by default: Megatron's fused RoPE (``apply_rope_fusion``, one
 kernel per tensor and direction, as with Transformer Engine), so the planner compares TSP with the
-TP+SP users run on GPUs.
+TP+SP users run on GPUs. FSDP x CP (``fsdp_cp`` / ``fsdp_cp_ring``) is recorded as
+``tools/traffic_fsdp_cp.py`` writes it: Megatron's layer with whole weights on the rank's S/N
+tokens, the ZeRO-3 gathers and gradient reduce-scatter, and TE's CP attention (K/V all-gather, or
+the P2P ring with its per-step log-sum-exp merges).
 
 Why three recordings are enough: the kernels a layer issues, and their order, do not depend on the
 sequence length S (checked: the op sequences must match; each length is recorded after a
@@ -37,8 +40,19 @@ from typing import Dict, List, Sequence, Tuple
 from megatron_tsp.core.model_shape import ModelShape
 from megatron_tsp.tools import traffic
 
-# the planner's strategy kinds whose layer the traffic recorder runs (its schemes, same names)
-RECORDED_KINDS = traffic.SCHEMES
+# the traffic recorder's schemes the planner prices: TSP, TP+SP and FSDP x CP (all-gather K/V or
+# TE's P2P ring: the planner's fsdp_cp strategy with its ``kv_flavour``)
+RECORDED_SCHEMES = traffic.SCHEMES
+RECORDED_KINDS = ("tsp", "tp_sp", "fsdp_cp")  # the planner's strategy kinds among them
+
+
+def scheme_of(strategy) -> "str | None":
+    """The recorded scheme of a planner ``Strategy`` (None: the planner prices it by FLOPs)."""
+    if strategy.kind == "fsdp_cp":
+        return "fsdp_cp_ring" if strategy.kv_flavour == "ring" else "fsdp_cp"
+    return strategy.kind if strategy.kind in RECORDED_KINDS else None
+
+
 PHASES = {"forward": "fwd", "backward": "bwd"}
 SAMPLE_MULTIPLES = (1, 2, 3)
 _FITTED: Dict[str, Dict[str, List["KernelCurve"]]] = {}  # cache file -> curves, this process
@@ -146,6 +160,7 @@ def _code_fingerprint() -> str:
         for p in sorted((root / sub).rglob("*.py")):
             h.update(p.read_bytes())
     h.update((root / "tools" / "traffic.py").read_bytes())
+    h.update((root / "tools" / "traffic_fsdp_cp.py").read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -159,7 +174,8 @@ def cache_dir() -> Path:
 def record(
     model: ModelShape, d: int, micro_batch: int, dtype: str, seqs: Sequence[int] = ()
 ) -> Dict[str, Dict[str, List[dict]]]:
-    """Kernel records of both schemes, ``{scheme: {str(S): [record, ...]}}``, at ``seqs`` (default:
+    """Kernel records of every scheme (``RECORDED_SCHEMES``), ``{scheme: {str(S): [record, ...]}}``,
+    at ``seqs`` (default:
     the three sample lengths), in one fresh interpreter (the CUDA stand-in must be loaded before
     torch)."""
     from megatron_tsp.tools.estimator.fake_run import run_in_fresh_process
@@ -174,6 +190,7 @@ def record(
             "micro_batch": micro_batch,
             "dtype": dtype,
             "seqs": list(seqs or sample_seqs(d)),
+            "schemes": list(RECORDED_SCHEMES),
         }
         code = (
             "import json, sys, warnings; warnings.filterwarnings('ignore'); "
@@ -204,7 +221,7 @@ def cache_path(model: ModelShape, d: int, micro_batch: int, dtype: str) -> Path:
 def layer_curves(
     model: ModelShape, d: int, micro_batch: int = 1, dtype: str = "bf16"
 ) -> Dict[str, List[KernelCurve]]:
-    """Per scheme ("tsp", "tp_sp"), the layer's kernel curves; recorded once and cached."""
+    """Per scheme (``RECORDED_SCHEMES``), the layer's kernel curves; recorded once and cached."""
     path = cache_path(model, d, micro_batch, dtype)
     if str(path) in _FITTED:
         return _FITTED[str(path)]

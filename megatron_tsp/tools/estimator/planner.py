@@ -120,13 +120,14 @@ def assumptions(
         "resident), gradients reduce-scattered per layer per micro-batch in "
         f"{o.fsdp_grad_reduce_bytes or m.dtype_bytes}-byte elements (Megatron-LM's default: "
         "the model dtype), whole-weight GEMMs on B*S/N tokens, CP K/V all-gathered "
-        "(fsdp_cp) or on TE's P2P ring (fsdp_cp_ring), hidden behind attention compute; "
+        "(fsdp_cp) or on TE's P2P ring (fsdp_cp_ring), hidden behind attention compute "
+        "(its compute: the measured kernels of its recorded layer, see below); "
         "gtp (GTP = TP(T) x GTP_remat(R), R from the data-parallel ranks): TP+SP (x CP) terms "
         "+ each linear weight's TP slice all-gathered fwd and bwd over R (bf16 2 B, MXFP8 "
         "8.25 bits, NVFP4 4.5 bits per element) + wgrad reduce-scatter in "
         f"{o.gtp_grad_reduce_bytes}-byte elements, every micro-batch, prefetched one weight "
         "ahead (hidden behind the neighbouring GEMMs); the FP8/FP4 GEMM speed-up is not "
-        "modelled (bf16 compute for every strategy); both use the FLOP compute model",
+        "modelled (bf16 compute for every strategy); gtp uses the FLOP compute model",
         "TSP x CP (tsp_cp, --cp C): TSP's weight traffic inside the node (TSP group of D), each "
         "head group's K/V all-gather / dK/dV reduce-scatter over the D*C sequence group across C "
         "nodes (the node's NICs), pipelined one head group ahead as without CP; tsp_cp_ring is a "
@@ -141,7 +142,9 @@ def assumptions(
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
         (
-            "compute (TSP, TP+SP): every kernel the layer issues, recorded on shape-only tensors "
+            "compute (TSP, TP+SP, FSDP x CP): every kernel the layer issues (FSDP x CP: whole-"
+            "weight GEMMs on S/N tokens, the gradients' copy into the reduce-scatter buffer, TE's "
+            "CP attention with its K/V reorders or ring merges), recorded on shape-only tensors "
             "at three sequence lengths and extrapolated exactly in S, priced max(FLOPs / "
             f"{hw.flops / 1e12:.0f} TFLOP/s, bytes / {hw.hbm_GBps * hw.hbm_efficiency:.0f} GB/s "
             f"HBM, {hw.kernel_launch_us} us launch floor) and summed per phase; other strategies: "
@@ -606,9 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-model",
         choices=("measured", "flops"),
         default="measured",
-        help="TSP / TP+SP layer compute time: 'measured' prices every kernel the layer issues "
-        "(recorded once on shape-only tensors, ~1 min, cached; roofline of FLOPs, HBM bytes and "
-        "a launch floor per kernel), 'flops' counts GEMM + attention FLOPs only",
+        help="TSP / TP+SP / FSDP x CP layer compute time: 'measured' prices every kernel the "
+        "layer issues (recorded once on shape-only tensors, ~1 min, cached; roofline of FLOPs, "
+        "HBM bytes and a launch floor per kernel), 'flops' counts GEMM + attention FLOPs only",
     )
     ap.add_argument(
         "--tsp-kv-grad-reduce-in-fp32",

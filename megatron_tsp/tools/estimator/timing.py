@@ -160,13 +160,14 @@ def measured_layer(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq
     """The kernels one rank's layer issues at ``seq``, per phase (kernels, bytes, FLOPs, seconds:
     the sum of their rooflines), or None where the compute model is "flops" or the strategy has
     no recorded layer."""
-    if o.compute_model == "flops" or s.kind not in measured_traffic.RECORDED_KINDS or m.is_moe:
+    scheme = measured_traffic.scheme_of(s)  # fsdp_cp: its K/V flavour's recording
+    if o.compute_model == "flops" or scheme is None or m.is_moe:
         return None  # the recorded layers are dense: an MoE model's layers are priced by FLOPs
     if o.compute_model != "measured":
         raise ValueError(f"compute_model must be 'measured' or 'flops', got {o.compute_model!r}")
     dtype = {2: "bf16", 4: "fp32"}[m.dtype_bytes]
     curves = measured_traffic.layer_curves(m, s.degree, o.micro_batch, dtype)
-    return measured_traffic.phase_totals(curves[s.kind], seq, hw.kernel_costs())
+    return measured_traffic.phase_totals(curves[scheme], seq, hw.kernel_costs())
 
 
 def _layer_time(
