@@ -95,11 +95,22 @@ def test_fsdp_cp_memory_by_hand():
     m, N = TINY, 4
     mem = analytic_memory(m, make_strategy("fsdp_cp", N), S, recompute="none")
     total = m.num_params(1)  # every parameter, 1/N per rank
-    assert mem["params"] == pytest.approx(total / N * 2)
-    assert mem["grads"] == pytest.approx(total / N * 4)
-    assert mem["optimizer"] == pytest.approx(total / N * 12)
-    # two whole layers gathered (bf16) + one layer's unsharded bf16 gradient
-    assert mem["gathered_weights"] == pytest.approx(3 * W_LAYER * 2)
+    # FSDP2, as megatron-tsp memory --scheme fsdp_cp runs it: fp32 shards (the master weights)
+    # and Adam's m, v; gradient shards only from each unit's backward to the step
+    assert mem["params"] == pytest.approx(total / N * 4)
+    assert mem["grads"] == 0
+    assert mem["optimizer"] == pytest.approx(total / N * 8)
+    # at the backward peak the layer's and the output layer's unsharded weight gradients are in
+    # the reduce dtype: 2 B more per element with an fp32 reduce
+    assert mem["transient"] > 0
+    fp32 = analytic_memory(
+        m,
+        make_strategy("fsdp_cp", N),
+        S,
+        recompute="none",
+        options=Options(fsdp_grad_reduce_bytes=4),
+    )
+    assert sum(fp32.values()) - sum(mem.values()) == pytest.approx((W_LAYER + 256 * H) * 2)
 
 
 def test_gtp_memory_by_hand():

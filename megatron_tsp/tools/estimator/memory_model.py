@@ -429,12 +429,8 @@ def analytic_memory(
         held = 2 * big * b + 2 * big * 2
     local_params = layer_params + emb / T + m.final_norm_params()
     if s.kind == "fsdp_cp":
-        # ZeRO-3 over N = D*C: 1/N of every parameter; the layer being computed and the next,
-        # prefetched, whole in the model dtype (forward and backward), plus one layer's
-        # unsharded weight gradient before its reduce-scatter (fsdp_grad_reduce_bytes)
+        # ZeRO-3 over N = D*C: 1/N of every parameter (the gathered weights: _fsdp_cp_peak)
         local_params /= s.cp
-        g = o.fsdp_grad_reduce_bytes or b
-        held = 2 * dense.layer_params * b + dense.layer_params * g
     dp_opt = dp * (s.cp if s.kind in ("cp", "tp_cp", "tsp_cp", "gtp") else 1)
     opt_div = dp_opt if distributed_optimizer else 1
 
@@ -494,6 +490,8 @@ def analytic_memory(
             # ring gathers nothing
             + (0.0 if vocab_ring else head_tokens * m.hidden * b)
         )
+    if s.kind == "fsdp_cp":
+        return _fsdp_cp_peak(m, shape, s, o, local_params, vpad, recompute, activations, logits)
     forward_peak = logits >= backward_extra
     out = {
         "params": local_params * b,
@@ -503,6 +501,84 @@ def analytic_memory(
         "transient": 0.0 if forward_peak else backward_extra,
         "logits": logits if forward_peak else 0.0,
     }
-    if s.kind in ("fsdp_cp", "gtp"):
+    if s.kind == "gtp":
         out["gathered_weights"] = held  # resident through forward and backward
     return out
+
+
+def _fsdp_cp_peak(
+    m: ModelShape,
+    shape: LayerShape,
+    s: Strategy,
+    o: Options,
+    local_params: float,
+    vpad: int,
+    recompute: str,
+    activations: float,
+    logits: float,
+) -> Dict[str, float]:
+    """FSDP x CP (``fsdp_cp``): ZeRO-3 over the N = D*C sequence group as torch FSDP2 runs it
+    (``fully_shard`` per layer and root, ``reshard_after_forward=True``, bf16 param / reduce
+    policy), checked against ``megatron-tsp memory --scheme fsdp_cp``
+    (``tests/estimator/test_memory_fsdp_cp.py``).
+
+    Static: the 1/N shards in fp32 (FSDP2 keeps the sharded parameters in their dtype: they are
+    the master weights) and Adam's m, v; no gradient between steps (the shards' ``.grad`` are
+    set by each unit's reduce-scatter in backward and freed after the step). Megatron-FSDP's
+    default (``optim_grads_params``, ``preserve_fp32_weights``, bf16 reduce) keeps a bf16 weight
+    shard and a bf16 gradient shard besides: 4 B per local parameter more.
+
+    Forward peak (the output layer): every layer's saved tensors, the output layer's logits and
+    the root unit's gathered weights (embedding, output layer, final norm; the layers resharded
+    after their forward). Backward peak, the larger of the first layer's (the last one's) two
+    phases, with the root's gathered weights and its unsharded output-layer weight gradient
+    (reduce-scattered with the embedding's at the end of backward), the layer's weights and the
+    next one's (implicit backward prefetch) whole in the model dtype and the layer's unsharded
+    weight gradient: its MLP (the MLP intermediates' gradients on top of every layer's saved
+    tensors) and its attention (the layer's MLP tensors freed; the CP stand-in's K/V gathered
+    over the whole sequence, the kernel's dK/dV outputs for the largest chunk and the dK/dV
+    accumulator [S, b, 2 h_kv] in the accumulation dtype, then reduce-scattered; TE's P2P ring,
+    ``fsdp_cp_ring``, which the tool does not run, holds K/V and dK/dV blocks of S/N tokens
+    instead). With full recompute the recomputed layer's saved tensors come on top of the
+    stored inputs."""
+    b = shape.dtype_bytes
+    acc = fm.accumulation_bytes(b)
+    g = o.fsdp_grad_reduce_bytes or b
+    dense = moe.dense_layer(shape)
+    W = dense.layer_params
+    root = vpad * m.hidden * (1 if m.tied_embeddings else 2) + m.final_norm_params()
+    saved = _layer_activation_bytes(shape, s, o, m.rope)
+    layer_act = sum(saved.values())
+    mlp_saved = saved["mlp_mid"]
+    t = shape.tokens / s.cp
+    kv_full = 2 * shape.tokens * shape.kv_hidden
+    mlp_phase = t * (shape.fc1_rows + shape.ffn_hidden) * b  # mlp_mid_grads
+    if s.kv_flavour == "ring":
+        # TE's P2P ring (not run by the tool): the K/V block attended and the one in flight,
+        # as many dK/dV blocks, each [S/N, b, 2 h_kv], and the local dK/dV accumulator
+        kv_work = 4 * kv_full / s.cp * b + kv_full / s.cp * acc
+    else:
+        # the gathered K/V, the dK/dV accumulator, the kernel's dK/dV of the largest chunk
+        kv_work = kv_full * (b + acc) + _kernel_dkv_bytes(shape, 1, o.attn_kernel)
+    attn_phase = (
+        kv_work
+        # the incoming output gradient [t, h], and for the largest chunk (t/2 tokens) the
+        # kernel's dq in the accumulation dtype and its contiguous q / out / dout copies
+        + t * m.hidden * (b + acc / 2 + 3 * b / 2)
+        - mlp_saved
+    )
+    backward_weights = root * b + vpad * m.hidden * g + 2 * W * b + W * g
+    # full recompute: the recomputed layer's saved tensors (its input is one of the stored
+    # inputs, and the checkpoint holds the recomputed output's gradient as many bytes again)
+    extra = layer_act if recompute == "full" else 0.0
+    backward = activations + extra + max(mlp_phase, attn_phase) + backward_weights
+    forward = activations + logits + root * b
+    forward_peak = forward >= backward
+    return {
+        "params": local_params * acc,
+        "grads": 0.0,
+        "optimizer": local_params * 2 * acc,
+        "activations": activations,
+        "transient": 0.0 if forward_peak else backward - activations,
+        "logits": forward - activations if forward_peak else 0.0,
+    }
