@@ -88,20 +88,22 @@ def test_mask_round_trip_and_errors(seed):
     # float mask, Megatron's convention (non-zero = masked)
     dm = document_mask("random", seed, 2, 32)
     assert DocumentMask.from_attention_mask(dm.dense_mask().float()) == dm
-    # a mask that lets a query see the previous document, or a future key: the row is named
+    # one entry changed so that no document mask has that row: a future key unmasked, a key
+    # before the document (not adjacent to it) unmasked, a key inside the document masked.
+    # The row is named.
     g = torch.Generator().manual_seed(seed)
-    for _ in range(6):
-        mask = dm.dense_mask().clone()
-        b, i = (
-            int(torch.randint(2, (1,), generator=g)),
-            int(torch.randint(1, 32, (1,), generator=g)),
-        )
+    flips = 0
+    while flips < 8:
+        b, i = int(torch.randint(2, (1,), generator=g)), int(torch.randint(32, (1,), generator=g))
         j = int(torch.randint(32, (1,), generator=g))
-        if j == i:
+        start = max(p for p in dm.starts_of(b) if p <= i)
+        if not (j > i or j < start - 1 or start < j < i):
             continue
+        mask = dm.dense_mask().clone()
         mask[b, 0, i, j] = ~mask[b, 0, i, j]
         with pytest.raises(PackedBatchError, match=f"sample {b} the query at row {i} "):
             DocumentMask.from_attention_mask(mask)
+        flips += 1
     with pytest.raises(PackedBatchError, match="cu_seqlens ends at 30"):
         DocumentMask.from_cu_seqlens(torch.tensor([0, 10, 30]), 32)
     with pytest.raises(PackedBatchError, match="entry 2"):
@@ -222,6 +224,24 @@ def _config(d, dtype, style, groups, recompute=None, cp=1):
     return config
 
 
+def _gpt(config, spec, style, vocab, seq, rotary_base=None):
+    """``checks_gpt._model`` (untied, full logits) with an optional RoPE base."""
+    from megatron.core.models.gpt import GPTModel
+
+    from tests.checks_gpt import STYLES
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        parallel_output=False,
+        position_embedding_type=STYLES[style]["position_embedding_type"],
+        share_embeddings_and_output_weights=False,
+        **({} if rotary_base is None else {"rotary_base": rotary_base}),
+    )
+
+
 def _positions_to(model, dtype):
     """Learned absolute position embeddings in ``dtype``: megatron-core keeps them in fp32
     whatever ``params_dtype`` is, and with position ids restarting per document their gradient
@@ -261,11 +281,15 @@ def check_gpt_documents(
     vocab=128,
     dtype_name="float64",
     rtol=1e-10,
+    rotary_base=None,
 ):
     """A TSP GPTModel (D=``d``, ``cp`` CP ranks) on a packed batch vs stock megatron-core given
     the dense document mask: ``baseline`` "single" (TP=1) or "tp_sp" (TP=D+SP on the same
     ranks, its state dict loaded into TSP): loss and every gradient. ``thd``: the TSP model is
-    called with megatron-core's ``PackedSeqParams`` (qkv_format 'thd', b=1) and no mask.
+    called with megatron-core's ``PackedSeqParams`` (qkv_format 'thd', b=1, ``max_seqlen`` the
+    longest document, so the rotary table is that short) and no mask; TSP then rotates each
+    token at its position within its document as Megatron's THD RoPE does, the reference at its
+    sequence position (the same scores: RoPE is relative). ``rotary_base``: GPTModel's.
     ``recompute``: "selective" (TSP's attention_backward "recompute") or "full" (Megatron's
     checkpointed layers: the ``DocumentMaskTensor`` goes through ``save_for_backward``)."""
     import torch.distributed as dist
@@ -290,9 +314,7 @@ def check_gpt_documents(
     setup_megatron_tp(ref_d, seed)
     ref_config = _config(ref_d, dtype, style, groups)
     spec = reference_single_layer_spec if baseline == "single" else reference_tp_sp_block_spec
-    ref = _positions_to(
-        checks_gpt._model(ref_config, spec(ref_config), style, vocab, seq, False), dtype
-    )
+    ref = _positions_to(_gpt(ref_config, spec(ref_config), style, vocab, seq, rotary_base), dtype)
     if baseline == "single":
         checks_gpt._norms_to(ref, dtype)
     ref_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
@@ -312,7 +334,7 @@ def check_gpt_documents(
         setup_tsp(d, seed)
         group, cp_rank = group_info()[0], 0
     config = _config(d, dtype, style, groups, recompute, cp)
-    model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), style, vocab, seq, False)
+    model = _gpt(config, get_gpt_block_tsp_spec(config), style, vocab, seq, rotary_base)
     _positions_to(model, dtype)
     if baseline == "single":
         sharding.load_full_state(model, ref_params, group)
@@ -435,7 +457,11 @@ def test_gpt_documents_tsp_x_cp_fp64(pool4, seed, style):
 @pytest.mark.parametrize("d", [2, 4])
 def test_gpt_packed_seq_params_thd_fp64(pool4, seed, d):
     """megatron-core's API: ``packed_seq_params`` (qkv_format 'thd', b=1) instead of a mask."""
-    pool4.run(check_gpt_documents, d, seed, "llama", "random", thd=True)
+    # rotary base 16 with head dim 4: inverse frequencies 1 and 1/4, so the fp32 angles are
+    # exact at restarted and at sequence positions; megatron-core rounds their cos / sin to
+    # fp32 before the cast, so rotations at the two positions agree to ~1e-9, not to fp64
+    # (a missed document start is off by 1e-2)
+    pool4.run(check_gpt_documents, d, seed, "llama", "random", thd=True, rotary_base=16, rtol=1e-8)
 
 
 @pytest.mark.parametrize("backward", ["saved", "recompute"])

@@ -1110,6 +1110,13 @@ class TSPSelfAttention(SelfAttention):
             q_emb, k_emb = rotary_pos_emb
         else:
             q_emb = k_emb = rotary_pos_emb
+        if packed_seq_params is not None and documents is not None:
+            # THD: Megatron rotates each token at its position within its document (the table
+            # holds max_seqlen rows); TSP's tables index natural positions, so they read a
+            # table whose row p is the angle of p's position in its document
+            shared = k_emb is q_emb
+            q_emb = _document_rope_table(q_emb, documents)
+            k_emb = q_emb if shared else _document_rope_table(k_emb, documents)
         local_len = hidden_states.shape[0]
         if local_len % 2 != 0:
             size = dist.get_world_size(self.tsp_group)
@@ -1153,6 +1160,28 @@ class TSPSelfAttention(SelfAttention):
             documents,
         )
         return out, self.linear_proj.bias
+
+
+def _document_rope_table(emb: Optional[torch.Tensor], documents: DocumentMask):
+    """``emb`` ([max_seqlen, 1, 1, rot] angles) re-indexed to natural positions of a THD
+    sample: row p holds the angle of p - (start of p's document), as Megatron's THD RoPE
+    applies it. Built once per table, documents and version (cached on ``emb``): the layers
+    of a step share it."""
+    if emb is None:
+        return None
+    key = (documents, emb._version, emb.device)
+    cache = getattr(emb, "_tsp_document_rope", None)
+    if cache is None or cache[0] != key:
+        positions = documents.position_ids(emb.device)[0]
+        longest = int(positions.max()) + 1
+        if emb.shape[0] < longest:
+            raise ValueError(
+                f"TSP attention: the rotary table covers {emb.shape[0]} positions but a THD "
+                f"document holds {longest} tokens (packed_seq_params.max_seqlen_q too small)"
+            )
+        cache = (key, emb.index_select(0, positions))
+        emb._tsp_document_rope = cache
+    return cache[1]
 
 
 def _documents_of(attention_mask, packed_seq_params, hidden_states) -> Optional[DocumentMask]:
