@@ -467,3 +467,39 @@ def test_gpt_packed_seq_params_thd_fp64(pool4, seed, d):
 @pytest.mark.parametrize("backward", ["saved", "recompute"])
 def test_single_document_bit_for_bit(pool4, seed, backward):
     pool4.run(check_single_document_is_the_causal_path, 4, seed, "llama", backward)
+
+
+def check_refusals(d, seed):
+    """Inference prefill and attention dropout with documents are refused by name; a
+    DocumentMask over another sequence length, and THD with b > 1, too."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_tsp.core.specs import get_gpt_block_tsp_spec
+    from tests import checks_gpt
+    from tests.common import setup_tsp
+
+    seq = 32
+    setup_tsp(d, seed)
+    config = _config(d, torch.float64, "llama", None)
+    model = checks_gpt._model(config, get_gpt_block_tsp_spec(config), "llama", 128, seq, False)
+    attention = model.decoder.layers[0].self_attention
+    x = torch.randn(seq // d, 2, config.hidden_size, dtype=torch.float64)
+    docs = DocumentMask.from_document_starts([[0, 5], [0, 9, 20]], seq)
+    with pytest.raises(ValueError, match="inference prefill does not support packed documents"):
+        attention(x, attention_mask=docs.to_tensor(), inference_context=object())
+    with pytest.raises(PackedBatchError, match="documents over 48 positions"):
+        attention(x, attention_mask=DocumentMask.from_document_starts([[0, 5]], 48).to_tensor())
+    cu = torch.tensor([0, 5, seq], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match="micro-batch size 1, got 2"):
+        attention(x, packed_seq_params=thd)
+    with pytest.raises(ValueError, match="qkv_format='thd' only, got 'sbhd'"):
+        attention(x[:, :1], packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    attention.head_layout = dataclasses.replace(attention.head_layout, dropout_p=0.1)
+    with pytest.raises(ValueError, match="--attention-dropout=0.1"):
+        attention(x, attention_mask=docs.to_tensor())
+    return True
+
+
+def test_refusals(pool4, seed):
+    pool4.run(check_refusals, 2, seed)
