@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,7 +91,7 @@ from megatron_tsp.core.comm import (
     weight_bias_views,
 )
 from megatron_tsp.core.documents import DocumentMask, PackedBatchError, as_documents
-from megatron_tsp.core.layers import kernels, row_sum_kernel
+from megatron_tsp.core.layers import kernels, kv_prefetch, row_sum_kernel
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.head_groups import (
     GroupStream,
@@ -436,6 +437,10 @@ class _TSPAttentionFunction(torch.autograd.Function):
         ctx.head_layout, ctx.group, ctx.rng, ctx.kernel = head_layout, group, rng, kernel
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
         ctx.layout, ctx.seq_group, ctx.documents = layout, seq_group, documents
+        # group 0's backward K/V re-gather is posted by the MLP backward that runs before this
+        # one (``kv_prefetch``); saved mode only (recompute mode needs shard 0's QKV GEMM first)
+        ctx.kv_handoff = _first_regather(ctx, group) if save_outputs else None
+        kv_prefetch.arm(ctx.kv_handoff)
         # [s/D, b, h] in the model dtype (the GEMM accumulates in fp32 internally)
         return torch.matmul(context, proj_full.t())
 
@@ -477,6 +482,22 @@ def _document_forward(kernel, q, k_all, v_all, layout: TSPLayout, documents, hea
         kernel, q, k_nat, v_nat, documents, head_layout.softmax_scale, head_layout.dropout_p
     )
     return _block_rows(rows, blocks), []
+
+
+def _first_regather(ctx, group) -> kv_prefetch.Handoff:
+    """Group 0's backward K/V re-gather as a ``kv_prefetch.Handoff``: the saved packed K/V of
+    group 0 all-gathered into its ``WORKSPACE`` slot, exactly as ``prepare_group(0)`` posts it
+    (read from the saved tensors when posted; the context is held weakly)."""
+    context = weakref.ref(ctx)
+
+    def post() -> Optional[Pending]:
+        saved = context()
+        if saved is None:  # its graph is gone: no backward will read the gather
+            return None
+        _, _, flat = _saved_rope(saved, saved.saved_tensors[4:])
+        return _post_kv_gather(flat[1], saved.seq_group, saved.layout, slot=0)
+
+    return kv_prefetch.Handoff(post, group)
 
 
 def _save_rope(ctx, rope_q: Optional[RopeTables], rope_k: Optional[RopeTables]):
@@ -588,6 +609,7 @@ class _AttentionBackward:
             rows.reshape(-1, self.hidden) for rows in _block_rows(grad_out, self.blocks)
         ]
         self.m = self.head_layout.shards_per_group
+        self.kv_handoff = ctx.kv_handoff  # group 0's re-gather, if the MLP backward posted it
         self.shards = {}  # the weight shards being read: r -> [FlatShard] (at most r-1 .. r+1)
         self.stream = None
 
@@ -630,7 +652,7 @@ class _AttentionBackward:
     def prepare_group(self, r: int) -> _HeadGroup:
         """Group r's rotated q and packed K/V (saved by the forward, or recomputed with shard r's
         QKV weight: waits shard r's broadcast in recompute mode) and the post of its K/V
-        all-gather."""
+        all-gather (group 0's: the one the MLP backward posted, ``kv_prefetch``, if it did)."""
         outs = lses = None
         if self.saved_mode:
             per_group, n_blocks = _save_layout(len(self.blocks)), len(self.blocks)
@@ -642,7 +664,9 @@ class _AttentionBackward:
             mixed = group_qkv_linear(self.x, self.stream.get(r), self.has_bias, self.head_layout)
             kv = kv_send_buffer(self.x, self.head_layout, fresh=False, slot=r % 2)
             q = rotate_qkv(mixed, self.head_layout, self.rope_q, self.rope_k, kv)
-        gather = _post_kv_gather(kv, self.seq_group, self.layout, slot=r % 2)
+        gather = self.kv_handoff.take() if r == 0 and self.kv_handoff is not None else None
+        if gather is None:
+            gather = _post_kv_gather(kv, self.seq_group, self.layout, slot=r % 2)
         return _HeadGroup(r, q, gather, outs=outs, lses=lses)
 
     def output_projection_wgrad(self, group: _HeadGroup, g_pw: list) -> None:

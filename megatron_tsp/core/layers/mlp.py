@@ -47,7 +47,7 @@ from megatron.core.transformer.mlp import MLP
 
 from megatron_tsp.core import rejections
 from megatron_tsp.core.comm import FlatShard, labelled, weight_bias_views
-from megatron_tsp.core.layers import activation_kernel, weight_ring
+from megatron_tsp.core.layers import activation_kernel, kv_prefetch, weight_ring
 from megatron_tsp.core.layers.grads import weight_grad_output
 from megatron_tsp.core.layers.module_hooks import run_forward_pre_hooks
 from megatron_tsp.core.layers.precision import (
@@ -224,7 +224,9 @@ class _TSPMLPFunction(torch.autograd.Function):
     steps, each posted after the dX GEMMs, plus D-1 steps of the (fp32 in bf16 runs) gradient
     accumulator one hop behind, each posted after the weight-gradient GEMMs that accumulate onto
     it in place (queue order: ``weight_ring``, shared with the TSP expert ring and the vocabulary
-    ring); no collectives.
+    ring); its own traffic has no collectives. Behind its one dgrad GEMM the backward posts the
+    first K/V re-gather (an all-gather over the sequence group) of the TSP attention that ran
+    before it in the forward, for that attention's backward (``kv_prefetch``).
 
     Forward compute: each shard's fc1 GEMM writes its block of one fc1 output [tokens, D, fc1
     rows per shard] (shard order), the fc2 shard is copied into its columns of the fc2 weight;
@@ -244,6 +246,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         accumulate_into_main_grad,
         recompute_activation,
         sums_in_fp32,
+        kv_handoff,
     ):
         params = [fc1_w] + ([fc1_b] if fc1_b is not None else []) + [fc2_w]
         has_bias = fc1_b is not None
@@ -272,6 +275,7 @@ class _TSPMLPFunction(torch.autograd.Function):
         ctx.group, ctx.activation = group, activation
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
         ctx.sums_in_fp32 = sums_in_fp32
+        ctx.kv_handoff = kv_handoff
         return out
 
     @staticmethod
@@ -322,12 +326,16 @@ class _TSPMLPFunction(torch.autograd.Function):
             matmul_onto(tokens_dy.t(), hidden, g_w2, accumulate)
 
         grad_x = None
+        handoff = ctx.kv_handoff
 
         def input_grad() -> None:
             """The input gradient: one GEMM over the whole FFN width (rounded once), issued
-            while the ring's last hop is in flight."""
+            while the ring's last hop is in flight; then the post of this layer's attention's
+            first K/V re-gather (``kv_prefetch``), which the GEMM's remaining time covers."""
             nonlocal grad_x
             grad_x = matmul_acc(d_pre_all.view(tokens_x.shape[0], -1), fc1_all, dtype=acc_dtype)
+            if handoff is not None:
+                handoff.post()
 
         with labelled("tsp_mlp"):  # the schedule and its queue order: ``weight_ring``
             own = weight_ring.backward(
@@ -346,6 +354,7 @@ class _TSPMLPFunction(torch.autograd.Function):
             weight_grad_output(fc1_w, g_w1, accumulate),
             weight_grad_output(fc1_b, g_b1, accumulate),
             weight_grad_output(fc2_w, g_w2, accumulate),
+            None,
             None,
             None,
             None,
@@ -374,7 +383,11 @@ def tsp_mlp(
     ``activation_sums_in_fp32``: the ``grad_x`` sum over the shards in fp32 instead of the
     compute dtype (``precision.activation_sum_dtype``; the output is one GEMM either way).
     ``activation``: ``make_activation(config)``, or ``MLPActivation(fn)`` for any function of the
-    fc1 output (its backward then runs under autograd)."""
+    fc1 output (its backward then runs under autograd).
+
+    Takes the preceding TSP attention's ``kv_prefetch.Handoff`` (every call empties the slot):
+    the backward posts that attention's first K/V re-gather behind its one dgrad GEMM."""
+    kv_handoff = kv_prefetch.take(group)
     return _TSPMLPFunction.apply(
         x,
         fc1_weight,
@@ -385,6 +398,7 @@ def tsp_mlp(
         accumulate_into_main_grad,
         recompute_activation or not torch.is_grad_enabled(),
         activation_sums_in_fp32,
+        kv_handoff,
     )
 
 
