@@ -503,3 +503,38 @@ def check_refusals(d, seed):
 
 def test_refusals(pool4, seed):
     pool4.run(check_refusals, 2, seed)
+
+
+def bf16_documents_errors(d, seed, style):
+    """``checks_precision.bf16_errors_vs_fp64`` (fp64 single-process reference, bf16 Megatron
+    TP=D+SP and bf16 TSP-D from the same bf16-rounded weights) on a packed batch: random
+    documents, the dense mask for the reference and TP+SP, restarting position ids."""
+    from tests import checks_precision
+
+    original = checks_precision._batch
+
+    def packed(seed_, batch, seq, vocab):
+        return _doc_batch(
+            seed_, batch, seq, vocab, document_mask("random", seed_, batch, seq), True
+        )
+
+    checks_precision._batch = packed
+    try:
+        return checks_precision.bf16_errors_vs_fp64(d, seed, style, kinds=("tp_sp", "tsp"))
+    finally:
+        checks_precision._batch = original
+
+
+BF16_SEEDS = 8
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_gpt_documents_bf16_no_less_accurate_than_tp_sp(pool4, seed, style):
+    """bf16 with packed documents, by the whole-model criterion of
+    ``tests/test_precision.py::test_gpt_bf16_no_less_accurate_than_tp_sp`` (hidden states no
+    less accurate than TP+SP's, per-token loss, gradients' geometric mean and weight-gradient
+    families within its bounds), D=4, ``BF16_SEEDS`` seeds from ``seed``."""
+    from tests.test_precision import D, _report_and_check_gpt
+
+    runs = [pool4.run(bf16_documents_errors, D, seed + i, style)[0] for i in range(BF16_SEEDS)]
+    _report_and_check_gpt(runs, seed, style)
