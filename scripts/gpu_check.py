@@ -12,13 +12,19 @@ real layer code on ONE GPU.
     group: every collective returns at once, so the timings are one rank's compute and memory
     copies with communication removed. TP+SP's core attention is one causal
     ``F.scaled_dot_product_attention`` call over the whole sequence (flash / cuDNN; Megatron's
-    local core attention would materialise the [S, S] scores). Reported: median step time of
-    each and their ratio, kernels launched per layer step (torch.profiler), and the step's
-    memory: ``torch.cuda.max_memory_allocated`` during the step minus the memory allocated before
-    it (parameters, input, RoPE table), beside the fake-tensor prediction of the same difference
-    (MemTracker under FakeTensorMode, the machinery of ``megatron-tsp memory``) for the same
-    layer, input and layout (``--cpu-smoke``: that tracker on the real CPU tensors stands in
-    for the CUDA allocator). TSP's persistent communication buffers (``comm.WORKSPACE``) are
+    local core attention would materialise the [S, S] scores). Beside them FSDP x CP's rank
+    (ZeRO-3 x CP over the same D ranks, the planner's ``fsdp_cp``): megatron-core's layer at
+    TP = 1, CP = D, whole-weight GEMMs on the rank's S/D tokens and TE's all-gather CP attention
+    as ``bench --traffic`` records it (``tools/traffic_fsdp_cp.KVAllGatherAttention``: K/V
+    gathered and reordered, one causal flash call per zigzag chunk over the keys it sees); its
+    weight all-gathers and gradient reduce-scatter are no-ops here like every collective.
+    Reported: median step time of each and their ratios, kernels launched per layer step
+    (torch.profiler), and the step's memory: ``torch.cuda.max_memory_allocated`` during the
+    step minus the memory allocated before it (parameters, input, RoPE table), beside the
+    fake-tensor prediction of the same difference (MemTracker under FakeTensorMode, the
+    machinery of ``megatron-tsp memory``) for the same layer, input and layout
+    (``--cpu-smoke``: that tracker on the real CPU tensors stands in for the CUDA allocator).
+    TSP's persistent communication buffers (``comm.WORKSPACE``) are
     dropped before each scheme and before the measured step, so that step allocates (and
     counts) TSP's own and TP+SP's figure holds none of TSP's.
 (b) TSP layers in bf16 against the same layers in fp32 (same weights, input and output
@@ -67,7 +73,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 GB = 1e9
-SCHEMES = {"tsp": "TSP", "tp_sp": "Megatron TP+SP"}
+SCHEMES = {"tsp": "TSP", "tp_sp": "Megatron TP+SP", "fsdp_cp": "FSDP x CP"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,11 +123,13 @@ def _sdpa_core_attention_class():
 def _run_config(scheme, d, model, seq, dtype, init):
     from megatron_tsp.tools.estimator import fake_run as fr
 
+    fsdp = scheme == "fsdp_cp"  # Megatron's layer at TP = 1, CP = D (whole weights, S/D tokens)
     return fr.RunConfig(
-        scheme=scheme,
+        scheme="tp_cp" if fsdp else scheme,
         model=model,
         world_size=d,
-        tp=d,
+        tp=1 if fsdp else d,
+        cp=d if fsdp else 1,
         seq=seq,
         dtype="bf16" if dtype == torch.bfloat16 else "fp32",
         fake=not init,
@@ -191,6 +199,10 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
         spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
     else:
         spec = fr.layer_spec(cfg, config).layer_specs[0]
+    if scheme == "fsdp_cp":  # TE's all-gather CP attention, as bench --traffic records it
+        from megatron_tsp.tools.traffic_fsdp_cp import core_attention_class
+
+        spec.submodules.self_attention.submodules.core_attention = core_attention_class(False)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(1234)
@@ -199,7 +211,10 @@ def build_layer(scheme: str, d: int, model, seq: int, dtype: torch.dtype, device
         layer = build_module(spec, config=config, layer_number=1)
     kv = config.kv_channels or model.hidden // model.heads
     rope = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, use_cpu_initialization=True)
-    freqs = rope(seq).to(device)
+    # under CP (fsdp_cp) Megatron slices the rank's zigzag rows, its index built on CUDA: on the
+    # CPU the memory tool's CPU version of it
+    with fr.cpu_cp_rope() if device == "cpu" else contextlib.nullcontext():
+        freqs = rope(seq).to(device)
     return layer, freqs
 
 
@@ -725,6 +740,11 @@ def write_report(result: dict, out_dir: str) -> None:
         f"TSP / TP+SP step time: **{a['ratio_tsp_over_tp_sp']:.3f}** ({a['tsp']['kernel_kind']}); "
         f"kernels' summed time: **{a['tsp']['kernel_busy_s'] / a['tp_sp']['kernel_busy_s']:.3f}** "
         "(a step far longer than its kernels' summed time is bound by the host).",
+        "",
+        f"FSDP x CP / TSP step time: **{a['ratio_fsdp_cp_over_tsp']:.3f}**; kernels' summed "
+        f"time: **{a['fsdp_cp']['kernel_busy_s'] / a['tsp']['kernel_busy_s']:.3f}** (FSDP x "
+        "CP's rank: whole weights on S/D tokens, attention over the gathered K/V; its weight "
+        "all-gathers and gradient reduce-scatter are no-ops here).",
         *_top_kernel_lines(a),
         "",
         "## (b) TSP layer, bf16 vs fp32 (D=1)",
@@ -931,6 +951,9 @@ def main(argv=None) -> int:
         )
     timing["ratio_tsp_over_tp_sp"] = (
         timing["tsp"]["step_s_median"] / timing["tp_sp"]["step_s_median"]
+    )
+    timing["ratio_fsdp_cp_over_tsp"] = (
+        timing["fsdp_cp"]["step_s_median"] / timing["tsp"]["step_s_median"]
     )
     prec_seq = seq if args.cpu_smoke else min(seq, 8192)
     errors, kernels_used, megatron = precision_check(model, prec_seq, device)

@@ -2,10 +2,11 @@
 process group). Checks the files it writes, with every option of the script: the defaults (D=2,
 fake-tensor prediction, te_fused through the TE 2.15 contract emulator) and ``--skip-fake --d 4
 --seq 32 --iters 1 --warmup 0 --te-emulator 2.8``; the attention-backend table checked before
-timing; timings are only checked to be positive. Memory: each scheme's step peak minus what was
-allocated before it, TSP's persistent communication buffers counted in TSP's step and absent from
-TP+SP's (on CPU the fake-tensor tool's tracker on the real tensors stands in for the CUDA
-allocator).
+timing; timings are only checked to be positive. FSDP x CP's rank (TP = 1, CP = D: whole weights
+on S/D tokens, attention over the gathered K/V) is timed beside TSP and TP+SP. Memory: each
+scheme's step peak minus what was allocated before it, TSP's persistent communication buffers
+counted in TSP's step and absent from TP+SP's and FSDP x CP's (on CPU the fake-tensor tool's
+tracker on the real tensors stands in for the CUDA allocator).
 Runtime: about 1-2 min (three subprocesses)."""
 
 import json
@@ -37,7 +38,7 @@ def _run(out_dir, *argv):
 
 
 def _check_memory(timing, fake):
-    for scheme in ("tsp", "tp_sp"):
+    for scheme in ("tsp", "tp_sp", "fsdp_cp"):
         r = timing[scheme]
         assert r["memory_measured_by"] == "MemTracker (CPU smoke)"
         # baseline (parameters, input, RoPE table) recorded; the step's figure excludes it
@@ -59,6 +60,7 @@ def _check_memory(timing, fake):
     assert timing["tsp"]["workspace_bytes_after_step"] > 0
     assert timing["tsp"]["step_peak_bytes"] >= timing["tsp"]["workspace_bytes_after_step"]
     assert timing["tp_sp"]["workspace_bytes_after_step"] == 0
+    assert timing["fsdp_cp"]["workspace_bytes_after_step"] == 0
     assert timing["tsp"]["memory_before_step_bytes"] == timing["tp_sp"]["memory_before_step_bytes"]
 
 
@@ -89,7 +91,7 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
         iters,
     )
     timing = report["timing"]
-    for scheme in ("tsp", "tp_sp"):
+    for scheme in ("tsp", "tp_sp", "fsdp_cp"):
         r = timing[scheme]
         assert len(r["step_s"]) == iters and all(t > 0 for t in r["step_s"])
         assert r["kernels_per_layer_step"] > 0
@@ -101,6 +103,13 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     _check_memory(timing, fake)
     # TSP holds 1/D of the weights like TP=D: same parameter count per rank
     assert timing["tsp"]["layer_params"] == timing["tp_sp"]["layer_params"]
+    # FSDP x CP's rank runs whole weights: D times TSP's shards, the (replicated) norms once
+    norms = 2 * 2 * setup["hidden"]  # two LayerNorms, weight and bias
+    assert timing["fsdp_cp"]["layer_params"] == d * (timing["tsp"]["layer_params"] - norms) + norms
+    assert (
+        timing["ratio_fsdp_cp_over_tsp"]
+        == timing["fsdp_cp"]["step_s_median"] / timing["tsp"]["step_s_median"]
+    )
     assert (
         timing["ratio_tsp_over_tp_sp"]
         == timing["tsp"]["step_s_median"] / timing["tp_sp"]["step_s_median"]
@@ -118,7 +127,7 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     for name, err in prec.items():
         assert 0.2 < err / megatron[name] < 5, (name, err, megatron[name])
     assert "| TSP / Megatron |" in md
-    for scheme in ("tsp", "tp_sp"):
+    for scheme in ("tsp", "tp_sp", "fsdp_cp"):
         top = timing[scheme]["top_kernels_by_time"]
         assert top and sum(k["launches"] for k in top) <= timing[scheme]["kernels_per_layer_step"]
         assert sum(k["s"] for k in top) <= timing[scheme]["kernel_busy_s"] * (1 + 1e-9)
@@ -131,7 +140,10 @@ def test_gpu_check_cpu_smoke_writes_report(tmp_path, argv, d, seq, iters, fake):
     # bf16 vs fp32: errors at bf16 resolution (2^-8), neither zero nor garbage
     for name, err in prec.items():
         assert 1e-5 < err < 5e-2, (name, err)
-    for text in ("## (a)", "## (b)", "| TSP |", "| Megatron TP+SP |", "TSP / TP+SP step time"):
+    for text in ("## (a)", "## (b)", "| TSP |", "| Megatron TP+SP |", "TSP / TP+SP step time") + (
+        "| FSDP x CP |",
+        "FSDP x CP / TSP step time",
+    ):
         assert text in md
     # TSP's Triton kernels, in Triton's interpreter here (it truncates to bf16: one ulp)
     rope, row_sum = report["rope_kernel"], report["row_sum_kernel"]

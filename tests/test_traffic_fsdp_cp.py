@@ -131,8 +131,11 @@ def test_weight_gathers_and_gradient_reduce_scatter(layer, scheme):
     assert (copy_in[0]["read"], copy_in[0]["written"]) == (layer_bytes, layer_bytes)
     # after every weight gradient: the last kernel of the layer
     assert _kernels(s)[-1] == copy_in[0]
-    # no other kernel touches the whole layer's weights at once (no copy-out of the gather)
+    # no other kernel touches the whole layer's weights at once (no copy-out of the gather), and
+    # autograd accumulates every weight gradient without a copy (the wgrad GEMM's output is it)
     assert not _kernels(s, source="traffic_fsdp_cp.unshard")
+    weight_bytes = {w * BF16 for w in WEIGHTS.values()}
+    assert not [r for r in _kernels(s, name="copy_") if r["written"] in weight_bytes]
 
 
 def test_kv_all_gather(layer):
@@ -180,6 +183,16 @@ def test_fsdp_cp_schemes_in_the_cli():
     assert traffic.parse_args(argv).schemes == list(traffic.DEFAULT_SCHEMES)
     with pytest.raises(SystemExit):
         traffic.parse_args(["--schemes", "fsdp", *argv])
+
+
+def test_only_the_schemes_that_split_over_d_are_recorded():
+    """The planner's recordings skip a TSP / TP+SP layer whose heads do not split over D (the
+    tiny model's 4 heads over 8 ranks) and keep FSDP x CP's, which holds whole heads."""
+    assert traffic.scheme_fits("tiny", "tsp", 2) and traffic.scheme_fits("tiny", "tp_sp", 4)
+    assert not traffic.scheme_fits("tiny", "tsp", 8) and not traffic.scheme_fits("tiny", "tp_sp", 8)
+    assert traffic.scheme_fits("tiny", "fsdp_cp", 8) and traffic.scheme_fits(
+        "tiny", "fsdp_cp_ring", 8
+    )
 
 
 def test_planner_prices_the_recorded_fsdp_cp_kernels(model, tmp_path, monkeypatch):

@@ -1257,6 +1257,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def scheme_fits(model: str, scheme: str, world_size: int) -> bool:
+    """Whether ``scheme``'s layer of ``model`` (a name or JSON path) splits over ``world_size``
+    ranks: TSP and TP+SP shard heads, query groups and FFN (``core.validation``); FSDP x CP
+    keeps whole heads (its parameters' shards are checked when it is recorded)."""
+    from megatron_tsp.core import model_shape
+    from megatron_tsp.core.validation import check_model_shape
+
+    if scheme not in ("tsp", "tp_sp"):
+        return True
+    shape = model_shape.load_model(model)
+    try:
+        check_model_shape(
+            world_size,
+            shape.heads,
+            num_query_groups=shape.query_groups,
+            ffn_hidden_size=shape.ffn or 4 * shape.hidden,
+            hidden_size=shape.hidden,
+        )
+    except ValueError:
+        return False
+    return True
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Before any recording: schemes known, D >= 2, every length splits into 2D chunks, the
     model exists and splits over D (heads, query groups, FFN: ``core.validation``)."""

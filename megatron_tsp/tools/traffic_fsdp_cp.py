@@ -86,7 +86,14 @@ def out_correction_op():
 
 
 def _kernel(q, k):
-    return kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
+    """The layers' attention kernel for these tensors ([s, b, n, d]); one that returns no
+    log-sum-exp (``sdpa_recompute``, where pinned) gives way to the device's default: TE's CP
+    attention is a flash kernel that saves it."""
+    gqa = q.shape[2] != k.shape[2]
+    kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], gqa)
+    if getattr(kernel, "has_lse", True):
+        return kernel
+    return kernels.get_kernel(kernels.kernel_choice(q.device.type, q.dtype, q.shape[-1], gqa))
 
 
 def _gather(t, group, size):
@@ -342,11 +349,21 @@ class LayerShards:
         def before_backward(_grad):
             self.unshard()
 
-        def after_backward(grads):
-            self.reduce_scatter(grads)
+        # after the last parameter's gradient is accumulated (a post-accumulate hook holds no
+        # reference to the incoming gradient: one that did would make autograd copy it)
+        done = []
+
+        def after_accumulate(param):
+            done.append(param)
+            if len(done) == len(self.params):
+                self.reduce_scatter([p.grad for p in self.params])
 
         self.unshard()
         out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
         out.register_hook(before_backward)
-        torch.autograd.graph.register_multi_grad_hook(self.params, after_backward, mode="all")
+        handles = [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.params]
         out.backward(grad)
+        for h in handles:
+            h.remove()
+        if len(done) != len(self.params):
+            raise RuntimeError("fsdp_cp recording: a parameter received no gradient")

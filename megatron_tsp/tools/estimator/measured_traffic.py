@@ -174,8 +174,8 @@ def cache_dir() -> Path:
 def record(
     model: ModelShape, d: int, micro_batch: int, dtype: str, seqs: Sequence[int] = ()
 ) -> Dict[str, Dict[str, List[dict]]]:
-    """Kernel records of every scheme (``RECORDED_SCHEMES``), ``{scheme: {str(S): [record, ...]}}``,
-    at ``seqs`` (default:
+    """Kernel records of every scheme (``RECORDED_SCHEMES``) whose layer splits over ``d``
+    (``traffic.scheme_fits``), ``{scheme: {str(S): [record, ...]}}``, at ``seqs`` (default:
     the three sample lengths), in one fresh interpreter (the CUDA stand-in must be loaded before
     torch)."""
     from megatron_tsp.tools.estimator.fake_run import run_in_fresh_process
@@ -197,6 +197,9 @@ def record(
             "from megatron_tsp.tools import cuda_standin; cuda_standin.load(); "
             "from megatron_tsp.tools import traffic as t; p = json.loads(sys.stdin.read()); "
             "seqs = p.pop('seqs'); out = {}\n"
+            # only the schemes whose layer splits over D (TSP / TP+SP shard heads and groups)
+            "p['schemes'] = [x for x in p['schemes'] if t.scheme_fits(p['model'], x, "
+            "p['world_size'])]\n"
             "for s in seqs:\n"
             # a first, discarded run at each length: the index tables the layers build once per
             # process and length and keep on the device (their uploads) are not per-step traffic

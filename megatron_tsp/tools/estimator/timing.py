@@ -25,10 +25,15 @@ from .strategies import (
 )
 
 
-def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]:
+def layer_terms(
+    shape: LayerShape, s: Strategy, o: Options, tsp_mlp: bool = True
+) -> List[fm.CommTerm]:
+    """``tsp_mlp``: the layer's MLP is the TSP MLP, whose backward posts the TSP attention's first
+    K/V re-gather (an MoE layer's is not)."""
     if shape.is_moe:  # the dense layer's attention terms, the MoE layer's MLP terms
         schedule = moe_schedule(shape, s, o)
-        attention = [t for t in layer_terms(moe.dense_layer(shape), s, o) if t.phase[:4] == "attn"]
+        dense = layer_terms(moe.dense_layer(shape), s, o, tsp_mlp=False)
+        attention = [t for t in dense if t.phase[:4] == "attn"]
         group = "tsp" if s.is_tsp else "tp"
         return attention + moe.comm_terms(shape, s.tp, schedule, o.moe_dispatcher, group)
     if s.kind == "tsp":
@@ -39,6 +44,7 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             regather_kv_bwd=o.tsp_regather_kv,
             recompute_attn=o.tsp_recompute_attn,
             kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
+            regather_handoff=tsp_mlp,
         )
     if s.kind == "tp_sp":
         return fm.tp_sp_layer_terms(shape, s.tp)
@@ -60,6 +66,7 @@ def layer_terms(shape: LayerShape, s: Strategy, o: Options) -> List[fm.CommTerm]
             regather_kv_bwd=o.tsp_regather_kv,
             recompute_attn=o.tsp_recompute_attn,
             kv_grad_reduce_in_fp32=o.tsp_kv_grad_fp32,
+            regather_handoff=tsp_mlp,
         )
     if s.kind == "fsdp_cp":
         return fm.fsdp_cp_layer_terms(
@@ -167,6 +174,8 @@ def measured_layer(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq
         raise ValueError(f"compute_model must be 'measured' or 'flops', got {o.compute_model!r}")
     dtype = {2: "bf16", 4: "fp32"}[m.dtype_bytes]
     curves = measured_traffic.layer_curves(m, s.degree, o.micro_batch, dtype)
+    if scheme not in curves:  # its layer does not split over this D: not recorded
+        return None
     return measured_traffic.phase_totals(curves[scheme], seq, hw.kernel_costs())
 
 
