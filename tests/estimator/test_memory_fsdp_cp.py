@@ -1,0 +1,146 @@
+"""FSDP x CP in the fake-tensor memory tool (``megatron-tsp memory --scheme fsdp_cp``) and the
+planner's ``fsdp_cp`` memory against it.
+
+The tool runs megatron-core's GPTModel with TP = 1, CP = N (the CP all-gather attention stand-in)
+sharded by torch FSDP2 ``fully_shard`` per layer and root (``fake_run`` / ``fsdp_run``). Checked
+here: the fake-tensor peak against the real CPU allocator's peak of the same step (small model,
+within 10%, as ``test_memory.py`` does for the other schemes), the static state and every
+collective's bytes against hand counts from the architecture, the CLI and its argument errors,
+and the planner's peak within 5% of the tool's at five shapes including 7B / 128k / N = 8 (one
+fresh process per shape; the 7B fake step itself takes ~5 s). About 2-3 min on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tsp.core.model_shape import load_model
+from megatron_tsp.tools.estimator import fake_run
+from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step
+from megatron_tsp.tools.estimator.memory import main as memory_main
+from tests.estimator.fake_world_fixture import _fake_world_teardown  # noqa: F401
+from tests.estimator.planner_check import run
+
+# the "small" model (h=256, 4 layers, 8 heads, FFN 4h, vocab 2048, LayerNorm, no linear bias,
+# untied): peaks of ~50 MB at S=2048 on N=4, where the CPU kernel's per-thread scratch is noise
+SMALL = load_model("small")
+H, LAYERS, VOCAB, S, N = 256, 4, 2048, 2048, 4
+
+
+def _cfg(fake=True, **kw):
+    base = dict(model=SMALL, world_size=N, tp=1, cp=N, seq=S, count_flops=False, fake=fake)
+    base.update(kw)
+    return RunConfig(scheme="fsdp_cp", **base)
+
+
+def _layer_params():
+    """One layer's parameters by hand: qkv (3h x h), proj (h x h), fc1 (4h x h), fc2 (h x 4h),
+    no bias; two LayerNorms (weight + bias)."""
+    return 12 * H * H + 2 * 2 * H
+
+
+def _root_params():
+    """The root FSDP unit: embedding and output layer (vocab 2048 needs no padding at TP 1),
+    final LayerNorm."""
+    return 2 * VOCAB * H + 2 * H
+
+
+# ------------------------------------------------------------------------------------------
+# fake-tensor peak vs. the real allocator
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fake_peak_matches_real_run(recompute):
+    """Fake-tensor MemTracker peak vs. the CPU allocator's peak of the same FSDP2 step run with
+    real tensors in a fresh process (profiler memory events, no tracker attached)."""
+    fake = run_step(_cfg(recompute=recompute, count_comm=False))
+    real = fake_run.run_step_isolated(_cfg(fake=False, recompute=recompute, count_comm=False))
+    assert real.real_peak_bytes > 0
+    err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
+    assert err < 0.10, (recompute, fake.peak_bytes, real.real_peak_bytes)
+    assert fake.static_bytes == real.static_bytes
+
+
+# ------------------------------------------------------------------------------------------
+# static state and communication by hand
+
+
+def test_static_state_and_collectives_by_hand():
+    """1/N of every parameter in fp32 (FSDP2's shards are the master weights), Adam's m and v,
+    no gradient between steps; every unit's weights all-gathered in bf16 in forward and again in
+    backward (``reshard_after_forward=True``, root included), its gradient reduce-scattered in
+    bf16, K/V all-gathered per layer in forward and backward and dK/dV reduce-scattered. The
+    fake process group counts (N-1)/N of each collective's full tensor as received."""
+    r = run_step(_cfg())
+    total = LAYERS * _layer_params() + _root_params()
+    local = total // N  # every dimension 0 here is a multiple of N: no padding
+    assert r.params_local == local
+    assert r.static_bytes["Parameter"] == 4 * local
+    assert r.static_bytes["Gradient"] == 0
+    # m + v, and one fp32 step counter per parameter tensor (8 per layer, 4 in the root)
+    assert r.static_bytes["Optstate"] == 8 * local + 4 * (8 * LAYERS + 4)
+
+    f = (N - 1) / N
+    weights = f * total * 2  # one bf16 all-gather of every unit
+    kv = f * 2 * S * H * 2  # one layer's K/V (or dK/dV) over the whole sequence, bf16
+    assert r.comm["recv_bytes_forward"] == weights + LAYERS * kv
+    # re-gather + gradient reduce-scatter of every unit; K/V re-gather and dK/dV
+    assert r.comm["recv_bytes_backward"] == 2 * weights + 2 * LAYERS * kv
+    assert r.comm["recv_bytes_grad_sync_and_step"] == 0  # FSDP2 reduced in backward
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_runs_fsdp_cp(capsys):
+    args = "--model tiny --scheme fsdp_cp --tp 1 --cp 2 --world-size 2 --seq 512 --no-flops"
+    assert memory_main(args.split()) == 0
+    out = capsys.readouterr().out
+    assert "FSDPxCP2" in out and "peak" in out
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        ("--tp 8 --cp 8 --world-size 8", ["--tp must be 1", "got 8"]),
+        ("--tp 1 --cp 4 --world-size 8", ["--cp must equal --world-size", "--cp 4", "8"]),
+        (
+            "--tp 1 --cp 8 --world-size 8 --distributed-optimizer",
+            ["--distributed-optimizer"],
+        ),
+    ],
+)
+def test_cli_refuses_bad_layouts_by_name(args, names, capsys):
+    with pytest.raises(SystemExit) as exc:
+        memory_main(f"--scheme fsdp_cp --seq 4096 {args}".split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+
+
+# ------------------------------------------------------------------------------------------
+# the planner against the tool
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", 8192, 4, "none,full"],  # backward peaks
+        ["check", 8192, 2, "none"],  # a forward peak (the output layer)
+        ["check", 8192, 4, "none", 2],  # 2 K/V heads
+        ["check", 4096, 8, "none", "mha", "tied"],  # tied embeddings, N = 8
+        ["7b", 131072, 8, "none,full"],  # 7B / 128k / N = 8
+    ],
+    ids=["n4", "n2-forward", "gqa", "tied-n8", "7b-128k-n8"],
+)
+def test_planner_memory_matches_fake_tool(args):
+    rows = run("planner_fsdp_vs_fake.py", args, timeout=900)
+    assert rows
+    for r in rows:
+        err = r["planned"] / r["measured"] - 1
+        print(
+            f"{r['layout']:<20} measured {r['measured'] / 1e9:8.3f} GB ({r['measured_phase']})"
+            f"  planned {r['planned'] / 1e9:8.3f} GB  {100 * err:+.1f}%"
+        )
+        assert abs(err) <= 0.05, r
