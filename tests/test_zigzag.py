@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_tsp.core import zigzag
-from tests.common import expected_zigzag_batch, natural_order, zigzag_rows
+from tests.common import expected_zigzag_batch, natural_order, zigzag_positions, zigzag_rows
 
 
 def _batch(seed, batch=2, seq=48, vocab=97):
@@ -64,3 +64,31 @@ def test_unpermute_inverts_permute(seed, d):
     assert torch.equal(out, permuted)
     zigzag.unpermute_into(permuted, d, 1, out)
     assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_batch_with_documents(seed, d):
+    """A causal mask (one document) is permuted as before; a document mask comes back as the
+    documents in natural positions (a ``DocumentMaskTensor``, never permuted), the other keys
+    permuted and marked for the batch guard; ``check_single_document=False`` passes the mask
+    through untouched."""
+    from megatron_tsp.core.batch_guard import zigzag_mark
+    from megatron_tsp.core.documents import DocumentMask, DocumentMaskTensor, as_documents
+
+    s = 32
+    tokens = torch.randint(0, 9, (2, s), generator=torch.Generator().manual_seed(seed))
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).expand(2, 1, s, s)
+    out = zigzag.get_batch_on_this_tsp_rank({"tokens": tokens, "attention_mask": causal}, d)
+    p = zigzag_positions(s, d)  # the mask's rows and columns both in gathered order
+    assert torch.equal(out["attention_mask"], causal[:, :, p][:, :, :, p])
+    documents = DocumentMask.from_document_starts([[0, 3, 17], [0, 30]], s)
+    batch = {"tokens": tokens, "attention_mask": documents.dense_mask()}
+    out = zigzag.get_batch_on_this_tsp_rank(batch, d)
+    assert isinstance(out["attention_mask"], DocumentMaskTensor)
+    assert as_documents(out["attention_mask"]) == documents
+    assert torch.equal(out["tokens"], zigzag.permute(tokens, d, dim=1))
+    assert zigzag_mark(out["tokens"]) == d
+    out = zigzag.get_batch_on_this_tsp_rank(batch, d, check_single_document=False)
+    assert out["attention_mask"] is not None and not isinstance(
+        out["attention_mask"], DocumentMaskTensor
+    )
