@@ -516,6 +516,7 @@ _GPT = "tests/test_gpt.py::test_gpt_matches_single_process_fp64"
 _LOOP = "tests/megatron_lm/test_training_loop.py::"
 _MOE = "tests/test_moe.py::"
 _MOE_LOOP = "tests/megatron_lm/test_moe_loop.py::"
+_PACKED_LOOP = "tests/megatron_lm/test_packed_loop.py::"
 _ARGS_MAP = "tests/test_model_args.py::test_megatron_args_mapping_reads_every_math_setting"
 
 COVERAGE: Tuple[Any, ...] = (
@@ -695,6 +696,20 @@ COVERAGE: Tuple[Any, ...] = (
     ),
     Tested("position_embedding_type", _ARGS_MAP, "rope", 'position_embedding_type="rope"'),
     Tested("num_experts", _MOE_LOOP + "test_tsp2_ep2_matches_tp2_sp_ep2", 4, '"--num-experts"'),
+    # packed documents: the batch hook reads them (megatron_lm/documents.py); TSP vs TP with
+    # Megatron's dense document mask in the real loop
+    Tested(
+        "reset_attention_mask",
+        _PACKED_LOOP + "test_packed_tsp2_matches_tp2",
+        True,
+        '"--reset-attention-mask"',
+    ),
+    Tested(
+        "reset_position_ids",
+        _PACKED_LOOP + "test_reset_position_ids_alone_is_one_document",
+        True,
+        '"--reset-position-ids"',
+    ),
     # --- refused at non-default values
     Refused("layernorm_zero_centered_gamma", True),
     Refused("fp32_residual_connection", True),

@@ -391,3 +391,25 @@ def test_one_declared_row_per_flag():
     assert tsp.refuses("local") and not hybrid.refuses("local") and hybrid.refuses("flash")
     qk = next(r for r in R.ROWS if r.flag == "--qk-layernorm").per_mode()
     assert qk[0].layer == "attention" and qk[1].layer is None  # TSP's attention checks it
+
+
+def test_packed_documents_accepted_thd_batches_refused_by_what_is_missing():
+    """``--reset-attention-mask`` / ``--reset-position-ids`` run under TSP (the Megatron-LM batch
+    hook reads the documents; tests/megatron_lm/test_packed_loop.py): no row refuses them. The THD
+    flags stay refused, their messages naming what is not wired and the flags that work."""
+    assert not {"--reset-attention-mask", "--reset-position-ids"} & set(R.flags())
+    args = types.SimpleNamespace(reset_attention_mask=True, reset_position_ids=True)
+    assert R.refusals_for_args(args, 2) == []
+    for dest, flag in (
+        ("sft", "--sft"),
+        ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
+    ):
+        message = R.row_for(dest).message(True, 2)
+        assert message.startswith(f"{flag} cannot be combined with {R.TSP_FLAG}=2: "), message
+        for named in (
+            "THD",
+            "packed_seq_params",
+            "not wired through the Megatron-LM loop",
+            "--reset-attention-mask --reset-position-ids",
+        ):
+            assert named in message, (named, message)

@@ -699,30 +699,26 @@ ROWS: Tuple[Rejection, ...] = (
         config_field="fp32_residual_connection",
     ),
     # --- data ------------------------------------------------------------------------------------
+    # --reset-attention-mask / --reset-position-ids work under TSP: the batch hook reads the
+    # documents from the position ids or the EOD tokens (megatron_lm/documents.py)
     Rejection(
         "--sft",
         "sft",
         SET,
-        "SFT batches are packed THD sequences; TSP needs fixed-length [b, s] batches",
+        "SFT batches are packed THD sequences (cu_seqlens, megatron-core's packed_seq_params), "
+        "which are not wired through the Megatron-LM loop under TSP yet (the batch hook takes "
+        "fixed-length [b, s] batches); for packed documents in [b, s] batches use "
+        "--reset-attention-mask --reset-position-ids",
     ),
     Rejection(
         "--dataloader-inter-document-masking",
         "dataloader_inter_document_masking",
         SET,
-        "it packs documents with cu_seqlens (THD); TSP needs fixed-length [b, s] batches",
+        "it packs documents as THD batches (cu_seqlens, megatron-core's packed_seq_params), "
+        "which are not wired through the Megatron-LM loop under TSP yet (the batch hook takes "
+        "fixed-length [b, s] batches); --reset-attention-mask --reset-position-ids give TSP "
+        "the documents in [b, s] batches",
         versions=("0.19",),
-    ),
-    Rejection(
-        "--reset-attention-mask",
-        "reset_attention_mask",
-        SET,
-        "TSP attention is causal over the whole sequence and does not read per-document masks",
-    ),
-    Rejection(
-        "--reset-position-ids",
-        "reset_position_ids",
-        SET,
-        "TSP attention derives token positions from the zigzag layout, not per-document ids",
     ),
 )
 

@@ -8,7 +8,10 @@ means, before Megatron's ``validate_args`` does its world-size arithmetic:
 * ``sequence_parallel = True`` (when D > 1; Megatron turns it off for a group of one);
 * ``spec = (megatron_tsp.megatron_lm.spec, tsp_block_spec)``: the model gets the TSP block spec;
 * ``create_attention_mask_in_dataloader = False`` (``--no-create-attention-mask-in-dataloader``):
-  TSP attention never reads the S x S mask.
+  TSP attention never reads the S x S mask; packed documents (``--reset-attention-mask``) reach it
+  as document starts the batch hook reads from the position ids or the EOD tokens
+  (``megatron_lm/documents.py``). Only under TSP: Megatron's own attention (TP, ``--tsp-mlp``)
+  needs the mask for documents, and without it attends across them.
 
 Every combination TSP does not support (the rows of ``megatron_tsp.core.rejections``) is rejected
 here with a ``TSPArgumentError`` (a ``ValueError``) that names the flags and the numbers.
@@ -186,7 +189,24 @@ def unsupported_combinations(args) -> List[str]:
     The reasons are the rows of ``megatron_tsp.core.rejections`` (one table shared with the specs
     and the layers) refused by the parsed arguments.
     """
-    return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP)
+    return rejections.refusals_for_args(args, tsp_size(args), rejections.TSP) + (
+        _document_problems(args)
+    )
+
+
+def _document_problems(args) -> List[str]:
+    """Packed documents (``--reset-attention-mask``) need the tokens or the position ids on
+    every stage that runs attention: the batch hook reads the documents from them."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if not getattr(args, "reset_attention_mask", False) or pp == 1:
+        return []
+    return [
+        f"--reset-attention-mask with --pipeline-model-parallel-size={pp} cannot be combined "
+        f"with {TSP_FLAG}={tsp_size(args)}: Megatron gives the later pipeline stages only "
+        "labels and loss_mask (no tokens, no position ids), and TSP reads the documents from "
+        "those instead of an S x S mask; run the packed documents with "
+        "--pipeline-model-parallel-size 1"
+    ]
 
 
 def check_supported(args) -> None:

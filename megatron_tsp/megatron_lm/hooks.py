@@ -126,7 +126,7 @@ def _validate(original, args, rest, kwargs):
     tsp_args.translate_args(args)
     result = original(args, *rest, **kwargs)
     tsp_args.check_validated_args(args)
-    tsp_batch.activate(None if hybrid else d)
+    tsp_batch.activate(None if hybrid else d, None if hybrid else tsp_batch.document_rule(args))
     tsp_spec.install_gpt_model_hook()
     _log(_describe_tsp_mlp_translation(args) if hybrid else _describe_translation(args))
     return result

@@ -199,6 +199,90 @@ def check_batch_hook(seed: int) -> dict:
     return {"ok": True}
 
 
+EOD = 7
+
+
+def _packed_batch(seed: int, create_attention_mask: bool) -> dict:
+    """Megatron's GPT dataset batch with both document flags (megatron-core's own
+    ``_get_ltor_masks_and_position_ids``): EODs inside the sequences, one back to back, one at
+    the last index."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {"tokens": [], "attention_mask": [], "position_ids": []}
+    for sample in range(BATCH):
+        tokens = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        tokens[tokens == EOD] = EOD + 1
+        ends = torch.randperm(SEQ, generator=g)[:3].tolist() + [[9, 10], [SEQ - 1]][sample % 2]
+        tokens[ends] = EOD
+        mask, _, positions = _get_ltor_masks_and_position_ids(
+            tokens, EOD, True, True, False, create_attention_mask
+        )
+        rows["tokens"].append(tokens)
+        rows["attention_mask"].append(mask)
+        rows["position_ids"].append(positions)
+    batch = _batch(seed)
+    batch["tokens"] = torch.stack(rows["tokens"])
+    batch["position_ids"] = torch.stack(rows["position_ids"])
+    batch["attention_mask"] = torch.stack(rows["attention_mask"]) if create_attention_mask else None
+    return batch
+
+
+def check_batch_hook_documents(seed: int) -> dict:
+    """``--reset-attention-mask`` through the wrapped ``get_batch_on_this_cp_rank``: the batch
+    without a dataloader mask (the launcher's) comes out zigzagged with the documents of
+    Megatron's own dense mask in its ``attention_mask`` slot, read from the position-id restarts
+    or after the EODs, and read *before* the CP split (a stand-in split that slices the dict in
+    place, as Megatron's does, must not change them); ``--reset-position-ids`` alone keeps one
+    document per sequence with the restarted ids permuted."""
+    from megatron_tsp.core.documents import DocumentMask, as_documents
+    from megatron_tsp.megatron_lm import batch as hook
+    from megatron_tsp.megatron_lm.documents import DocumentRule
+    from tests.common import expected_zigzag_batch
+
+    d = dist.get_world_size()
+    _groups(d, seed)
+    reference = DocumentMask.from_attention_mask(_packed_batch(seed, True)["attention_mask"])
+    assert not reference.is_single_document
+    both = DocumentRule(reset_attention_mask=True, reset_position_ids=True, eod=lambda: -1)
+    eod_only = DocumentRule(reset_attention_mask=True, eod=EOD)
+    positions_only = DocumentRule(reset_position_ids=True, eod=EOD)
+
+    def megatron_cp_split(batch):  # slices in place like Megatron's CP split (CP rank 0 of 2)
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            batch[key] = batch[key][:, : SEQ // 2]
+        return batch
+
+    try:
+        for rule, natural_positions in ((both, False), (eod_only, True)):
+            hook.activate(d, rule)
+            batch = _packed_batch(seed, False)
+            if natural_positions:  # --reset-attention-mask alone: positions are arange
+                batch["position_ids"] = _batch(seed)["position_ids"]
+            out = hook._wrap(lambda b: b)(dict(batch))
+            assert as_documents(out["attention_mask"]) == reference, rule
+            expected = expected_zigzag_batch(batch, d)
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                assert torch.equal(out[key], expected[key]), key
+            split = hook._wrap(megatron_cp_split)(dict(batch))
+            assert as_documents(split["attention_mask"]) == reference
+            assert split["tokens"].shape[1] == SEQ // 2
+        hook.activate(d, positions_only)
+        batch = _packed_batch(seed, False)
+        out = hook._wrap(lambda b: b)(dict(batch))
+        assert out["attention_mask"] is None
+        assert torch.equal(out["position_ids"], expected_zigzag_batch(batch, d)["position_ids"])
+        # no document in the batch (no EOD): one causal document, today's path
+        hook.activate(d, eod_only)
+        plain = _batch(seed)
+        plain["attention_mask"] = None
+        plain["tokens"][plain["tokens"] == EOD] = EOD + 1
+        assert hook._wrap(lambda b: b)(dict(plain))["attention_mask"] is None
+    finally:
+        hook.activate(None)
+    return {"ok": True}
+
+
 def check_spec_hook_and_loss(seed: int, style: str) -> dict:
     """``GPTModel(transformer_layer_spec=tsp_block_spec)`` (what ``--spec`` hands Megatron) builds
     the TSP model; on the zigzagged batch its Megatron loss sum and token count equal the stock

@@ -33,6 +33,9 @@ MEGATRON_DEFAULTS = dict(
     softmax_type="vanilla",
     cuda_graph_impl="none",
     position_embedding_type="learned_absolute",
+    # packed documents: accepted under TSP (the batch hook reads them), except with PP > 1
+    reset_attention_mask=False,
+    reset_position_ids=False,
 )
 
 

@@ -6,7 +6,8 @@ with pretrain_gpt.py's command line: Megatron's ``initialize_megatron`` parses a
 translation included), then pretrain_gpt's own dataset provider builds the mock dataset on TP rank 0
 and pretrain_gpt's ``get_batch`` runs ``get_batch_on_this_tp_rank`` (broadcast) and the hooked
 ``get_batch_on_this_cp_rank`` (zigzag). Prints one ``LONG_MASK_RESULT {json}`` line per rank: peak
-resident memory growth over the data path and the batch's shapes.
+resident memory growth over the data path, the batch's shapes and, with
+``--reset-attention-mask``, the documents the batch hook read.
 
 The address space is capped at the current size + 3 GiB first, so a data path that builds an
 S x S mask at 128k (17-68 GB) fails with an allocation error instead of exhausting the machine.
@@ -70,8 +71,16 @@ def main():
     tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     growth = _peak_rss_bytes() - before
     rss_growth = _rss_bytes() - rss_before
+    from megatron_tsp.core.documents import as_documents
+
+    documents = as_documents(attention_mask)  # --reset-attention-mask under TSP
     result = {
         "rank": torch.distributed.get_rank(),
+        "attention_mask_type": None if attention_mask is None else type(attention_mask).__name__,
+        "documents_per_sample": None if documents is None else [len(r) for r in documents.starts],
+        "documents_seq_length": None if documents is None else documents.seq_length,
+        # --reset-position-ids: one 0 per document (any order: the zigzag permutes them)
+        "position_restarts": int((position_ids == 0).sum()),
         "seq_length": args.seq_length,
         "create_attention_mask_in_dataloader": bool(args.create_attention_mask_in_dataloader),
         "growth_bytes": growth,

@@ -121,6 +121,10 @@ def test_defaults_are_accepted():
         ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
         ["--expert-model-parallel-size", "1"],
         ["--tensor-parallel-num-weight-shards", "1"],
+        # packed documents: the batch hook reads them (megatron_lm/documents.py)
+        ["--reset-attention-mask", "--reset-position-ids"],
+        ["--reset-attention-mask", "--reset-position-ids", "--context-parallel-size", "2"],
+        ["--reset-position-ids", "--pipeline-model-parallel-size", "2"],
     ],
 )
 def test_allowed_values_pass(argv):
@@ -148,6 +152,32 @@ def test_several_problems_are_listed_together():
         "--moe-expert-capacity-factor=1.0",
     ):
         assert flag in text
+
+
+def test_packed_documents_keep_the_mask_off_and_refuse_later_pipeline_stages():
+    """Under TSP the dataloader's S x S mask stays off with the document flags (the batch hook
+    reads the documents from the position ids or the EOD tokens); Megatron's own attention
+    (no TSP flag) keeps it. Later pipeline stages get no tokens or position ids: refused."""
+    args = parse("--tensor-sequence-parallel-size", "2", "--reset-attention-mask")
+    A.translate_args(args)
+    assert args.create_attention_mask_in_dataloader is False
+    stock = parse("--tensor-model-parallel-size", "2", "--reset-attention-mask")
+    A.translate_args(stock)
+    assert stock.create_attention_mask_in_dataloader is True
+    args = parse(
+        "--tensor-sequence-parallel-size",
+        "2",
+        "--reset-attention-mask",
+        "--pipeline-model-parallel-size",
+        "2",
+    )
+    with pytest.raises(A.TSPArgumentError) as err:
+        A.translate_args(args)
+    assert str(err.value).startswith(
+        "--reset-attention-mask with --pipeline-model-parallel-size=2 cannot be combined with "
+        "--tensor-sequence-parallel-size=2: Megatron gives the later pipeline stages only"
+    ), err.value
+    assert args.spec is None  # nothing translated
 
 
 @pytest.mark.parametrize("bad", ["0", "-2"])

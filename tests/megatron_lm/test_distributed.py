@@ -32,6 +32,16 @@ def test_batch_hook_zigzags_after_broadcast_d4(pool4, seed):
     assert len(results) == 4 and all(r == {"ok": True} for r in results)
 
 
+def test_batch_hook_reads_packed_documents(pool2, seed):
+    results = pool2.run(checks.check_batch_hook_documents, seed)
+    assert all(r == {"ok": True} for r in results)
+
+
+def test_batch_hook_reads_packed_documents_d4(pool4, seed):
+    results = pool4.run(checks.check_batch_hook_documents, seed)
+    assert len(results) == 4 and all(r == {"ok": True} for r in results)
+
+
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_spec_hook_builds_tsp_model_with_megatron_loss(pool2, seed, style):
     results = pool2.run(checks.check_spec_hook_and_loss, seed, style)  # loss asserted in-rank

@@ -5,8 +5,9 @@ as the float tril it starts from); TSP attention never reads it. The launcher tu
 (``--no-create-attention-mask-in-dataloader``) and the batch hook leaves masks alone. Measured on
 Megatron-LM's own data path (pretrain_gpt's dataset provider and ``get_batch``, 2 gloo ranks,
 see long_mask_check.py): a 128k micro-batch for a tiny-width model must grow peak memory by O(S)
-bytes. A stock run at 8k with the default mask is the control that shows the measurement sees an
-S x S allocation.
+bytes, also with packed documents (``--reset-attention-mask --reset-position-ids``: the batch hook
+reads them from the position ids). A stock run at 8k with the default mask is the control that
+shows the measurement sees an S x S allocation.
 """
 
 import json
@@ -85,6 +86,35 @@ def test_128k_batch_allocates_o_of_s():
         # O(S): a few [1, S] int64 / float tensors (1 MiB each) and their numpy sources;
         # one S x S bool mask would be 16 GiB
         assert r["growth_bytes"] < 64 * seq * 8, r
+
+
+def test_128k_packed_documents_allocate_o_of_s():
+    """``--reset-attention-mask --reset-position-ids`` at 128k under TSP: Megatron's mock data
+    ends a document every 1-4096 tokens; the batch hook reads the documents from the position-id
+    restarts (no S x S mask is built, broadcast, permuted or derived) and hands TSP attention
+    their starts, a [samples, 1 + documents] CPU tensor."""
+    seq = 131072
+    run = run_training(
+        CHECK,
+        _args(seq)
+        + ["--reset-attention-mask", "--reset-position-ids"]
+        + ["--tensor-sequence-parallel-size", "2"],
+        2,
+        env={"MEGATRON_LM_PATH": CHECKOUT, "PYTHONPATH": CHECKOUT},
+    )
+    assert "--no-create-attention-mask-in-dataloader" in run.log
+    assert "read from the position-id restarts (--reset-position-ids)" in run.log, run.log[-3000:]
+    results = _results(run)
+    for r in results:
+        assert r["create_attention_mask_in_dataloader"] is False
+        assert r["tokens_shape"] == [1, seq]
+        assert r["attention_mask_type"] == "DocumentMaskTensor", r
+        # many documents, one per position-id restart
+        assert r["documents_seq_length"] == seq and r["documents_per_sample"][0] > 8, r
+        assert r["documents_per_sample"] == [r["position_restarts"]], r
+        assert r["attention_mask_shape"] == [1, 1 + r["position_restarts"]], r
+        assert r["growth_bytes"] < 64 * seq * 8, r
+    assert results[0]["documents_per_sample"] == results[1]["documents_per_sample"]
 
 
 def test_control_stock_mask_is_seen_by_the_measurement():

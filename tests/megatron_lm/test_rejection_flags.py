@@ -207,8 +207,9 @@ REFUSED = [
     ("tsp", ["--fp4-format", "e2m1"], None),
     ("tsp", ["--sft"], None),
     ("tsp", ["--dataloader-inter-document-masking"], ("0.19",)),
-    ("tsp", ["--reset-attention-mask"], None),
-    ("tsp", ["--reset-position-ids"], None),
+    # packed documents are accepted (the "tsp-packed" control below) except where later pipeline
+    # stages get no tokens or position ids to read them from
+    ("tsp", ["--reset-attention-mask", "--pipeline-model-parallel-size", "2"], None),
     # shapes each rank holds 1/D of (D=2), refused after Megatron's own validation
     ("tsp", ["--num-attention-heads", "5", "--kv-channels", "16"], None),
     # (fewer K/V heads than D is accepted: a group count neither a multiple nor a divisor of 2)
@@ -272,6 +273,15 @@ MODES = {
         "[0,1]",
         "--moe-token-dispatcher-type",
         "alltoall",
+    ],
+    # packed documents under TSP, through Megatron's own parse_args and validate_args: the
+    # dataloader's S x S mask stays off, the batch hook reads the documents
+    "tsp-packed": [
+        "--tensor-sequence-parallel-size",
+        "2",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+        "--eod-mask-loss",
     ],
     # the TSP expert ring: the launcher leaves expert-TP at D (EP 1); any dispatcher type
     "tsp-moe-ring": [
