@@ -29,6 +29,18 @@ late chunks in owner order, then the early chunks, then a local copy of this ran
 each chunk is one bottom-right causal kernel call over a contiguous run of keys (a top-left
 backend splits such a call into a prefix and its diagonal, merged by log-sum-exp in fp32; never
 an S x S mask). The kernel without a log-sum-exp (``sdpa_recompute``) reads a natural-order copy.
+
+Packed documents (``attention_mask`` a ``documents.DocumentMaskTensor`` / ``DocumentMask``, or
+megatron-core's THD ``packed_seq_params``, b = 1): each chunk is cut at the document starts
+(``DocumentMask.segments``) and each (chunk, document) segment is one bottom-right causal call
+against the natural-order keys of its document up to its own end, on a natural-order copy of the
+group's gathered K/V (one ``index_select`` per head group); every query row is in one segment,
+so nothing is merged. The backward sums the segments' dK/dV in natural order (accumulation
+dtype) and copies the sum onto the gathered layout, then reduce-scatters as below: the
+communication is the same as for one document. One document per sample takes the causal path
+above unchanged; THD rotates each token at its position within its document (Megatron's THD
+RoPE); inference prefill and attention dropout with documents are refused by name.
+
 Backward re-broadcasts the shards, re-gathers
 each head group's K/V (group r+1's posted before group r's attention backward), reduce-scatters
 dK/dV back to the token owners (waited one group later) and reduces each shard's weight gradient
