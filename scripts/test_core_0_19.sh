@@ -56,7 +56,7 @@ MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_hf_initial_weights.py -p no:cacheprovider || exit 1
 # packed documents (--reset-attention-mask --reset-position-ids) in the real loop: TSP=2 and
-# TSP=2 x CP=2 against TP=2 with Megatron's dense document mask (~1 min); the Megatron-LM side's
+# TSP=2 x CP=2 against TP=2 with Megatron's dense document mask (~3 min); the Megatron-LM side's
 # document reading against megatron-core 0.19's own dataset rule
 MEGATRON_LM_PATH="$P019" MEGATRON_LM_PATH_0_19="" "$VENV/bin/python" -m pytest -q \
   tests/megatron_lm/test_packed_loop.py tests/megatron_lm/test_documents.py \

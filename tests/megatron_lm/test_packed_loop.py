@@ -19,7 +19,8 @@ documents matter on this data: TP without ``--reset-attention-mask`` trains a di
 ``--reset-position-ids`` alone keeps one causal document per sequence with restarted learned
 positions (GPT-2 style). TSP 2 x CP 2 (4 ranks) against TP 2: the documents are read before
 Megatron's CP split. Runs on both Megatron-LM lines (core_v0.16.1 here; core_v0.19.0 through
-``scripts/test_core_0_19.sh``). Runtime on 2 free cores: about 2 minutes for the file.
+``scripts/test_core_0_19.sh``). Runtime: about 3 minutes for the file (11 runs; measured on the
+shared 2-core machine, both lines).
 """
 
 import os
