@@ -83,20 +83,23 @@ def test_document_mask_becomes_documents(seed, d, reset_position_ids):
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_restarting_positions_without_document_mask_are_refused(seed, d):
+def test_restarting_positions_without_document_mask_are_one_document(seed, d):
+    """--reset-position-ids alone: one causal document whose learned positions restart (what
+    TP+SP computes); the mask stays the permuted causal mask."""
     batch = _megatron_batch(seed, True, False)
-    with pytest.raises(PackedBatchError) as info:
-        zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)
-    message = str(info.value)
-    assert "position_ids" in message and "--reset-attention-mask" in message, message
-    assert "sample 0" in message, message  # sample 0 has documents: the first one named
+    out = zigzag.get_batch_on_this_tsp_rank(batch, group_size=d)
+    assert not isinstance(out["attention_mask"], DocumentMaskTensor)
+    assert torch.equal(out["position_ids"], zigzag.permute(batch["position_ids"], d, dim=1))
 
 
 def test_position_message_names_the_numbers():
-    batch = {"position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])}
+    batch = {"position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 3, 4]])}
     with pytest.raises(PackedBatchError) as info:
         zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
-    assert "sample 1 holds 0 at index 2" in str(info.value)
+    assert "sample 1 holds 3 at index 2" in str(info.value)
+    batch = {"position_ids": torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])}
+    with pytest.raises(PackedBatchError, match="sample 1 holds 1 at index 0"):
+        zigzag.get_batch_on_this_tsp_rank(batch, group_size=2)
     # restarting where a document starts is accepted; one id off is not
     mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
     for i, j in ((0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3)):

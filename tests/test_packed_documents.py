@@ -199,11 +199,14 @@ def test_document_kernels_match_dense_masked_attention(seed, d, case):
 # checks run inside every rank of the pool
 
 
-def _doc_batch(seed, batch, seq, vocab, dm: DocumentMask, reset_positions: bool):
+def _doc_batch(seed, batch, seq, vocab, dm: DocumentMask, reset_positions: bool, mask=True):
+    """``checks_gpt._batch`` with ``dm``'s dense mask (``mask``; else the causal mask) and,
+    with ``reset_positions``, position ids restarting at ``dm``'s documents."""
     from tests import checks_gpt
 
     data = checks_gpt._batch(seed, batch, seq, vocab)
-    data["attention_mask"] = dm.dense_mask().expand(batch, 1, seq, seq).contiguous()
+    masks = dm if mask else DocumentMask.from_document_starts([[0]], seq)
+    data["attention_mask"] = masks.dense_mask().expand(batch, 1, seq, seq).contiguous()
     if reset_positions:
         data["position_ids"] = dm.position_ids().expand(batch, seq).contiguous()
     return data
@@ -282,6 +285,7 @@ def check_gpt_documents(
     dtype_name="float64",
     rtol=1e-10,
     rotary_base=None,
+    mask_documents=True,
 ):
     """A TSP GPTModel (D=``d``, ``cp`` CP ranks) on a packed batch vs stock megatron-core given
     the dense document mask: ``baseline`` "single" (TP=1) or "tp_sp" (TP=D+SP on the same
@@ -309,7 +313,9 @@ def check_gpt_documents(
     dm = document_mask(case, seed, 1 if thd else batch, seq)
     if thd:
         batch = 1
-    data = _doc_batch(seed, batch, seq, vocab, dm, reset_positions)
+    data = _doc_batch(seed, batch, seq, vocab, dm, reset_positions, mask_documents)
+    if not mask_documents:  # --reset-position-ids alone: one causal document
+        dm = DocumentMask.from_document_starts([[0]], seq)
     ref_d = 1 if baseline == "single" else d
     setup_megatron_tp(ref_d, seed)
     ref_config = _config(ref_d, dtype, style, groups)
@@ -440,6 +446,12 @@ def test_gpt_documents_recompute_fp64(pool4, seed, recompute):
     """TSP's attention_backward "recompute" (selective core_attn) and Megatron's full layer
     recomputation (the mask goes through ``tensor_parallel.checkpoint``)."""
     pool4.run(check_gpt_documents, 4, seed, "llama", "random", recompute=recompute)
+
+
+def test_gpt_restarted_positions_one_document_fp64(pool4, seed):
+    """--reset-position-ids alone: the causal mask with learned positions restarting (one
+    causal document per sample, as TP+SP computes it)."""
+    pool4.run(check_gpt_documents, 2, seed, "gpt2", "random", mask_documents=False)
 
 
 def test_gpt_documents_gpt2_positions_not_reset_fp64(pool4, seed):

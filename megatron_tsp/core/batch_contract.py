@@ -60,11 +60,13 @@ def check_documents(batch: Mapping[str, Optional[torch.Tensor]]) -> Optional[Doc
       ``DocumentMask.from_attention_mask`` names the first bad row otherwise;
     * ``cu_seqlens`` (THD, one packed sample): documents ``DocumentMask.from_cu_seqlens``; a
       mask given beside it must agree;
-    * ``position_ids`` [b, s]: each sample's must be the natural positions ``0..s-1`` or restart
-      at 0 at each of its document starts (``--reset-position-ids`` with
-      ``--reset-attention-mask``); ids that restart where no document starts are refused
-      (naming the sample, the index and the expected id): TSP's attention would not match
-      them.
+    * ``position_ids`` [b, s]: each sample's must be the natural positions ``0..s-1`` or, with
+      a document mask, restart at 0 at each of its document starts (``--reset-position-ids``
+      with ``--reset-attention-mask``); with one document per sample, ids that count up from
+      0 and restart at 0 anywhere (``--reset-position-ids`` alone: one causal document whose
+      learned positions restart, as TP+SP computes it) are accepted too. Anything else is
+      refused naming the sample, the index and the expected id (the learned embedding reads
+      these ids, RoPE does not).
 
     One host sync for the mask and one for the position ids."""
     cu_seqlens = batch.get("cu_seqlens")
@@ -114,6 +116,12 @@ def check_documents(batch: Mapping[str, Optional[torch.Tensor]]) -> Optional[Doc
         if documents is not None and not documents.is_single_document:
             restart = documents.position_ids(ids.device).expand(ids.shape[0], seq)
             bad &= (ids != restart).any(dim=-1, keepdim=True)  # a sample may be either
+        else:
+            # one causal document: ids that count up from 0 and restart at 0 are Megatron's
+            # --reset-position-ids alone (one causal document, restarted learned positions,
+            # computed alike by TP+SP and TSP: the embedding reads the permuted ids)
+            restarts = torch.cat([ids[:, :1] == 0, (ids[:, 1:] == 0) | (ids.diff(dim=-1) == 1)], 1)
+            bad &= ~restarts.all(dim=-1, keepdim=True)
         first = int(_first_true(bad))
         if first >= 0:
             row, col = divmod(first, seq)
@@ -122,8 +130,9 @@ def check_documents(batch: Mapping[str, Optional[torch.Tensor]]) -> Optional[Doc
                 f"TSP got position_ids that match neither the natural positions nor the "
                 f"documents: sample {row} holds {int(ids[row, col])} at index {col} (documents "
                 f"start at {_short(starts)}; expected {col} or the index within its document). "
-                "Position ids that restart per document (--reset-position-ids) need the "
-                "document attention mask (--reset-attention-mask) under TSP"
+                "Under a document mask (--reset-attention-mask) restarted ids "
+                "(--reset-position-ids) must restart at its documents; without one they must "
+                "count up from 0, restarting at 0"
             )
     return documents
 
