@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # in-process tools from this checkout, not an installed copy
     sys.path.insert(0, ROOT)
 PROG = "megatron-tsp"
-IN_PROCESS = ("plan", "moe")  # analytic tools: run in this process (no import per command)
+# analytic tools: run in this process (no import per command)
+IN_PROCESS = ("plan", "moe", "documents")
 
 
 @dataclass
@@ -530,6 +531,12 @@ def plan_tables(block: Block, outs: List[str]) -> str:
     return "```\n" + "\n\n".join(tables) + "\n```"
 
 
+_DOCUMENT_BALANCE = (
+    f"{PROG} documents --documents uniform:1k-32k --documents heavy:0.7,256-128k --documents "
+    "long+short:96k,1k-4k --seq-length 131072 --degree 8 --draws 16 --layouts "
+    "zigzag,thd,chunks-2,chunks-4,chunks-8,split-4k,split-16k"
+)
+
 BLOCKS: List[Block] = [
     Block("README.md", "readme-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("README.md", "readme-tsp-mlp", scale="full", format=memory_table, **_rows(_TSP_MLP_ROWS)),
@@ -620,6 +627,7 @@ BLOCKS: List[Block] = [
         "small",
         plan_tables,
     ),
+    Block("docs/design.md", "document-balance", [_DOCUMENT_BALANCE], "small", verbatim),
 ]
 
 
