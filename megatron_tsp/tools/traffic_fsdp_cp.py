@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tsp.core.layers import kernels
+from megatron_tsp.core.layout import TSPLayout
 
 FSDP_SCHEMES = ("fsdp_cp", "fsdp_cp_ring")
 _OUT_CORRECTION: List[object] = []
@@ -104,19 +105,19 @@ def _gather(t, group, size):
 
 def _reorder(t, index, size):
     """Chunks of ``t`` [2N * C, ...] picked in ``index`` order (one gather kernel)."""
-    c = t.shape[0] // (2 * size)
-    return t.view(2 * size, c, *t.shape[1:]).index_select(0, index).view(t.shape)
+    chunks = TSPLayout(size, t.shape[0])
+    return (
+        t.view(chunks.num_chunks, chunks.chunk_len, *t.shape[1:])
+        .index_select(0, index)
+        .view(t.shape)
+    )
 
 
 def reorder_indices(size: int, rank: int, device):
     """(to sequence order, back to rank-major order) for the zigzag chunks of ``size`` ranks:
     rank j holds chunks j and 2N-1-j, gathered rank-major."""
-    rank_major = [c for j in range(size) for c in (j, 2 * size - 1 - j)]
-    to_seq = [rank_major.index(c) for c in range(2 * size)]
-    return (
-        torch.tensor(to_seq, dtype=torch.long, device=device),
-        torch.tensor(rank_major, dtype=torch.long, device=device),
-    )
+    chunks = TSPLayout(size, 2 * size)  # one position per chunk: positions are chunk ids
+    return chunks.inverse(device), chunks.permutation(device)
 
 
 class KVAllGatherAttention(torch.autograd.Function):
@@ -134,7 +135,7 @@ class KVAllGatherAttention(torch.autograd.Function):
         kernel = _kernel(q, k)
         out = torch.empty_like(q)
         lses = []
-        for i, chunk in enumerate((rank, 2 * size - 1 - rank)):
+        for i, chunk in enumerate(TSPLayout(size, 2 * size).chunks_of(rank)):
             keys = (chunk + 1) * c
             q_i = q.narrow(0, i * c, c)
             o, lse = kernel.forward(
@@ -161,7 +162,7 @@ class KVAllGatherAttention(torch.autograd.Function):
         dv_all = torch.zeros(v_all.shape, dtype=v.dtype, device=v.device)
         dq = torch.empty_like(q)
         heads = kernels._heads_view
-        for i, chunk in enumerate((rank, 2 * size - 1 - rank)):
+        for i, chunk in enumerate(TSPLayout(size, 2 * size).chunks_of(rank)):
             keys = (chunk + 1) * c
             rows = slice(i * c, (i + 1) * c)
             dq_i, dk_i, dv_i = ctx.kernel.backward(
