@@ -30,8 +30,9 @@ pair (empty tiles skipped, partial ones computed whole). Balance = max / mean ov
 K/V exchange: every layout all-gathers the K/V of all its tokens per head group (S, plus the
 padding for ``thd`` / ``split-T``). Today's zigzag needs no reorder for one causal document
 (``TSPLayout.gathered_blocks``); with documents its late chunks arrive in descending natural
-order, so the late half is reordered before a varlen call; ``thd`` and ``chunks-K`` reorder the
-whole gathered buffer to natural order.
+order, and TSP's document path copies the whole gathered K/V into natural order (one
+``index_select`` per head group, ``core/layers/attention.py``; the late half alone would do);
+``thd``, ``split-T`` and ``chunks-K`` reorder the whole gathered buffer too.
 
 Document-length mixes (``parse_mix``), sizes in tokens with ``k`` = 1024 and ``M`` = 1024^2:
 
@@ -270,7 +271,7 @@ def zigzag(lengths: Sequence[int], D: int, tile: int = TILE) -> RankWork:
         raise ValueError(f"--seq-length {S} is not a multiple of 2D = {2 * D} (zigzag)")
     work = ([0] * D, [0] * D)
     _zigzag_segment(work, lengths, D, tile)
-    reorder = S // 2 if len(lengths) > 1 and D > 1 else 0
+    reorder = S if len(lengths) > 1 and D > 1 else 0  # TSP's document path: all S rows
     return RankWork("zigzag", *work, padding=0, kv_tokens=S, reorder_tokens=reorder)
 
 
