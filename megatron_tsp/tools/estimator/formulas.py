@@ -222,6 +222,16 @@ def _rebroadcast(row: ScheduleRow, o: dict) -> ScheduleRow:
     return dataclasses.replace(row, overlap="pipelined", moves=row.moves + " (first one exposed)")
 
 
+def _regather(row: ScheduleRow, o: dict) -> ScheduleRow:
+    # group 0's re-gather is posted by the TSP MLP backward of the layer (``layers.kv_prefetch``)
+    # from the K/V the forward saved; with attention recompute there is nothing saved to send
+    # (the QKV GEMM of shard 0 comes first) and without a TSP MLP (an MoE layer) nobody posts it
+    # early: then the first one is exposed
+    if o["regather_handoff"] and not o["recompute_attn"]:
+        return row
+    return dataclasses.replace(row, overlap="pipelined", moves="re-gather K,V (first one exposed)")
+
+
 def _kv_grads(row: ScheduleRow, o: dict) -> ScheduleRow:
     a2a, fp32 = o["kv_grad_all_to_all"], o["kv_grad_reduce_in_fp32"]
     return dataclasses.replace(
@@ -287,14 +297,17 @@ TSP_SCHEDULE: Tuple[ScheduleRow, ...] = (
         "attn_bwd",
         "all_gather",
         "activation",
-        "re-gather K,V",
+        "re-gather K,V (the first posted behind the MLP backward's dgrad GEMM)",
         "f·2BSh_kv",
         _kv,
         "compute",
-        "pipelined",
+        "prefetch",
         "head groups",
         calls_per_chunk=2,
         when="regather_kv_bwd",
+        variant=_regather,
+        variant_text="only with regather_kv_bwd; attention recompute or no TSP MLP after the "
+        "attention (MoE layer): pipelined, the first one exposed",
     ),
     ScheduleRow(
         "attn_bwd",
@@ -358,6 +371,7 @@ def tsp_layer_terms(
     recompute_attn: bool = False,
     kv_grad_reduce_in_fp32: bool = False,
     kv_grad_all_to_all: bool = False,
+    regather_handoff: bool = True,
 ) -> List[CommTerm]:
     """Every communication of one TSP layer, ``TSP_SCHEDULE`` evaluated (module docstring).
     ``grad_dtype_bytes``: bytes per element of the weight-gradient traffic; None =
@@ -365,21 +379,28 @@ def tsp_layer_terms(
     reduce-scatter in the accumulation dtype instead of the compute dtype (the layers'
     ``kv_grad_reduce_in_fp32``). ``kv_grad_all_to_all``: the dK/dV sum as an all-to-all of the
     partials (the layers' ``kv_grad_all_to_all``): the same bytes, another collective.
+    ``regather_handoff``: the layer's MLP is the TSP MLP, whose backward posts the attention's
+    first K/V re-gather (``layers.kv_prefetch``; False for an MoE layer).
 
     Overlap, as the layers issue them: the attention weight broadcasts are prefetched one head
     group ahead, so only the first (pipeline fill) is waited on with nothing to hide behind; the
     reduce-to-owner of the weight gradients hides behind the next group's work and the last one
     behind the one dgrad GEMM; the MLP ring hides every weight hop behind a shard's GEMMs, and
     its gradient accumulator every hop, the last behind the one dgrad GEMM. The K/V all-gathers
-    and dK/dV reduce-scatters are posted one head group ahead (only fill/drain exposed). The
-    backward's first weight re-broadcast hides behind the first head group's attention backward
-    from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention recompute
-    (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is exposed."""
+    and dK/dV reduce-scatters are posted one head group ahead (only fill/drain exposed), except
+    the backward's first re-gather, which the TSP MLP backward of the layer posts behind its one
+    dgrad GEMM (``layers.kv_prefetch``: the K/V are saved, so it needs no gradient) and which is
+    then hidden like a prefetch (with attention recompute, or an MoE layer, it stays the exposed
+    fill). The backward's first weight re-broadcast hides behind the first head group's
+    attention backward from saved q/k/v (nothing blocks: tests/test_overlap.py); with attention
+    recompute (``recompute_attn``) the QKV GEMM needs shard 0 at once, so the first is
+    exposed."""
     options = dict(
         regather_kv_bwd=regather_kv_bwd,
         recompute_attn=recompute_attn,
         kv_grad_reduce_in_fp32=kv_grad_reduce_in_fp32,
         kv_grad_all_to_all=kv_grad_all_to_all,
+        regather_handoff=regather_handoff,
     )
     b = shape.dtype_bytes
     width = {

@@ -137,7 +137,10 @@ def assumptions(
         "overlap: TSP weight/grad traffic is data-independent (prefetch, hides behind any compute "
         "of the phase) except the first forward weight broadcast (and with attention recompute "
         "the first backward one); TSP K/V all-gathers / dK/dV reduce-scatters are "
-        "pipelined one head group ahead (first group exposed); TP/SP "
+        "pipelined one head group ahead (first group exposed: the forward's first all-gather "
+        "and the backward's last reduce-scatter), except the backward's first K/V re-gather, "
+        "posted by the layer's TSP MLP backward behind its dgrad GEMM and hidden (exposed with "
+        "attention recompute and in MoE layers); TP/SP "
         "activation collectives are on the critical path, except Megatron's async bwd re-gather "
         "/ dgrad RS / dgrad all-reduce; hidden comm is assumed not to slow compute; comm ops "
         "share the fabric serially; no latency term",
