@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_tsp.console.args import ToolParser, UsageError, positive_int
+from megatron_tsp.core.layout import TSPLayout, padded_length
 
 MIX_FLAG = "--documents"
 TILE = 128  # a flash kernel's query x key tile (FlashAttention-2/3 on H100: 128 x 128)
@@ -257,9 +258,9 @@ def _zigzag_segment(work, lengths: Sequence[int], D: int, tile: int) -> int:
     total = sum(lengths)
     if not total:
         return 0
-    padded = -(-total // (2 * D)) * (2 * D)
-    c = padded // (2 * D)
-    spans = [[(r * c, (r + 1) * c), ((2 * D - 1 - r) * c, (2 * D - r) * c)] for r in range(D)]
+    padded = padded_length(total, D)
+    layout = TSPLayout(D, padded)
+    spans = [layout.spans_of(r) for r in range(D)]
     _add_spans(work, spans, _starts(lengths), total, tile)
     return padded - total
 
