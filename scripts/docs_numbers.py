@@ -37,7 +37,7 @@ if ROOT not in sys.path:  # in-process tools from this checkout, not an installe
     sys.path.insert(0, ROOT)
 PROG = "megatron-tsp"
 # analytic tools: run in this process (no import per command)
-IN_PROCESS = ("plan", "moe", "documents")
+IN_PROCESS = ("plan", "moe", "compare", "documents")
 
 
 @dataclass
@@ -520,6 +520,20 @@ def _rows(block_rows):
     return dict(labels=[r[0] for r in block_rows], commands=[r[1] for r in block_rows])
 
 
+def compare_part(block: Block, outs: List[str]) -> str:
+    """compare's markdown: its table (``labels`` ["table"]) or the summary printed after it
+    (["summary"]), so both blocks share one run."""
+    from megatron_tsp.tools.estimator.compare_table import SUMMARY_HEAD
+
+    text = outs[0].strip("\n")
+    i = text.index("\n" + SUMMARY_HEAD)
+    part = text[:i] if block.labels == ["table"] else text[i + 1 :]
+    return "\n".join(x.rstrip() for x in part.strip("\n").splitlines())
+
+
+_COMPARE = f"{PROG} compare --hardware h100"
+
+
 def plan_tables(block: Block, outs: List[str]) -> str:
     """plan's strategy table (header and rows, without the crossover lines) of each command, as
     one code block."""
@@ -628,6 +642,8 @@ BLOCKS: List[Block] = [
         plan_tables,
     ),
     Block("docs/design.md", "document-balance", [_DOCUMENT_BALANCE], "small", verbatim),
+    Block("docs/benchmark.md", "compare", [_COMPARE], "small", compare_part, labels=["table"]),
+    Block("README.md", "readme-compare", [_COMPARE], "small", compare_part, labels=["summary"]),
 ]
 
 

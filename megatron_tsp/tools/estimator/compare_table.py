@@ -120,10 +120,9 @@ def kernel_split(m: ModelShape, s: Strategy, hw: HardwareSpec, o: Options, seq: 
     FLOP time, the HBM time above it and the launch floor above both (their sum is each kernel's
     roofline, ``KernelCosts.seconds``); with its launches and HBM bytes."""
     dtype = {2: "bf16", 4: "fp32"}[m.dtype_bytes]
-    # the recorded scheme of s: the recorder may keep several per planner kind (fsdp_cp's two
-    # K/V exchanges), named by ``measured_traffic.scheme_of`` where it has one
-    scheme_of = getattr(measured_traffic, "scheme_of", lambda x: x.kind)
-    curves = measured_traffic.layer_curves(m, s.degree, o.micro_batch, dtype)[scheme_of(s)]
+    # the recorded scheme of s, as the planner reads it (fsdp_cp: its K/V exchange's recording)
+    scheme = measured_traffic.scheme_of(s)
+    curves = measured_traffic.layer_curves(m, s.degree, o.micro_batch, dtype)[scheme]
     c = hw.kernel_costs()
     out = {"flops": 0.0, "hbm": 0.0, "launches": 0.0, "kernels": 0, "bytes": 0.0}
     for k in curves:
