@@ -2,7 +2,7 @@
 
 Each generated block is registered in ``BLOCKS``: the file, an id, the exact ``megatron-tsp``
 command(s) it runs, a scale ("small": analytic tools, seconds; "full": fake-tensor runs at full
-scale, minutes) and a formatter that turns the commands' stdout into the block's text. In the
+scale, or plans that record many layers' kernels first, minutes) and a formatter that turns the commands' stdout into the block's text. In the
 file a block is delimited by markers that name its commands::
 
     <!-- generated (ID) by scripts/docs_numbers.py from:
@@ -642,8 +642,8 @@ BLOCKS: List[Block] = [
         plan_tables,
     ),
     Block("docs/design.md", "document-balance", [_DOCUMENT_BALANCE], "small", verbatim),
-    Block("docs/benchmark.md", "compare", [_COMPARE], "small", compare_part, labels=["table"]),
-    Block("README.md", "readme-compare", [_COMPARE], "small", compare_part, labels=["summary"]),
+    Block("docs/benchmark.md", "compare", [_COMPARE], "full", compare_part, labels=["table"]),
+    Block("README.md", "readme-compare", [_COMPARE], "full", compare_part, labels=["summary"]),
 ]
 
 
