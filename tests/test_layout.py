@@ -231,8 +231,8 @@ def test_sequence_length_check_names_the_flag():
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_batch_position_ids_are_the_layout_positions(d):
     """The embedding reads the batch's ``position_ids``, RoPE the layout's positions: for the
-    batches Megatron builds (``arange``; ``--reset-position-ids`` is refused under TSP) they are
-    the same numbers on every rank's contiguous shard."""
+    batches Megatron builds without ``--reset-position-ids`` (``arange``) they are the same
+    numbers on every rank's contiguous shard (restarted ids: tests/test_packed_documents.py)."""
     s, b = 12 * d, 2
     batch = {
         "tokens": torch.zeros(b, s, dtype=torch.long),

@@ -1,16 +1,22 @@
-"""What TSP attention assumes of a micro-batch: each sequence is one causal document.
+"""What TSP attention assumes of a micro-batch, checked before it reaches the model.
 
-TSP attention takes causality from the zigzag layout's positions and never reads
-``attention_mask`` or ``position_ids`` (RoPE is applied at ``TSPLayout.positions()``). A batch
-built for packed documents, i.e. a block-diagonal causal mask and position ids that restart at
-each document (Megatron-LM's ``--reset-attention-mask`` / ``--reset-position-ids``), or a THD
-batch with ``cu_seqlens`` (``--sft``, ``--dataloader-inter-document-masking``), would therefore
-be computed as one causal document over the whole sequence: wrong loss and gradients, no error.
+TSP attention takes causality from the zigzag layout's positions and never reads a dense
+``attention_mask``: documents reach it only as a ``documents.DocumentMask`` (encoded as a small
+tensor in the ``attention_mask`` slot, or THD ``packed_seq_params``). A dense document mask that
+bypassed the conversion would be computed as one causal document over the whole sequence: wrong
+loss and gradients, no error. Two checks guard that:
 
-``check_single_causal_document`` refuses such a batch, naming the key, the first offending
-sequence and row, and the Megatron-LM flag that builds it. It reads the full (pre-zigzag)
-batch, or a CP rank's slice of it, and costs one comparison per element plus one host sync;
-an ``[s, s]`` mask is compared in row blocks, so no second ``[s, s]`` tensor is built.
+* ``check_documents`` (``zigzag.get_batch_on_this_tsp_rank``): a block-diagonal causal mask
+  becomes its documents; position ids must be the natural positions or restart at those
+  documents; anything else (another mask, ids that match neither, multi-sample ``cu_seqlens``)
+  raises ``PackedBatchError`` naming the sample and row.
+* ``check_single_causal_document`` (the Megatron-LM hook, for the keys its flags do not define):
+  each sequence is one causal document, else ``PackedBatchError`` names the key, the first
+  offending sequence and row, and the flag that makes TSP read the documents.
+
+Both read the full (pre-zigzag) batch or a CP rank's slice, at one comparison per element plus
+one host sync; an ``[s, s]`` mask is compared in row blocks, so no second ``[s, s]`` tensor is
+built.
 
 Mask convention (Megatron's): ``True`` (or non-zero) means *masked out*; the plain causal mask
 masks key ``j`` for the query at position ``p`` exactly when ``j > p``.
@@ -193,14 +199,14 @@ def check_single_causal_document(
                 f"TSP got position_ids that are not the sequence's positions: sequence {row} "
                 f"holds {int(position_ids.reshape(-1, seq)[row, col])} at index {col}, expected "
                 f"{int(positions[col])} (position ids that restart per document come from "
-                "--reset-position-ids); packed documents are not supported under TSP yet, "
-                "and TSP would compute one causal document over the whole sequence"
+                "--reset-position-ids: pass it so that TSP reads the documents); without the "
+                "flag TSP would compute one causal document over the whole sequence"
             )
         raise PackedBatchError(
             "TSP got an attention_mask that is not the plain causal mask: in mask "
             f"{row} the query at position {int(positions[col])} differs from causal "
-            "(a document mask comes from --reset-attention-mask); packed documents are not "
-            "supported under TSP yet, and TSP would compute one causal document over the whole "
+            "(a document mask comes from --reset-attention-mask: pass it so that TSP reads the "
+            "documents); without the flag TSP would compute one causal document over the whole "
             "sequence"
         )
 

@@ -92,9 +92,11 @@ def get_batch_on_this_tsp_rank(
     Positions have one definition, the layout: TSP attention applies RoPE at
     ``TSPLayout.positions()``, as Megatron's RoPE indexes its table by sequence index (and by the
     CP layout under context parallelism), never by ``position_ids``; the embedding's learned
-    absolute positions read ``position_ids``, as under TP+SP. The two agree because Megatron's
-    GPT datasets give ``position_ids = arange(s)`` unless ``--reset-position-ids``, which TSP
-    refuses (``rejections``); ``tests/test_layout.py`` asserts that the permuted ids equal
+    absolute positions read ``position_ids``, as under TP+SP. Megatron's GPT datasets give
+    ``position_ids = arange(s)`` unless ``--reset-position-ids``, which restarts them at each
+    document: RoPE still rotates at sequence index there (as Megatron's bshd path does; scores
+    within a document depend only on distances), only the learned embedding sees the restarts;
+    ``tests/test_layout.py`` asserts that permuted ``arange`` ids equal
     ``TSPLayout.permutation()``.
 
     Packed documents (``batch_contract.check_documents``): a block-diagonal causal
