@@ -2,8 +2,9 @@
 
 Each generated block is registered in ``BLOCKS``: the file, an id, the exact ``megatron-tsp``
 command(s) it runs, a scale ("small": analytic tools, seconds; "full": fake-tensor runs at full
-scale, or plans that record many layers' kernels first, minutes) and a formatter that turns the commands' stdout into the block's text. In the
-file a block is delimited by markers that name its commands::
+scale, or plans that record many layers' kernels first, minutes) and a formatter that turns the
+commands' stdout into the block's text. In the file a block is delimited by markers that name its
+commands::
 
     <!-- generated (ID) by scripts/docs_numbers.py from:
     megatron-tsp ...
