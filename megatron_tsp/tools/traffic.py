@@ -78,6 +78,8 @@ SCHEMES = ("tsp", "tp_sp", "fsdp_cp", "fsdp_cp_ring")
 DEFAULT_SCHEMES = ("tsp", "tp_sp")  # what the report compares unless --schemes says otherwise
 LABELS = {"tsp": "TSP", "tp_sp": "TP+SP", "fsdp_cp": "FSDPxCP", "fsdp_cp_ring": "FSDPxCP ring"}
 GB = 1e9
+# the schemes ``--documents`` records (FSDP x CP's packed documents are not stood in)
+DOCUMENT_SCHEMES = ("tsp", "tp_sp")
 # the bytes budget the report measures against: TSP's layer within 1.15x TP+SP's
 BYTES_BUDGET = 1.15
 # the flash-tiles view's query and key tile rows (Br, Bc): 128 x 128, a usual flash tile for head
@@ -139,6 +141,11 @@ OTHER_SDPA_BWD = frozenset(
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     }
 )
+# TP+SP's packed documents: the variable-length (THD) flash kernel, stood in by one custom op per
+# direction (``varlen_flash_standin``); its FLOPs are the in-document causal pairs of its
+# ``cu_seqlens`` (an int list argument: shape-only tensors hold no values)
+VARLEN = frozenset({"varlen_flash"})
+VARLEN_BWD = frozenset({"varlen_flash_backward"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +272,20 @@ def _attention_flops(name: str, args, kwargs) -> int:
     return 2 * b * h * pairs * per_pair
 
 
+def _varlen_flops(name: str, args) -> int:
+    """The varlen stand-in (``varlen_flash_standin``): q, k, v [s, b, h, d] (the b x s tokens
+    packed as one THD sequence), ``cu_seqlens`` an int list; per in-document causal pair
+    2 h (d_qk + d_v) forward and 2 h (3 d_qk + 2 d_v) backward, as for the dense kernels."""
+    if name in VARLEN:
+        q, v, cu = args[0], args[2], args[3]
+    else:  # backward: grad_out, q, k, v, out, lse, cu_seqlens, scale
+        q, v, cu = args[1], args[3], args[6]
+    h, d, dv = int(q.shape[2]), int(q.shape[3]), int(v.shape[3])
+    pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu, cu[1:]))
+    per_pair = (d + dv) if name in VARLEN else (3 * d + 2 * dv)
+    return 2 * h * pairs * per_pair
+
+
 def attention_geometry(name: str, args, kwargs) -> Dict[str, int]:
     """What the flash-tiles view needs of an attention kernel ([b, h, s, d] layouts): batch,
     query / key-value heads, lengths, head dims, element size, causal alignment, and the bytes
@@ -377,6 +398,8 @@ def op_record(func, args, kwargs, out, phase: str, device_type: str = "cuda") ->
         _SCHEMAS.setdefault(name, func._schema)
         rec.flops, rec.flop_kind = _attention_flops(name, args, kwargs), "attention"
         rec.attention = attention_geometry(name, args, kwargs)
+    elif name in VARLEN | VARLEN_BWD:
+        rec.flops, rec.flop_kind = _varlen_flops(name, args), "attention"
     elif "attention" in name:
         raise NotImplementedError(f"no FLOP formula for attention op {func}; add one")
     return rec
@@ -519,6 +542,9 @@ class TrafficConfig:
     rope_fusion: bool = True
     # the flash-tiles view's (Br, Bc)
     flash_tiles: List[int] = field(default_factory=lambda: list(FLASH_TILES))
+    # packed documents (``--documents``): per micro-batch sample its document lengths (summing
+    # to ``seq``); None: one causal document per sample, as without the flag
+    documents: List[List[int]] | None = None
 
 
 def linear_params_per_rank(shape, d: int) -> Dict[str, int]:
@@ -692,6 +718,153 @@ def _whole_sequence_attention():
     return WholeSequenceFlashAttention
 
 
+# TP+SP with packed documents, as Megatron runs them on a Transformer Engine box: a THD batch
+# (``packed_seq_params`` with the documents' ``cu_seqlens``) whose core attention is TE's
+# variable-length flash attention, one kernel call forward and one backward over all the
+# micro-batch's tokens, visiting the in-document causal pairs only. TE cannot be installed here,
+# so one custom op per direction stands in for it (``varlen_flash_standin``), with the kernel's
+# operands: forward reads q, k, v and writes the output and the fp32 log-sum-exp [h, tokens];
+# backward reads the output gradient, q, k, v, the output and the log-sum-exp and writes dq, dk,
+# dv. The [s, b, n, d] views Megatron hands core attention are passed as they are (a THD batch
+# has b = 1: the same tensors, no copy). ``cu_seqlens`` is an int list so that the FLOP rule can
+# read it on shape-only tensors (TE reads a small int32 tensor: not counted).
+_VARLEN: List[object] = []
+
+
+def _varlen_reference(q, k, v, cu, scale):
+    """The in-document causal attention of ``cu`` (THD offsets over the b x s tokens, batch
+    major) on [s, b, n, d] tensors, in fp32: ``(out, lse, probabilities, k, v)`` with K/V
+    repeated to the query heads (GQA)."""
+    import torch
+
+    s, b, n, _ = q.shape
+    rep = n // k.shape[2]
+    qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    doc = torch.empty(b * s, dtype=torch.long)
+    for i, (a, e) in enumerate(zip(cu, cu[1:])):
+        doc[a:e] = i
+    doc = doc.view(b, 1, s)
+    pos = torch.arange(s)
+    allowed = (doc.unsqueeze(-1) == doc.unsqueeze(-2)) & (pos.view(-1, 1) >= pos.view(1, -1))
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, n, s]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return probs @ vf, lse, probs, kf, vf
+
+
+def varlen_flash_standin():
+    """``varlen(q, k, v, cu_seqlens, scale)`` -> [s, b, n, d_v]: one
+    ``megatron_tsp_traffic::varlen_flash`` op forward and one ``varlen_flash_backward`` op
+    backward (see above). On real tensors they compute the in-document causal attention and its
+    gradients in fp32 (one rounding); on fake tensors they only allocate."""
+    if _VARLEN:
+        return _VARLEN[0]
+    import torch
+
+    schema = "(Tensor q, Tensor k, Tensor v, int[] cu_seqlens, float scale) -> (Tensor, Tensor)"
+
+    @torch.library.custom_op("megatron_tsp_traffic::varlen_flash", mutates_args=(), schema=schema)
+    def varlen_flash(q, k, v, cu_seqlens, scale):
+        out, lse, _, _, _ = _varlen_reference(q, k, v, cu_seqlens, scale)
+        s, b, n, _ = q.shape
+        out = out.permute(2, 0, 1, 3).to(q.dtype).contiguous()
+        return out, lse.permute(1, 0, 2).reshape(n, b * s).contiguous()
+
+    @varlen_flash.register_fake
+    def _(q, k, v, cu_seqlens, scale):
+        s, b, n, _ = q.shape
+        out = q.new_empty((s, b, n, v.shape[3]))
+        return out, q.new_empty((n, b * s), dtype=torch.float32)
+
+    bwd_schema = (
+        "(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int[] cu_seqlens, "
+        "float scale) -> (Tensor, Tensor, Tensor)"
+    )
+
+    @torch.library.custom_op(
+        "megatron_tsp_traffic::varlen_flash_backward", mutates_args=(), schema=bwd_schema
+    )
+    def varlen_flash_backward(d_out, q, k, v, out, lse, cu_seqlens, scale):
+        _, _, probs, kf, vf = _varlen_reference(q, k, v, cu_seqlens, scale)
+        qf = q.float().permute(1, 2, 0, 3)
+        do = d_out.float().permute(1, 2, 0, 3)  # [b, n, s, d]
+        of = probs @ vf
+        dv = probs.transpose(-1, -2) @ do
+        dp = do @ vf.transpose(-1, -2)
+        ds = probs * (dp - (do * of).sum(-1, keepdim=True))
+        dq, dk = (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale
+        groups = k.shape[2]
+        b, n, s, d = dk.shape
+        dk = dk.view(b, groups, n // groups, s, d).sum(2)
+        dv = dv.view(b, groups, n // groups, s, dv.shape[-1]).sum(2)
+        back = [t.permute(2, 0, 1, 3) for t in (dq, dk, dv)]
+        return tuple(g.to(x.dtype).contiguous() for g, x in zip(back, (q, k, v)))
+
+    @varlen_flash_backward.register_fake
+    def _(d_out, q, k, v, out, lse, cu_seqlens, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.cu_seqlens, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+
+    def backward(ctx, d_out, _d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = torch.ops.megatron_tsp_traffic.varlen_flash_backward(
+            d_out.contiguous(), q, k, v, out, lse, ctx.cu_seqlens, ctx.scale
+        )
+        return (*grads, None, None)
+
+    varlen_flash.register_autograd(backward, setup_context=setup_context)
+
+    def varlen(q, k, v, cu_seqlens, scale):
+        return torch.ops.megatron_tsp_traffic.varlen_flash(q, k, v, list(cu_seqlens), scale)[0]
+
+    _VARLEN.append(varlen)
+    return varlen
+
+
+def thd_offsets(lengths_per_sample: Sequence[Sequence[int]]) -> List[int]:
+    """``cu_seqlens`` of a micro-batch packed as one THD sequence: the samples' document
+    lengths end to end, sample 0 first."""
+    cu = [0]
+    for row in lengths_per_sample:
+        for n in row:
+            cu.append(cu[-1] + int(n))
+    return cu
+
+
+def _varlen_attention(lengths_per_sample):
+    """TP+SP's core attention with packed documents (``varlen_flash_standin``), one call per
+    direction over the micro-batch's documents."""
+    from megatron_tsp.tools.estimator.fake_run import FlashCoreAttention
+
+    cu = thd_offsets(lengths_per_sample)
+    varlen = varlen_flash_standin()
+
+    class VarlenFlashAttention(FlashCoreAttention):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
+            if self.cp_group is not None:
+                raise ValueError("the traffic benchmark's TP+SP attention has no CP")
+            sq, b = query.shape[0], query.shape[1]
+            if cu[-1] != sq * b:
+                raise ValueError(f"documents cover {cu[-1]} tokens, the batch holds {sq * b}")
+            return varlen(query, key, value, cu, self.scale).reshape(sq, b, -1)
+
+    return VarlenFlashAttention
+
+
 def _layer_and_inputs(cfg, scheme: str, shape):
     """Build one layer of ``scheme`` (fake_run's building blocks) on the CUDA fake device, its
     input, RoPE table and output gradient. Runs inside ``FakeTensorMode``."""
@@ -722,8 +895,11 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     config = fake_run.transformer_config(run_cfg)
     spec = fake_run.layer_spec(run_cfg, config)
     if scheme == "tp_sp":
+        attention = (
+            _varlen_attention(cfg.documents) if cfg.documents else _whole_sequence_attention()
+        )
         for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = _whole_sequence_attention()
+            layer.submodules.self_attention.submodules.core_attention = attention
     if fsdp:
         ring = scheme == "fsdp_cp_ring"
         for layer in spec.layer_specs:
@@ -794,6 +970,7 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
         torch.manual_seed(0)
         block, x, rope = _layer_and_inputs(cfg, scheme, shape)
         grad = torch.empty_like(x)  # the output gradient (the layer keeps the input's shape)
+        mask = _document_mask(cfg) if scheme == "tsp" else None
         recorder = make_recorder()
         if scheme in traffic_fsdp_cp.FSDP_SCHEMES:  # ZeRO-3: the unshard / reduce-scatter too
             shards = traffic_fsdp_cp.LayerShards(block.parameters(), _cp_group())
@@ -801,7 +978,7 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
             if scheme in traffic_fsdp_cp.FSDP_SCHEMES:
                 shards.run(block, x, rope, grad)
             else:
-                out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+                out = block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
                 out.backward(grad)
     WORKSPACE.clear()
     summary = summarize(recorder.records, cfg.top, cfg.flash_tiles)
@@ -813,8 +990,90 @@ def measure_layer(cfg: TrafficConfig, scheme: str) -> Dict[str, object]:
         "backward": 4 * tokens * sum(params.values()),
         "recompute_fc1": 2 * tokens * params["fc1"],
     }
+    if cfg.documents:
+        summary["documents"] = document_stats(cfg, scheme, recorder.records)
     summary["records"] = [dataclasses.asdict(r) for r in recorder.records]
     return summary
+
+
+def _document_mask(cfg: TrafficConfig):
+    """What ``get_batch_on_this_tsp_rank`` hands TSP's layers for ``cfg.documents``
+    (``megatron_lm.batch.tsp_permute_batch``): ``DocumentMask.to_tensor()``, a small host int64
+    tensor in the ``attention_mask`` slot, or None for one document per sample. Built outside
+    the fake mode (its values are the documents)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not cfg.documents:
+        return None
+    documents = document_mask(cfg.documents, cfg.seq)
+    if documents.is_single_document:
+        return None
+    with unset_fake_temporarily():
+        return documents.to_tensor()
+
+
+def document_mask(lengths_per_sample: Sequence[Sequence[int]], seq: int):
+    """The ``DocumentMask`` of per-sample document lengths."""
+    from megatron_tsp.core.documents import DocumentMask
+
+    starts = []
+    for row in lengths_per_sample:
+        if sum(row) != seq:
+            raise ValueError(f"document lengths {list(row)[:4]}... add up to {sum(row)}, not {seq}")
+        starts.append([sum(row[:i]) for i in range(len(row))])
+    return DocumentMask.from_document_starts(starts, seq)
+
+
+def rank_pairs(starts: Sequence[int], seq: int, spans) -> int:
+    """In-document causal (query, key) pairs of the queries in ``spans`` (natural ``[a, e)``
+    ranges): a query at p sees the keys ``[start of p's document, p]``."""
+    bounds = list(starts) + [seq]
+    total = 0
+    for a, e in spans:
+        for ds, de in zip(bounds, bounds[1:]):
+            x, y = max(a, ds), min(e, de)
+            if x < y:  # queries x .. y-1 of the document starting at ds
+                total += (y - ds) * (y - ds + 1) // 2 - (x - ds) * (x - ds + 1) // 2
+    return total
+
+
+# the function that issues TSP's natural-order K/V copy (forward, and again in backward)
+NATURAL_KV_SOURCE = "attention._natural_kv"
+
+
+def document_stats(cfg: TrafficConfig, scheme: str, records) -> Dict[str, object]:
+    """What the packed-documents report prints of one recorded scheme: the attention kernel
+    calls per direction, the in-document causal (query, key) pairs its queries have (TSP: the
+    recorded rank's tokens, rank 0; TP+SP: every token, its heads being 1/D), the segments TSP's
+    plan cuts the rank's rows into (``DocumentMask.segments``) and the bytes of its
+    natural-order K/V copies."""
+    from megatron_tsp.core.layout import TSPLayout
+
+    documents = document_mask(cfg.documents, cfg.seq)
+    attention = [r for r in records if r.kind == "kernel" and r.flop_kind == "attention"]
+    out = {
+        "documents": sum(len(row) for row in cfg.documents),
+        "calls": {p: sum(r.phase == p for r in attention) for p in ("forward", "backward")},
+        "attention_flops": {
+            p: sum(r.flops for r in attention if r.phase == p) for p in ("forward", "backward")
+        },
+    }
+    if scheme == "tsp":
+        layout = TSPLayout(cfg.world_size, cfg.seq, rank=0)
+        plans = documents.segments(layout.natural_runs, cfg.micro_batch)
+        out["segments"] = sum(len(plan.blocks) for plan in plans)
+        spans = layout.spans_of(0)
+        out["pairs"] = sum(
+            rank_pairs(documents.starts_of(i), cfg.seq, spans) for i in range(cfg.micro_batch)
+        )
+        copies = [r for r in records if r.kind == "kernel" and r.source == NATURAL_KV_SOURCE]
+        out["natural_kv_copy"] = {
+            p: sum(r.bytes for r in copies if r.phase == p) for p in ("forward", "backward")
+        }
+        out["natural_kv_copy_launches"] = len(copies)
+    else:
+        out["pairs"] = documents.pairs()
+    return out
 
 
 def measure(cfg: TrafficConfig) -> Dict[str, object]:
@@ -1167,7 +1426,9 @@ def render(
         f"Command: `{command}`",
         "",
     ]
-    if len(seqs) > 1:
+    if cfg.documents:
+        lines += _document_lines(results, cfg)
+    if len(seqs) > 1 and not cfg.documents:
         lines += _fixed_part_lines(results, cfg, checks)
     if flash_tiles:
         lines += _flash_tile_lines(results, cfg)
@@ -1203,6 +1464,67 @@ def render(
                 )
             lines.append("")
     return "\n".join(lines)
+
+
+def _document_lines(results, cfg: TrafficConfig) -> List[str]:
+    """The packed-documents section: per scheme and length the documents, the attention kernel
+    calls, the attention FLOPs against the in-document pairs they cover, and TSP's natural-order
+    K/V copies."""
+    seqs = sorted(results)
+    schemes = [s for s in SCHEMES if s in cfg.schemes]
+    rows = []
+    for q in seqs:
+        for s in schemes:
+            r = results[q][s]
+            doc = r["documents"]
+            flops = doc["attention_flops"]
+            calls = doc["calls"]
+            per_pair = (flops["forward"] + flops["backward"]) / max(doc["pairs"], 1)
+            copy = doc.get("natural_kv_copy")
+            rows.append(
+                [
+                    f"{LABELS[s]} {_seq_label(q)}",
+                    str(doc["documents"]),
+                    str(doc.get("segments", "-")),
+                    f"{r['kernels']}",
+                    f"{calls['forward']} + {calls['backward']}",
+                    _gb(r["bytes"]),
+                    f"{flops['forward'] / 1e12:.3f} + {flops['backward'] / 1e12:.3f}",
+                    f"{doc['pairs']:,}",
+                    f"{per_pair:,.0f}",
+                    f"{_gb(copy['forward'])} + {_gb(copy['backward'])}" if copy else "-",
+                ]
+            )
+    head = [
+        "scheme",
+        "documents",
+        "TSP segments (rank 0)",
+        "kernels",
+        "attention calls fwd + bwd",
+        "HBM bytes",
+        "attention TFLOP fwd + bwd",
+        "in-document pairs",
+        "FLOP per pair",
+        "natural-order K/V copy fwd + bwd",
+    ]
+    return [
+        "Packed documents: per micro-batch sample one document set drawn from the mix "
+        "(`megatron-tsp documents`' draws). TSP gets them as `get_batch_on_this_tsp_rank` hands "
+        "them over (`DocumentMask.to_tensor()` in the `attention_mask` slot): per head group the "
+        "gathered K/V copied once into natural order, then one bottom-right causal call per "
+        "(chunk, document) segment; its pairs are the recorded rank's (rank 0: chunks 0 and "
+        "2D-1). TP+SP as Megatron runs them on a Transformer Engine box, a THD batch: one "
+        "variable-length flash call per direction over all its tokens for its 1/D of the heads "
+        "(TE's kernel stood in by one recorded op per direction reading q, k, v (+ output, "
+        "log-sum-exp, output gradient backward) and writing its results; its FLOPs from the "
+        "`cu_seqlens`). FLOP per pair = 2·heads·(d_qk + d_v) forward + 2·heads·(3·d_qk + 2·d_v) "
+        "backward over the heads the scheme's rank computes (TSP: all, TP+SP: 1/D).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+        *["| " + " | ".join(r) + " |" for r in rows],
+        "",
+    ]
 
 
 def _seq_label(seq: int) -> str:
@@ -1251,10 +1573,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also show the bytes with a tiled flash kernel's re-reads (query tiles of BR rows, "
         f"key tiles of BC; default {FLASH_TILES[0]},{FLASH_TILES[1]}) beside the per-call rule",
     )
+    p.add_argument(
+        "--documents",
+        default=None,
+        metavar="MIX",
+        help="packed documents: one document set drawn per micro-batch sample from MIX "
+        "(megatron-tsp documents' specs: single, uniform:LO-HI, heavy:ALPHA,LO-HI, "
+        "long+short:L,LO-HI, fixed:L1,L2,...); TSP gets them as get_batch_on_this_tsp_rank "
+        "hands them over, TP+SP runs them as a THD batch (variable-length flash attention)",
+    )
+    p.add_argument(
+        "--draw-seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the --documents draws (megatron-tsp documents' convention; default 0)",
+    )
     p.add_check(_check_args)
     args = p.parse_args(argv)
     args.schemes = [s for s in args.schemes.split(",") if s]
     return args
+
+
+def draw_documents(mix: str | None, seq: int, micro_batch: int, seed: int = 0):
+    """Per sample of a micro-batch its document lengths, drawn from ``mix`` (None: no
+    ``--documents``) as ``megatron-tsp documents`` draws them (draw i of ``seed`` for sample
+    i)."""
+    if mix is None:
+        return None
+    from megatron_tsp.tools.estimator import documents
+
+    return documents.draws(documents.parse_mix(mix), seq, micro_batch, seed)
 
 
 def scheme_fits(model: str, scheme: str, world_size: int) -> bool:
@@ -1296,6 +1644,20 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--schemes {args.schemes}", f"unknown {bad}; choose among {SCHEMES}")
     if args.world_size < 2:
         raise UsageError(f"--world-size {args.world_size}", "D must be >= 2")
+    if args.documents is not None:
+        from megatron_tsp.tools.estimator import documents
+
+        try:
+            documents.parse_mix(args.documents)
+        except ValueError as exc:
+            raise UsageError(f"--documents {args.documents}", str(exc)) from None
+        others = [s for s in args.schemes.split(",") if s and s not in DOCUMENT_SCHEMES]
+        if others:
+            raise UsageError(
+                f"--documents {args.documents} --schemes {args.schemes}",
+                f"packed documents are recorded for {','.join(DOCUMENT_SCHEMES)} only, not "
+                f"{','.join(others)}",
+            )
     for s in args.seq_lengths:
         if s % (2 * args.world_size):
             raise UsageError(
@@ -1337,6 +1699,7 @@ def main(argv=None) -> int:
             activation_sums_fp32=args.tsp_activation_sums_in_fp32,
             rope_fusion=not args.unfused_rope,
             flash_tiles=list(args.flash_tiles or FLASH_TILES),
+            documents=draw_documents(args.documents, seq, args.micro_batch_size, args.draw_seed),
         )
         what = "recording" if seq in seqs else "recording (affine check only)"
         print(f"[traffic] S={seq}: {what} ...", file=sys.stderr, flush=True)
