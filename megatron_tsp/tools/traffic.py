@@ -733,13 +733,14 @@ _VARLEN: List[object] = []
 
 def _varlen_reference(q, k, v, cu, scale):
     """The in-document causal attention of ``cu`` (THD offsets over the b x s tokens, batch
-    major) on [s, b, n, d] tensors, in fp32: ``(out, lse, probabilities, k, v)`` with K/V
-    repeated to the query heads (GQA)."""
+    major) on [s, b, n, d] tensors, in fp32 (fp64 for fp64 inputs): ``(out, lse,
+    probabilities, k, v)`` with K/V repeated to the query heads (GQA)."""
     import torch
 
     s, b, n, _ = q.shape
     rep = n // k.shape[2]
-    qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    qf, kf, vf = (t.to(wide).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
     kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
     doc = torch.empty(b * s, dtype=torch.long)
     for i, (a, e) in enumerate(zip(cu, cu[1:])):
@@ -758,7 +759,7 @@ def varlen_flash_standin():
     """``varlen(q, k, v, cu_seqlens, scale)`` -> [s, b, n, d_v]: one
     ``megatron_tsp_traffic::varlen_flash`` op forward and one ``varlen_flash_backward`` op
     backward (see above). On real tensors they compute the in-document causal attention and its
-    gradients in fp32 (one rounding); on fake tensors they only allocate."""
+    gradients in fp32 (fp64 inputs: fp64; one rounding); on fake tensors they only allocate."""
     if _VARLEN:
         return _VARLEN[0]
     import torch
@@ -770,7 +771,7 @@ def varlen_flash_standin():
         out, lse, _, _, _ = _varlen_reference(q, k, v, cu_seqlens, scale)
         s, b, n, _ = q.shape
         out = out.permute(2, 0, 1, 3).to(q.dtype).contiguous()
-        return out, lse.permute(1, 0, 2).reshape(n, b * s).contiguous()
+        return out, lse.permute(1, 0, 2).reshape(n, b * s).float().contiguous()
 
     @varlen_flash.register_fake
     def _(q, k, v, cu_seqlens, scale):
@@ -788,8 +789,7 @@ def varlen_flash_standin():
     )
     def varlen_flash_backward(d_out, q, k, v, out, lse, cu_seqlens, scale):
         _, _, probs, kf, vf = _varlen_reference(q, k, v, cu_seqlens, scale)
-        qf = q.float().permute(1, 2, 0, 3)
-        do = d_out.float().permute(1, 2, 0, 3)  # [b, n, s, d]
+        qf, do = (t.to(kf.dtype).permute(1, 2, 0, 3) for t in (q, d_out))  # [b, n, s, d]
         of = probs @ vf
         dv = probs.transpose(-1, -2) @ do
         dp = do @ vf.transpose(-1, -2)
@@ -895,9 +895,10 @@ def _layer_and_inputs(cfg, scheme: str, shape):
     config = fake_run.transformer_config(run_cfg)
     spec = fake_run.layer_spec(run_cfg, config)
     if scheme == "tp_sp":
-        attention = (
-            _varlen_attention(cfg.documents) if cfg.documents else _whole_sequence_attention()
-        )
+        # one document per sample is the plain causal batch (the TSP batch hook hands TSP no
+        # documents then either): the whole-sequence kernel, as without --documents
+        packed = cfg.documents and any(len(row) > 1 for row in cfg.documents)
+        attention = _varlen_attention(cfg.documents) if packed else _whole_sequence_attention()
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = attention
     if fsdp:
@@ -1650,7 +1651,7 @@ def _check_args(args: argparse.Namespace) -> None:
         try:
             documents.parse_mix(args.documents)
         except ValueError as exc:
-            raise UsageError(f"--documents {args.documents}", str(exc)) from None
+            raise from_value_error(exc, "--documents") from None
         others = [s for s in args.schemes.split(",") if s and s not in DOCUMENT_SCHEMES]
         if others:
             raise UsageError(
