@@ -66,6 +66,11 @@ def packed(tmp_path_factory):
     return _record(tmp_path_factory, DOCUMENTS, micro_batch=2)
 
 
+@pytest.fixture(scope="module")
+def plain_two_samples(tmp_path_factory):
+    return _record(tmp_path_factory, None, micro_batch=2)
+
+
 def _attention(summary, phase):
     return [
         r
@@ -110,6 +115,9 @@ def test_tsp_attention_flops_are_the_rank_in_document_pairs(packed):
     assert sum(r["flops"] for r in _attention(tsp, "forward")) == 4 * HEAD_DIM * HEADS * pairs
     assert sum(r["flops"] for r in _attention(tsp, "backward")) == 10 * HEAD_DIM * HEADS * pairs
     assert tsp["documents"]["pairs"] == pairs
+    # every rank's queries together have every in-document pair once
+    total = sum(_all_pairs(row) for row in DOCUMENTS)
+    assert sum(tsp["documents"]["pairs_per_rank"]) == total
     assert tsp["attention_flops"] == 14 * HEAD_DIM * HEADS * pairs
 
 
@@ -139,13 +147,16 @@ def test_tsp_attention_calls_are_the_segments(packed):
     )
 
 
-def test_tpsp_one_varlen_call_per_direction(packed):
+def test_tpsp_one_varlen_call_per_direction(packed, plain_two_samples):
     """TP+SP: one variable-length call each way over every token's in-document pairs for its
     HEADS / D heads; no other attention kernel."""
     pairs = sum(_all_pairs(row) for row in DOCUMENTS)
-    tp_sp = packed["tp_sp"]
+    tp_sp, tp_sp_plain = packed["tp_sp"], plain_two_samples["tp_sp"]
     fwd, bwd = _attention(tp_sp, "forward"), _attention(tp_sp, "backward")
     assert [r["name"] for r in fwd + bwd] == ["varlen_flash", "varlen_flash_backward"]
+    # the rest of the layer: the kernels of the whole-sequence recording, no zeros for the
+    # log-sum-exp's (absent) gradient
+    assert tp_sp["kernels"] == tp_sp_plain["kernels"]
     heads = HEADS // D
     assert fwd[0]["flops"] == 4 * HEAD_DIM * heads * pairs
     assert bwd[0]["flops"] == 10 * HEAD_DIM * heads * pairs

@@ -809,6 +809,8 @@ def varlen_flash_standin():
     def setup_context(ctx, inputs, output):
         q, k, v, ctx.cu_seqlens, ctx.scale = inputs
         ctx.save_for_backward(q, k, v, *output)
+        # the log-sum-exp has no gradient: no zeros materialised for it (TE launches none)
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse = ctx.saved_tensors
@@ -1063,10 +1065,15 @@ def document_stats(cfg: TrafficConfig, scheme: str, records) -> Dict[str, object
         layout = TSPLayout(cfg.world_size, cfg.seq, rank=0)
         plans = documents.segments(layout.natural_runs, cfg.micro_batch)
         out["segments"] = sum(len(plan.blocks) for plan in plans)
-        spans = layout.spans_of(0)
-        out["pairs"] = sum(
-            rank_pairs(documents.starts_of(i), cfg.seq, spans) for i in range(cfg.micro_batch)
-        )
+        # every rank's pairs (computed, not recorded): the slowest rank sets the layer's pace
+        out["pairs_per_rank"] = [
+            sum(
+                rank_pairs(documents.starts_of(i), cfg.seq, layout.spans_of(rank))
+                for i in range(cfg.micro_batch)
+            )
+            for rank in range(cfg.world_size)
+        ]
+        out["pairs"] = out["pairs_per_rank"][0]
         copies = [r for r in records if r.kind == "kernel" and r.source == NATURAL_KV_SOURCE]
         out["natural_kv_copy"] = {
             p: sum(r.bytes for r in copies if r.phase == p) for p in ("forward", "backward")
@@ -1508,6 +1515,17 @@ def _document_lines(results, cfg: TrafficConfig) -> List[str]:
         "FLOP per pair",
         "natural-order K/V copy fwd + bwd",
     ]
+    balance = []
+    for q in seqs:
+        if "tsp" in schemes:
+            per_rank = results[q]["tsp"]["documents"]["pairs_per_rank"]
+            mean = sum(per_rank) / len(per_rank)
+            balance.append(
+                f"TSP {_seq_label(q)}: in-document pairs per rank (computed from the layout, "
+                f"not recorded) min {min(per_rank):,} / mean {mean:,.0f} / max {max(per_rank):,}"
+                f" (rank 0 {per_rank[0] / mean:.2f}× the mean, the slowest "
+                f"{max(per_rank) / mean:.2f}×: rank {per_rank.index(max(per_rank))})."
+            )
     return [
         "Packed documents: per micro-batch sample one document set drawn from the mix "
         "(`megatron-tsp documents`' draws). TSP gets them as `get_batch_on_this_tsp_rank` hands "
@@ -1525,6 +1543,7 @@ def _document_lines(results, cfg: TrafficConfig) -> List[str]:
         "|---|" + "---:|" * (len(head) - 1),
         *["| " + " | ".join(r) + " |" for r in rows],
         "",
+        *[line for b in balance for line in (b, "")],
     ]
 
 
