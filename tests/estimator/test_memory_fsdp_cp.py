@@ -1,13 +1,15 @@
 """FSDP x CP in the fake-tensor memory tool (``megatron-tsp memory --scheme fsdp_cp``) and the
 planner's ``fsdp_cp`` memory against it.
 
-The tool runs megatron-core's GPTModel with TP = 1, CP = N (the CP all-gather attention stand-in)
-sharded by torch FSDP2 ``fully_shard`` per layer and root (``fake_run`` / ``fsdp_run``). Checked
-here: the fake-tensor peak against the real CPU allocator's peak of the same step (small model,
-within 10%, as ``test_memory.py`` does for the other schemes), the static state and every
-collective's bytes against hand counts from the architecture, the CLI and its argument errors,
-and the planner's peak within 5% of the tool's at five shapes including 7B / 128k / N = 8 (one
-fresh process per shape; the 7B fake step itself takes ~5 s). About 2-3 min on 2 idle cores.
+The tool runs megatron-core's GPTModel with TP = 1, CP = N (the CP attention stand-in: TE's K/V
+all-gather, or with ``--cp-comm-type p2p`` TE's P2P ring, ``fake_run.KVRingAttention``) sharded
+by torch FSDP2 ``fully_shard`` per layer and root (``fake_run`` / ``fsdp_run``). Checked here,
+for both K/V exchanges: the fake-tensor peak against the real CPU allocator's peak of the same
+step (small model, within 10%, as ``test_memory.py`` does for the other schemes), the static
+state and every collective's bytes and calls against hand counts from the architecture, the CLI
+and its argument errors, and the planner's peak (``fsdp_cp`` / ``fsdp_cp_ring``) within 5% of the
+tool's at five shapes each including 7B / 128k / N = 8 (one fresh process per shape; the 7B
+fake step itself takes ~5 s). About 4-5 min on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_tsp.tools.estimator.fake_run import RunConfig, run_step
 from megatron_tsp.tools.estimator.memory import main as memory_main
 from tests.estimator.fake_world_fixture import _fake_world_teardown  # noqa: F401
 from tests.estimator.planner_check import run
+from tests.estimator.planner_fsdp_vs_fake import RING_FLAG as RING
 
 # the "small" model (h=256, 4 layers, 8 heads, FFN 4h, vocab 2048, LayerNorm, no linear bias,
 # untied): peaks of ~50 MB at S=2048 on N=4, where the CPU kernel's per-thread scratch is noise
@@ -49,15 +52,17 @@ def _root_params():
 # fake-tensor peak vs. the real allocator
 
 
+@pytest.mark.parametrize("cp_comm_type", ["all_gather", "p2p"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_fake_peak_matches_real_run(recompute):
+def test_fake_peak_matches_real_run(recompute, cp_comm_type):
     """Fake-tensor MemTracker peak vs. the CPU allocator's peak of the same FSDP2 step run with
     real tensors in a fresh process (profiler memory events, no tracker attached)."""
-    fake = run_step(_cfg(recompute=recompute, count_comm=False))
-    real = fake_run.run_step_isolated(_cfg(fake=False, recompute=recompute, count_comm=False))
+    kw = dict(recompute=recompute, count_comm=False, cp_comm_type=cp_comm_type)
+    fake = run_step(_cfg(**kw))
+    real = fake_run.run_step_isolated(_cfg(fake=False, **kw))
     assert real.real_peak_bytes > 0
     err = abs(fake.peak_bytes - real.real_peak_bytes) / real.real_peak_bytes
-    assert err < 0.10, (recompute, fake.peak_bytes, real.real_peak_bytes)
+    assert err < 0.10, (recompute, cp_comm_type, fake.peak_bytes, real.real_peak_bytes)
     assert fake.static_bytes == real.static_bytes
 
 
@@ -89,6 +94,32 @@ def test_static_state_and_collectives_by_hand():
     assert r.comm["recv_bytes_grad_sync_and_step"] == 0  # FSDP2 reduced in backward
 
 
+def test_ring_collectives_by_hand():
+    """TE's P2P ring (``--cp-comm-type p2p``) moves the same K/V bytes as the all-gather, in
+    P2P steps: a K/V block is one rank's K and V (S/N tokens). Forward: N-1 steps, each receives
+    one K/V block; backward: N-1 K/V blocks and N-1 dK/dV blocks received (step 0 sends the K/V
+    alone, the last step the dK/dV alone, steps between one packed [K/V, dK/dV] buffer: N
+    exchanges). Every exchange is one isend + one irecv (two calls); the weights' collectives
+    are the all-gather run's, whose K/V collectives are one all-gather per layer in forward, an
+    all-gather and a reduce-scatter per layer in backward."""
+    ring = run_step(_cfg(cp_comm_type="p2p", count_flops=False))
+    gather = run_step(_cfg(count_flops=False))
+    assert ring.label == "FSDPxCP4 p2p"
+    f = (N - 1) / N
+    total = LAYERS * _layer_params() + _root_params()
+    weights = f * total * 2
+    block = (S // N) * 2 * H * 2  # one rank's K and V, bf16
+    assert ring.comm["recv_bytes_forward"] == weights + LAYERS * (N - 1) * block
+    assert ring.comm["recv_bytes_backward"] == 2 * weights + LAYERS * 2 * (N - 1) * block
+    assert ring.comm["recv_bytes_grad_sync_and_step"] == 0
+    weight_calls_fwd = gather.comm["calls_forward"] - LAYERS
+    weight_calls_bwd = gather.comm["calls_backward"] - 2 * LAYERS
+    assert ring.comm["calls_forward"] == weight_calls_fwd + LAYERS * 2 * (N - 1)
+    assert ring.comm["calls_backward"] == weight_calls_bwd + LAYERS * 2 * N
+    # the static state does not depend on the K/V exchange
+    assert ring.static_bytes == gather.static_bytes
+
+
 # ------------------------------------------------------------------------------------------
 # CLI
 
@@ -98,6 +129,29 @@ def test_cli_runs_fsdp_cp(capsys):
     assert memory_main(args.split()) == 0
     out = capsys.readouterr().out
     assert "FSDPxCP2" in out and "peak" in out
+
+
+@pytest.mark.parametrize("scheme", ["fsdp_cp", "tp_cp"])
+def test_cli_runs_ring(scheme, capsys):
+    args = f"--model tiny --scheme {scheme} --tp 1 --cp 2 --world-size 2 --seq 512 --no-flops"
+    assert memory_main(f"{args} --cp-comm-type p2p".split()) == 0
+    out = capsys.readouterr().out
+    assert ("FSDPxCP2 p2p" if scheme == "fsdp_cp" else "TP1xCP2 p2p") in out
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        ("--scheme fsdp_cp --cp-comm-type ring", ["--cp-comm-type", "ring", "p2p"]),
+        ("--scheme tsp --tp 2 --cp 1 --cp-comm-type p2p", ["--cp-comm-type p2p", "tsp"]),
+    ],
+)
+def test_cli_refuses_bad_cp_comm_type_by_name(args, names, capsys):
+    with pytest.raises(SystemExit) as exc:
+        memory_main(f"{args} --tp 1 --cp 2 --world-size 2 --seq 512".split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
 
 
 @pytest.mark.parametrize(
@@ -131,8 +185,25 @@ def test_cli_refuses_bad_layouts_by_name(args, names, capsys):
         ["check", 8192, 4, "none", 2],  # 2 K/V heads
         ["check", 4096, 8, "none", "mha", "tied"],  # tied embeddings, N = 8
         ["7b", 131072, 8, "none,full"],  # 7B / 128k / N = 8
+        # TE's P2P ring, the same shapes (the planner's fsdp_cp_ring)
+        ["check", 8192, 4, "none,full", RING],
+        ["check", 8192, 2, "none", RING],
+        ["check", 8192, 4, "none", 2, RING],
+        ["check", 4096, 8, "none", "mha", "tied", RING],  # a backward peak
+        ["7b", 131072, 8, "none,full", RING],
     ],
-    ids=["n4", "n2-forward", "gqa", "tied-n8", "7b-128k-n8"],
+    ids=[
+        "n4",
+        "n2-forward",
+        "gqa",
+        "tied-n8",
+        "7b-128k-n8",
+        "ring-n4",
+        "ring-n2",
+        "ring-gqa",
+        "ring-tied-n8",
+        "ring-7b-128k-n8",
+    ],
 )
 def test_planner_memory_matches_fake_tool(args):
     rows = run("planner_fsdp_vs_fake.py", args, timeout=900)

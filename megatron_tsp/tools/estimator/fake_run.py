@@ -29,7 +29,10 @@ which saves only the output and the fp32 log-sum-exp and recomputes the probabil
   2CP-1-r); K/V all-gathered over the CP group with the TSP layers' packed K/V gather (TE's
   ``cp_comm_type="all_gather"``), each local chunk attends to keys [0, (c+1)C) bottom-right
   aligned, only the local q/k/v/out/lse are saved, backward re-gathers K/V and reduce-scatters
-  dK/dV with the layers' code. TE's P2P ring (``cp_comm_type="p2p"``) has no stand-in here.
+  dK/dV with the layers' code.
+* The same with ``cp_comm_type="p2p"`` (``--cp-comm-type p2p``, TE's default): ``KVRingAttention``,
+  TE's P2P ring as it allocates (K/V blocks of S/N tokens passed N-1 steps around the CP group,
+  per-step fp32 log-sum-exp merges, dK/dV travelling the ring with the K/V in backward).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from megatron_tsp.megatron_lm import patches
 from megatron_tsp.tools.estimator import flops_count
 
 SCHEMES = ("tsp", "tp", "tp_sp", "hybrid", "tp_cp", "fsdp_cp")
+# TE's CP K/V exchanges stood in for tp_cp and fsdp_cp (--cp-comm-type)
+CP_COMM_TYPES = ("all_gather", "p2p")
 GB = 1e9
 GIB = 2**30
 
@@ -102,6 +107,9 @@ class RunConfig:
     moe_dispatcher: str = "alltoall"
     ep: Optional[int] = None
     moe_routing: str = "uniform"
+    # tp_cp / fsdp_cp: TE's CP K/V exchange stood in (BaselineCoreAttention's all-gather, or
+    # KVRingAttention's P2P ring)
+    cp_comm_type: str = "all_gather"
 
     @property
     def expert_parallel(self) -> int:
@@ -149,10 +157,12 @@ class RunConfig:
             rec = " rec-fc1" if self.tsp_mlp_recompute_activation else ""
             rec += " sums-fp32" if self.tsp_activation_sums_fp32 else ""
             return f"TP={self.tp}+SP+TSP-MLP{rec}"
+        ring = " p2p" if self.cp_comm_type == "p2p" else ""
         if self.scheme == "tp_cp":
-            return f"TP{self.tp}xCP{self.cp}" + (" (SP)" if self.sequence_parallel else "")
+            sp = " (SP)" if self.sequence_parallel else ""
+            return f"TP{self.tp}xCP{self.cp}{ring}{sp}"
         if self.scheme == "fsdp_cp":
-            return f"FSDPxCP{self.cp}"
+            return f"FSDPxCP{self.cp}{ring}"
         return f"TP={self.tp}" if self.scheme == "tp" else f"TP={self.tp}+SP"
 
     def validate(self) -> None:
@@ -168,6 +178,16 @@ class RunConfig:
             self._validate_fsdp_cp()
         if self.scheme == "tp_cp" and self.cp < 2:
             raise ValueError("scheme 'tp_cp' needs --cp >= 2")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
+                f"{self.cp_comm_type!r}"
+            )
+        if self.cp_comm_type != "all_gather" and self.scheme not in ("tp_cp", "fsdp_cp"):
+            raise ValueError(
+                f"--cp-comm-type {self.cp_comm_type} is TE's CP attention of --scheme tp_cp / "
+                f"fsdp_cp, not --scheme {self.scheme}"
+            )
         m = self.model
         # the rejection table's shape rows (TSP, the hybrid and plain TP shard alike)
         mode = {"tsp": rejections.TSP, "hybrid": rejections.TSP_MLP}.get(self.scheme, rejections.TP)
@@ -348,6 +368,149 @@ class BaselineCoreAttention(torch.autograd.Function):
         return dq, dkv.narrow(2, 0, groups), dkv.narrow(2, groups, groups), None, None, None
 
 
+def _ring_send_recv(send, recv, group, to_next: bool) -> None:
+    """One ring step's P2P exchange over ``group``: ``send`` to the next rank and ``recv`` from
+    the previous one (``to_next``), or the other way round."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    step = 1 if to_next else -1
+    dst = dist.get_global_rank(group, (rank + step) % size)
+    src = dist.get_global_rank(group, (rank - step) % size)
+    ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _ring_block(owner: int, rank: int, c: int):
+    """What rank ``rank`` computes against the K/V block of CP rank ``owner`` (zigzag chunks
+    owner and 2N-1-owner, ``c`` tokens each): ``(query rows, key rows, alignment)``. Its own
+    block is the causal diagonal (top-left over the two chunks: chunk 2N-1-r sees chunk r
+    whole); an earlier rank's block: both local chunks against its first chunk; a later rank's:
+    the second local chunk against both of its chunks; no mask off the diagonal."""
+    from megatron_tsp.core.layers import kernels
+
+    if owner == rank:
+        return slice(0, 2 * c), slice(0, 2 * c), kernels.TOP_LEFT
+    if owner < rank:
+        return slice(0, 2 * c), slice(0, c), kernels.NO_MASK
+    return slice(c, 2 * c), slice(0, 2 * c), kernels.NO_MASK
+
+
+class KVRingAttention(torch.autograd.Function):
+    """Core attention of TP x CP / FSDP x CP with Transformer Engine's P2P ring
+    (``cp_comm_type="p2p"``, TE's default; ``AttnFuncWithCPAndKVP2P``), allocating as TE does.
+    q: [2C, b, np, hn], k, v: [2C, b, ng, hn], this rank's zigzag chunks r and 2N-1-r (S/N
+    tokens). Kernel calls: the attention-kernel interface of the layers (``kernels``).
+
+    Communication (P2P over the CP group; a K/V block = K and V of S/N tokens, packed on a
+    leading dimension of 2 as TE packs them):
+
+    * forward: N-1 steps, each sends the block it attends to the next rank and receives the
+      previous rank's (N-1 K/V blocks received);
+    * backward: the ring runs the other way round (TE sends to rank r-1), starting from the last
+      block the forward received (rank r+1's) and ending on the rank's own (the diagonal). A
+      step sends [K/V, dK/dV] of the block it holds: step 0 the K/V alone, the last step the
+      dK/dV alone, which thereby reaches its owner (N-1 K/V blocks and N-1 dK/dV blocks
+      received).
+
+    Memory, as TE allocates it (what is live at once):
+
+    * forward: the packed K/V (one copy of k, v) and every block received: TE keeps each
+      step's receive buffer in its ``p2p_comm_buffers`` list until the function returns (N
+      blocks at the last step); every step's output (model dtype) and fp32 log-sum-exp, kept
+      for the output correction after the loop; the merged fp32 log-sum-exp [b, np, S/N]
+      (TE's ``softmax_lse``, merged per step in place); the output, zero-filled, into which
+      every step's output is added, rescaled (TE's fused correction: no temporary). Saved for
+      backward: q, the last received K/V block, the output and the merged log-sum-exp.
+    * backward: dq [2C, ...] in the model dtype and two [K/V, dK/dV] buffers of 2 blocks each
+      (TE's two ``torch.empty((2, *kv.shape))``), four K/V-sized blocks in the model dtype;
+      dK/dV are accumulated in the model dtype in the buffer that travels (TE has no fp32
+      dK/dV accumulator off FP8); the second half of the log-sum-exp made contiguous once; per
+      step the kernel's dq, dk, dv of the step's rows and keys.
+
+    With the fake process group the received blocks are fresh tensors of the right shape
+    (real-tensor runs: their values are whatever the allocator held; memory is measured, not
+    numerics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, group):
+        from megatron_tsp.core.layers import kernels
+
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        c = q.shape[0] // 2
+        kernel = kernels.select_kernel(q.device, q.dtype, q.shape[-1], q.shape[2] != k.shape[2])
+        heads = kernels._heads_view
+        buffers = [torch.stack((k, v))]  # TE's p2p_comm_buffers: every block stays listed
+        parts, lse = [], None
+        for step in range(size):
+            if step < size - 1:
+                buffers.append(torch.empty_like(buffers[step]))
+                _ring_send_recv(buffers[step], buffers[step + 1], group, to_next=True)
+            kv = buffers[step]
+            rows, keys, align = _ring_block((rank - step) % size, rank, c)
+            o, lse_i = kernel.forward(
+                heads(q[rows]), heads(kv[0][keys]), heads(kv[1][keys]), align, scale
+            )
+            parts.append((rows, o, lse_i))
+            if step == 0:
+                lse = lse_i.clone()
+            else:  # the per-step fp32 log-sum-exp merge, in place (TE's lse correction)
+                merged = lse[..., rows]
+                torch.logaddexp(merged, lse_i, out=merged)
+        out = torch.zeros_like(q)
+        for rows, o, lse_i in parts:  # the output correction: out += o * exp(lse_i - lse)
+            weight = torch.exp(lse_i - lse[..., rows]).unsqueeze(-1).to(q.dtype)
+            heads(out[rows]).addcmul_(o, weight)
+            del weight
+        last = buffers[-1]
+        del buffers, parts
+        ctx.save_for_backward(q, last, out, lse)
+        ctx.scale, ctx.group, ctx.kernel = scale, group, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from megatron_tsp.core.layers import kernels
+
+        q, kv_last, out, lse = ctx.saved_tensors
+        group, heads = ctx.group, kernels._heads_view
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        c = q.shape[0] // 2
+        lse_late = lse[..., c:].contiguous()  # the second chunk's rows (later ranks' blocks)
+        dout = dout.view(q.shape)
+        dq = torch.zeros_like(q)
+        buffers = [kv_last.new_empty((2,) + tuple(kv_last.shape)) for _ in range(2)]
+        buffers[0][0].copy_(kv_last)
+        for step in range(size):
+            send, recv = buffers[step % 2], buffers[(step + 1) % 2]
+            if step == 0:
+                send, recv = send[0], recv[0]  # the K/V alone: no dK/dV yet
+            elif step == size - 1:
+                send, recv = send[1], recv[1]  # the dK/dV alone: it reaches its owner
+            _ring_send_recv(send, recv, group, to_next=False)
+            kv = buffers[step % 2][0]
+            rows, keys, align = _ring_block((rank + 1 + step) % size, rank, c)
+            dq_i, dk_i, dv_i = ctx.kernel.backward(
+                heads(dout[rows]),
+                heads(q[rows]),
+                heads(kv[0][keys]),
+                heads(kv[1][keys]),
+                heads(out[rows]),
+                lse_late if rows.start else lse,
+                align,
+                ctx.scale,
+            )
+            dq[rows].add_(dq_i.permute(2, 0, 1, 3))
+            # this block's dK/dV so far arrived with its K/V in the other buffer
+            dkv = buffers[(step + 1) % 2][1]
+            if step == 0:
+                dkv.zero_()
+            dkv[0][keys].add_(dk_i.permute(2, 0, 1, 3))
+            dkv[1][keys].add_(dv_i.permute(2, 0, 1, 3))
+            del dq_i, dk_i, dv_i
+        dkv = buffers[size % 2][1]
+        return dq, dkv[0], dkv[1], None, None
+
+
 try:
     from megatron.core.transformer.module import MegatronModule as _Base
 except ImportError:  # pragma: no cover
@@ -355,7 +518,8 @@ except ImportError:  # pragma: no cover
 
 
 class FlashCoreAttention(_Base):
-    """``core_attention`` for Megatron's local spec: flash-equivalent memory, CP via all-gather."""
+    """``core_attention`` for Megatron's local spec: flash-equivalent memory, CP via all-gather
+    or (``--cp-comm-type p2p``) TE's P2P ring."""
 
     def __init__(
         self,
@@ -381,6 +545,7 @@ class FlashCoreAttention(_Base):
         if attention_dropout if attention_dropout is not None else config.attention_dropout:
             raise ValueError("FlashCoreAttention (measurement stand-in) needs attention_dropout=0")
         self.cp_group = cp_group
+        self.ring = getattr(config, "fake_run_cp_comm_type", "all_gather") == "p2p"
         kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.scale = softmax_scale or (1.0 / math.sqrt(kv_channels))
 
@@ -399,6 +564,9 @@ class FlashCoreAttention(_Base):
         sq, b = query.shape[0], query.shape[1]
         if self.cp_group is None:  # TP / TP+SP: the whole sequence, square causal
             blocks, group = whole_sequence_blocks(sq), None
+        elif self.ring:  # TE's P2P ring over the CP group
+            out = KVRingAttention.apply(query, key, value, self.scale, self.cp_group)
+            return out.view(sq, b, -1)
         else:
             size = dist.get_world_size(self.cp_group)
             blocks = TSPLayout.of_group(self.cp_group, sq * size).causal_blocks
@@ -480,6 +648,8 @@ def transformer_config(cfg: RunConfig):
     # read by the TSP MLP, expert ring and attention (not a TransformerConfig field)
     config.tsp_activation_sums_in_fp32 = cfg.tsp_activation_sums_fp32
     config.tsp_moe_ring = cfg.model.is_moe and cfg.moe_schedule == "ring"
+    # read by FlashCoreAttention: TE's CP K/V exchange to stand in
+    config.fake_run_cp_comm_type = cfg.cp_comm_type
     return config
 
 

@@ -11,6 +11,7 @@ Examples::
     megatron-tsp memory --scheme tp_cp --tp 4 --cp 2 --seq 131072 --recompute full
     megatron-tsp memory --scheme hybrid --tp 8 --seq 131072         # TP+SP attention + TSP MLP
     megatron-tsp memory --scheme fsdp_cp --tp 1 --cp 8 --seq 131072   # FSDP2 ZeRO-3 x CP8
+    megatron-tsp memory --scheme fsdp_cp --tp 1 --cp 8 --seq 131072 --cp-comm-type p2p  # TE ring
     megatron-tsp memory --table                                        # the paper's 7B table
     megatron-tsp memory --validate --model small --scheme tp_sp --tp 4 --world-size 4 --seq 2048
 """
@@ -100,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "hybrid (TP + SP attention with the TSP MLP ring, --tsp-mlp), "
         "tp_cp (TP x CP with SP), fsdp_cp (torch FSDP2 ZeRO-3 x CP over the whole group, "
         "K/V all-gathered: --tp 1 --cp N --world-size N)",
+    )
+    r.add_argument(
+        "--cp-comm-type",
+        choices=["all_gather", "p2p"],
+        default="all_gather",
+        help="--scheme tp_cp / fsdp_cp: TE's CP K/V exchange stood in: all_gather (K/V "
+        "all-gathered, dK/dV reduce-scattered) or p2p (TE's default ring: K/V blocks of S/N "
+        "tokens passed around the CP group, dK/dV with them in backward)",
     )
     r.add_argument("--tp", type=positive_int, default=8, help="TP size, or the TSP group size D")
     r.add_argument("--cp", type=positive_int, default=1)
@@ -284,6 +293,8 @@ def _config(args, scheme, tp, cp, seq, fake=True):
         moe_schedule=args.moe_schedule if scheme == "tsp" else "folded",
         moe_dispatcher=args.moe_token_dispatcher_type,
         ep=args.expert_model_parallel_size,
+        # --table's layouts are fixed (TE's all-gather for its TP x CP rows)
+        cp_comm_type="all_gather" if args.table else args.cp_comm_type,
     )
 
 

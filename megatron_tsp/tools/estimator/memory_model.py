@@ -73,6 +73,12 @@ def _layer_activation_bytes(
         "attn_lse": t * shape.heads / T * 4,
         "mlp_mid": t * mid / T * b,
     }
+    if s.kind == "fsdp_cp" and s.kv_flavour == "ring":
+        # TE's P2P ring saves q and the last K/V block it received (one [t, 2 h_kv] copy), not
+        # k and v: the QKV GEMM output (which the all-gather's saved v view keeps alive) and the
+        # rotated k are freed after the forward (megatron-tsp memory --cp-comm-type p2p)
+        out["qkv_gemm_out"] = 2 * t * hkv / T * b
+        out["rotated_qk"] = t * h / T * b if rope else 0.0
     if s.kind == "hybrid":
         # The TSP MLP keeps only its (local) input, already counted in norm_in_out, unless it
         # keeps the per-shard fc1 outputs (B*S/D tokens x every shard's fc1 rows).
@@ -538,9 +544,9 @@ def _fsdp_cp_peak(
     tensors) and its attention (the layer's MLP tensors freed; the CP stand-in's K/V gathered
     over the whole sequence, the kernel's dK/dV outputs for the largest chunk and the dK/dV
     accumulator [S, b, 2 h_kv] in the accumulation dtype, then reduce-scattered; TE's P2P ring,
-    ``fsdp_cp_ring``, which the tool does not run, holds K/V and dK/dV blocks of S/N tokens
-    instead). With full recompute the recomputed layer's saved tensors come on top of the
-    stored inputs."""
+    ``fsdp_cp_ring`` (the tool's ``--cp-comm-type p2p``), holds K/V and dK/dV blocks of S/N
+    tokens instead, and saves one K/V block rather than k and v). With full recompute the
+    recomputed layer's saved tensors come on top of the stored inputs."""
     b = shape.dtype_bytes
     acc = fm.accumulation_bytes(b)
     g = o.fsdp_grad_reduce_bytes or b
@@ -553,21 +559,29 @@ def _fsdp_cp_peak(
     t = shape.tokens / s.cp
     kv_full = 2 * shape.tokens * shape.kv_hidden
     mlp_phase = t * (shape.fc1_rows + shape.ffn_hidden) * b  # mlp_mid_grads
-    if s.kv_flavour == "ring":
-        # TE's P2P ring (not run by the tool): the K/V block attended and the one in flight,
-        # as many dK/dV blocks, each [S/N, b, 2 h_kv], and the local dK/dV accumulator
-        kv_work = 4 * kv_full / s.cp * b + kv_full / s.cp * acc
-    else:
-        # the gathered K/V, the dK/dV accumulator, the kernel's dK/dV of the largest chunk
-        kv_work = kv_full * (b + acc) + _kernel_dkv_bytes(shape, 1, o.attn_kernel)
-    attn_phase = (
-        kv_work
-        # the incoming output gradient [t, h], and for the largest chunk (t/2 tokens) the
-        # kernel's dq in the accumulation dtype and its contiguous q / out / dout copies
-        + t * m.hidden * (b + acc / 2 + 3 * b / 2)
-        - mlp_saved
-    )
     backward_weights = root * b + vpad * m.hidden * g + 2 * W * b + W * g
+    if s.kv_flavour == "ring":
+        # TE's P2P ring (megatron-tsp memory --cp-comm-type p2p, KVRingAttention), at its last
+        # step (the diagonal block, the largest: t queries x t keys): the two [K/V, dK/dV]
+        # buffers TE allocates, four blocks [S/N, b, 2 h_kv] in the model dtype (dK/dV are
+        # summed in the buffer that travels: no fp32 accumulator), the kernel's dK/dV of the
+        # step (one block more); the incoming output gradient, dq and the kernel's dq of the
+        # step, [t, h] each. The layer's weight gradient is whole but for the QKV GEMM's, which
+        # its backward writes after the ring.
+        attn_phase = 5 * kv_full / s.cp * b + 3 * t * m.hidden * b - mlp_saved - dense.w_qkv * g
+        # the MLP's backward runs before attention's: the attention weights' gradients are not
+        # written yet (with the all-gather the attention phase is the larger one anyway)
+        mlp_phase -= (dense.w_qkv + dense.w_proj) * g
+    else:
+        attn_phase = (
+            # the gathered K/V, the dK/dV accumulator, the kernel's dK/dV of the largest chunk
+            kv_full * (b + acc)
+            + _kernel_dkv_bytes(shape, 1, o.attn_kernel)
+            # the incoming output gradient [t, h], and for the largest chunk (t/2 tokens) the
+            # kernel's dq in the accumulation dtype and its contiguous q / out / dout copies
+            + t * m.hidden * (b + acc / 2 + 3 * b / 2)
+            - mlp_saved
+        )
     # full recompute: the recomputed layer's saved tensors (its input is one of the stored
     # inputs, and the checkpoint holds the recomputed output's gradient as many bytes again)
     extra = layer_act if recompute == "full" else 0.0
