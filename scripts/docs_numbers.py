@@ -552,6 +552,16 @@ _DOCUMENT_BALANCE = (
     "zigzag,thd,chunks-2,chunks-4,chunks-8,split-4k,split-16k"
 )
 
+_TRAFFIC_DOCUMENTS = f"{PROG} bench --traffic --seq-lengths 32768 --documents uniform:1k-32k"
+
+
+def traffic_documents(block: Block, outs: List[str]) -> str:
+    """bench --traffic --documents' packed-documents table and its per-rank pairs lines."""
+    lines = outs[0].splitlines()
+    balance = [x.rstrip() for x in lines if "in-document pairs per rank" in x]
+    return "\n".join(_section(outs[0], "| scheme | documents") + [""] + balance)
+
+
 BLOCKS: List[Block] = [
     Block("README.md", "readme-1m", scale="full", format=memory_table, **_rows(_ONE_M_ROWS)),
     Block("README.md", "readme-tsp-mlp", scale="full", format=memory_table, **_rows(_TSP_MLP_ROWS)),
@@ -644,6 +654,14 @@ BLOCKS: List[Block] = [
     ),
     Block("docs/design.md", "document-balance", [_DOCUMENT_BALANCE], "small", verbatim),
     Block("docs/benchmark.md", "compare", [_COMPARE], "full", compare_part, labels=["table"]),
+    # a fake-tensor recording of one 7B layer per scheme: ~15 s
+    Block(
+        "docs/benchmark.md",
+        "traffic-documents",
+        [_TRAFFIC_DOCUMENTS],
+        "full",
+        traffic_documents,
+    ),
     Block("README.md", "readme-compare", [_COMPARE], "full", compare_part, labels=["summary"]),
 ]
 
