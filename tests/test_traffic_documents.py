@@ -223,6 +223,7 @@ def test_bad_mix_and_scheme_name_the_flag(capsys):
             ["--documents", "uniform:1k-4k", "--schemes", "tsp,fsdp_cp"],
             ["--documents", "--schemes", "not fsdp_cp"],
         ),
+        (["--documents", "uniform:1k-4k", "--flash-tiles"], ["--documents", "--flash-tiles"]),
     ):
         with pytest.raises(SystemExit) as exc:
             traffic.parse_args(argv)

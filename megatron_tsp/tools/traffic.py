@@ -45,6 +45,19 @@ for the check), beside TSP's floor for the former (``tsp_weight_floor``). ``--fl
 adds a view that charges a tiled flash kernel's re-reads (``flash_tile_rereads``) beside the
 per-call rule, which stays the rule the bytes budget is measured by.
 
+``--documents MIX [--draw-seed N]`` records packed documents: one document set per micro-batch
+sample drawn from MIX (``tools/estimator/documents.py``'s specs and draws). TSP's layer gets them
+as ``get_batch_on_this_tsp_rank`` hands them over (``DocumentMask.to_tensor()`` in the
+``attention_mask`` slot) and runs its document path (natural-order K/V copy per head group, one
+bottom-right call per (chunk, document) segment). TP+SP runs them as Megatron does on a
+Transformer Engine box, a THD batch: TE's variable-length flash attention stood in by one custom
+op per direction (``varlen_flash_standin``), whose FLOPs are the per-pair rule over the
+in-document pairs of its ``cu_seqlens``. One document per sample records what the layer records
+without the flag. The report adds per scheme the documents, TSP's segments, the attention calls,
+FLOPs against the in-document pairs, TSP's natural-order K/V copy bytes and every TSP rank's
+pairs; the length-independent split is left out (each length draws other documents) and
+``--flash-tiles`` is refused (the stand-in has no tile geometry).
+
 The measurement needs the stand-in CUDA device of :mod:`megatron_tsp.tools.cuda_standin`, which
 must be loaded before torch: it runs in a fresh interpreter (:func:`measure_isolated`).
 What is recorded is the layer only: the RoPE table is computed once before (as ``GPTModel``
@@ -1671,6 +1684,12 @@ def _check_args(args: argparse.Namespace) -> None:
             documents.parse_mix(args.documents)
         except ValueError as exc:
             raise from_value_error(exc, "--documents") from None
+        if args.flash_tiles is not None:
+            raise UsageError(
+                f"--documents {args.documents} --flash-tiles",
+                "the flash-tiles view has no tile geometry for TP+SP's variable-length "
+                "stand-in; leave out one of them",
+            )
         others = [s for s in args.schemes.split(",") if s and s not in DOCUMENT_SCHEMES]
         if others:
             raise UsageError(
