@@ -9,7 +9,8 @@ step (small model, within 10%, as ``test_memory.py`` does for the other schemes)
 state and every collective's bytes and calls against hand counts from the architecture, the CLI
 and its argument errors, and the planner's peak (``fsdp_cp`` / ``fsdp_cp_ring``) within 5% of the
 tool's at five shapes each including 7B / 128k / N = 8 (one fresh process per shape; the 7B
-fake step itself takes ~5 s). About 4-5 min on 2 idle cores.
+fake step itself takes ~5 s); and the ring stand-in's numerics against dense causal attention
+in fp64 (output, dq, the dK/dV that reaches the rank). About 4-5 min on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -215,3 +216,85 @@ def test_planner_memory_matches_fake_tool(args):
             f"  planned {r['planned'] / 1e9:8.3f} GB  {100 * err:+.1f}%"
         )
         assert abs(err) <= 0.05, r
+
+
+# ------------------------------------------------------------------------------------------
+# the ring stand-in's numerics (one rank at a time, every other rank's messages computed densely)
+
+
+@pytest.mark.parametrize("n,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])
+def test_ring_attention_matches_dense_causal(n, rank, monkeypatch):
+    """``KVRingAttention`` on one rank of a ring of ``n`` against dense causal attention in
+    fp64: the output rows and dq of the rank's zigzag chunks, and the dK/dV of its own K/V block
+    that reaches it with the last backward step. The P2P exchange is replaced by what the other
+    ranks would send: in forward the previous rank's K/V block (rank r-1-i's at step i), in
+    backward the next rank's (TE's ring runs the other way) with the dK/dV the ranks r+1 .. r+i
+    summed into it (their contributions from the dense reference's per-rank gradients)."""
+    import types
+
+    import torch
+
+    seq, b, heads, groups, dim = 8 * n, 1, 4, 2, 8
+    c = seq // (2 * n)
+    torch.manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(seq, b, x, dim, dtype=torch.float64) for x in (heads, groups, groups, heads)
+    )
+
+    def rows(r):
+        return torch.cat(
+            [torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)]
+        )
+
+    def dense(p):
+        """Rank p's output rows, and the gradients of sum(out_p * dout_p) wrt q, k, v."""
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        rep = heads // groups
+        att = torch.nn.functional.scaled_dot_product_attention(
+            qq.permute(1, 2, 0, 3),
+            kk.repeat_interleave(rep, 2).permute(1, 2, 0, 3),
+            vv.repeat_interleave(rep, 2).permute(1, 2, 0, 3),
+            is_causal=True,
+        ).permute(2, 0, 1, 3)[rows(p)]
+        (att * dout[rows(p)]).sum().backward()
+        return att.detach(), qq.grad, kk.grad, vv.grad
+
+    refs = [dense(p) for p in range(n)]
+
+    def block(j):
+        return torch.stack((k[rows(j)], v[rows(j)]))
+
+    def dkv_from(ps, j):  # the dK/dV of block j summed over ranks ps
+        dk = sum(refs[p][2][rows(j)] for p in ps)
+        dv = sum(refs[p][3][rows(j)] for p in ps)
+        return torch.stack((dk, dv))
+
+    calls = []
+
+    def exchange(send, recv, group, to_next):
+        i = len(calls)
+        calls.append(to_next)
+        if to_next:  # forward step i: rank r-1's block, which it held at step i
+            recv.copy_(block((rank - 1 - i) % n))
+            return
+        i -= n - 1  # backward step i: from rank r+1, its step-i send
+        kv = block((rank + 2 + i) % n)
+        if i == 0:
+            recv.copy_(kv)
+            return
+        dkv = dkv_from([(rank + 1 + m) % n for m in range(i)], (rank + 1 + i) % n)
+        recv.copy_(dkv if i == n - 1 else torch.stack((kv, dkv)))
+
+    fake_dist = types.SimpleNamespace(get_world_size=lambda g: n, get_rank=lambda g: rank)
+    monkeypatch.setattr(fake_run, "dist", fake_dist)
+    monkeypatch.setattr(fake_run, "_ring_send_recv", exchange)
+    mine = rows(rank)
+    ql, kl, vl = (t[mine].clone().requires_grad_(True) for t in (q, k, v))
+    out = fake_run.KVRingAttention.apply(ql, kl, vl, dim**-0.5, object())
+    out.backward(dout[mine])
+    assert calls == [True] * (n - 1) + [False] * n
+    torch.testing.assert_close(out, refs[rank][0])
+    torch.testing.assert_close(ql.grad, refs[rank][1][mine])
+    full = dkv_from(range(n), rank)
+    torch.testing.assert_close(kl.grad, full[0])
+    torch.testing.assert_close(vl.grad, full[1])
