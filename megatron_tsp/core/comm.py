@@ -118,6 +118,23 @@ def current_label() -> str:
     return "/".join(_labels.get())
 
 
+def current_labels() -> tuple:
+    """The label context as it stands (for ``labelled_as``)."""
+    return _labels.get()
+
+
+@contextlib.contextmanager
+def labelled_as(labels: tuple):
+    """Issue under ``labels``, a context captured with ``current_labels`` elsewhere: a transfer
+    one layer posts early on another's behalf (``layers.kv_prefetch``) stays its owner's traffic
+    for whoever reads the labels."""
+    token = _labels.set(labels)
+    try:
+        yield
+    finally:
+        _labels.reset(token)
+
+
 # --------------------------------------------------------------------------------------------
 # pending transfers and their observers
 

@@ -94,8 +94,10 @@ from megatron_tsp.core.comm import (
     WORKSPACE,
     FlatShard,
     Pending,
+    current_labels,
     done,
     labelled,
+    labelled_as,
     post_all_gather,
     post_all_to_all_sum,
     post_reduce_scatter,
@@ -501,13 +503,16 @@ def _first_regather(ctx, group) -> kv_prefetch.Handoff:
     group 0 all-gathered into its ``WORKSPACE`` slot, exactly as ``prepare_group(0)`` posts it
     (read from the saved tensors when posted; the context is held weakly)."""
     context = weakref.ref(ctx)
+    # posted from the MLP backward, it is still this attention's traffic: its label context
+    labels = current_labels() + ("tsp_attention",)
 
     def post() -> Optional[Pending]:
         saved = context()
         if saved is None:  # its graph is gone: no backward will read the gather
             return None
         _, _, flat = _saved_rope(saved, saved.saved_tensors[4:])
-        return _post_kv_gather(flat[1], saved.seq_group, saved.layout, slot=0)
+        with labelled_as(labels):
+            return _post_kv_gather(flat[1], saved.seq_group, saved.layout, slot=0)
 
     return kv_prefetch.Handoff(post, group)
 
