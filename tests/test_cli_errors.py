@@ -38,6 +38,13 @@ CASES = [
     ("memory --ffn-hidden-size 0", "--ffn-hidden-size"),
     ("memory --vocab-size 0", "--vocab-size"),
     ("memory --expert-model-parallel-size 0", "--expert-model-parallel-size"),
+    ("memory --scheme fsdp_cp --tp 1 --cp 8 --world-size 8 --cp-comm-type ring", "--cp-comm-type"),
+    # plan / compare / documents
+    ("plan --documents bogus --seq-length 131072 --gpus 8", "--documents"),
+    ("compare --gpus 7", "--gpus"),
+    ("compare --seq-lengths 0", "--seq-lengths"),
+    ("documents --documents bogus --seq-length 131072 --degree 8", "--documents"),
+    ("documents --documents uniform:1k-32k --seq-length 100 --degree 8", "--seq-length: 100"),
     ("memory --tolerance -1", "--tolerance"),
     ("memory --table --seqs 0,5", "--seqs"),
     ("memory --model nope", "--model nope"),
@@ -126,6 +133,8 @@ CASES = [
     ("bench --traffic --schemes tsp,foo", "--schemes"),
     ("bench --traffic --flash-tiles 128", "--flash-tiles 128"),
     ("bench --traffic --flash-tiles 0,64", "--flash-tiles"),
+    ("bench --traffic --documents bogus", "--documents"),
+    ("bench --traffic --documents uniform:1k-2k --schemes fsdp_cp", "--schemes fsdp_cp"),
     # check-patches
     ("check-patches --megatron-lm /nonexistent", "--megatron-lm"),
     ("check-patches --megatron-lm /tmp", "--megatron-lm"),
