@@ -107,13 +107,13 @@ def test_standin_refuses_after_torch_import():
 H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
 
 
-def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ, **options):
-    """One tiny layer of both schemes recorded in a fresh interpreter (a GELU MLP without
-    biases, LayerNorm, RoPE); ``options``: more ``TrafficConfig`` fields."""
+def tiny_model_file(tmp_path_factory, prefix: str) -> str:
+    """The tiny model the traffic tests record (a GELU MLP without biases, LayerNorm, RoPE), as a
+    model file; skips where the CUDA stand-in cannot be built (no C++ compiler)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp(f"traffic{world_size}_{seq}_") / "tiny.json"
+    path = tmp_path_factory.mktemp(prefix) / "tiny.json"
     model = dict(
         name="tiny",
         hidden=H,
@@ -127,7 +127,14 @@ def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ, **options):
         rope=True,
     )
     path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(model=str(path), seq=seq, world_size=world_size, top=100, **options)
+    return str(path)
+
+
+def _record_tiny_layer(tmp_path_factory, world_size, seq=SEQ, **options):
+    """One tiny layer of both schemes recorded in a fresh interpreter; ``options``: more
+    ``TrafficConfig`` fields."""
+    path = tiny_model_file(tmp_path_factory, f"traffic{world_size}_{seq}_")
+    cfg = traffic.TrafficConfig(model=path, seq=seq, world_size=world_size, top=100, **options)
     return traffic.measure_isolated(cfg, timeout=600)
 
 

@@ -16,49 +16,20 @@ Counts are deterministic; nothing here is timed.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
 
 from megatron_tsp.core.layout import TSPLayout
 from megatron_tsp.tools import traffic
+from tests.test_traffic import HEADS, SEQ, D, H, _record_tiny_layer
 
-H, HEADS, FFN, SEQ, D = 64, 4, 256, 64, 2
 HEAD_DIM = H // HEADS
 # two samples, different documents: the plan has one group of segments per sample
 DOCUMENTS = [[10, 30, 24], [5, 40, 19]]
 
 
 def _record(tmp_path_factory, documents, micro_batch):
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    path = tmp_path_factory.mktemp("traffic_documents") / "tiny.json"
-    model = dict(
-        name="tiny",
-        hidden=H,
-        num_layers=1,
-        heads=HEADS,
-        ffn=FFN,
-        vocab=128,
-        gated=False,
-        bias=False,
-        normalization="LayerNorm",
-        rope=True,
-    )
-    path.write_text(json.dumps(model))
-    cfg = traffic.TrafficConfig(
-        model=str(path),
-        seq=SEQ,
-        world_size=D,
-        micro_batch=micro_batch,
-        top=100,
-        documents=documents,
-    )
-    return traffic.measure_isolated(cfg, timeout=600)
+    return _record_tiny_layer(tmp_path_factory, D, micro_batch=micro_batch, documents=documents)
 
 
 @pytest.fixture(scope="module")

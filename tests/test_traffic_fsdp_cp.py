@@ -17,16 +17,14 @@ every count and byte below follows from the layer's shapes:
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from dataclasses import replace
 
 import pytest
 
 from megatron_tsp.tools import traffic
+from tests.test_traffic import FFN, HEADS, SEQ, H, tiny_model_file
 
-H, HEADS, FFN, SEQ, N = 64, 4, 256, 64, 4
+N = 4
 HD = H // HEADS
 BF16 = 2
 C = SEQ // (2 * N)  # zigzag chunk rows
@@ -36,33 +34,9 @@ NORMS = 2 * 2 * H  # two LayerNorms, weight and bias
 LAYER_PARAMS = sum(WEIGHTS.values()) + NORMS
 
 
-def _model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fsdp_cp_traffic") / "tiny.json"
-    path.write_text(
-        json.dumps(
-            dict(
-                name="tiny",
-                hidden=H,
-                num_layers=1,
-                heads=HEADS,
-                ffn=FFN,
-                vocab=128,
-                gated=False,
-                bias=False,
-                normalization="LayerNorm",
-                rope=True,
-            )
-        )
-    )
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA stand-in")
-    return _model(tmp_path_factory)
+    return tiny_model_file(tmp_path_factory, "fsdp_cp_traffic")
 
 
 @pytest.fixture(scope="module")
